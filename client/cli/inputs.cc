@@ -1,0 +1,85 @@
+#include "client/cli/inputs.h"
+
+#include <random>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace attn::cli {
+
+namespace v1 = attention::v1;
+
+Inputs SeedExample(float query_multiplier) {
+  constexpr int n = 8, d = 4;
+  Inputs inputs;
+  for (client::Array* array : {&inputs.query, &inputs.key, &inputs.value}) {
+    array->shape = {n, d};
+    array->values.resize(n * d);
+  }
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < d; ++j) {
+      inputs.query.values[i * d + j] = static_cast<float>((i + j) % 5 - 2) * query_multiplier;
+      inputs.key.values[i * d + j] = static_cast<float>((2 * i + j) % 7 - 3) / 2.f;
+      inputs.value.values[i * d + j] = static_cast<float>((i + j) % 9 - 4);
+    }
+  }
+  return inputs;
+}
+
+absl::StatusOr<Inputs> RandomInputs(const std::string& spec, int64_t kv_heads, uint64_t seed,
+                                    v1::DType dtype) {
+  const std::vector<std::string> parts = absl::StrSplit(spec, ',');
+  int64_t dims[4];
+  if (parts.size() != 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--random expects B,H,N,D (four positive integers), got \"", spec, "\""));
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (!absl::SimpleAtoi(parts[i], &dims[i]) || dims[i] < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--random expects B,H,N,D (four positive integers), got \"", spec, "\""));
+    }
+  }
+  const auto [batch, heads, n, d] = dims;
+  if (kv_heads == 0) kv_heads = heads;
+  if (kv_heads < 1 || heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-heads must divide the query heads (", heads, "), got ", kv_heads));
+  }
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  auto fill = [&](client::Array& array, std::vector<int64_t> shape) {
+    int64_t elements = 1;
+    for (int64_t dim : shape) elements *= dim;
+    array.shape = std::move(shape);
+    array.values.resize(elements);
+    for (float& x : array.values) x = uniform(rng);
+  };
+  Inputs inputs;
+  inputs.dtype = dtype;
+  fill(inputs.query, {batch, heads, n, d});
+  fill(inputs.key, {batch, kv_heads, n, d});
+  fill(inputs.value, {batch, kv_heads, n, d});
+  return inputs;
+}
+
+absl::StatusOr<v1::DType> ParseDType(const std::string& name) {
+  if (name == "f32") return v1::DTYPE_FLOAT32;
+  if (name == "f16") return v1::DTYPE_FLOAT16;
+  if (name == "bf16") return v1::DTYPE_BFLOAT16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--dtype must be f32, f16 or bf16, got \"", name, "\""));
+}
+
+v1::AttentionRequest MakeRequest(const Inputs& inputs, const v1::AttentionOptions& options) {
+  v1::AttentionRequest request;
+  *request.mutable_query() = client::ToTensor(inputs.query, inputs.dtype);
+  *request.mutable_key() = client::ToTensor(inputs.key, inputs.dtype);
+  *request.mutable_value() = client::ToTensor(inputs.value, inputs.dtype);
+  *request.mutable_options() = options;
+  return request;
+}
+
+}  // namespace attn::cli

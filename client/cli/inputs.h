@@ -1,0 +1,34 @@
+// Inputs for the attn CLI: the explainer's example or a random problem, as an AttentionRequest.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "attention/v1/attention.pb.h"
+#include "client/client.h"
+
+namespace attn::cli {
+
+struct Inputs {
+  client::Array query, key, value;
+  attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32;
+};
+
+// The explainer's 8×4 example (rank 2): q[i][j] = ((i + j) % 5 − 2) · query_multiplier,
+// k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4.
+Inputs SeedExample(float query_multiplier);
+
+// Uniform(−1, 1) inputs of shape [B, H, N, D] from a spec "B,H,N,D"; kv_heads (0 = H) must
+// divide H. INVALID_ARGUMENT naming --random or --kv-heads when the spec is malformed.
+absl::StatusOr<Inputs> RandomInputs(const std::string& spec, int64_t kv_heads, uint64_t seed,
+                                    attention::v1::DType dtype);
+
+// Parses "f32", "f16" or "bf16".
+absl::StatusOr<attention::v1::DType> ParseDType(const std::string& name);
+
+// The request for these inputs with the given options.
+attention::v1::AttentionRequest MakeRequest(const Inputs& inputs,
+                                            const attention::v1::AttentionOptions& options);
+
+}  // namespace attn::cli

@@ -1,0 +1,183 @@
+// attn: command-line client for attnd.
+//
+//   attn info | health
+//   attn naive|tiled  (--example seed [--query-multiplier X] | --random B,H,N,D [--seed S]
+//                      [--dtype f32|f16|bf16] [--kv-heads K]) [--causal] [--block-k K] [--lse]
+//   attn trace        (same inputs) [--rows b:h:r,...]
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/cli/inputs.h"
+#include "client/cli/render.h"
+#include "client/client.h"
+#include "server/dashed_flags.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address (host:port).");
+ABSL_FLAG(std::string, example, "", "Use a built-in example: seed (the explainer's 8×4 problem).");
+ABSL_FLAG(float, query_multiplier, 1.f, "Multiplies the seed example's queries (and scores).");
+ABSL_FLAG(std::string, random, "", "Random inputs of shape B,H,N,D (uniform in [-1, 1)).");
+ABSL_FLAG(uint64_t, seed, 1, "Seed for --random.");
+ABSL_FLAG(int64_t, kv_heads, 0, "Key/value heads for --random (divides H; 0 = H).");
+ABSL_FLAG(std::string, dtype, "f32", "Input dtype: f32, f16 or bf16.");
+ABSL_FLAG(bool, causal, false, "Apply the causal mask (bottom-right aligned).");
+ABSL_FLAG(int32_t, block_k, 0, "Keys per tile for tiled/trace; 0 = the server's default.");
+ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
+ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
+ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
+ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
+
+namespace {
+
+namespace v1 = attention::v1;
+using attn::cli::Inputs;
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "attn: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
+  return 1;
+}
+
+absl::StatusOr<Inputs> ReadInputs() {
+  const std::string example = absl::GetFlag(FLAGS_example);
+  const std::string random = absl::GetFlag(FLAGS_random);
+  absl::StatusOr<v1::DType> dtype = attn::cli::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return dtype.status();
+  if (!example.empty() && !random.empty()) {
+    return absl::InvalidArgumentError("give --example or --random, not both");
+  }
+  if (example == "seed") {
+    Inputs inputs = attn::cli::SeedExample(absl::GetFlag(FLAGS_query_multiplier));
+    inputs.dtype = *dtype;
+    return inputs;
+  }
+  if (!example.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown --example \"", example,
+                                                   "\"; the built-in example is: seed"));
+  }
+  if (random.empty()) {
+    return absl::InvalidArgumentError("give inputs: --example seed or --random B,H,N,D");
+  }
+  return attn::cli::RandomInputs(random, absl::GetFlag(FLAGS_kv_heads), absl::GetFlag(FLAGS_seed),
+                                 *dtype);
+}
+
+v1::AttentionOptions ReadOptions() {
+  v1::AttentionOptions options;
+  options.set_causal(absl::GetFlag(FLAGS_causal));
+  options.set_block_k(absl::GetFlag(FLAGS_block_k));
+  options.set_return_lse(absl::GetFlag(FLAGS_lse));
+  return options;
+}
+
+absl::StatusOr<std::vector<v1::RowRef>> ReadRows() {
+  std::vector<v1::RowRef> rows;
+  const std::string spec = absl::GetFlag(FLAGS_rows);
+  if (spec.empty()) return rows;
+  for (const absl::string_view part : absl::StrSplit(spec, ',')) {
+    const std::vector<absl::string_view> fields = absl::StrSplit(part, ':');
+    int64_t values[3];
+    if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &values[0]) ||
+        !absl::SimpleAtoi(fields[1], &values[1]) || !absl::SimpleAtoi(fields[2], &values[2])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--rows expects batch:head:row,..., got \"", part, "\""));
+    }
+    v1::RowRef& row = rows.emplace_back();
+    row.set_batch(values[0]);
+    row.set_head(values[1]);
+    row.set_row(values[2]);
+  }
+  return rows;
+}
+
+int RunCompute(attn::client::Client& client, const std::string& method) {
+  absl::StatusOr<Inputs> inputs = ReadInputs();
+  if (!inputs.ok()) return Fail(inputs.status());
+  const v1::AttentionRequest request = attn::cli::MakeRequest(*inputs, ReadOptions());
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<v1::AttentionResponse> response =
+      method == "naive" ? client.Naive(request) : client.Tiled(request);
+  const int64_t round_trip_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - start)
+                                    .count();
+  if (!response.ok()) return Fail(response.status());
+  absl::StatusOr<attn::client::Array> output = attn::client::FromTensor(response->output());
+  if (!output.ok()) return Fail(output.status());
+  attn::cli::PrintResult(stdout, method == "naive" ? "Naive" : "Tiled", *response, *output,
+                         round_trip_ns, absl::GetFlag(FLAGS_print_rows));
+  return 0;
+}
+
+int RunTrace(attn::client::Client& client) {
+  absl::StatusOr<Inputs> inputs = ReadInputs();
+  if (!inputs.ok()) return Fail(inputs.status());
+  absl::StatusOr<std::vector<v1::RowRef>> rows = ReadRows();
+  if (!rows.ok()) return Fail(rows.status());
+  v1::TraceRequest request;
+  *request.mutable_attention() = attn::cli::MakeRequest(*inputs, ReadOptions());
+  for (const v1::RowRef& row : *rows) *request.add_rows() = row;
+  attn::cli::TraceRenderer renderer(stdout);
+  const absl::Status status = client.Trace(request, [&](const v1::TraceEvent& event) {
+    renderer.OnEvent(event);
+    return true;
+  });
+  return status.ok() ? 0 : Fail(status);
+}
+
+int RunInfo(attn::client::Client& client) {
+  absl::StatusOr<v1::ServerInfo> info = client.Info();
+  if (!info.ok()) return Fail(info.status());
+  std::printf("attnd %s\n  backend             %s\n  device              %s\n",
+              info->version().c_str(), info->backend().c_str(), info->device().c_str());
+  std::printf("  device memory       %lld bytes\n  max message         %lld bytes\n",
+              static_cast<long long>(info->device_memory_bytes()),
+              static_cast<long long>(info->max_message_bytes()));
+  std::printf("  max naive storage   %lld bytes\n  default block_k     %d\n  dtypes             ",
+              static_cast<long long>(info->max_naive_bytes()), info->default_block_k());
+  for (int dtype : info->dtypes()) std::printf(" %s", v1::DType_Name(dtype).c_str());
+  std::printf("\n");
+  return 0;
+}
+
+int RunHealth(attn::client::Client& client) {
+  auto status = client.Health();
+  if (!status.ok()) return Fail(status.status());
+  std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*status).c_str());
+  return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attn <info|health|naive|tiled|trace> [flags]: call an attnd server.\n"
+      "  attn tiled --example seed            the explainer's 8×4 example\n"
+      "  attn naive --random 1,8,2048,64      a random problem [batch, heads, seq, dim]\n"
+      "  attn trace --example seed --block-k 2   every online-softmax step of row 0");
+  attn::DashedFlags flags(argc, argv);
+  const std::vector<char*> args = absl::ParseCommandLine(flags.argc(), flags.argv());
+  if (args.size() != 2) {
+    std::fprintf(stderr, "attn: give one command: info, health, naive, tiled or trace (--help)\n");
+    return 2;
+  }
+  const std::string command = args[1];
+  attn::client::ClientOptions options;
+  if (absl::GetFlag(FLAGS_timeout_ms) > 0) {
+    options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  }
+  attn::client::Client client(absl::GetFlag(FLAGS_target), options);
+  if (command == "naive" || command == "tiled") return RunCompute(client, command);
+  if (command == "trace") return RunTrace(client);
+  if (command == "info") return RunInfo(client);
+  if (command == "health") return RunHealth(client);
+  std::fprintf(stderr, "attn: unknown command \"%s\": use info, health, naive, tiled or trace\n",
+               command.c_str());
+  return 2;
+}

@@ -1,0 +1,32 @@
+// Text rendering for the attn CLI: results, stats and the online-softmax trace.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "attention/v1/attention.pb.h"
+#include "client/client.h"
+
+namespace attn::cli {
+
+// Prints a Naive/Tiled answer: shape, stats, round-trip time and the first `rows` output rows.
+void PrintResult(std::FILE* out, const char* method, const attention::v1::AttentionResponse& response,
+                 const client::Array& output, int64_t round_trip_ns, int rows);
+
+// Renders a trace as its events arrive. For each row, after its RowDone: the score row →
+// weights → result table, each tile's step, then the online result beside the full-matrix one.
+class TraceRenderer {
+ public:
+  explicit TraceRenderer(std::FILE* out) : out_(out) {}
+  void OnEvent(const attention::v1::TraceEvent& event);
+
+ private:
+  void PrintRow(const attention::v1::RowDone& done);
+
+  std::FILE* out_;
+  attention::v1::TraceStart start_;
+  std::vector<attention::v1::TileStep> steps_;  // Of the row in progress.
+};
+
+}  // namespace attn::cli

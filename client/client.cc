@@ -1,0 +1,132 @@
+#include "client/client.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/dtype.h"
+
+namespace attn::client {
+namespace {
+
+namespace v1 = attention::v1;
+
+absl::Status ToAbsl(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+std::optional<DType> KernelDType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+v1::Tensor ToTensor(const Array& array, v1::DType dtype) {
+  const DType kernel_dtype = KernelDType(dtype).value_or(DType::kFloat32);
+  v1::Tensor tensor;
+  tensor.mutable_shape()->Assign(array.shape.begin(), array.shape.end());
+  tensor.set_dtype(KernelDType(dtype) ? dtype : v1::DTYPE_FLOAT32);
+  std::string* data = tensor.mutable_data();
+  data->resize(array.values.size() * ElementSize(kernel_dtype));
+  for (size_t i = 0; i < array.values.size(); ++i) {
+    StoreElement(data->data(), kernel_dtype, static_cast<int64_t>(i), array.values[i]);
+  }
+  return tensor;
+}
+
+absl::StatusOr<Array> FromTensor(const v1::Tensor& tensor) {
+  const std::optional<DType> dtype = KernelDType(tensor.dtype());
+  if (!dtype) return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", tensor.dtype()));
+  Array array;
+  array.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  int64_t elements = 1;
+  for (int64_t dim : array.shape) elements *= dim;
+  if (static_cast<int64_t>(tensor.data().size()) != elements * ElementSize(*dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor data has ", tensor.data().size(),
+                                                   " bytes, its shape needs ",
+                                                   elements * ElementSize(*dtype)));
+  }
+  array.values.resize(elements);
+  for (int64_t i = 0; i < elements; ++i) {
+    array.values[i] = LoadElement(tensor.data().data(), *dtype, i);
+  }
+  return array;
+}
+
+Client::Client(const std::string& target, ClientOptions options) : options_(options) {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  arguments.SetMaxSendMessageSize(options_.max_message_bytes);
+  channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  stub_ = v1::AttentionService::NewStub(channel_);
+  health_ = grpc::health::v1::Health::NewStub(channel_);
+}
+
+void Client::Prepare(grpc::ClientContext* context) const {
+  if (options_.timeout) context->set_deadline(std::chrono::system_clock::now() + *options_.timeout);
+}
+
+absl::StatusOr<v1::AttentionResponse> Client::Naive(const v1::AttentionRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::AttentionResponse response;
+  const grpc::Status status = stub_->Naive(&context, request, &response);
+  if (!status.ok()) return ToAbsl(status);
+  return response;
+}
+
+absl::StatusOr<v1::AttentionResponse> Client::Tiled(const v1::AttentionRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::AttentionResponse response;
+  const grpc::Status status = stub_->Tiled(&context, request, &response);
+  if (!status.ok()) return ToAbsl(status);
+  return response;
+}
+
+absl::StatusOr<v1::ServerInfo> Client::Info() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ServerInfo info;
+  const grpc::Status status = stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  if (!status.ok()) return ToAbsl(status);
+  return info;
+}
+
+absl::Status Client::Trace(const v1::TraceRequest& request,
+                           const std::function<bool(const v1::TraceEvent&)>& on_event) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, request);
+  v1::TraceEvent event;
+  while (reader->Read(&event)) {
+    if (!on_event(event)) {
+      context.TryCancel();
+      reader->Finish();
+      return absl::OkStatus();
+    }
+  }
+  return ToAbsl(reader->Finish());
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health(
+    const std::string& service) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = health_->Check(&context, request, &response);
+  if (!status.ok()) return ToAbsl(status);
+  return response.status();
+}
+
+}  // namespace attn::client

@@ -1,0 +1,71 @@
+// attn client library: a thin, typed wrapper over the attention.v1 stub.
+//
+// Converts between host arrays (fp32 values with a shape) and wire Tensors, raises gRPC's
+// message limits to the server's default, and reports every failure as an absl::Status whose
+// code is the RPC's and whose message is the server's. A Client is thread-safe (the channel
+// and stub are); each call may carry a deadline.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace attn::client {
+
+// A dense host tensor: row-major fp32 values and their shape.
+struct Array {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+// Encodes an array as a wire Tensor in `dtype` (fp16/bf16 rounded to nearest even).
+attention::v1::Tensor ToTensor(const Array& array,
+                               attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32);
+
+// Decodes a wire Tensor to fp32. INVALID_ARGUMENT when its dtype is unknown or its data
+// length does not match its shape.
+absl::StatusOr<Array> FromTensor(const attention::v1::Tensor& tensor);
+
+struct ClientOptions {
+  int max_message_bytes = 1 << 30;  // Matches attnd's default --max-message-bytes.
+  std::optional<std::chrono::milliseconds> timeout;  // Per-call deadline; none by default.
+};
+
+class Client {
+ public:
+  // Connects lazily: the first call dials `target` (e.g. "127.0.0.1:50051").
+  explicit Client(const std::string& target, ClientOptions options = {});
+
+  absl::StatusOr<attention::v1::AttentionResponse> Naive(
+      const attention::v1::AttentionRequest& request);
+  absl::StatusOr<attention::v1::AttentionResponse> Tiled(
+      const attention::v1::AttentionRequest& request);
+  absl::StatusOr<attention::v1::ServerInfo> Info();
+
+  // Streams a trace, calling on_event for each event in order; on_event returning false
+  // cancels the stream (the call then returns OK). Returns the stream's final status.
+  absl::Status Trace(const attention::v1::TraceRequest& request,
+                     const std::function<bool(const attention::v1::TraceEvent&)>& on_event);
+
+  // grpc.health.v1 Check for `service` ("" = the whole server).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
+      const std::string& service = "");
+
+ private:
+  void Prepare(grpc::ClientContext* context) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+}  // namespace attn::client

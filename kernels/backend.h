@@ -1,0 +1,109 @@
+// Backend: the interface every compute device implements (cpu now, cuda later).
+//
+// A backend is chosen once at start-up and then called concurrently from request handlers, so
+// implementations are thread-safe. Kernels see only Problems (already validated, see
+// problem.h), never protobuf or gRPC. Every method reports failure as a Status and never
+// aborts the process.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/problem.h"
+
+namespace attn {
+
+// How a result was computed and what it cost (the fields of attention.v1.ExecutionStats that
+// the backend knows).
+struct Stats {
+  int block_k = 0;
+  int64_t compute_ns = 0;
+  double flops = 0;
+  int64_t intermediate_bytes = 0;
+  int64_t scratch_bytes = 0;
+  int64_t peak_memory_bytes = 0;
+};
+
+// Where a kernel writes its results: output [batch, heads, query_len, value_dim] in the
+// problem's output dtype, and lse [batch, heads, query_len] (fp32) when the problem asks for it.
+// The caller allocates both.
+struct Outputs {
+  MutableTensorView output;
+  float* lse = nullptr;
+};
+
+// The online-softmax state of one traced row after one key tile (see online_softmax.h).
+struct TraceStep {
+  RowRef row;
+  int tile = 0;
+  int64_t key_begin = 0;
+  int64_t key_end = 0;
+  std::vector<float> scores;  // Scaled; −inf where masked.
+  float max_before = 0;
+  float max_after = 0;
+  float rescale = 0;
+  std::vector<float> weights;
+  float denominator = 0;
+  std::vector<float> accumulator;
+  std::vector<float> estimate;
+};
+
+// The end of one traced row: the online result beside the full-matrix one.
+struct TraceRowDone {
+  RowRef row;
+  std::vector<float> output;
+  std::vector<float> reference;
+  float max_abs_error = 0;
+  float lse = 0;
+};
+
+using TraceItem = std::variant<TraceStep, TraceRowDone>;
+
+// Produces a trace one event at a time, so the caller can send each event before the next is
+// computed (flow control) and stop at any point (cancellation). Not thread-safe; the Problem's
+// tensors must outlive it.
+class TraceCursor {
+ public:
+  virtual ~TraceCursor() = default;
+  // Computes the next event into *item. Returns false once every row is done.
+  virtual bool Next(TraceItem* item) = 0;
+  // Cost so far (final after Next returned false).
+  virtual Stats stats() const = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string_view name() const = 0;  // "cpu" or "cuda".
+  virtual std::string device() const = 0;     // Human-readable device description.
+  virtual int64_t memory_bytes() const = 0;   // Memory of the device.
+  virtual int default_block_k() const = 0;    // block_k for requests that ask for 0.
+  virtual int64_t max_naive_bytes() const = 0;
+
+  // Full-matrix attention. RESOURCE_EXHAUSTED (naming Tiled) when the score and weight
+  // matrices would pass max_naive_bytes().
+  virtual absl::StatusOr<Stats> Naive(const Problem& problem, const Outputs& outputs) = 0;
+  // Online-softmax attention over key tiles of problem.block_k keys.
+  virtual absl::StatusOr<Stats> Tiled(const Problem& problem, const Outputs& outputs) = 0;
+  // A cursor over the trace of the given rows (validated: in range, at least one).
+  virtual absl::StatusOr<std::unique_ptr<TraceCursor>> Trace(const Problem& problem,
+                                                             std::vector<RowRef> rows) = 0;
+};
+
+struct BackendConfig {
+  std::string device = "auto";  // "auto", "cpu" (and "cuda" once that backend exists).
+  int threads = 0;              // CPU worker threads; 0 = hardware concurrency.
+  int64_t max_naive_bytes = 0;  // 0 = a quarter of physical memory.
+};
+
+// Creates the backend config.device names. INVALID_ARGUMENT for an unknown device,
+// UNAVAILABLE for one this build or machine cannot provide.
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendConfig& config);
+
+}  // namespace attn

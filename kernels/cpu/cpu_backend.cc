@@ -1,0 +1,79 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "kernels/cpu/naive.h"
+#include "kernels/cpu/tiled.h"
+#include "kernels/cpu/trace.h"
+
+namespace attn {
+namespace {
+
+int64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
+}
+
+std::string CpuModel() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    absl::string_view rest = line;
+    if (absl::ConsumePrefix(&rest, "model name")) {
+      const size_t colon = rest.find(':');
+      if (colon != std::string::npos) return std::string(absl::StripAsciiWhitespace(rest.substr(colon + 1)));
+    }
+  }
+  return "unknown CPU";
+}
+
+// Runs a kernel, timing it and completing the stats every kernel shares.
+template <class Kernel>
+absl::StatusOr<Stats> Timed(const Problem& problem, Kernel&& kernel) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<Stats> stats = kernel();
+  if (!stats.ok()) return stats;
+  stats->compute_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+  stats->flops = problem.Flops();
+  const int64_t output_bytes = problem.OutputElements() * ElementSize(problem.output_dtype);
+  const int64_t lse_bytes = problem.return_lse ? problem.LseElements() * 4 : 0;
+  stats->peak_memory_bytes = stats->scratch_bytes + output_bytes + lse_bytes;
+  return stats;
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes)
+    : threads_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())),
+      memory_bytes_(PhysicalMemoryBytes()),
+      max_naive_bytes_(max_naive_bytes > 0 ? max_naive_bytes : memory_bytes_ / 4),
+      device_(absl::StrCat(CpuModel(), ", ", threads_, " threads")) {}
+
+absl::StatusOr<Stats> CpuBackend::Naive(const Problem& problem, const Outputs& outputs) {
+  return Timed(problem, [&] { return NaiveAttention(problem, outputs, threads_, max_naive_bytes_); });
+}
+
+absl::StatusOr<Stats> CpuBackend::Tiled(const Problem& problem, const Outputs& outputs) {
+  return Timed(problem, [&]() -> absl::StatusOr<Stats> {
+    absl::StatusOr<Stats> stats = TiledAttention(problem, outputs, threads_);
+    if (stats.ok()) stats->block_k = problem.block_k;
+    return stats;
+  });
+}
+
+absl::StatusOr<std::unique_ptr<TraceCursor>> CpuBackend::Trace(const Problem& problem,
+                                                               std::vector<RowRef> rows) {
+  return MakeCpuTraceCursor(problem, std::move(rows));
+}
+
+}  // namespace attn

@@ -1,0 +1,78 @@
+// Row blocks: how the CPU kernels split a problem into tasks, and load each task's inputs.
+//
+// A task is a block of up to kRowsPerBlock query rows of one (batch, head). Its inputs are the
+// block's query rows and its key/value head, as fp32: used in place when the input is fp32,
+// converted once per block into buffers the loader owns otherwise (fp16/bf16).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cpu/fp32_rows.h"
+#include "kernels/problem.h"
+
+namespace attn {
+
+// Query rows per task: enough work to amortize loading a head's keys and values, few enough
+// that causal rows balance across workers.
+constexpr int64_t kRowsPerBlock = 64;
+
+struct RowBlock {
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t kv_head = 0;
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+};
+
+inline int64_t BlocksPerHead(const Problem& problem) {
+  return (problem.shape.query_len + kRowsPerBlock - 1) / kRowsPerBlock;
+}
+
+inline int64_t RowBlockCount(const Problem& problem) {
+  return problem.shape.batch * problem.shape.heads * BlocksPerHead(problem);
+}
+
+inline RowBlock RowBlockAt(const Problem& problem, int64_t task) {
+  const int64_t per_head = BlocksPerHead(problem);
+  RowBlock block;
+  block.batch = task / (problem.shape.heads * per_head);
+  block.head = task / per_head % problem.shape.heads;
+  block.kv_head = problem.KvHead(block.head);
+  block.row_begin = task % per_head * kRowsPerBlock;
+  block.row_end = std::min(block.row_begin + kRowsPerBlock, problem.shape.query_len);
+  return block;
+}
+
+// A block's inputs in fp32: query rows [row_begin, row_end), the whole key and value head.
+struct BlockInputs {
+  const float* query = nullptr;  // [row_end − row_begin, head_dim]
+  const float* key = nullptr;    // [key_len, head_dim]
+  const float* value = nullptr;  // [key_len, value_dim]
+};
+
+// Loads BlockInputs; pointers stay valid until the next Load. Not thread-safe: one per worker.
+class BlockLoader {
+ public:
+  BlockInputs Load(const Problem& problem, const RowBlock& block) {
+    const Shape& s = problem.shape;
+    BlockInputs inputs;
+    inputs.query =
+        query_.Load(problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin),
+                    (block.row_end - block.row_begin) * s.head_dim);
+    inputs.key = key_.Load(problem.key, problem.KeyOffset(block.batch, block.kv_head, 0),
+                           s.key_len * s.head_dim);
+    inputs.value = value_.Load(problem.value, problem.ValueOffset(block.batch, block.kv_head, 0),
+                               s.key_len * s.value_dim);
+    return inputs;
+  }
+
+  int64_t scratch_bytes() const {
+    return query_.scratch_bytes() + key_.scratch_bytes() + value_.scratch_bytes();
+  }
+
+ private:
+  Fp32Rows query_, key_, value_;
+};
+
+}  // namespace attn

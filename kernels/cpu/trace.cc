@@ -1,0 +1,135 @@
+#include "kernels/cpu/trace.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <utility>
+
+#include "kernels/cpu/fp32_rows.h"
+#include "kernels/cpu/naive.h"
+#include "kernels/cpu/tiled.h"
+#include "kernels/online_softmax.h"
+
+namespace attn {
+namespace {
+
+class CpuTraceCursor final : public TraceCursor {
+ public:
+  CpuTraceCursor(const Problem& problem, std::vector<RowRef> rows)
+      : problem_(problem), rows_(std::move(rows)) {
+    stats_.block_k = problem_.block_k;
+  }
+
+  bool Next(TraceItem* item) override {
+    if (row_index_ >= rows_.size()) return false;
+    const auto start = std::chrono::steady_clock::now();
+    if (!row_started_) StartRow();
+    if (tile_ < problem_.VisitedTiles(rows_[row_index_].row)) {
+      *item = Step();
+    } else {
+      *item = FinishRow();
+    }
+    stats_.compute_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now() - start)
+                             .count();
+    return true;
+  }
+
+  Stats stats() const override {
+    Stats stats = stats_;
+    stats.scratch_bytes = query_.scratch_bytes() + key_.scratch_bytes() + value_.scratch_bytes() +
+                          static_cast<int64_t>((scores_.capacity() + weights_.capacity() +
+                                                acc_.capacity() + reference_.capacity()) *
+                                               sizeof(float));
+    stats.peak_memory_bytes = stats.scratch_bytes;
+    return stats;
+  }
+
+ private:
+  void StartRow() {
+    const RowRef& ref = rows_[row_index_];
+    const Shape& s = problem_.shape;
+    const int64_t kv_head = problem_.KvHead(ref.head);
+    q_row_ = query_.Load(problem_.query, problem_.QueryOffset(ref.batch, ref.head, ref.row),
+                         s.head_dim);
+    key_rows_ =
+        key_.Load(problem_.key, problem_.KeyOffset(ref.batch, kv_head, 0), s.key_len * s.head_dim);
+    value_rows_ = value_.Load(problem_.value, problem_.ValueOffset(ref.batch, kv_head, 0),
+                              s.key_len * s.value_dim);
+    state_ = OnlineSoftmaxRow{};
+    scores_.assign(problem_.block_k, 0.f);
+    weights_.assign(problem_.block_k, 0.f);
+    acc_.assign(s.value_dim, 0.f);
+    row_started_ = true;
+  }
+
+  TraceStep Step() {
+    const RowRef& ref = rows_[row_index_];
+    TraceStep step;
+    step.row = ref;
+    step.tile = static_cast<int>(tile_);
+    step.key_begin = tile_ * problem_.block_k;
+    step.key_end = std::min<int64_t>(step.key_begin + problem_.block_k, problem_.shape.key_len);
+    step.max_before = state_.max;
+    step.rescale = VisitKeyTile(problem_, q_row_, key_rows_, value_rows_, ref.row, tile_, state_,
+                                scores_.data(), weights_.data(), acc_.data());
+    step.max_after = state_.max;
+    step.denominator = state_.denominator;
+    const int64_t n = step.key_end - step.key_begin;
+    step.scores.assign(scores_.begin(), scores_.begin() + n);
+    step.weights.assign(weights_.begin(), weights_.begin() + n);
+    step.accumulator = acc_;
+    step.estimate.resize(acc_.size());
+    for (size_t c = 0; c < acc_.size(); ++c) step.estimate[c] = state_.Normalize(acc_[c]);
+    stats_.flops += 2.0 * static_cast<double>(n) *
+                    static_cast<double>(problem_.shape.head_dim + problem_.shape.value_dim);
+    ++tile_;
+    return step;
+  }
+
+  TraceRowDone FinishRow() {
+    const RowRef& ref = rows_[row_index_];
+    const Shape& s = problem_.shape;
+    TraceRowDone done;
+    done.row = ref;
+    done.lse = state_.LogSumExp();
+    done.output.resize(s.value_dim);
+    for (int64_t c = 0; c < s.value_dim; ++c) done.output[c] = state_.Normalize(acc_[c]);
+
+    reference_.resize(s.key_len);
+    ScoreRow(problem_, q_row_, key_rows_, ref.row, reference_.data());
+    SoftmaxRow(reference_.data(), s.key_len, reference_.data());
+    done.reference.resize(s.value_dim);
+    WeightedSumRow(reference_.data(), value_rows_, s.key_len, s.value_dim, done.reference.data());
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      done.max_abs_error = std::max(done.max_abs_error, std::abs(done.output[c] - done.reference[c]));
+    }
+
+    ++row_index_;
+    tile_ = 0;
+    row_started_ = false;
+    return done;
+  }
+
+  const Problem problem_;
+  const std::vector<RowRef> rows_;
+  size_t row_index_ = 0;
+  int64_t tile_ = 0;
+  bool row_started_ = false;
+
+  Fp32Rows query_, key_, value_;
+  const float* q_row_ = nullptr;
+  const float* key_rows_ = nullptr;
+  const float* value_rows_ = nullptr;
+  OnlineSoftmaxRow state_;
+  std::vector<float> scores_, weights_, acc_, reference_;
+  Stats stats_;
+};
+
+}  // namespace
+
+std::unique_ptr<TraceCursor> MakeCpuTraceCursor(const Problem& problem, std::vector<RowRef> rows) {
+  return std::make_unique<CpuTraceCursor>(problem, std::move(rows));
+}
+
+}  // namespace attn

@@ -1,0 +1,127 @@
+// Problem: one validated attention problem, as the kernels see it.
+//
+// server/request.cc builds a Problem only after checking every invariant below, so kernels may
+// assume them without checking again:
+//   - batch, heads, kv_heads, query_len, key_len, head_dim, value_dim ≥ 1;
+//   - heads % kv_heads == 0; block_k ≥ 1; scale finite;
+//   - query, key and value point at dense row-major [batch, heads|kv_heads, len, dim] data
+//     that outlives every call using the Problem; all element counts fit in int64.
+// A Problem does not own its tensors. Thread-safe to share read-only.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace attn {
+
+// A read-only view of a dense tensor in its storage dtype.
+struct TensorView {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+
+  float operator[](int64_t i) const { return LoadElement(data, dtype, i); }
+};
+
+// A writable view of a dense tensor in its storage dtype.
+struct MutableTensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+
+  void Store(int64_t i, float value) const { StoreElement(data, dtype, i, value); }
+};
+
+struct Shape {
+  int64_t batch = 1;
+  int64_t heads = 1;     // Query heads.
+  int64_t kv_heads = 1;  // Key/value heads; divides heads.
+  int64_t query_len = 1;
+  int64_t key_len = 1;
+  int64_t head_dim = 1;   // Query/key width.
+  int64_t value_dim = 1;  // Value/output width.
+};
+
+// One query row of one (batch, head).
+struct RowRef {
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t row = 0;
+};
+
+struct Problem {
+  Shape shape;
+  TensorView query;  // [batch, heads, query_len, head_dim]
+  TensorView key;    // [batch, kv_heads, key_len, head_dim]
+  TensorView value;  // [batch, kv_heads, key_len, value_dim]
+  float scale = 1.f;
+  bool causal = false;
+  int block_k = 1;  // Keys per tile for Tiled and Trace.
+  bool return_lse = false;
+  DType output_dtype = DType::kFloat32;
+
+  // The key/value head that query head h reads (grouped-query attention).
+  int64_t KvHead(int64_t head) const { return head / (shape.heads / shape.kv_heads); }
+
+  // Keys query row i may see: all of them, or with the bottom-right causal mask the first
+  // i + key_len − query_len + 1 (clamped to [0, key_len]).
+  int64_t VisibleKeys(int64_t row) const {
+    if (!causal) return shape.key_len;
+    return std::clamp<int64_t>(row + shape.key_len - shape.query_len + 1, 0, shape.key_len);
+  }
+
+  // Key tiles Tiled visits for a row: the tiles holding at least one visible key.
+  int64_t VisitedTiles(int64_t row) const { return (VisibleKeys(row) + block_k - 1) / block_k; }
+  int64_t TilesPerRow() const { return (shape.key_len + block_k - 1) / block_k; }
+
+  // Element offsets of the first element of a row.
+  int64_t QueryOffset(int64_t batch, int64_t head, int64_t row) const {
+    return ((batch * shape.heads + head) * shape.query_len + row) * shape.head_dim;
+  }
+  int64_t KeyOffset(int64_t batch, int64_t kv_head, int64_t key) const {
+    return ((batch * shape.kv_heads + kv_head) * shape.key_len + key) * shape.head_dim;
+  }
+  int64_t ValueOffset(int64_t batch, int64_t kv_head, int64_t key) const {
+    return ((batch * shape.kv_heads + kv_head) * shape.key_len + key) * shape.value_dim;
+  }
+  int64_t OutputOffset(int64_t batch, int64_t head, int64_t row) const {
+    return ((batch * shape.heads + head) * shape.query_len + row) * shape.value_dim;
+  }
+  int64_t LseOffset(int64_t batch, int64_t head, int64_t row) const {
+    return (batch * shape.heads + head) * shape.query_len + row;
+  }
+
+  int64_t OutputElements() const {
+    return shape.batch * shape.heads * shape.query_len * shape.value_dim;
+  }
+  int64_t LseElements() const { return shape.batch * shape.heads * shape.query_len; }
+
+  // Unmasked (query, key) pairs over all batches and heads.
+  double VisiblePairs() const {
+    double per_head = 0;
+    if (!causal) {
+      per_head = static_cast<double>(shape.query_len) * static_cast<double>(shape.key_len);
+    } else {
+      for (int64_t i = 0; i < shape.query_len; ++i) per_head += static_cast<double>(VisibleKeys(i));
+    }
+    return per_head * static_cast<double>(shape.batch * shape.heads);
+  }
+
+  // FLOPs of the two matrix products over unmasked pairs: 2·d for Q·Kᵀ plus 2·dv for W·V.
+  double Flops() const {
+    return VisiblePairs() * 2.0 * static_cast<double>(shape.head_dim + shape.value_dim);
+  }
+
+  // The explainer's accounting of Naive's score and weight traffic: one fp32 write and one read
+  // of each query_len × key_len matrix per (batch, head) = 16·B·H·Nq·Nk bytes. The caller has
+  // checked that it fits in int64.
+  int64_t NaiveIntermediateBytes() const {
+    return 16 * shape.batch * shape.heads * shape.query_len * shape.key_len;
+  }
+
+  // The online softmax's scratch per query row: a tile of scores, the accumulators, the running
+  // max and the denominator.
+  int64_t TiledScratchFloatsPerRow() const { return block_k + shape.value_dim + 2; }
+};
+
+}  // namespace attn

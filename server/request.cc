@@ -1,0 +1,348 @@
+#include "server/request.h"
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+
+namespace attn {
+namespace {
+
+namespace v1 = attention::v1;
+
+absl::Status Invalid(absl::string_view field, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+// The kernel dtype for a proto dtype; nullopt for UNSPECIFIED or an unknown number.
+std::optional<DType> ToDType(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::DTYPE_FLOAT32;
+    case DType::kFloat16:
+      return v1::DTYPE_FLOAT16;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+std::string ShapeString(const v1::Tensor& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+}
+
+// a·b, or nullopt when it overflows int64.
+std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
+  int64_t product;
+  if (__builtin_mul_overflow(a, b, &product)) return std::nullopt;
+  return product;
+}
+
+// A tensor's dims as [batch, heads, len, dim], after its own checks.
+struct Dims {
+  int64_t batch = 1, heads = 1, len = 1, dim = 1;
+};
+
+// Checks one input tensor: present, rank 2..4, positive dims, a known dtype, data of exactly
+// the right length, finite elements.
+absl::StatusOr<Dims> CheckTensor(absl::string_view name, bool present, const v1::Tensor& tensor,
+                                 DType* dtype) {
+  if (!present) return Invalid(name, "is required");
+  const int rank = tensor.shape_size();
+  if (rank < 2 || rank > 4) {
+    return Invalid(absl::StrCat(name, ".shape"),
+                   absl::StrCat("has rank ", rank, " (", ShapeString(tensor),
+                                "); expected 2 [seq, dim], 3 [heads, seq, dim] or 4 [batch, "
+                                "heads, seq, dim]"));
+  }
+  int64_t elements = 1;
+  for (int i = 0; i < rank; ++i) {
+    const int64_t dim = tensor.shape(i);
+    if (dim < 1) {
+      return Invalid(absl::StrCat(name, ".shape[", i, "]"),
+                     absl::StrCat("is ", dim, "; every dimension must be ≥ 1"));
+    }
+    const std::optional<int64_t> product = CheckedMul(elements, dim);
+    if (!product) {
+      return Invalid(absl::StrCat(name, ".shape"),
+                     absl::StrCat(ShapeString(tensor), " has more elements than int64 can count"));
+    }
+    elements = *product;
+  }
+  const std::optional<DType> parsed = ToDType(tensor.dtype());
+  if (!parsed) {
+    return Invalid(absl::StrCat(name, ".dtype"),
+                   absl::StrCat(tensor.dtype() == v1::DTYPE_UNSPECIFIED
+                                    ? "is unspecified"
+                                    : absl::StrCat("is ", tensor.dtype(), ", not a known DType"),
+                                "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
+  }
+  *dtype = *parsed;
+  const std::optional<int64_t> bytes = CheckedMul(elements, ElementSize(*dtype));
+  if (!bytes || static_cast<int64_t>(tensor.data().size()) != *bytes) {
+    return Invalid(absl::StrCat(name, ".data"),
+                   absl::StrCat("has ", tensor.data().size(), " bytes; shape ",
+                                ShapeString(tensor), " of ", DTypeName(*dtype), " needs ",
+                                bytes ? absl::StrCat(*bytes) : "more than int64 can count"));
+  }
+  const TensorView view{tensor.data().data(), *dtype};
+  for (int64_t i = 0; i < elements; ++i) {
+    if (!std::isfinite(view[i])) {
+      return Invalid(absl::StrCat(name, ".data"),
+                     absl::StrCat("element ", i, " is ", view[i], "; inputs must be finite"));
+    }
+  }
+  Dims dims;
+  dims.dim = tensor.shape(rank - 1);
+  dims.len = tensor.shape(rank - 2);
+  if (rank >= 3) dims.heads = tensor.shape(rank - 3);
+  if (rank == 4) dims.batch = tensor.shape(0);
+  return dims;
+}
+
+absl::Status Mismatch(absl::string_view field, absl::string_view what, int64_t got,
+                      absl::string_view other, int64_t expected) {
+  return Invalid(field, absl::StrCat(what, " is ", got, " but ", other, " is ", expected,
+                                     "; they must match"));
+}
+
+}  // namespace
+
+absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& request,
+                                              int default_block_k) {
+  Problem problem;
+  DType query_dtype, key_dtype, value_dtype;
+  const absl::StatusOr<Dims> q =
+      CheckTensor("query", request.has_query(), request.query(), &query_dtype);
+  if (!q.ok()) return q.status();
+  const absl::StatusOr<Dims> k = CheckTensor("key", request.has_key(), request.key(), &key_dtype);
+  if (!k.ok()) return k.status();
+  const absl::StatusOr<Dims> v =
+      CheckTensor("value", request.has_value(), request.value(), &value_dtype);
+  if (!v.ok()) return v.status();
+
+  const int rank = request.query().shape_size();
+  if (request.key().shape_size() != rank || request.value().shape_size() != rank) {
+    return Invalid("key.shape/value.shape",
+                   absl::StrCat("ranks are ", request.key().shape_size(), " and ",
+                                request.value().shape_size(), " but query.shape has rank ", rank,
+                                "; all three tensors must have the same rank"));
+  }
+  if (k->batch != q->batch) return Mismatch("key.shape[0]", "batch", k->batch, "query's", q->batch);
+  if (v->batch != q->batch) {
+    return Mismatch("value.shape[0]", "batch", v->batch, "query's", q->batch);
+  }
+  const int heads_axis = rank - 3;
+  if (v->heads != k->heads) {
+    return Mismatch(absl::StrCat("value.shape[", heads_axis, "]"), "heads", v->heads, "key's",
+                    k->heads);
+  }
+  if (q->heads % k->heads != 0) {
+    return Invalid(absl::StrCat("key.shape[", heads_axis, "]"),
+                   absl::StrCat("has ", k->heads, " heads, which does not divide query's ",
+                                q->heads, " heads (grouped-query attention needs query heads to "
+                                          "be a multiple of key/value heads)"));
+  }
+  if (v->len != k->len) {
+    return Mismatch(absl::StrCat("value.shape[", rank - 2, "]"), "key_len", v->len, "key's",
+                    k->len);
+  }
+  if (k->dim != q->dim) {
+    return Mismatch(absl::StrCat("key.shape[", rank - 1, "]"), "head_dim", k->dim, "query's",
+                    q->dim);
+  }
+  // Naive's accounting, 16·B·H·Nq·Nk, must be countable; so then is every smaller product.
+  std::optional<int64_t> pairs = CheckedMul(q->batch * q->heads, q->len);
+  if (pairs) pairs = CheckedMul(*pairs, k->len);
+  if (pairs) pairs = CheckedMul(*pairs, 16);
+  if (!pairs) {
+    return Invalid("query.shape/key.shape",
+                   "batch·heads·query_len·key_len is too large to account for in int64 bytes");
+  }
+
+  const v1::AttentionOptions& options = request.options();
+  if (options.has_scale() && !std::isfinite(options.scale())) {
+    return Invalid("options.scale", absl::StrCat("is ", options.scale(), "; it must be finite"));
+  }
+  if (options.block_k() < 0) {
+    return Invalid("options.block_k",
+                   absl::StrCat("is ", options.block_k(), "; expected ≥ 0 (0 = server default)"));
+  }
+  DType output_dtype = query_dtype;
+  if (options.output_dtype() != v1::DTYPE_UNSPECIFIED) {
+    const std::optional<DType> parsed = ToDType(options.output_dtype());
+    if (!parsed) {
+      return Invalid("options.output_dtype",
+                     absl::StrCat("is ", options.output_dtype(),
+                                  ", not a known DType; expected DTYPE_UNSPECIFIED (the query's "
+                                  "dtype), DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
+    }
+    output_dtype = *parsed;
+  }
+
+  problem.shape = Shape{.batch = q->batch,
+                        .heads = q->heads,
+                        .kv_heads = k->heads,
+                        .query_len = q->len,
+                        .key_len = k->len,
+                        .head_dim = q->dim,
+                        .value_dim = v->dim};
+  problem.query = TensorView{request.query().data().data(), query_dtype};
+  problem.key = TensorView{request.key().data().data(), key_dtype};
+  problem.value = TensorView{request.value().data().data(), value_dtype};
+  problem.scale = options.has_scale() ? options.scale()
+                                      : static_cast<float>(1.0 / std::sqrt(double(q->dim)));
+  problem.causal = options.causal();
+  const int64_t block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
+  problem.block_k = static_cast<int>(std::min<int64_t>(block_k, k->len));
+  problem.return_lse = options.return_lse();
+  problem.output_dtype = output_dtype;
+  return problem;
+}
+
+absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& request,
+                                                   const Problem& problem,
+                                                   const TraceLimits& limits) {
+  if (request.rows_size() > limits.max_rows) {
+    return Invalid("rows", absl::StrCat("has ", request.rows_size(),
+                                        " entries; this server traces at most --max-trace-rows=",
+                                        limits.max_rows, " rows per call"));
+  }
+  std::vector<RowRef> rows;
+  if (request.rows_size() == 0) rows.push_back(RowRef{});
+  const Shape& s = problem.shape;
+  for (int i = 0; i < request.rows_size(); ++i) {
+    const v1::RowRef& row = request.rows(i);
+    const std::pair<absl::string_view, std::pair<int64_t, int64_t>> checks[] = {
+        {"batch", {row.batch(), s.batch}},
+        {"head", {row.head(), s.heads}},
+        {"row", {row.row(), s.query_len}}};
+    for (const auto& [field, value_and_limit] : checks) {
+      const auto [value, limit] = value_and_limit;
+      if (value < 0 || value >= limit) {
+        return Invalid(absl::StrCat("rows[", i, "].", field),
+                       absl::StrCat("is ", value, "; expected 0 ≤ ", field, " < ", limit));
+      }
+    }
+    rows.push_back(RowRef{row.batch(), row.head(), row.row()});
+  }
+  int64_t steps = 0;
+  for (const RowRef& row : rows) steps += problem.VisitedTiles(row.row);
+  if (steps > limits.max_steps) {
+    return Invalid("rows", absl::StrCat("the trace would take ", steps, " steps (", rows.size(),
+                                        " rows × tiles of block_k=", problem.block_k,
+                                        " keys); this server allows --max-trace-steps=",
+                                        limits.max_steps, ": raise block_k or trace fewer rows"));
+  }
+  return rows;
+}
+
+Outputs PrepareOutputs(const Problem& problem, const v1::AttentionRequest& request,
+                       v1::AttentionResponse* response) {
+  Outputs outputs;
+  v1::Tensor* output = response->mutable_output();
+  *output->mutable_shape() = request.query().shape();
+  output->set_shape(output->shape_size() - 1, problem.shape.value_dim);
+  output->set_dtype(ToProto(problem.output_dtype));
+  std::string* data = output->mutable_data();
+  data->resize(problem.OutputElements() * ElementSize(problem.output_dtype));
+  outputs.output = MutableTensorView{data->data(), problem.output_dtype};
+  if (problem.return_lse) {
+    v1::Tensor* lse = response->mutable_lse();
+    *lse->mutable_shape() = request.query().shape();
+    lse->mutable_shape()->RemoveLast();
+    lse->set_dtype(v1::DTYPE_FLOAT32);
+    std::string* lse_data = lse->mutable_data();
+    lse_data->resize(problem.LseElements() * sizeof(float));
+    outputs.lse = reinterpret_cast<float*>(lse_data->data());
+  }
+  return outputs;
+}
+
+void EncodeStats(const Stats& stats, v1::ExecutionStats* message) {
+  message->set_block_k(stats.block_k);
+  message->set_compute_ns(stats.compute_ns);
+  message->set_flops(stats.flops);
+  message->set_intermediate_bytes(stats.intermediate_bytes);
+  message->set_scratch_bytes(stats.scratch_bytes);
+  message->set_peak_memory_bytes(stats.peak_memory_bytes);
+}
+
+v1::TraceStart EncodeTraceStart(const Problem& problem) {
+  const Shape& s = problem.shape;
+  v1::TraceStart start;
+  start.set_batch(s.batch);
+  start.set_heads(s.heads);
+  start.set_kv_heads(s.kv_heads);
+  start.set_query_len(s.query_len);
+  start.set_key_len(s.key_len);
+  start.set_head_dim(s.head_dim);
+  start.set_value_dim(s.value_dim);
+  start.set_block_k(problem.block_k);
+  start.set_scale(problem.scale);
+  start.set_causal(problem.causal);
+  start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
+  start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
+  start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));
+  return start;
+}
+
+namespace {
+
+void EncodeRow(const RowRef& row, v1::RowRef* message) {
+  message->set_batch(row.batch);
+  message->set_head(row.head);
+  message->set_row(row.row);
+}
+
+void EncodeFloats(const std::vector<float>& values,
+                  google::protobuf::RepeatedField<float>* message) {
+  message->Assign(values.begin(), values.end());
+}
+
+}  // namespace
+
+void EncodeTraceItem(const TraceItem& item, v1::TraceEvent* event) {
+  if (const TraceStep* step = std::get_if<TraceStep>(&item)) {
+    v1::TileStep* message = event->mutable_step();
+    EncodeRow(step->row, message->mutable_row());
+    message->set_tile(step->tile);
+    message->set_key_begin(step->key_begin);
+    message->set_key_end(step->key_end);
+    EncodeFloats(step->scores, message->mutable_scores());
+    message->set_max_before(step->max_before);
+    message->set_max_after(step->max_after);
+    message->set_rescale(step->rescale);
+    EncodeFloats(step->weights, message->mutable_weights());
+    message->set_denominator(step->denominator);
+    EncodeFloats(step->accumulator, message->mutable_accumulator());
+    EncodeFloats(step->estimate, message->mutable_estimate());
+    return;
+  }
+  const TraceRowDone& done = std::get<TraceRowDone>(item);
+  v1::RowDone* message = event->mutable_row_done();
+  EncodeRow(done.row, message->mutable_row());
+  EncodeFloats(done.output, message->mutable_output());
+  EncodeFloats(done.reference, message->mutable_reference());
+  message->set_max_abs_error(done.max_abs_error);
+  message->set_lse(done.lse);
+}
+
+}  // namespace attn

@@ -1,0 +1,62 @@
+// AttentionService: the attention.v1 RPC handlers. Transport only: decode the request
+// (request.h), call the backend, encode the answer, map absl::Status to grpc::Status.
+//
+// Naive and Tiled run on a ComputeQueue so gRPC's callback threads never block; Trace computes
+// one event per completed write (flow control), so a slow reader holds at most one event and a
+// cancelled stream stops at its next write. Thread-safe. The backend must outlive the service;
+// destroying the service waits for queued computations to finish.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/backend.h"
+#include "server/compute_queue.h"
+#include "server/request.h"
+
+namespace attn {
+
+struct ServiceConfig {
+  TraceLimits trace;
+  int64_t max_message_bytes = int64_t{1} << 30;
+};
+
+// The one mapping from internal errors to gRPC's: the codes are numerically identical.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class AttentionService final : public attention::v1::AttentionService::CallbackService {
+ public:
+  AttentionService(Backend& backend, ServiceConfig config);
+
+  grpc::ServerUnaryReactor* Naive(grpc::CallbackServerContext* context,
+                                  const attention::v1::AttentionRequest* request,
+                                  attention::v1::AttentionResponse* response) override;
+  grpc::ServerUnaryReactor* Tiled(grpc::CallbackServerContext* context,
+                                  const attention::v1::AttentionRequest* request,
+                                  attention::v1::AttentionResponse* response) override;
+  grpc::ServerWriteReactor<attention::v1::TraceEvent>* Trace(
+      grpc::CallbackServerContext* context, const attention::v1::TraceRequest* request) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const attention::v1::GetServerInfoRequest* request,
+                                          attention::v1::ServerInfo* response) override;
+
+ private:
+  enum class Method { kNaive, kTiled };
+  grpc::ServerUnaryReactor* Compute(Method method, grpc::CallbackServerContext* context,
+                                    const attention::v1::AttentionRequest* request,
+                                    attention::v1::AttentionResponse* response);
+
+  Backend& backend_;
+  const ServiceConfig config_;
+  ComputeQueue queue_;  // Last: destroyed first, finishing queued work while the rest lives.
+};
+
+// Logs one failed request to stderr: method, peer, code and message.
+void LogFailedRequest(absl::string_view method, const std::string& peer,
+                      const absl::Status& status);
+
+}  // namespace attn

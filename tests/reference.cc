@@ -1,0 +1,214 @@
+#include "tests/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace attn::testing {
+namespace {
+
+std::vector<uint8_t> Encode(const std::vector<float>& values, DType dtype) {
+  std::vector<uint8_t> bytes(values.size() * ElementSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) StoreElement(bytes.data(), dtype, i, values[i]);
+  return bytes;
+}
+
+float Round(float value, DType dtype) {
+  uint8_t bytes[4];
+  StoreElement(bytes, dtype, 0, value);
+  return LoadElement(bytes, dtype, 0);
+}
+
+void SetInputs(HostProblem& p, std::vector<float> q, std::vector<float> k, std::vector<float> v) {
+  for (auto* values : {&q, &k, &v}) {
+    for (float& x : *values) x = Round(x, p.dtype);
+  }
+  p.query_bytes = Encode(q, p.dtype);
+  p.key_bytes = Encode(k, p.dtype);
+  p.value_bytes = Encode(v, p.dtype);
+  p.query = std::move(q);
+  p.key = std::move(k);
+  p.value = std::move(v);
+}
+
+}  // namespace
+
+Problem HostProblem::View() const {
+  Problem problem;
+  problem.shape = shape;
+  problem.query = TensorView{query_bytes.data(), dtype};
+  problem.key = TensorView{key_bytes.data(), dtype};
+  problem.value = TensorView{value_bytes.data(), dtype};
+  problem.scale = scale;
+  problem.causal = causal;
+  problem.block_k = static_cast<int>(std::min<int64_t>(block_k, shape.key_len));
+  problem.return_lse = return_lse;
+  problem.output_dtype = output_dtype;
+  return problem;
+}
+
+HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k,
+                          uint64_t seed) {
+  HostProblem p;
+  p.shape = shape;
+  p.dtype = dtype;
+  p.output_dtype = dtype;
+  p.causal = causal;
+  p.block_k = block_k;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  auto fill = [&](int64_t n) {
+    std::vector<float> values(n);
+    for (float& x : values) {
+      do x = uniform(rng);
+      while (x == 0.f);
+    }
+    return values;
+  };
+  const Shape& s = shape;
+  std::vector<float> q = fill(s.batch * s.heads * s.query_len * s.head_dim);
+  std::vector<float> k = fill(s.batch * s.kv_heads * s.key_len * s.head_dim);
+  std::vector<float> v = fill(s.batch * s.kv_heads * s.key_len * s.value_dim);
+  SetInputs(p, std::move(q), std::move(k), std::move(v));
+  return p;
+}
+
+HostProblem SeedExample(float query_multiplier, int block_k) {
+  constexpr int n = 8, d = 4;
+  HostProblem p;
+  p.shape = Shape{.batch = 1, .heads = 1, .kv_heads = 1, .query_len = n, .key_len = n,
+                  .head_dim = d, .value_dim = d};
+  p.scale = 0.5f;  // 1/sqrt(4)
+  p.block_k = block_k;
+  std::vector<float> q(n * d), k(n * d), v(n * d);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < d; ++j) {
+      q[i * d + j] = static_cast<float>((i + j) % 5 - 2) * query_multiplier;
+      k[i * d + j] = static_cast<float>((2 * i + j) % 7 - 3) / 2.f;
+      v[i * d + j] = static_cast<float>((i + j) % 9 - 4);
+    }
+  }
+  SetInputs(p, std::move(q), std::move(k), std::move(v));
+  return p;
+}
+
+Reference ReferenceAttention(const HostProblem& p) {
+  const Problem view = p.View();
+  const Shape& s = p.shape;
+  Reference ref;
+  ref.output.assign(view.OutputElements(), 0.0);
+  ref.lse.assign(view.LseElements(), -std::numeric_limits<double>::infinity());
+  std::vector<double> scores(s.key_len);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const int64_t kvh = view.KvHead(h);
+      for (int64_t i = 0; i < s.query_len; ++i) {
+        const int64_t visible = view.VisibleKeys(i);
+        if (visible == 0) continue;
+        double max = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < visible; ++j) {
+          double dot = 0;
+          for (int64_t c = 0; c < s.head_dim; ++c) {
+            dot += double(p.query[view.QueryOffset(b, h, i) + c]) *
+                   double(p.key[view.KeyOffset(b, kvh, j) + c]);
+          }
+          scores[j] = double(p.scale) * dot;
+          max = std::max(max, scores[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < visible; ++j) sum += std::exp(scores[j] - max);
+        double* out = &ref.output[view.OutputOffset(b, h, i)];
+        for (int64_t j = 0; j < visible; ++j) {
+          const double w = std::exp(scores[j] - max) / sum;
+          for (int64_t c = 0; c < s.value_dim; ++c) {
+            out[c] += w * double(p.value[view.ValueOffset(b, kvh, j) + c]);
+          }
+        }
+        ref.lse[view.LseOffset(b, h, i)] = max + std::log(sum);
+      }
+    }
+  }
+  return ref;
+}
+
+std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
+  const Problem view = p.View();
+  const Shape& s = p.shape;
+  std::vector<float> output(view.OutputElements(), 0.f);
+  std::vector<float> scores(s.key_len);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const int64_t kvh = view.KvHead(h);
+      for (int64_t i = 0; i < s.query_len; ++i) {
+        const int64_t visible = view.VisibleKeys(i);
+        if (visible == 0) continue;
+        float max = -INFINITY;
+        for (int64_t j = 0; j < visible; ++j) {
+          float dot = 0;
+          for (int64_t c = 0; c < s.head_dim; ++c) {
+            dot += p.query[view.QueryOffset(b, h, i) + c] * p.key[view.KeyOffset(b, kvh, j) + c];
+          }
+          scores[j] = Round(p.scale * dot, dtype);
+          max = std::max(max, scores[j]);
+        }
+        float sum = 0;
+        for (int64_t j = 0; j < visible; ++j) sum += std::exp(scores[j] - max);
+        float* out = &output[view.OutputOffset(b, h, i)];
+        for (int64_t c = 0; c < s.value_dim; ++c) {
+          float acc = 0;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float w = Round(std::exp(scores[j] - max) / sum, dtype);
+            acc += w * p.value[view.ValueOffset(b, kvh, j) + c];
+          }
+          out[c] = Round(acc, dtype);
+        }
+      }
+    }
+  }
+  return output;
+}
+
+PoisonedOutputs::PoisonedOutputs(const HostProblem& problem)
+    : dtype(problem.output_dtype),
+      output_bytes(problem.View().OutputElements() * ElementSize(problem.output_dtype)),
+      lse(problem.View().LseElements(), std::numeric_limits<float>::quiet_NaN()) {
+  for (int64_t i = 0; i < problem.View().OutputElements(); ++i) {
+    StoreElement(output_bytes.data(), dtype, i, std::numeric_limits<float>::quiet_NaN());
+  }
+}
+
+Outputs PoisonedOutputs::outputs() {
+  return Outputs{MutableTensorView{output_bytes.data(), dtype}, lse.data()};
+}
+
+std::vector<float> PoisonedOutputs::Output() const {
+  return Decode(output_bytes.data(), dtype,
+                static_cast<int64_t>(output_bytes.size()) / ElementSize(dtype));
+}
+
+std::vector<float> Decode(const void* data, DType dtype, int64_t count) {
+  std::vector<float> values(count);
+  for (int64_t i = 0; i < count; ++i) values[i] = LoadElement(data, dtype, i);
+  return values;
+}
+
+double MaxAbsError(const std::vector<float>& actual, const std::vector<double>& expected) {
+  if (actual.size() != expected.size()) return std::numeric_limits<double>::infinity();
+  double error = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double diff = std::abs(double(actual[i]) - expected[i]);
+    if (std::isnan(diff)) return std::numeric_limits<double>::infinity();
+    error = std::max(error, diff);
+  }
+  return error;
+}
+
+double MaxAbs(const std::vector<double>& values) {
+  double m = 0;
+  for (double x : values) m = std::max(m, std::abs(x));
+  return m;
+}
+
+}  // namespace attn::testing

@@ -1,0 +1,68 @@
+// Test support: problems with fresh random inputs, the seed's example, and a float64
+// reference to compare every kernel against.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/problem.h"
+
+namespace attn::testing {
+
+// A problem that owns its inputs: bytes in the storage dtype, and the same (already rounded)
+// values as fp32 for the reference.
+struct HostProblem {
+  Shape shape;
+  DType dtype = DType::kFloat32;         // Storage dtype of query, key and value.
+  DType output_dtype = DType::kFloat32;  // Dtype the kernel writes.
+  float scale = 1.f;
+  bool causal = false;
+  int block_k = 64;
+  bool return_lse = true;
+  std::vector<uint8_t> query_bytes, key_bytes, value_bytes;
+  std::vector<float> query, key, value;
+
+  // A Problem viewing this object's bytes (valid while it lives, unmoved).
+  Problem View() const;
+};
+
+// Fresh uniform(-1, 1) inputs (never zeros) rounded to `dtype`; scale = 1/sqrt(head_dim).
+HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k,
+                          uint64_t seed);
+
+// The explainer's 8×4 example: q[i][j] = ((i + j) % 5 − 2) · multiplier,
+// k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4, scale 1/2.
+HostProblem SeedExample(float query_multiplier = 1.f, int block_k = 64);
+
+struct Reference {
+  std::vector<double> output;  // [batch, heads, query_len, value_dim]
+  std::vector<double> lse;     // [batch, heads, query_len]; −inf for rows that see no key
+};
+
+// Attention in float64 on the problem's (rounded) inputs: the ground truth.
+Reference ReferenceAttention(const HostProblem& problem);
+
+// A same-precision naive baseline, as an eager framework computes in fp16/bf16: scores,
+// weights and output each rounded to `dtype` (fp32 accumulation inside the products).
+std::vector<float> LowPrecisionBaseline(const HostProblem& problem, DType dtype);
+
+// Output buffers for a kernel, poisoned with NaN so unwritten elements fail any comparison.
+struct PoisonedOutputs {
+  explicit PoisonedOutputs(const HostProblem& problem);
+  Outputs outputs();
+  std::vector<float> Output() const;  // Decoded to fp32.
+
+  DType dtype;
+  std::vector<uint8_t> output_bytes;
+  std::vector<float> lse;
+};
+
+// Decodes `count` elements of a buffer in `dtype` to fp32.
+std::vector<float> Decode(const void* data, DType dtype, int64_t count);
+
+// max_i |actual_i − expected_i|; infinity if any actual value is NaN or they differ in size.
+double MaxAbsError(const std::vector<float>& actual, const std::vector<double>& expected);
+double MaxAbs(const std::vector<double>& values);
+
+}  // namespace attn::testing
