@@ -35,7 +35,7 @@ attention::v1::Tensor ToTensor(const Array& array,
 absl::StatusOr<Array> FromTensor(const attention::v1::Tensor& tensor);
 
 struct ClientOptions {
-  int max_message_bytes = 1 << 30;  // Matches attnd's default --max-message-bytes.
+  int max_message_bytes = 1 << 30;                   // Matches attnd's default --max-message-bytes.
   std::optional<std::chrono::milliseconds> timeout;  // Per-call deadline; none by default.
 };
 

@@ -56,7 +56,7 @@ ATTN_HOST_DEVICE uint16_t FloatToHalf(float f) {
   const uint32_t bits = FloatBits(f);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (magnitude > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // ≥ 65520 → inf
   if (magnitude < 0x38800000u) {
     // Below fp16's smallest normal (2^-14): count units of 2^-24, rounded to nearest even.
@@ -70,7 +70,9 @@ ATTN_HOST_DEVICE uint16_t FloatToHalf(float f) {
   return static_cast<uint16_t>(sign | (rebiased >> 13));
 }
 
-ATTN_HOST_DEVICE float BFloat16ToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
+ATTN_HOST_DEVICE float BFloat16ToFloat(uint16_t b) {
+  return BitsToFloat(static_cast<uint32_t>(b) << 16);
+}
 
 ATTN_HOST_DEVICE uint16_t FloatToBFloat16(float f) {
   const uint32_t bits = FloatBits(f);

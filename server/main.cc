@@ -15,8 +15,8 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
-#include "server/service.h"
 #include "server/dashed_flags.h"
+#include "server/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Address to serve gRPC on (host:port).");
 ABSL_FLAG(std::string, device, "auto", "Compute device: auto or cpu.");
@@ -57,10 +57,10 @@ int main(int argc, char** argv) {
   if (config.trace.max_rows < 1) Die("--max-trace-rows must be ≥ 1");
   if (config.trace.max_steps < 1) Die("--max-trace-steps must be ≥ 1");
 
-  absl::StatusOr<std::unique_ptr<attn::Backend>> backend = attn::MakeBackend(
-      {.device = absl::GetFlag(FLAGS_device),
-       .threads = absl::GetFlag(FLAGS_threads),
-       .max_naive_bytes = absl::GetFlag(FLAGS_max_naive_bytes)});
+  absl::StatusOr<std::unique_ptr<attn::Backend>> backend =
+      attn::MakeBackend({.device = absl::GetFlag(FLAGS_device),
+                         .threads = absl::GetFlag(FLAGS_threads),
+                         .max_naive_bytes = absl::GetFlag(FLAGS_max_naive_bytes)});
   if (!backend.ok()) Die(std::string(backend.status().message()));
 
   // SIGINT/SIGTERM are taken by a thread that shuts the server down; block them first so no
@@ -91,8 +91,8 @@ int main(int argc, char** argv) {
       ATTN_VERSION, listen.c_str(), port, (*backend)->device().c_str(),
       std::string((*backend)->name()).c_str(), static_cast<long long>(max_message_bytes),
       static_cast<long long>((*backend)->max_naive_bytes()),
-      static_cast<long long>(config.trace.max_rows),
-      static_cast<long long>(config.trace.max_steps), (*backend)->default_block_k());
+      static_cast<long long>(config.trace.max_rows), static_cast<long long>(config.trace.max_steps),
+      (*backend)->default_block_k());
   std::fflush(stdout);
 
   std::thread stopper([&] {

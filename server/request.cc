@@ -98,8 +98,8 @@ absl::StatusOr<Dims> CheckTensor(absl::string_view name, bool present, const v1:
   const std::optional<int64_t> bytes = CheckedMul(elements, ElementSize(*dtype));
   if (!bytes || static_cast<int64_t>(tensor.data().size()) != *bytes) {
     return Invalid(absl::StrCat(name, ".data"),
-                   absl::StrCat("has ", tensor.data().size(), " bytes; shape ",
-                                ShapeString(tensor), " of ", DTypeName(*dtype), " needs ",
+                   absl::StrCat("has ", tensor.data().size(), " bytes; shape ", ShapeString(tensor),
+                                " of ", DTypeName(*dtype), " needs ",
                                 bytes ? absl::StrCat(*bytes) : "more than int64 can count"));
   }
   const TensorView view{tensor.data().data(), *dtype};
@@ -155,10 +155,11 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
                     k->heads);
   }
   if (q->heads % k->heads != 0) {
-    return Invalid(absl::StrCat("key.shape[", heads_axis, "]"),
-                   absl::StrCat("has ", k->heads, " heads, which does not divide query's ",
-                                q->heads, " heads (grouped-query attention needs query heads to "
-                                          "be a multiple of key/value heads)"));
+    return Invalid(
+        absl::StrCat("key.shape[", heads_axis, "]"),
+        absl::StrCat("has ", k->heads, " heads, which does not divide query's ", q->heads,
+                     " heads (grouped-query attention needs query heads to "
+                     "be a multiple of key/value heads)"));
   }
   if (v->len != k->len) {
     return Mismatch(absl::StrCat("value.shape[", rank - 2, "]"), "key_len", v->len, "key's",
@@ -207,8 +208,8 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
   problem.query = TensorView{request.query().data().data(), query_dtype};
   problem.key = TensorView{request.key().data().data(), key_dtype};
   problem.value = TensorView{request.value().data().data(), value_dtype};
-  problem.scale = options.has_scale() ? options.scale()
-                                      : static_cast<float>(1.0 / std::sqrt(double(q->dim)));
+  problem.scale =
+      options.has_scale() ? options.scale() : static_cast<float>(1.0 / std::sqrt(double(q->dim)));
   problem.causal = options.causal();
   const int64_t block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, k->len));

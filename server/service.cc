@@ -88,10 +88,10 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 void LogFailedRequest(absl::string_view method, const std::string& peer,
                       const absl::Status& status) {
-  const std::string line =
-      absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()),
-                   " attnd ", method, " from ", peer, " failed: ", absl::StatusCodeToString(status.code()),
-                   ": ", status.message(), "\n");
+  const std::string line = absl::StrCat(
+      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " attnd ", method,
+      " from ", peer, " failed: ", absl::StatusCodeToString(status.code()), ": ", status.message(),
+      "\n");
   std::fputs(line.c_str(), stderr);
 }
 
@@ -128,23 +128,23 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
     fail(problem.status());
     return reactor;
   }
-  queue_.Submit([this, method, context, request, response, problem = *problem, start, fail,
-                 reactor] {
-    if (context->IsCancelled()) {
-      fail(absl::CancelledError("the client cancelled the call before it started"));
-      return;
-    }
-    const Outputs outputs = PrepareOutputs(problem, *request, response);
-    absl::StatusOr<Stats> stats = method == Method::kNaive ? backend_.Naive(problem, outputs)
-                                                           : backend_.Tiled(problem, outputs);
-    if (!stats.ok()) {
-      response->Clear();
-      fail(stats.status());
-      return;
-    }
-    FillStats(backend_, *stats, start, response->mutable_stats());
-    reactor->Finish(grpc::Status::OK);
-  });
+  queue_.Submit(
+      [this, method, context, request, response, problem = *problem, start, fail, reactor] {
+        if (context->IsCancelled()) {
+          fail(absl::CancelledError("the client cancelled the call before it started"));
+          return;
+        }
+        const Outputs outputs = PrepareOutputs(problem, *request, response);
+        absl::StatusOr<Stats> stats = method == Method::kNaive ? backend_.Naive(problem, outputs)
+                                                               : backend_.Tiled(problem, outputs);
+        if (!stats.ok()) {
+          response->Clear();
+          fail(stats.status());
+          return;
+        }
+        FillStats(backend_, *stats, start, response->mutable_stats());
+        reactor->Finish(grpc::Status::OK);
+      });
   return reactor;
 }
 
@@ -165,8 +165,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
   }
   absl::StatusOr<std::vector<RowRef>> rows = ParseTraceRows(*request, *problem, config_.trace);
   if (!rows.ok()) return fail(rows.status());
-  absl::StatusOr<std::unique_ptr<TraceCursor>> cursor =
-      backend_.Trace(*problem, *std::move(rows));
+  absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(*problem, *std::move(rows));
   if (!cursor.ok()) return fail(cursor.status());
   return new TraceWriter(backend_, *problem, *std::move(cursor), start);
 }

@@ -59,8 +59,8 @@ absl::StatusOr<Inputs> ReadInputs() {
     return inputs;
   }
   if (!example.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown --example \"", example,
-                                                   "\"; the built-in example is: seed"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown --example \"", example, "\"; the built-in example is: seed"));
   }
   if (random.empty()) {
     return absl::InvalidArgumentError("give inputs: --example seed or --random B,H,N,D");
@@ -104,9 +104,9 @@ int RunCompute(attn::client::Client& client, const std::string& method) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<v1::AttentionResponse> response =
       method == "naive" ? client.Naive(request) : client.Tiled(request);
-  const int64_t round_trip_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                    std::chrono::steady_clock::now() - start)
-                                    .count();
+  const int64_t round_trip_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
   if (!response.ok()) return Fail(response.status());
   absl::StatusOr<attn::client::Array> output = attn::client::FromTensor(response->output());
   if (!output.ok()) return Fail(output.status());

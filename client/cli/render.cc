@@ -137,8 +137,7 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
   if (steps_.empty()) absl::FPrintF(out_, "  (the causal mask hides every key from this row)\n");
   absl::FPrintF(out_, "\n  online output  %s\n", Vector(done.output()));
   absl::FPrintF(out_, "  full matrix    %s\n", Vector(done.reference()));
-  absl::FPrintF(out_, "  max |online − full| = %.3g, lse = %g\n", done.max_abs_error(),
-                done.lse());
+  absl::FPrintF(out_, "  max |online − full| = %.3g, lse = %g\n", done.max_abs_error(), done.lse());
 }
 
 }  // namespace attn::cli

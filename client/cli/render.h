@@ -11,8 +11,9 @@
 namespace attn::cli {
 
 // Prints a Naive/Tiled answer: shape, stats, round-trip time and the first `rows` output rows.
-void PrintResult(std::FILE* out, const char* method, const attention::v1::AttentionResponse& response,
-                 const client::Array& output, int64_t round_trip_ns, int rows);
+void PrintResult(std::FILE* out, const char* method,
+                 const attention::v1::AttentionResponse& response, const client::Array& output,
+                 int64_t round_trip_ns, int rows);
 
 // Renders a trace as its events arrive. For each row, after its RowDone: the score row →
 // weights → result table, each tile's step, then the online result beside the full-matrix one.

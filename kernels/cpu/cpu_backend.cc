@@ -29,7 +29,8 @@ std::string CpuModel() {
     absl::string_view rest = line;
     if (absl::ConsumePrefix(&rest, "model name")) {
       const size_t colon = rest.find(':');
-      if (colon != std::string::npos) return std::string(absl::StripAsciiWhitespace(rest.substr(colon + 1)));
+      if (colon != std::string::npos)
+        return std::string(absl::StripAsciiWhitespace(rest.substr(colon + 1)));
     }
   }
   return "unknown CPU";
@@ -41,9 +42,9 @@ absl::StatusOr<Stats> Timed(const Problem& problem, Kernel&& kernel) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<Stats> stats = kernel();
   if (!stats.ok()) return stats;
-  stats->compute_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::steady_clock::now() - start)
-                          .count();
+  stats->compute_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
   stats->flops = problem.Flops();
   const int64_t output_bytes = problem.OutputElements() * ElementSize(problem.output_dtype);
   const int64_t lse_bytes = problem.return_lse ? problem.LseElements() * 4 : 0;
@@ -60,7 +61,8 @@ CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes)
       device_(absl::StrCat(CpuModel(), ", ", threads_, " threads")) {}
 
 absl::StatusOr<Stats> CpuBackend::Naive(const Problem& problem, const Outputs& outputs) {
-  return Timed(problem, [&] { return NaiveAttention(problem, outputs, threads_, max_naive_bytes_); });
+  return Timed(problem,
+               [&] { return NaiveAttention(problem, outputs, threads_, max_naive_bytes_); });
 }
 
 absl::StatusOr<Stats> CpuBackend::Tiled(const Problem& problem, const Outputs& outputs) {

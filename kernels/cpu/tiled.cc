@@ -17,9 +17,9 @@ struct Worker {
 
 }  // namespace
 
-float VisitKeyTile(const Problem& problem, const float* q_row, const float* key,
-                   const float* value, int64_t row, int64_t tile, OnlineSoftmaxRow& state,
-                   float* scores, float* weights, float* acc) {
+float VisitKeyTile(const Problem& problem, const float* q_row, const float* key, const float* value,
+                   int64_t row, int64_t tile, OnlineSoftmaxRow& state, float* scores,
+                   float* weights, float* acc) {
   const int64_t d = problem.shape.head_dim;
   const int64_t dv = problem.shape.value_dim;
   const int64_t key_begin = tile * problem.block_k;
@@ -73,7 +73,8 @@ absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outp
       for (int64_t c = 0; c < s.value_dim; ++c) {
         outputs.output.Store(out_offset + c, state.Normalize(worker.acc[c]));
       }
-      if (outputs.lse != nullptr) outputs.lse[problem.LseOffset(batch, head, i)] = state.LogSumExp();
+      if (outputs.lse != nullptr)
+        outputs.lse[problem.LseOffset(batch, head, i)] = state.LogSumExp();
     }
   });
 
@@ -81,9 +82,9 @@ absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outp
   for (const Worker& worker : workers) {
     stats.scratch_bytes +=
         worker.loader.scratch_bytes() +
-        static_cast<int64_t>((worker.scores.capacity() + worker.weights.capacity() +
-                              worker.acc.capacity()) *
-                             sizeof(float));
+        static_cast<int64_t>(
+            (worker.scores.capacity() + worker.weights.capacity() + worker.acc.capacity()) *
+            sizeof(float));
   }
   return stats;
 }

@@ -18,9 +18,9 @@ namespace attn {
 // and their weights (block_k floats each; the tile may be shorter at the end), advances `state`
 // and the accumulator acc[value_dim]. Returns the rescale factor it applied to acc.
 // Tiled and Trace both call this, so a trace shows exactly Tiled's arithmetic.
-float VisitKeyTile(const Problem& problem, const float* q_row, const float* key,
-                   const float* value, int64_t row, int64_t tile, OnlineSoftmaxRow& state,
-                   float* scores, float* weights, float* acc);
+float VisitKeyTile(const Problem& problem, const float* q_row, const float* key, const float* value,
+                   int64_t row, int64_t tile, OnlineSoftmaxRow& state, float* scores,
+                   float* weights, float* acc);
 
 // Online-softmax attention with `threads` workers. Never fails for a valid Problem.
 absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs, int threads);

@@ -50,8 +50,8 @@ class CpuTraceCursor final : public TraceCursor {
     const RowRef& ref = rows_[row_index_];
     const Shape& s = problem_.shape;
     const int64_t kv_head = problem_.KvHead(ref.head);
-    q_row_ = query_.Load(problem_.query, problem_.QueryOffset(ref.batch, ref.head, ref.row),
-                         s.head_dim);
+    q_row_ =
+        query_.Load(problem_.query, problem_.QueryOffset(ref.batch, ref.head, ref.row), s.head_dim);
     key_rows_ =
         key_.Load(problem_.key, problem_.KeyOffset(ref.batch, kv_head, 0), s.key_len * s.head_dim);
     value_rows_ = value_.Load(problem_.value, problem_.ValueOffset(ref.batch, kv_head, 0),
@@ -102,7 +102,8 @@ class CpuTraceCursor final : public TraceCursor {
     done.reference.resize(s.value_dim);
     WeightedSumRow(reference_.data(), value_rows_, s.key_len, s.value_dim, done.reference.data());
     for (int64_t c = 0; c < s.value_dim; ++c) {
-      done.max_abs_error = std::max(done.max_abs_error, std::abs(done.output[c] - done.reference[c]));
+      done.max_abs_error =
+          std::max(done.max_abs_error, std::abs(done.output[c] - done.reference[c]));
     }
 
     ++row_index_;

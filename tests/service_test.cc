@@ -1,0 +1,466 @@
+// The service over real loopback TCP: every RPC through the client library, every bad-input
+// case, the Naive memory limit, and cancellation of a long trace.
+#include "server/service.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "client/client.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/reference.h"
+
+namespace attn {
+namespace {
+
+namespace v1 = attention::v1;
+using testing::HostProblem;
+
+// Counts the trace events a backend's cursors compute, to see a cancelled trace stop.
+class CountingBackend final : public Backend {
+ public:
+  explicit CountingBackend(Backend& inner) : inner_(inner) {}
+  std::string_view name() const override { return inner_.name(); }
+  std::string device() const override { return inner_.device(); }
+  int64_t memory_bytes() const override { return inner_.memory_bytes(); }
+  int default_block_k() const override { return inner_.default_block_k(); }
+  int64_t max_naive_bytes() const override { return inner_.max_naive_bytes(); }
+  absl::StatusOr<Stats> Naive(const Problem& p, const Outputs& o) override {
+    return inner_.Naive(p, o);
+  }
+  absl::StatusOr<Stats> Tiled(const Problem& p, const Outputs& o) override {
+    return inner_.Tiled(p, o);
+  }
+  absl::StatusOr<std::unique_ptr<TraceCursor>> Trace(const Problem& p,
+                                                     std::vector<RowRef> rows) override {
+    absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = inner_.Trace(p, std::move(rows));
+    if (!cursor.ok()) return cursor;
+    return std::unique_ptr<TraceCursor>(new Counting(*std::move(cursor), events));
+  }
+
+  std::atomic<int64_t> events{0};
+
+ private:
+  class Counting final : public TraceCursor {
+   public:
+    Counting(std::unique_ptr<TraceCursor> inner, std::atomic<int64_t>& events)
+        : inner_(std::move(inner)), events_(events) {}
+    bool Next(TraceItem* item) override {
+      ++events_;
+      return inner_->Next(item);
+    }
+    Stats stats() const override { return inner_->stats(); }
+
+   private:
+    std::unique_ptr<TraceCursor> inner_;
+    std::atomic<int64_t>& events_;
+  };
+  Backend& inner_;
+};
+
+// An attnd service on an ephemeral loopback port, and a client connected to it.
+class ServiceTest : public ::testing::Test {
+ protected:
+  void StartServer(int64_t max_naive_bytes = 0, TraceLimits limits = {}) {
+    cpu_ = std::make_unique<CpuBackend>(2, max_naive_bytes);
+    backend_ = std::make_unique<CountingBackend>(*cpu_);
+    ServiceConfig config;
+    config.trace = limits;
+    service_ = std::make_unique<AttentionService>(*backend_, config);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(1 << 30);
+    builder.SetMaxSendMessageSize(1 << 30);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_NE(port, 0);
+    client_ = std::make_unique<client::Client>("127.0.0.1:" + std::to_string(port));
+  }
+
+  void SetUp() override { StartServer(); }
+
+  void TearDown() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+
+  std::unique_ptr<CpuBackend> cpu_;
+  std::unique_ptr<CountingBackend> backend_;
+  std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<client::Client> client_;
+};
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::DTYPE_FLOAT32;
+    case DType::kFloat16:
+      return v1::DTYPE_FLOAT16;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::Tensor ToTensor(std::vector<int64_t> shape, const std::vector<uint8_t>& bytes, DType dtype) {
+  v1::Tensor tensor;
+  tensor.mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor.set_dtype(ToProto(dtype));
+  tensor.set_data(bytes.data(), bytes.size());
+  return tensor;
+}
+
+// The request for a HostProblem, rank 4 (or rank 2 for a single head).
+v1::AttentionRequest ToRequest(const HostProblem& p, bool rank2 = false) {
+  const Shape& s = p.shape;
+  auto shape = [&](int64_t heads, int64_t len, int64_t dim) {
+    return rank2 ? std::vector<int64_t>{len, dim} : std::vector<int64_t>{s.batch, heads, len, dim};
+  };
+  v1::AttentionRequest request;
+  *request.mutable_query() =
+      ToTensor(shape(s.heads, s.query_len, s.head_dim), p.query_bytes, p.dtype);
+  *request.mutable_key() = ToTensor(shape(s.kv_heads, s.key_len, s.head_dim), p.key_bytes, p.dtype);
+  *request.mutable_value() =
+      ToTensor(shape(s.kv_heads, s.key_len, s.value_dim), p.value_bytes, p.dtype);
+  request.mutable_options()->set_causal(p.causal);
+  request.mutable_options()->set_block_k(p.block_k);
+  request.mutable_options()->set_return_lse(p.return_lse);
+  return request;
+}
+
+std::vector<float> OutputOf(const v1::AttentionResponse& response) {
+  absl::StatusOr<client::Array> output = client::FromTensor(response.output());
+  EXPECT_TRUE(output.ok()) << output.status();
+  return output.ok() ? output->values : std::vector<float>{};
+}
+
+TEST_F(ServiceTest, ServerInfoDescribesBackendAndLimits) {
+  absl::StatusOr<v1::ServerInfo> info = client_->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_FALSE(info->device().empty());
+  EXPECT_GT(info->device_memory_bytes(), 0);
+  EXPECT_EQ(info->dtypes_size(), 3);
+  EXPECT_EQ(info->max_message_bytes(), int64_t{1} << 30);
+  EXPECT_GT(info->max_naive_bytes(), 0);
+  EXPECT_EQ(info->default_block_k(), cpu_->default_block_k());
+}
+
+TEST_F(ServiceTest, HealthIsServing) {
+  auto status = client_->Health();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(*status, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(ServiceTest, SeedExampleThroughNaiveAndTiled) {
+  const HostProblem seed = testing::SeedExample(1.f, 3);
+  const std::vector<float> expected = {-0.593223f, 0.406777f, -1.332858f, -0.371937f};
+  for (bool naive : {true, false}) {
+    SCOPED_TRACE(naive ? "Naive" : "Tiled");
+    absl::StatusOr<v1::AttentionResponse> response =
+        naive ? client_->Naive(ToRequest(seed, true)) : client_->Tiled(ToRequest(seed, true));
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->output().shape_size(), 2);
+    const std::vector<float> out = OutputOf(*response);
+    for (int c = 0; c < 4; ++c) EXPECT_NEAR(out[c], expected[c], 1e-6);
+    const v1::ExecutionStats& stats = response->stats();
+    EXPECT_EQ(stats.backend(), "cpu");
+    EXPECT_EQ(stats.intermediate_bytes(), naive ? 16 * 8 * 8 : 0);
+    EXPECT_EQ(stats.block_k(), naive ? 0 : 3);
+    EXPECT_DOUBLE_EQ(stats.flops(), 4.0 * 8 * 8 * 4);
+    EXPECT_GT(stats.server_ns(), 0);
+    EXPECT_GE(stats.server_ns(), stats.compute_ns());
+    EXPECT_GE(stats.peak_memory_bytes(), stats.scratch_bytes());
+  }
+}
+
+TEST_F(ServiceTest, RandomProblemsMatchTheFloat64Reference) {
+  const Shape shape{.batch = 2,
+                    .heads = 4,
+                    .kv_heads = 2,
+                    .query_len = 37,
+                    .key_len = 53,
+                    .head_dim = 33,
+                    .value_dim = 20};
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    HostProblem p = testing::RandomProblem(shape, dtype, /*causal=*/true, /*block_k=*/7, 11);
+    const testing::Reference ref = testing::ReferenceAttention(p);
+    for (bool naive : {true, false}) {
+      SCOPED_TRACE(std::string(naive ? "Naive " : "Tiled ") + DTypeName(dtype));
+      v1::AttentionRequest request = ToRequest(p);
+      request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+      absl::StatusOr<v1::AttentionResponse> response =
+          naive ? client_->Naive(request) : client_->Tiled(request);
+      ASSERT_TRUE(response.ok()) << response.status();
+      EXPECT_EQ(response->output().dtype(), v1::DTYPE_FLOAT32);
+      EXPECT_EQ(std::vector<int64_t>(response->output().shape().begin(),
+                                     response->output().shape().end()),
+                (std::vector<int64_t>{2, 4, 37, 20}));
+      // fp32 output of (rounded) inputs: the fp32 bound applies whatever the input dtype.
+      EXPECT_LE(testing::MaxAbsError(OutputOf(*response), ref.output),
+                1e-5 * testing::MaxAbs(ref.output));
+      ASSERT_TRUE(response->has_lse());
+      EXPECT_EQ(response->lse().shape_size(), 3);
+      absl::StatusOr<client::Array> lse_array = client::FromTensor(response->lse());
+      ASSERT_TRUE(lse_array.ok());
+      EXPECT_LE(testing::MaxAbsError(lse_array->values, ref.lse), 1e-4);
+    }
+  }
+}
+
+TEST_F(ServiceTest, OutputDtypeDefaultsToTheQuerys) {
+  HostProblem p = testing::RandomProblem(
+      {.heads = 1, .query_len = 5, .key_len = 9, .head_dim = 3, .value_dim = 3}, DType::kFloat16,
+      false, 4, 3);
+  p.return_lse = false;
+  absl::StatusOr<v1::AttentionResponse> response = client_->Tiled(ToRequest(p));
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->output().dtype(), v1::DTYPE_FLOAT16);
+  EXPECT_FALSE(response->has_lse());
+}
+
+// One malformed request and the field its error must name.
+struct BadInput {
+  const char* name;
+  std::function<void(v1::AttentionRequest&)> mutate;
+  const char* field;
+};
+
+std::vector<BadInput> BadInputs() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  return {
+      {"missing query", [](auto& r) { r.clear_query(); }, "query"},
+      {"missing key", [](auto& r) { r.clear_key(); }, "key"},
+      {"missing value", [](auto& r) { r.clear_value(); }, "value"},
+      {"rank 1",
+       [](auto& r) {
+         r.mutable_query()->mutable_shape()->Clear();
+         r.mutable_query()->add_shape(96);
+       },
+       "query.shape"},
+      {"rank 5", [](auto& r) { r.mutable_query()->mutable_shape()->Add(1); }, "query.shape"},
+      {"ranks differ",
+       [](auto& r) {
+         // Same elements as [2, 3, 16, 4] but rank 3.
+         auto* shape = r.mutable_key()->mutable_shape();
+         shape->Clear();
+         for (int64_t d : {6, 16, 4}) shape->Add(d);
+       },
+       "key.shape"},
+      {"unspecified dtype", [](auto& r) { r.mutable_key()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+       "key.dtype"},
+      {"unknown dtype", [](auto& r) { r.mutable_value()->set_dtype(static_cast<v1::DType>(7)); },
+       "value.dtype"},
+      {"short data", [](auto& r) { r.mutable_query()->mutable_data()->pop_back(); }, "query.data"},
+      {"zero dim", [](auto& r) { r.mutable_key()->set_shape(2, 0); }, "key.shape[2]"},
+      {"negative dim", [](auto& r) { r.mutable_query()->set_shape(1, -3); }, "query.shape[1]"},
+      {"overflowing shape",
+       [](auto& r) {
+         for (int i = 0; i < 4; ++i) r.mutable_query()->set_shape(i, int64_t{1} << 20);
+       },
+       "query.shape"},
+      {"non-finite input",
+       [nan](auto& r) { std::memcpy(r.mutable_value()->mutable_data()->data() + 8, &nan, 4); },
+       "value.data"},
+      {"batch mismatch",
+       [](auto& r) {
+         r.mutable_key()->set_shape(0, 1);
+         r.mutable_key()->mutable_data()->resize(r.key().data().size() / 2);
+       },
+       "key.shape[0]"},
+      {"value heads differ from key heads",
+       [](auto& r) {
+         r.mutable_value()->set_shape(1, 1);
+         r.mutable_value()->mutable_data()->resize(r.value().data().size() / 3);
+       },
+       "value.shape[1]"},
+      {"query heads not a multiple of key heads",
+       [](auto& r) {
+         r.mutable_query()->set_shape(1, 4);
+         r.mutable_query()->mutable_data()->resize(r.query().data().size() / 6 * 4);
+       },
+       "key.shape[1]"},
+      {"key_len mismatch",
+       [](auto& r) {
+         r.mutable_value()->set_shape(2, 8);
+         r.mutable_value()->mutable_data()->resize(r.value().data().size() / 2);
+       },
+       "value.shape[2]"},
+      {"head_dim mismatch",
+       [](auto& r) {
+         r.mutable_key()->set_shape(3, 2);
+         r.mutable_key()->mutable_data()->resize(r.key().data().size() / 2);
+       },
+       "key.shape[3]"},
+      {"infinite scale", [](auto& r) { r.mutable_options()->set_scale(INFINITY); },
+       "options.scale"},
+      {"NaN scale", [nan](auto& r) { r.mutable_options()->set_scale(nan); }, "options.scale"},
+      {"negative block_k", [](auto& r) { r.mutable_options()->set_block_k(-1); },
+       "options.block_k"},
+      {"unknown output dtype",
+       [](auto& r) { r.mutable_options()->set_output_dtype(static_cast<v1::DType>(9)); },
+       "options.output_dtype"},
+  };
+}
+
+// A valid request: batch 2, 6 query heads, 3 kv heads, 16 queries and keys, head_dim 4.
+v1::AttentionRequest ValidRequest() {
+  const HostProblem p = testing::RandomProblem({.batch = 2,
+                                                .heads = 6,
+                                                .kv_heads = 3,
+                                                .query_len = 16,
+                                                .key_len = 16,
+                                                .head_dim = 4,
+                                                .value_dim = 4},
+                                               DType::kFloat32, false, 4, 5);
+  return ToRequest(p);
+}
+
+TEST_F(ServiceTest, EveryBadInputIsInvalidArgumentNamingTheField) {
+  ASSERT_TRUE(client_->Tiled(ValidRequest()).ok());
+  for (const BadInput& bad : BadInputs()) {
+    SCOPED_TRACE(bad.name);
+    v1::AttentionRequest request = ValidRequest();
+    bad.mutate(request);
+    for (int method = 0; method < 3; ++method) {
+      absl::Status status;
+      if (method == 0) status = client_->Naive(request).status();
+      if (method == 1) status = client_->Tiled(request).status();
+      if (method == 2) {
+        v1::TraceRequest trace;
+        *trace.mutable_attention() = request;
+        int events = 0;
+        status = client_->Trace(trace, [&](const v1::TraceEvent&) { return ++events > 0; });
+        EXPECT_EQ(events, 0);
+      }
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_NE(status.message().find(bad.field), std::string::npos)
+          << "message \"" << status.message() << "\" does not name " << bad.field;
+    }
+  }
+  // The server is still answering after all of that.
+  EXPECT_TRUE(client_->Tiled(ValidRequest()).ok());
+}
+
+TEST_F(ServiceTest, NaiveOverItsMemoryBudgetNamesTiled) {
+  TearDown();
+  StartServer(/*max_naive_bytes=*/2 * 16 * 16 * 12 * 4 - 1);  // One byte short for ValidRequest.
+  absl::StatusOr<v1::AttentionResponse> naive = client_->Naive(ValidRequest());
+  EXPECT_EQ(naive.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(naive.status().message().find("Tiled"), std::string::npos) << naive.status();
+  EXPECT_TRUE(client_->Tiled(ValidRequest()).ok());
+}
+
+v1::TraceRequest TraceOf(const v1::AttentionRequest& request,
+                         std::vector<std::array<int64_t, 3>> rows) {
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = request;
+  for (const auto& [batch, head, row] : rows) {
+    v1::RowRef* ref = trace.add_rows();
+    ref->set_batch(batch);
+    ref->set_head(head);
+    ref->set_row(row);
+  }
+  return trace;
+}
+
+TEST_F(ServiceTest, TraceStreamsStartStepsRowDoneEnd) {
+  const HostProblem seed = testing::SeedExample(1.f, 3);
+  std::vector<v1::TraceEvent> events;
+  const absl::Status status =
+      client_->Trace(TraceOf(ToRequest(seed, true), {}), [&](const v1::TraceEvent& event) {
+        events.push_back(event);
+        return true;
+      });
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_EQ(events.size(), 6u);  // start, 3 steps, row_done, end
+  EXPECT_TRUE(events[0].has_start());
+  EXPECT_EQ(events[0].start().naive_intermediate_bytes(), 16 * 8 * 8);
+  EXPECT_EQ(events[0].start().tiled_scratch_floats_per_row(), 3 + 4 + 2);
+  EXPECT_EQ(events[0].start().tiles_per_row(), 3);
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_TRUE(events[i].has_step());
+    EXPECT_EQ(events[i].step().tile(), i - 1);
+  }
+  EXPECT_TRUE(std::isinf(events[1].step().max_before()));
+  EXPECT_EQ(events[1].step().rescale(), 0.f);
+  ASSERT_TRUE(events[4].has_row_done());
+  EXPECT_NEAR(events[4].row_done().output(0), -0.593223f, 1e-6);
+  EXPECT_LT(events[4].row_done().max_abs_error(), 1e-6);
+  ASSERT_TRUE(events[5].has_end());
+  EXPECT_EQ(events[5].end().rows(), 1);
+  EXPECT_EQ(events[5].end().steps(), 3);
+  EXPECT_EQ(events[5].end().stats().backend(), "cpu");
+}
+
+TEST_F(ServiceTest, TraceRowsAndLimitsAreChecked) {
+  TearDown();
+  StartServer(0, TraceLimits{.max_rows = 2, .max_steps = 10});
+  const v1::AttentionRequest request = ValidRequest();  // [2, 6, 16, 4], default block_k 4.
+  const std::pair<std::vector<std::array<int64_t, 3>>, const char*> cases[] = {
+      {{{2, 0, 0}}, "rows[0].batch"},
+      {{{0, 0, 0}, {0, 6, 0}}, "rows[1].head"},
+      {{{0, 0, 16}}, "rows[0].row"},
+      {{{0, 0, -1}}, "rows[0].row"},
+      {{{0, 0, 0}, {0, 0, 1}, {0, 0, 2}}, "--max-trace-rows"},
+      {{
+           {0, 0, 0},
+           {1, 5, 15},
+       },
+       "--max-trace-steps"},  // block_k 1: 2 × 16 steps > 10
+  };
+  for (const auto& [rows, field] : cases) {
+    SCOPED_TRACE(field);
+    v1::TraceRequest trace = TraceOf(request, rows);
+    if (std::string(field) == "--max-trace-steps")
+      trace.mutable_attention()->mutable_options()->set_block_k(1);
+    const absl::Status status = client_->Trace(trace, [](const v1::TraceEvent&) { return true; });
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find(field), std::string::npos) << status;
+  }
+  v1::TraceRequest valid = TraceOf(request, {{0, 0, 0}, {1, 5, 15}});
+  int64_t steps = 0;
+  ASSERT_TRUE(client_
+                  ->Trace(valid,
+                          [&](const v1::TraceEvent& e) {
+                            steps += e.has_step();
+                            return true;
+                          })
+                  .ok());
+  EXPECT_EQ(steps, 8);
+}
+
+TEST_F(ServiceTest, CancellingALongTraceStopsTheServerPromptly) {
+  TearDown();
+  StartServer(0, TraceLimits{.max_rows = 1, .max_steps = 1 << 20});
+  HostProblem p =
+      testing::RandomProblem({.query_len = 1, .key_len = 200000, .head_dim = 8, .value_dim = 8},
+                             DType::kFloat32, false, 1, 9);
+  const int64_t total_events = 200000 + 1;  // One step per key, then RowDone.
+  int received = 0;
+  const absl::Status status = client_->Trace(
+      TraceOf(ToRequest(p), {}), [&](const v1::TraceEvent&) { return ++received < 50; });
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_EQ(received, 50);
+  // Flow control bounds how far the server ran ahead; once it sees the cancellation it stops.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int64_t after_cancel = backend_->events.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(backend_->events.load(), after_cancel) << "the trace kept computing after cancel";
+  EXPECT_LT(after_cancel, total_events / 10);
+  EXPECT_TRUE(client_->Tiled(ValidRequest()).ok());
+}
+
+}  // namespace
+}  // namespace attn
