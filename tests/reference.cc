@@ -78,8 +78,13 @@ HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int bloc
 HostProblem SeedExample(float query_multiplier, int block_k) {
   constexpr int n = 8, d = 4;
   HostProblem p;
-  p.shape = Shape{.batch = 1, .heads = 1, .kv_heads = 1, .query_len = n, .key_len = n,
-                  .head_dim = d, .value_dim = d};
+  p.shape = Shape{.batch = 1,
+                  .heads = 1,
+                  .kv_heads = 1,
+                  .query_len = n,
+                  .key_len = n,
+                  .head_dim = d,
+                  .value_dim = d};
   p.scale = 0.5f;  // 1/sqrt(4)
   p.block_k = block_k;
   std::vector<float> q(n * d), k(n * d), v(n * d);

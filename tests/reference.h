@@ -28,8 +28,7 @@ struct HostProblem {
 };
 
 // Fresh uniform(-1, 1) inputs (never zeros) rounded to `dtype`; scale = 1/sqrt(head_dim).
-HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k,
-                          uint64_t seed);
+HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k, uint64_t seed);
 
 // The explainer's 8×4 example: q[i][j] = ((i + j) % 5 − 2) · multiplier,
 // k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4, scale 1/2.

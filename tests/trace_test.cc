@@ -1,0 +1,349 @@
+// Trace on the CPU backend: every recorded step must obey the online-softmax recurrence of
+// DESIGN.md ("One update step"), recomputed here from the step's own inputs, and every row must
+// end with exactly Tiled's output beside the full-matrix reference.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <variant>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/problem.h"
+#include "tests/reference.h"
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+constexpr double kEps = FLT_EPSILON;
+
+Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_len, int64_t key_len,
+                int64_t head_dim, int64_t value_dim) {
+  return Shape{.batch = batch,
+               .heads = heads,
+               .kv_heads = kv_heads,
+               .query_len = query_len,
+               .key_len = key_len,
+               .head_dim = head_dim,
+               .value_dim = value_dim};
+}
+
+std::vector<TraceItem> CollectTrace(Backend& backend, const Problem& problem,
+                                    const std::vector<RowRef>& rows) {
+  absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend.Trace(problem, rows);
+  EXPECT_TRUE(cursor.ok()) << cursor.status();
+  std::vector<TraceItem> items;
+  if (!cursor.ok()) return items;
+  TraceItem item;
+  while ((*cursor)->Next(&item)) {
+    items.push_back(item);
+    if (items.size() > 100000) {
+      ADD_FAILURE() << "trace does not end";
+      break;
+    }
+  }
+  EXPECT_FALSE((*cursor)->Next(&item)) << "Next after the end must keep returning false";
+  EXPECT_EQ((*cursor)->stats().block_k, problem.block_k);
+  return items;
+}
+
+// Keys query row `row` sees, from the rule in DESIGN.md ("Numerics"), independent of Problem.
+int64_t ExpectedVisibleKeys(const HostProblem& host, int64_t row) {
+  const Shape& s = host.shape;
+  if (!host.causal) return s.key_len;
+  return std::clamp<int64_t>(row + s.key_len - s.query_len + 1, 0, s.key_len);
+}
+
+// Tiled's output and lse for the whole problem (fp32 output dtype).
+struct TiledResult {
+  std::vector<float> output;
+  std::vector<float> lse;
+};
+
+TiledResult RunTiled(Backend& backend, const HostProblem& host, const Problem& problem) {
+  EXPECT_EQ(host.output_dtype, DType::kFloat32);
+  PoisonedOutputs outputs(host);
+  const absl::StatusOr<Stats> stats = backend.Tiled(problem, outputs.outputs());
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return TiledResult{outputs.Output(), outputs.lse};
+}
+
+void ExpectWithin(double actual, double expected, double tolerance, const char* what, int tile,
+                  int64_t index) {
+  EXPECT_LE(std::abs(actual - expected), tolerance)
+      << what << " at tile " << tile << " index " << index << ": " << actual << " vs " << expected;
+}
+
+// Checks the steps and the RowDone of one traced row against the recurrence, the reference and
+// Tiled. `items` is the row's slice of the trace.
+void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref,
+              const std::vector<TraceItem>& items, const Reference& reference,
+              const TiledResult& tiled) {
+  SCOPED_TRACE(::testing::Message()
+               << "row b=" << ref.batch << " h=" << ref.head << " i=" << ref.row);
+  const Shape& s = host.shape;
+  const int64_t block_k = problem.block_k;
+  const int64_t visible = ExpectedVisibleKeys(host, ref.row);
+  const int64_t expected_tiles = (visible + block_k - 1) / block_k;
+  ASSERT_EQ(static_cast<int64_t>(items.size()), expected_tiles + 1);
+
+  const int64_t kv_head = ref.head / (s.heads / s.kv_heads);
+  ASSERT_EQ(problem.KvHead(ref.head), kv_head);
+  const float* q =
+      &host.query[((ref.batch * s.heads + ref.head) * s.query_len + ref.row) * s.head_dim];
+  const float* k = &host.key[(ref.batch * s.kv_heads + kv_head) * s.key_len * s.head_dim];
+  const float* v = &host.value[(ref.batch * s.kv_heads + kv_head) * s.key_len * s.value_dim];
+
+  float prev_max = -INFINITY;
+  float prev_denominator = 0.f;
+  std::vector<float> prev_acc(s.value_dim, 0.f);
+  for (int64_t t = 0; t < expected_tiles; ++t) {
+    ASSERT_TRUE(std::holds_alternative<TraceStep>(items[t])) << "item " << t;
+    const TraceStep& step = std::get<TraceStep>(items[t]);
+    const int tile = static_cast<int>(t);
+    EXPECT_EQ(step.row.batch, ref.batch);
+    EXPECT_EQ(step.row.head, ref.head);
+    EXPECT_EQ(step.row.row, ref.row);
+    EXPECT_EQ(step.tile, t);
+    EXPECT_EQ(step.key_begin, t * block_k);
+    EXPECT_EQ(step.key_end, std::min(t * block_k + block_k, s.key_len));
+    const int64_t n = step.key_end - step.key_begin;
+    ASSERT_GT(n, 0);
+    ASSERT_EQ(static_cast<int64_t>(step.scores.size()), n);
+    ASSERT_EQ(static_cast<int64_t>(step.weights.size()), n);
+    ASSERT_EQ(static_cast<int64_t>(step.accumulator.size()), s.value_dim);
+    ASSERT_EQ(static_cast<int64_t>(step.estimate.size()), s.value_dim);
+
+    // Scores: scale · q·k in double where visible, −inf where masked. The tolerance is relative
+    // to scale · Σ|q_c k_c|, the magnitude the fp32 dot product's rounding scales with.
+    int64_t tile_visible = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = step.key_begin + j;
+      if (key >= visible) {
+        EXPECT_EQ(step.scores[j], -INFINITY) << "masked key " << key;
+        continue;
+      }
+      ++tile_visible;
+      double dot = 0, magnitude = 0;
+      for (int64_t c = 0; c < s.head_dim; ++c) {
+        dot += double(q[c]) * double(k[key * s.head_dim + c]);
+        magnitude += std::abs(double(q[c]) * double(k[key * s.head_dim + c]));
+      }
+      const double scale = host.scale;
+      ExpectWithin(step.scores[j], scale * dot, 1e-5 * scale * magnitude + 1e-30, "score", tile, j);
+    }
+    EXPECT_GT(tile_visible, 0) << "a tile the causal mask hides entirely was emitted";
+
+    // Running max: exact, since max involves no rounding.
+    if (t == 0) {
+      EXPECT_EQ(step.max_before, -INFINITY);
+    }
+    EXPECT_EQ(step.max_before, prev_max);
+    float tile_max = -INFINITY;
+    for (float score : step.scores) tile_max = std::max(tile_max, score);
+    EXPECT_EQ(step.max_after, std::max(step.max_before, tile_max));
+    ASSERT_TRUE(std::isfinite(step.max_after));
+
+    // exp(x) for a float argument x ≤ 0: expf is good to an ulp or two; the argument itself
+    // (a difference of two floats) carries up to half an ulp of |x|, i.e. a relative error
+    // of |x|·eps in the result.
+    auto exp_tolerance = [](double x, double expected) {
+      return 4 * kEps * (1 + std::abs(x)) * expected + 1e-38;
+    };
+    if (step.max_before == -INFINITY) {
+      EXPECT_EQ(step.rescale, 0.f) << "tile " << t;
+    } else {
+      const double x = double(step.max_before) - double(step.max_after);
+      ExpectWithin(step.rescale, std::exp(x), exp_tolerance(x, std::exp(x)), "rescale", tile, 0);
+    }
+    double weight_sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (step.scores[j] == -INFINITY) {
+        EXPECT_EQ(step.weights[j], 0.f) << "masked weight " << j;
+      } else {
+        const double x = double(step.scores[j]) - double(step.max_after);
+        ExpectWithin(step.weights[j], std::exp(x), exp_tolerance(x, std::exp(x)), "weight", tile,
+                     j);
+      }
+      weight_sum += step.weights[j];
+    }
+
+    // Denominator and accumulator from the recorded weights and rescale: the only error left is
+    // fp32 summation of n + 1 terms, at most (n + 2)·eps times the sum of their magnitudes.
+    const double sum_tolerance = (n + 2) * kEps;
+    const double denominator = double(prev_denominator) * step.rescale + weight_sum;
+    ExpectWithin(step.denominator, denominator, sum_tolerance * denominator, "denominator", tile,
+                 0);
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      double acc = double(prev_acc[c]) * step.rescale;
+      double magnitude = std::abs(acc);
+      for (int64_t j = 0; j < n; ++j) {
+        const double term = double(step.weights[j]) * v[(step.key_begin + j) * s.value_dim + c];
+        acc += term;
+        magnitude += std::abs(term);
+      }
+      ExpectWithin(step.accumulator[c], acc, sum_tolerance * magnitude + 1e-30, "accumulator", tile,
+                   c);
+      const double estimate = double(step.accumulator[c]) / double(step.denominator);
+      ExpectWithin(step.estimate[c], estimate, kEps * std::abs(estimate), "estimate", tile, c);
+    }
+
+    prev_max = step.max_after;
+    prev_denominator = step.denominator;
+    prev_acc = step.accumulator;
+  }
+
+  ASSERT_TRUE(std::holds_alternative<TraceRowDone>(items.back()));
+  const TraceRowDone& done = std::get<TraceRowDone>(items.back());
+  EXPECT_EQ(done.row.batch, ref.batch);
+  EXPECT_EQ(done.row.head, ref.head);
+  EXPECT_EQ(done.row.row, ref.row);
+  ASSERT_EQ(static_cast<int64_t>(done.output.size()), s.value_dim);
+  ASSERT_EQ(static_cast<int64_t>(done.reference.size()), s.value_dim);
+
+  // The output is Tiled's, bit for bit, and the last estimate is that output.
+  const int64_t out_offset = problem.OutputOffset(ref.batch, ref.head, ref.row);
+  EXPECT_EQ(std::memcmp(done.output.data(), &tiled.output[out_offset], s.value_dim * sizeof(float)),
+            0)
+      << "RowDone.output differs from Tiled's output row";
+  if (expected_tiles > 0) {
+    const TraceStep& last = std::get<TraceStep>(items[expected_tiles - 1]);
+    EXPECT_EQ(std::memcmp(done.output.data(), last.estimate.data(), s.value_dim * sizeof(float)), 0)
+        << "RowDone.output differs from the last estimate";
+  }
+  const float tiled_lse = tiled.lse[problem.LseOffset(ref.batch, ref.head, ref.row)];
+  EXPECT_EQ(std::memcmp(&done.lse, &tiled_lse, sizeof(float)), 0)
+      << done.lse << " vs Tiled's " << tiled_lse;
+  const double reference_lse = reference.lse[problem.LseOffset(ref.batch, ref.head, ref.row)];
+  if (std::isinf(reference_lse)) {
+    EXPECT_EQ(done.lse, -INFINITY);
+  } else {
+    EXPECT_NEAR(done.lse, reference_lse, 1e-5 * std::max(1.0, std::abs(reference_lse)));
+  }
+
+  // The full-matrix reference row is close to float64, and the reported error is exactly the
+  // distance between the two fp32 rows.
+  double reference_magnitude = 1;
+  for (int64_t c = 0; c < s.value_dim; ++c) {
+    reference_magnitude = std::max(reference_magnitude, std::abs(reference.output[out_offset + c]));
+  }
+  float max_abs_error = 0;
+  for (int64_t c = 0; c < s.value_dim; ++c) {
+    EXPECT_NEAR(done.reference[c], reference.output[out_offset + c], 1e-5 * reference_magnitude)
+        << "reference c=" << c;
+    EXPECT_NEAR(done.output[c], reference.output[out_offset + c], 1e-5 * reference_magnitude)
+        << "output c=" << c;
+    max_abs_error = std::max(max_abs_error, std::abs(done.output[c] - done.reference[c]));
+  }
+  EXPECT_EQ(done.max_abs_error, max_abs_error);
+
+  if (visible == 0) {
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      EXPECT_EQ(done.output[c], 0.f);
+      EXPECT_EQ(done.reference[c], 0.f);
+    }
+    EXPECT_EQ(done.lse, -INFINITY);
+    EXPECT_EQ(done.max_abs_error, 0.f);
+  }
+}
+
+// Traces `rows` of `host` (with `block_k` passed to the kernel as is) and checks every row.
+void CheckTrace(const HostProblem& host, int block_k, const std::vector<RowRef>& rows) {
+  CpuBackend backend(2, 0);
+  Problem problem = host.View();
+  problem.block_k = block_k;
+  const std::vector<TraceItem> items = CollectTrace(backend, problem, rows);
+  const Reference reference = ReferenceAttention(host);
+  const TiledResult tiled = RunTiled(backend, host, problem);
+
+  // Split the trace at each RowDone: rows arrive in the order requested, each complete.
+  size_t begin = 0;
+  size_t row_index = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!std::holds_alternative<TraceRowDone>(items[i])) continue;
+    ASSERT_LT(row_index, rows.size()) << "more rows than requested";
+    const std::vector<TraceItem> row_items(items.begin() + begin, items.begin() + i + 1);
+    CheckRow(host, problem, rows[row_index], row_items, reference, tiled);
+    begin = i + 1;
+    ++row_index;
+  }
+  EXPECT_EQ(row_index, rows.size());
+  EXPECT_EQ(begin, items.size()) << "steps after the last RowDone";
+}
+
+TEST(TraceTest, ShortLastTileWithGqaAndBatches) {
+  // key_len 11 with block_k 3: tiles of 3, 3, 3 and 2 keys.
+  const HostProblem host = RandomProblem(MakeShape(2, 6, 2, 13, 11, 7, 5), DType::kFloat32,
+                                         /*causal=*/false, 3, 101);
+  CheckTrace(host, 3, {{0, 0, 0}, {1, 5, 12}, {0, 3, 7}, {1, 2, 4}, {0, 1, 12}});
+}
+
+TEST(TraceTest, CausalWithMoreQueriesThanKeys) {
+  // Nq 17, Nk 11: rows 0..5 see no key (zero steps); row 6 sees key 0 only; row 16 sees all.
+  const HostProblem host = RandomProblem(MakeShape(1, 2, 1, 17, 11, 9, 6), DType::kFloat32,
+                                         /*causal=*/true, 3, 102);
+  CheckTrace(host, 3,
+             {{0, 0, 0}, {0, 1, 5}, {0, 0, 6}, {0, 1, 8}, {0, 0, 10}, {0, 1, 13}, {0, 0, 16}});
+}
+
+TEST(TraceTest, CausalWithFewerQueriesThanKeys) {
+  // Nq 7, Nk 20, block_k 4: row i sees i + 14 keys, so the last tiles are partly masked or
+  // (for row 0, 14 keys: tiles 0..3) skipped entirely.
+  const HostProblem host = RandomProblem(MakeShape(1, 4, 1, 7, 20, 5, 8), DType::kFloat32,
+                                         /*causal=*/true, 4, 103);
+  CheckTrace(host, 4, {{0, 0, 0}, {0, 3, 1}, {0, 2, 5}, {0, 1, 6}});
+}
+
+TEST(TraceTest, BlockKLargerThanKeysAndOddDims) {
+  const HostProblem host = RandomProblem(MakeShape(1, 3, 3, 9, 13, 33, 20), DType::kFloat32,
+                                         /*causal=*/false, 64, 104);
+  CheckTrace(host, 64, {{0, 0, 0}, {0, 2, 8}});
+  CheckTrace(host, 1, {{0, 1, 4}});
+}
+
+TEST(TraceTest, LowPrecisionInputs) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    HostProblem host = RandomProblem(MakeShape(1, 4, 2, 15, 23, 10, 7), dtype, /*causal=*/true, 5,
+                                     105 + static_cast<int>(dtype));
+    host.output_dtype = DType::kFloat32;
+    CheckTrace(host, 5, {{0, 0, 14}, {0, 3, 2}});
+  }
+}
+
+TEST(TraceTest, SeedExampleRowZero) {
+  const HostProblem host = SeedExample(1.f, 2);
+  CheckTrace(host, 2, {{0, 0, 0}});
+
+  CpuBackend backend(1, 0);
+  const std::vector<TraceItem> items = CollectTrace(backend, host.View(), {{0, 0, 0}});
+  ASSERT_EQ(items.size(), 5u);
+  constexpr float kRow0[] = {-0.593223f, 0.406777f, -1.332858f, -0.371937f};
+  const TraceStep& last = std::get<TraceStep>(items[3]);
+  for (int c = 0; c < 4; ++c) EXPECT_NEAR(last.estimate[c], kRow0[c], 1e-6) << "c=" << c;
+  // After the first tile (keys 0 and 1, scores 2 and 1) the estimate is their softmax mix.
+  const TraceStep& first = std::get<TraceStep>(items[0]);
+  EXPECT_EQ(first.scores, (std::vector<float>{2.f, 1.f}));
+  EXPECT_EQ(first.max_after, 2.f);
+  const double w1 = std::exp(-1.0) / (1 + std::exp(-1.0));
+  EXPECT_NEAR(first.estimate[0], -4 * (1 - w1) - 3 * w1, 1e-6);
+}
+
+TEST(TraceTest, SeedExampleHugeScores) {
+  const HostProblem host = SeedExample(1000.f, 3);
+  CheckTrace(host, 3, {{0, 0, 0}, {0, 0, 5}});
+  CpuBackend backend(1, 0);
+  const std::vector<TraceItem> items = CollectTrace(backend, host.View(), {{0, 0, 0}});
+  ASSERT_FALSE(items.empty());
+  const TraceRowDone& done = std::get<TraceRowDone>(items.back());
+  constexpr float kExpected[] = {-0.5f, 0.5f, -3.f, -2.f};
+  for (int c = 0; c < 4; ++c) EXPECT_NEAR(done.output[c], kExpected[c], 1e-6) << "c=" << c;
+}
+
+}  // namespace
