@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/dtype.h"
+#include "proto/dtype_mapping.h"
 
 namespace attn::client {
 namespace {
@@ -14,26 +15,13 @@ absl::Status ToAbsl(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-std::optional<DType> KernelDType(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-      return DType::kFloat32;
-    case v1::DTYPE_FLOAT16:
-      return DType::kFloat16;
-    case v1::DTYPE_BFLOAT16:
-      return DType::kBFloat16;
-    default:
-      return std::nullopt;
-  }
-}
-
 }  // namespace
 
 v1::Tensor ToTensor(const Array& array, v1::DType dtype) {
-  const DType kernel_dtype = KernelDType(dtype).value_or(DType::kFloat32);
+  const DType kernel_dtype = FromProtoDType(dtype).value_or(DType::kFloat32);
   v1::Tensor tensor;
   tensor.mutable_shape()->Assign(array.shape.begin(), array.shape.end());
-  tensor.set_dtype(KernelDType(dtype) ? dtype : v1::DTYPE_FLOAT32);
+  tensor.set_dtype(ToProtoDType(kernel_dtype));
   std::string* data = tensor.mutable_data();
   data->resize(array.values.size() * ElementSize(kernel_dtype));
   for (size_t i = 0; i < array.values.size(); ++i) {
@@ -43,7 +31,7 @@ v1::Tensor ToTensor(const Array& array, v1::DType dtype) {
 }
 
 absl::StatusOr<Array> FromTensor(const v1::Tensor& tensor) {
-  const std::optional<DType> dtype = KernelDType(tensor.dtype());
+  const std::optional<DType> dtype = FromProtoDType(tensor.dtype());
   if (!dtype) return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", tensor.dtype()));
   Array array;
   array.shape.assign(tensor.shape().begin(), tensor.shape().end());

@@ -26,7 +26,8 @@ struct Array {
   std::vector<float> values;
 };
 
-// Encodes an array as a wire Tensor in `dtype` (fp16/bf16 rounded to nearest even).
+// Encodes an array as a wire Tensor in `dtype` (fp16/bf16 rounded to nearest even; an
+// unspecified or unknown dtype encodes as fp32).
 attention::v1::Tensor ToTensor(const Array& array,
                                attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32);
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "proto/dtype_mapping.h"
 
 namespace attn {
 namespace {
@@ -16,32 +17,6 @@ namespace v1 = attention::v1;
 
 absl::Status Invalid(absl::string_view field, absl::string_view message) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
-}
-
-// The kernel dtype for a proto dtype; nullopt for UNSPECIFIED or an unknown number.
-std::optional<DType> ToDType(int dtype) {
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-      return DType::kFloat32;
-    case v1::DTYPE_FLOAT16:
-      return DType::kFloat16;
-    case v1::DTYPE_BFLOAT16:
-      return DType::kBFloat16;
-    default:
-      return std::nullopt;
-  }
-}
-
-v1::DType ToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return v1::DTYPE_FLOAT32;
-    case DType::kFloat16:
-      return v1::DTYPE_FLOAT16;
-    case DType::kBFloat16:
-      return v1::DTYPE_BFLOAT16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
 }
 
 std::string ShapeString(const v1::Tensor& tensor) {
@@ -86,7 +61,7 @@ absl::StatusOr<Dims> CheckTensor(absl::string_view name, bool present, const v1:
     }
     elements = *product;
   }
-  const std::optional<DType> parsed = ToDType(tensor.dtype());
+  const std::optional<DType> parsed = FromProtoDType(tensor.dtype());
   if (!parsed) {
     return Invalid(absl::StrCat(name, ".dtype"),
                    absl::StrCat(tensor.dtype() == v1::DTYPE_UNSPECIFIED
@@ -188,7 +163,7 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
   }
   DType output_dtype = query_dtype;
   if (options.output_dtype() != v1::DTYPE_UNSPECIFIED) {
-    const std::optional<DType> parsed = ToDType(options.output_dtype());
+    const std::optional<DType> parsed = FromProtoDType(options.output_dtype());
     if (!parsed) {
       return Invalid("options.output_dtype",
                      absl::StrCat("is ", options.output_dtype(),
@@ -261,7 +236,7 @@ Outputs PrepareOutputs(const Problem& problem, const v1::AttentionRequest& reque
   v1::Tensor* output = response->mutable_output();
   *output->mutable_shape() = request.query().shape();
   output->set_shape(output->shape_size() - 1, problem.shape.value_dim);
-  output->set_dtype(ToProto(problem.output_dtype));
+  output->set_dtype(ToProtoDType(problem.output_dtype));
   std::string* data = output->mutable_data();
   data->resize(problem.OutputElements() * ElementSize(problem.output_dtype));
   outputs.output = MutableTensorView{data->data(), problem.output_dtype};

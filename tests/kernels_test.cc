@@ -182,17 +182,6 @@ struct RandomCase {
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
 
-Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_len, int64_t key_len,
-                int64_t head_dim, int64_t value_dim) {
-  return Shape{.batch = batch,
-               .heads = heads,
-               .kv_heads = kv_heads,
-               .query_len = query_len,
-               .key_len = key_len,
-               .head_dim = head_dim,
-               .value_dim = value_dim};
-}
-
 class RandomFp32Test : public ::testing::TestWithParam<RandomCase> {};
 
 TEST_P(RandomFp32Test, NaiveAndTiledMatchFloat64Reference) {

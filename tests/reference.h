@@ -27,6 +27,10 @@ struct HostProblem {
   Problem View() const;
 };
 
+// A Shape from its seven dimensions, in Shape's field order.
+Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_len, int64_t key_len,
+                int64_t head_dim, int64_t value_dim);
+
 // Fresh uniform(-1, 1) inputs (never zeros) rounded to `dtype`; scale = 1/sqrt(head_dim).
 HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k, uint64_t seed);
 

@@ -16,6 +16,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "proto/dtype_mapping.h"
 #include "tests/reference.h"
 
 namespace attn {
@@ -101,22 +102,10 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<client::Client> client_;
 };
 
-v1::DType ToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return v1::DTYPE_FLOAT32;
-    case DType::kFloat16:
-      return v1::DTYPE_FLOAT16;
-    case DType::kBFloat16:
-      return v1::DTYPE_BFLOAT16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 v1::Tensor ToTensor(std::vector<int64_t> shape, const std::vector<uint8_t>& bytes, DType dtype) {
   v1::Tensor tensor;
   tensor.mutable_shape()->Assign(shape.begin(), shape.end());
-  tensor.set_dtype(ToProto(dtype));
+  tensor.set_dtype(ToProtoDType(dtype));
   tensor.set_data(bytes.data(), bytes.size());
   return tensor;
 }

@@ -23,17 +23,6 @@ using namespace attn::testing;
 
 constexpr double kEps = FLT_EPSILON;
 
-Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_len, int64_t key_len,
-                int64_t head_dim, int64_t value_dim) {
-  return Shape{.batch = batch,
-               .heads = heads,
-               .kv_heads = kv_heads,
-               .query_len = query_len,
-               .key_len = key_len,
-               .head_dim = head_dim,
-               .value_dim = value_dim};
-}
-
 std::vector<TraceItem> CollectTrace(Backend& backend, const Problem& problem,
                                     const std::vector<RowRef>& rows) {
   absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend.Trace(problem, rows);

@@ -81,7 +81,8 @@ class CpuTraceCursor final : public TraceCursor {
     step.accumulator = acc_;
     step.estimate.resize(acc_.size());
     for (size_t c = 0; c < acc_.size(); ++c) step.estimate[c] = state_.Normalize(acc_[c]);
-    stats_.flops += 2.0 * static_cast<double>(n) *
+    const int64_t visible = std::min(step.key_end, problem_.VisibleKeys(ref.row)) - step.key_begin;
+    stats_.flops += 2.0 * static_cast<double>(visible) *
                     static_cast<double>(problem_.shape.head_dim + problem_.shape.value_dim);
     ++tile_;
     return step;
