@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -80,11 +79,14 @@ class Backend {
  public:
   virtual ~Backend() = default;
 
-  virtual std::string_view name() const = 0;  // "cpu" or "cuda".
-  virtual std::string device() const = 0;     // Human-readable device description.
-  virtual int64_t memory_bytes() const = 0;   // Memory of the device.
-  virtual int default_block_k() const = 0;    // block_k for requests that ask for 0.
+  virtual const char* name() const = 0;      // "cpu" or "cuda".
+  virtual std::string device() const = 0;    // Human-readable device description.
+  virtual int64_t memory_bytes() const = 0;  // Memory of the device.
+  virtual int default_block_k() const = 0;   // block_k for requests that ask for 0.
   virtual int64_t max_naive_bytes() const = 0;
+  // False once the device failed in a way this process cannot recover from; every call then
+  // answers UNAVAILABLE.
+  virtual bool healthy() const { return true; }
 
   // Full-matrix attention. RESOURCE_EXHAUSTED (naming Tiled) when the score and weight
   // matrices would pass max_naive_bytes().
@@ -97,13 +99,16 @@ class Backend {
 };
 
 struct BackendConfig {
-  std::string device = "auto";  // "auto", "cpu" (and "cuda" once that backend exists).
+  std::string device = "auto";  // "auto", "cpu", "cuda" or "cuda:N".
   int threads = 0;              // CPU worker threads; 0 = hardware concurrency.
   int64_t max_naive_bytes = 0;  // 0 = a quarter of physical memory.
 };
 
-// Creates the backend config.device names. INVALID_ARGUMENT for an unknown device,
-// UNAVAILABLE for one this build or machine cannot provide.
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendConfig& config);
+// Creates the backend config.device names; "auto" is the first CUDA device when this build has
+// the CUDA backend and the machine a usable device, else the CPU (then *notice, when not null,
+// says why). INVALID_ARGUMENT for an unknown device, UNAVAILABLE for one this build or machine
+// cannot provide.
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendConfig& config,
+                                                     std::string* notice = nullptr);
 
 }  // namespace attn

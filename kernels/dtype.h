@@ -29,15 +29,23 @@ constexpr const char* DTypeName(DType dtype) {
 }
 
 ATTN_HOST_DEVICE uint32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   return bits;
+#endif
 }
 
 ATTN_HOST_DEVICE float BitsToFloat(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+#endif
 }
 
 ATTN_HOST_DEVICE float HalfToFloat(uint16_t h) {
@@ -60,8 +68,8 @@ ATTN_HOST_DEVICE uint16_t FloatToHalf(float f) {
   if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // ≥ 65520 → inf
   if (magnitude < 0x38800000u) {
     // Below fp16's smallest normal (2^-14): count units of 2^-24, rounded to nearest even.
-    // The product is exact in fp32, so rintf (default rounding mode) does the rounding.
-    const float units = std::rint(BitsToFloat(magnitude) * 16777216.0f);
+    // The product is exact in fp32, so rintf (ties to even) does the rounding.
+    const float units = rintf(BitsToFloat(magnitude) * 16777216.0f);
     return static_cast<uint16_t>(sign | static_cast<uint32_t>(units));
   }
   // Normal: rebias the exponent (127 → 15) and round 23 mantissa bits to 10, ties to even.

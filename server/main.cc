@@ -19,7 +19,9 @@
 #include "server/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Address to serve gRPC on (host:port).");
-ABSL_FLAG(std::string, device, "auto", "Compute device: auto or cpu.");
+ABSL_FLAG(std::string, device, "auto",
+          "Compute device: auto (the first CUDA device if there is one, else the CPU), cpu, "
+          "cuda or cuda:N.");
 ABSL_FLAG(int, threads, 0, "CPU worker threads per computation; 0 = every hardware thread.");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
           "Largest request or response message, bytes (receive and send).");
@@ -73,6 +75,11 @@ int main(int argc, char** argv) {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::Server* running = nullptr;  // Set once built; the service only calls back after that.
+  config.on_device_lost = [&running] {
+    std::fprintf(stderr, "attnd: the device failed; health is now NOT_SERVING\n");
+    if (running != nullptr) running->GetHealthCheckService()->SetServingStatus(false);
+  };
   attn::AttentionService service(**backend, config);
   grpc::ServerBuilder builder;
   int port = 0;
@@ -83,6 +90,7 @@ int main(int argc, char** argv) {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die(absl::StrCat("cannot listen on ", listen));
+  running = server.get();
 
   std::printf(
       "attnd %s serving attention.v1 on %s (port %d)\n  device: %s [%s]\n  limits: "

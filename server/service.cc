@@ -98,6 +98,14 @@ void LogFailedRequest(absl::string_view method, const std::string& peer,
 AttentionService::AttentionService(Backend& backend, ServiceConfig config)
     : backend_(backend), config_(std::move(config)) {}
 
+absl::Status AttentionService::CheckDevice() {
+  if (backend_.healthy()) return absl::OkStatus();
+  if (!loss_reported_.exchange(true) && config_.on_device_lost) config_.on_device_lost();
+  return absl::UnavailableError(absl::StrCat("the ", backend_.name(),
+                                             " device failed; this server cannot compute until "
+                                             "it restarts"));
+}
+
 grpc::ServerUnaryReactor* AttentionService::Naive(grpc::CallbackServerContext* context,
                                                   const v1::AttentionRequest* request,
                                                   v1::AttentionResponse* response) {
@@ -126,6 +134,10 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   absl::StatusOr<Problem> problem = ParseAttentionRequest(*request, backend_.default_block_k());
   if (!problem.ok()) {
     fail(problem.status());
+    return reactor;
+  }
+  if (absl::Status device = CheckDevice(); !device.ok()) {
+    fail(device);
     return reactor;
   }
   queue_.Submit(

@@ -7,7 +7,9 @@
 // destroying the service waits for queued computations to finish.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -23,6 +25,9 @@ namespace attn {
 struct ServiceConfig {
   TraceLimits trace;
   int64_t max_message_bytes = int64_t{1} << 30;
+  // Called (once) when the backend reports that its device is lost, e.g. to mark the health
+  // service NOT_SERVING. May be empty.
+  std::function<void()> on_device_lost;
 };
 
 // The one mapping from internal errors to gRPC's: the codes are numerically identical.
@@ -50,8 +55,12 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
                                     const attention::v1::AttentionRequest* request,
                                     attention::v1::AttentionResponse* response);
 
+  // UNAVAILABLE once the backend's device is lost (reporting the loss the first time).
+  absl::Status CheckDevice();
+
   Backend& backend_;
   const ServiceConfig config_;
+  std::atomic<bool> loss_reported_{false};
   ComputeQueue queue_;  // Last: destroyed first, finishing queued work while the rest lives.
 };
 

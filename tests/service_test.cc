@@ -29,7 +29,7 @@ using testing::HostProblem;
 class CountingBackend final : public Backend {
  public:
   explicit CountingBackend(Backend& inner) : inner_(inner) {}
-  std::string_view name() const override { return inner_.name(); }
+  const char* name() const override { return inner_.name(); }
   std::string device() const override { return inner_.device(); }
   int64_t memory_bytes() const override { return inner_.memory_bytes(); }
   int default_block_k() const override { return inner_.default_block_k(); }

@@ -19,7 +19,7 @@ class CpuBackend final : public Backend {
   // score and weight storage (0 = a quarter of physical memory).
   CpuBackend(int threads, int64_t max_naive_bytes);
 
-  std::string_view name() const override { return "cpu"; }
+  const char* name() const override { return "cpu"; }
   std::string device() const override { return device_; }
   int64_t memory_bytes() const override { return memory_bytes_; }
   int default_block_k() const override { return kDefaultBlockK; }

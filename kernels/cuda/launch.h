@@ -1,0 +1,93 @@
+// Launchers of the CUDA kernels (naive.cu, tiled.cu, trace.cu), callable from host code.
+//
+// Every launcher enqueues work on `stream` and returns the launch's error (cudaSuccess when it
+// was queued); errors during execution surface at the next synchronizing call. Inputs are a
+// DeviceProblem: query, key and value in one storage dtype, each row padded with zeros to
+// `pitch` elements, so that kernels compiled for a few head sizes serve every head_dim 1..256.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/problem.h"
+
+namespace attn::cuda {
+
+// Head sizes the fused kernels are compiled for; head_dim and value_dim are padded up to one.
+constexpr int kCompiledDims[] = {32, 64, 128, 256};
+constexpr int kMaxHeadDim = 256;
+
+// The padded size for a shape: the smallest compiled size ≥ max(head_dim, value_dim), or 0
+// when the shape is too wide for the CUDA kernels.
+inline int PaddedDim(const Shape& shape) {
+  for (int dim : kCompiledDims) {
+    if (shape.head_dim <= dim && shape.value_dim <= dim) return dim;
+  }
+  return 0;
+}
+
+struct DeviceProblem {
+  Shape shape;
+  DType dtype = DType::kFloat32;  // Of query, key and value alike.
+  int pitch = 32;                 // Elements per row in memory: PaddedDim(shape).
+  float scale = 1.f;
+  bool causal = false;
+  const void* query = nullptr;  // [batch, heads, query_len, pitch]
+  const void* key = nullptr;    // [batch, kv_heads, key_len, pitch]
+  const void* value = nullptr;  // [batch, kv_heads, key_len, pitch]
+};
+
+// --- Tiled (tiled.cu) -----------------------------------------------------------------------
+
+// Keys per tile the fused kernel uses for this problem.
+int TiledBlockK(const DeviceProblem& problem);
+
+// Dynamic shared memory per block the fused kernel needs for this problem, bytes.
+int TiledSharedBytes(const DeviceProblem& problem);
+
+// The fused online-softmax kernel: out [batch, heads, query_len, value_dim] fp32 and, when
+// lse is not null, lse [batch, heads, query_len].
+cudaError_t LaunchTiled(const DeviceProblem& problem, float* out, float* lse, cudaStream_t stream);
+
+// --- Naive's pieces (naive.cu); the two matrix products are cuBLAS calls --------------------
+
+// Row-wise stable softmax of scores [B·H·Nq, Nk] (row r is query r % Nq) into weights, with
+// the causal mask applied here; lse (nullable) gets each row's log-sum-exp.
+cudaError_t LaunchSoftmax(const float* scores, float* weights, float* lse, int64_t rows,
+                          int64_t query_len, int64_t key_len, bool causal, cudaStream_t stream);
+
+// Dense fp32 copy [rows, cols] of a pitched tensor in `dtype`.
+cudaError_t LaunchToFloat(const void* input, DType dtype, int64_t pitch, int64_t rows, int64_t cols,
+                          float* output, cudaStream_t stream);
+
+// output[i] = input[i] rounded to `dtype` (nearest even), for i < count.
+cudaError_t LaunchStore(const float* input, int64_t count, DType dtype, void* output,
+                        cudaStream_t stream);
+
+// --- Trace (trace.cu) -----------------------------------------------------------------------
+
+// Where the trace kernel records each step of each traced row (all device pointers). Row r's
+// steps are first_step[r] .. first_step[r] + its visited tiles − 1.
+struct TraceRecords {
+  int rows = 0;
+  int block_k = 1;
+  const int64_t* row_refs = nullptr;    // [rows, 3]: batch, head, query row
+  const int64_t* first_step = nullptr;  // [rows]
+  float* scores = nullptr;              // [steps, block_k]
+  float* weights = nullptr;             // [steps, block_k]
+  float* scalars = nullptr;             // [steps, 4]: max_before, max_after, rescale, denominator
+  float* accumulator = nullptr;         // [steps, value_dim]
+  float* estimate = nullptr;            // [steps, value_dim]
+  float* output = nullptr;              // [rows, value_dim]: the online result
+  float* reference = nullptr;           // [rows, value_dim]: the full-matrix result
+  float* lse = nullptr;                 // [rows]
+  float* reference_scores = nullptr;    // [rows, key_len]: the full score → weight row
+};
+
+constexpr int kTraceScalars = 4;
+
+cudaError_t LaunchTrace(const DeviceProblem& problem, const TraceRecords& records,
+                        cudaStream_t stream);
+
+}  // namespace attn::cuda

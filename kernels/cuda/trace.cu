@@ -1,0 +1,139 @@
+// Trace on the GPU: the online softmax of chosen query rows, recorded step by step.
+//
+// One warp per traced row. For each key tile: the lanes compute the tile's scaled, masked scores
+// into the record; lane 0 runs OnlineSoftmaxRow::VisitTile on them — the very function the CPU
+// Tiled path and trace call — writing the weights and the running max, rescale and denominator
+// into the record; every lane then rescales and accumulates its value columns and records the
+// accumulator and the estimate. After the last tile the warp computes the row the Naive way
+// (all scores, stable softmax, weighted sum) as the reference.
+// Inputs as in tiled.cu (rows padded to `pitch`); records as in launch.h (TraceRecords).
+// Tracing is for inspection, not speed: one warp per row, scores one lane per key.
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/dtype.h"
+#include "kernels/online_softmax.h"
+
+namespace attn::cuda {
+namespace {
+
+constexpr int kMaxColumnsPerLane = kMaxHeadDim / 32;
+
+struct TraceParams {
+  DeviceProblem problem;
+  TraceRecords records;
+};
+
+__device__ float Dot(const DeviceProblem& p, int64_t query_offset, int64_t key_offset) {
+  float dot = 0.f;
+  for (int64_t c = 0; c < p.shape.head_dim; ++c) {
+    dot += LoadElement(p.query, p.dtype, query_offset + c) *
+           LoadElement(p.key, p.dtype, key_offset + c);
+  }
+  return dot;
+}
+
+__global__ void TraceKernel(const TraceParams params) {
+  const DeviceProblem& p = params.problem;
+  const TraceRecords& rec = params.records;
+  const Shape& s = p.shape;
+  const int lane = threadIdx.x;
+  const int r = blockIdx.x;
+  const int64_t batch = rec.row_refs[3 * r];
+  const int64_t head = rec.row_refs[3 * r + 1];
+  const int64_t row = rec.row_refs[3 * r + 2];
+  const int64_t kv_head = batch * s.kv_heads + head / (s.heads / s.kv_heads);
+  const int64_t query_offset = ((batch * s.heads + head) * s.query_len + row) * p.pitch;
+  const int64_t kv_offset = kv_head * s.key_len * p.pitch;
+  const int64_t visible =
+      p.causal ? min(max(row + s.key_len - s.query_len + 1, int64_t{0}), s.key_len) : s.key_len;
+  const int64_t tiles = (visible + rec.block_k - 1) / rec.block_k;
+
+  OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.
+  float acc[kMaxColumnsPerLane] = {};
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t step = rec.first_step[r] + tile;
+    const int64_t key_begin = tile * rec.block_k;
+    const int n = static_cast<int>(min(key_begin + rec.block_k, s.key_len) - key_begin);
+    float* scores = rec.scores + step * rec.block_k;
+    float* weights = rec.weights + step * rec.block_k;
+    for (int j = lane; j < n; j += 32) {
+      const int64_t key = key_begin + j;
+      scores[j] =
+          key < visible ? p.scale * Dot(p, query_offset, kv_offset + key * p.pitch) : -INFINITY;
+    }
+    __syncwarp();
+    float* scalars = rec.scalars + step * kTraceScalars;
+    float rescale = 0.f;
+    if (lane == 0) {
+      scalars[0] = state.max;
+      rescale = state.VisitTile(scores, n, weights);
+      scalars[1] = state.max;
+      scalars[2] = rescale;
+      scalars[3] = state.denominator;
+    }
+    rescale = __shfl_sync(0xffffffffu, rescale, 0);
+    state.max = __shfl_sync(0xffffffffu, state.max, 0);
+    state.denominator = __shfl_sync(0xffffffffu, state.denominator, 0);
+    __syncwarp();  // The weights lane 0 wrote are visible to every lane.
+#pragma unroll
+    for (int m = 0; m < kMaxColumnsPerLane; ++m) {
+      const int64_t column = lane + 32 * m;
+      if (column >= s.value_dim) break;
+      float a = acc[m] * rescale;
+      for (int j = 0; j < n; ++j) {
+        a += weights[j] *
+             LoadElement(p.value, p.dtype, kv_offset + (key_begin + j) * p.pitch + column);
+      }
+      acc[m] = a;
+      rec.accumulator[step * s.value_dim + column] = a;
+      rec.estimate[step * s.value_dim + column] = state.Normalize(a);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kMaxColumnsPerLane; ++m) {
+    const int64_t column = lane + 32 * m;
+    if (column < s.value_dim) rec.output[r * s.value_dim + column] = state.Normalize(acc[m]);
+  }
+  if (lane == 0) rec.lse[r] = state.LogSumExp();
+
+  // The reference: the whole score row, then its softmax, then the weighted sum.
+  float* full = rec.reference_scores + r * s.key_len;
+  float max_score = -INFINITY;
+  for (int64_t j = lane; j < s.key_len; j += 32) {
+    full[j] = j < visible ? p.scale * Dot(p, query_offset, kv_offset + j * p.pitch) : -INFINITY;
+    max_score = fmaxf(max_score, full[j]);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    max_score = fmaxf(max_score, __shfl_xor_sync(0xffffffffu, max_score, offset));
+  }
+  float sum = 0.f;
+  for (int64_t j = lane; j < s.key_len; j += 32) {
+    full[j] = j < visible ? expf(full[j] - max_score) : 0.f;
+    sum += full[j];
+  }
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  __syncwarp();
+  const float inverse = visible > 0 ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int m = 0; m < kMaxColumnsPerLane; ++m) {
+    const int64_t column = lane + 32 * m;
+    if (column >= s.value_dim) break;
+    float out = 0.f;
+    for (int64_t j = 0; j < visible; ++j) {
+      out += full[j] * inverse * LoadElement(p.value, p.dtype, kv_offset + j * p.pitch + column);
+    }
+    rec.reference[r * s.value_dim + column] = out;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchTrace(const DeviceProblem& problem, const TraceRecords& records,
+                        cudaStream_t stream) {
+  if (records.rows <= 0) return cudaSuccess;
+  TraceKernel<<<records.rows, 32, 0, stream>>>(TraceParams{problem, records});
+  return cudaGetLastError();
+}
+
+}  // namespace attn::cuda
