@@ -87,6 +87,9 @@ class Backend {
   // False once the device failed in a way this process cannot recover from; every call then
   // answers UNAVAILABLE.
   virtual bool healthy() const { return true; }
+  // Computations worth running at once: 1 for a backend that already spreads each call over the
+  // whole device (the CPU), the number of streams for a GPU.
+  virtual int concurrency() const { return 1; }
 
   // Full-matrix attention. RESOURCE_EXHAUSTED (naming Tiled) when the score and weight
   // matrices would pass max_naive_bytes().

@@ -1,10 +1,9 @@
 // ComputeQueue: runs computations off gRPC's callback threads, in arrival order.
 //
 // gRPC's callback handlers must not block, and a Naive or Tiled call can compute for seconds.
-// Handlers Submit the work here; `workers` threads run it. Each backend call already spreads
-// over every CPU thread, so one worker (the default) runs one computation at a time rather
-// than oversubscribing the machine. The destructor runs everything already submitted, then
-// joins: no accepted request is dropped.
+// Handlers Submit the work here; `workers` threads run it (the backend's concurrency(): one for
+// the CPU, whose every call already spreads over all threads; one per stream for a GPU). The
+// destructor runs everything already submitted, then joins: no accepted request is dropped.
 #pragma once
 
 #include <condition_variable>

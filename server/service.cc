@@ -96,7 +96,7 @@ void LogFailedRequest(absl::string_view method, const std::string& peer,
 }
 
 AttentionService::AttentionService(Backend& backend, ServiceConfig config)
-    : backend_(backend), config_(std::move(config)) {}
+    : backend_(backend), config_(std::move(config)), queue_(backend.concurrency()) {}
 
 absl::Status AttentionService::CheckDevice() {
   if (backend_.healthy()) return absl::OkStatus();

@@ -121,6 +121,7 @@ class CudaBackend final : public Backend {
   int default_block_k() const override { return 64; }
   int64_t max_naive_bytes() const override { return max_naive_bytes_; }
   bool healthy() const override { return !lost_.load(); }
+  int concurrency() const override { return static_cast<int>(slots_.size()); }
 
   absl::StatusOr<Stats> Naive(const Problem& problem, const Outputs& outputs) override;
   absl::StatusOr<Stats> Tiled(const Problem& problem, const Outputs& outputs) override;
@@ -313,7 +314,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   const Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
   ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot.stream));
-  const int64_t input_bytes = memory.bytes();
+  int64_t scratch_bytes = storage_bytes;  // The two matrices, and fp32 values if converted.
   ATTN_ASSIGN_OR_RETURN(float* scores, memory.Allocate<float>(matrix_elements * 4));
   ATTN_ASSIGN_OR_RETURN(float* weights, memory.Allocate<float>(matrix_elements * 4));
   ATTN_ASSIGN_OR_RETURN(float* out, memory.Allocate<float>(problem.OutputElements() * 4));
@@ -326,6 +327,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   if (device.dtype != DType::kFloat32) {  // cuBLAS multiplies fp32 weights by fp32 values.
     const int64_t value_rows = s.batch * s.kv_heads * s.key_len;
     ATTN_ASSIGN_OR_RETURN(float* value32, memory.Allocate<float>(value_rows * s.value_dim * 4));
+    scratch_bytes += value_rows * s.value_dim * 4;
     ATTN_RETURN_IF_ERROR(Check(LaunchToFloat(device.value, device.dtype, pitch, value_rows,
                                              s.value_dim, value32, slot.stream),
                                "LaunchToFloat"));
@@ -375,8 +377,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
   stats.flops = problem.Flops();
   stats.intermediate_bytes = problem.NaiveIntermediateBytes();
-  stats.scratch_bytes = memory.bytes() - input_bytes - problem.OutputElements() * 4 -
-                        (lse != nullptr ? problem.LseElements() * 4 : 0);
+  stats.scratch_bytes = scratch_bytes;
   stats.peak_memory_bytes = memory.bytes();
   return stats;
 }
@@ -393,7 +394,6 @@ absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& 
   const Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
   ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot.stream));
-  const int64_t input_bytes = memory.bytes();
   ATTN_ASSIGN_OR_RETURN(float* out, memory.Allocate<float>(problem.OutputElements() * 4));
   float* lse = nullptr;
   if (outputs.lse != nullptr) {
@@ -418,7 +418,6 @@ absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& 
   // On chip per block: the query block and two key/value tiles in shared memory.
   stats.scratch_bytes = TiledSharedBytes(device);
   stats.peak_memory_bytes = memory.bytes();
-  (void)input_bytes;
   return stats;
 }
 

@@ -21,6 +21,8 @@ inline bool IsStickyError(cudaError_t error) {
     case cudaErrorInvalidAddressSpace:
     case cudaErrorInvalidPc:
     case cudaErrorECCUncorrectable:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
     case cudaErrorUnknown:
       return true;
     default:

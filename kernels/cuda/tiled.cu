@@ -15,8 +15,8 @@
 //                    of a 32-key tile, then every lane accumulates its P/32 output columns.
 // Causal: tiles past a block's last visible key are never loaded. GQA: query head h reads key
 // head h / (H / Hkv) in place.
-// Measured: not yet on a GPU (see docs/perf.md); the static checks (tests/cuda_static_check.sh)
-// hold it to no spills and no stack frame.
+// Measured: not yet on a GPU (see docs/perf.md); the static checks
+// (tests/static/cuda_static_check.sh) hold it to no spills and no stack frame.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
