@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -80,13 +81,51 @@ class Allocations {
   int64_t bytes_ = 0;
 };
 
-// A stream with its own cuBLAS handle and timing events; one request at a time.
+// A stream with its own cuBLAS handle, timing events and pinned staging buffer (so host↔device
+// copies are truly asynchronous); one request at a time.
 struct Slot {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
   cudaEvent_t start = nullptr;
   cudaEvent_t stop = nullptr;
+  char* staging = nullptr;  // Pinned host memory, grown on demand.
+  int64_t staging_bytes = 0;
+
+  // Grows the staging memory to at least `bytes`. Only while the stream is idle: at the start
+  // of a request, before its first copy.
+  absl::Status ReserveStaging(int64_t bytes) {
+    if (bytes <= staging_bytes) return absl::OkStatus();
+    if (staging != nullptr) cudaFreeHost(staging);
+    staging = nullptr;
+    staging_bytes = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging, bytes, cudaHostAllocDefault));
+    staging_bytes = bytes;
+    return absl::OkStatus();
+  }
 };
+
+// A device→host copy that lands in staging memory and is moved to its destination once the
+// stream has finished.
+struct StagedResult {
+  void* host;
+  const char* staged;
+  int64_t bytes;
+};
+
+// Pinned staging one request needs: its inputs (dense, in the dtype they travel in) or its
+// results, whichever is larger. Reserved before the first copy, so it never moves mid-request.
+int64_t StagingBytes(const Problem& problem, bool lse) {
+  const Shape& s = problem.shape;
+  const bool same_dtype =
+      problem.query.dtype == problem.key.dtype && problem.key.dtype == problem.value.dtype;
+  const int64_t element = ElementSize(same_dtype ? problem.query.dtype : DType::kFloat32);
+  const int64_t inputs = (s.batch * s.heads * s.query_len * s.head_dim +
+                          s.batch * s.kv_heads * s.key_len * (s.head_dim + s.value_dim)) *
+                         element;
+  const int64_t results = problem.OutputElements() * ElementSize(problem.output_dtype) +
+                          (lse ? problem.LseElements() * 4 : 0);
+  return std::max(inputs, results);
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -112,6 +151,7 @@ class CudaBackend final : public Backend {
       cudaEventDestroy(slot.start);
       cudaEventDestroy(slot.stop);
       cudaStreamDestroy(slot.stream);
+      if (slot.staging != nullptr) cudaFreeHost(slot.staging);
     }
   }
 
@@ -139,13 +179,15 @@ class CudaBackend final : public Backend {
       backend_.free_.pop_back();
     }
     ~Lease() {
+      // A request that failed half-way may have copies in flight from the staging memory.
+      cudaStreamSynchronize(slot().stream);
       {
         std::lock_guard<std::mutex> lock(backend_.mutex_);
         backend_.free_.push_back(index_);
       }
       backend_.slot_freed_.notify_one();
     }
-    const Slot& slot() const { return backend_.slots_[index_]; }
+    Slot& slot() const { return backend_.slots_[index_]; }
 
    private:
     CudaBackend& backend_;
@@ -167,12 +209,17 @@ class CudaBackend final : public Backend {
     return Check(cudaSetDevice(index_), "cudaSetDevice");
   }
 
-  // Copies the problem's inputs to the device in one dtype, rows padded with zeros to `pitch`.
+  // Copies the problem's inputs to the device in one dtype, rows padded with zeros to `pitch`,
+  // through the slot's staging memory.
   absl::StatusOr<DeviceProblem> Upload(const Problem& problem, int pitch, Allocations& memory,
-                                       cudaStream_t stream);
-  // Copies fp32 `result` [count] to the host in `dtype` (converting on the device if needed).
+                                       Slot& slot);
+  // Queues the copy of fp32 `result` [count] to the host in `host.dtype` (converted on the
+  // device if needed) into staging memory at *staging_offset; Finish moves it to `host`.
   absl::Status Download(const float* result, int64_t count, const MutableTensorView& host,
-                        Allocations& memory, cudaStream_t stream);
+                        Allocations& memory, Slot& slot, int64_t* staging_offset,
+                        std::vector<StagedResult>* results);
+  // Waits for the slot's stream, then moves the staged results to their destinations.
+  absl::Status Finish(const Slot& slot, const std::vector<StagedResult>& results, const char* what);
   absl::StatusOr<int64_t> ElapsedNs(const Slot& slot);
 
   const int index_;
@@ -188,7 +235,7 @@ class CudaBackend final : public Backend {
 };
 
 absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pitch,
-                                                  Allocations& memory, cudaStream_t stream) {
+                                                  Allocations& memory, Slot& slot) {
   const Shape& s = problem.shape;
   DeviceProblem device;
   device.shape = s;
@@ -197,7 +244,7 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
   device.causal = problem.causal;
   const bool same_dtype =
       problem.query.dtype == problem.key.dtype && problem.key.dtype == problem.value.dtype;
-  device.dtype = same_dtype ? problem.query.dtype : DType::kFloat32;
+  device.dtype = same_dtype ? problem.query.dtype : DType::kFloat32;  // Mixed: all as fp32.
   const int64_t element = ElementSize(device.dtype);
 
   struct Input {
@@ -207,85 +254,71 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
   } inputs[] = {{problem.query, s.batch * s.heads * s.query_len, s.head_dim, &device.query},
                 {problem.key, s.batch * s.kv_heads * s.key_len, s.head_dim, &device.key},
                 {problem.value, s.batch * s.kv_heads * s.key_len, s.value_dim, &device.value}};
+  char* staged = slot.staging;  // Reserved by the caller (StagingBytes).
   for (const Input& input : inputs) {
-    absl::StatusOr<void*> buffer = memory.Allocate(input.rows * pitch * element);
-    if (!buffer.ok()) return buffer.status();
-    const void* source = input.view.data;
-    std::vector<float> converted;  // Mixed dtypes travel as fp32.
-    if (input.view.dtype != device.dtype) {
-      converted.resize(input.rows * input.width);
-      for (size_t i = 0; i < converted.size(); ++i) converted[i] = input.view[i];
-      source = converted.data();
-    }
-    if (input.width == pitch) {
-      if (absl::Status status = Check(cudaMemcpyAsync(*buffer, source, input.rows * pitch * element,
-                                                      cudaMemcpyHostToDevice, stream),
-                                      "cudaMemcpyAsync (input)");
-          !status.ok()) {
-        return status;
-      }
+    const int64_t dense_bytes = input.rows * input.width * element;
+    if (input.view.dtype == device.dtype) {
+      std::memcpy(staged, input.view.data, dense_bytes);
     } else {
-      if (absl::Status status =
-              Check(cudaMemsetAsync(*buffer, 0, input.rows * pitch * element, stream),
-                    "cudaMemsetAsync (input padding)");
-          !status.ok()) {
-        return status;
-      }
-      if (absl::Status status = Check(
-              cudaMemcpy2DAsync(*buffer, pitch * element, source, input.width * element,
-                                input.width * element, input.rows, cudaMemcpyHostToDevice, stream),
-              "cudaMemcpy2DAsync (input)");
-          !status.ok()) {
-        return status;
-      }
+      float* converted = reinterpret_cast<float*>(staged);
+      for (int64_t i = 0; i < input.rows * input.width; ++i) converted[i] = input.view[i];
     }
-    *input.target = *buffer;
+    ATTN_ASSIGN_OR_RETURN(void* buffer, memory.Allocate(input.rows * pitch * element));
+    if (input.width != pitch) {  // Zero padding: it meets zeros in every dot product.
+      ATTN_RETURN_IF_ERROR(
+          Check(cudaMemsetAsync(buffer, 0, input.rows * pitch * element, slot.stream),
+                "cudaMemsetAsync (input padding)"));
+    }
+    ATTN_RETURN_IF_ERROR(Check(
+        cudaMemcpy2DAsync(buffer, pitch * element, staged, input.width * element,
+                          input.width * element, input.rows, cudaMemcpyHostToDevice, slot.stream),
+        "cudaMemcpy2DAsync (input)"));
+    *input.target = buffer;
+    staged += dense_bytes;
   }
   return device;
 }
 
 absl::Status CudaBackend::Download(const float* result, int64_t count,
-                                   const MutableTensorView& host, Allocations& memory,
-                                   cudaStream_t stream) {
+                                   const MutableTensorView& host, Allocations& memory, Slot& slot,
+                                   int64_t* staging_offset, std::vector<StagedResult>* results) {
   const void* source = result;
+  const int64_t bytes = count * ElementSize(host.dtype);
   if (host.dtype != DType::kFloat32) {
-    absl::StatusOr<void*> converted = memory.Allocate(count * ElementSize(host.dtype));
-    if (!converted.ok()) return converted.status();
-    if (absl::Status status =
-            Check(LaunchStore(result, count, host.dtype, *converted, stream), "LaunchStore");
-        !status.ok()) {
-      return status;
-    }
-    source = *converted;
+    ATTN_ASSIGN_OR_RETURN(void* converted, memory.Allocate(bytes));
+    ATTN_RETURN_IF_ERROR(
+        Check(LaunchStore(result, count, host.dtype, converted, slot.stream), "LaunchStore"));
+    source = converted;
   }
-  return Check(cudaMemcpyAsync(host.data, source, count * ElementSize(host.dtype),
-                               cudaMemcpyDeviceToHost, stream),
-               "cudaMemcpyAsync (output)");
+  // The staging memory may still be feeding this stream's uploads; the copy below is queued
+  // after them, so overwriting it is ordered. The caller reserved room for every result.
+  if (*staging_offset + bytes > slot.staging_bytes) {
+    return absl::InternalError("results exceed the staging memory reserved for them");
+  }
+  char* staged = slot.staging + *staging_offset;
+  ATTN_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(staged, source, bytes, cudaMemcpyDeviceToHost, slot.stream),
+            "cudaMemcpyAsync (output)"));
+  results->push_back(StagedResult{host.data, staged, bytes});
+  *staging_offset += bytes;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Finish(const Slot& slot, const std::vector<StagedResult>& results,
+                                 const char* what) {
+  ATTN_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.stream), what));
+  for (const StagedResult& result : results) {
+    std::memcpy(result.host, result.staged, result.bytes);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> CudaBackend::ElapsedNs(const Slot& slot) {
   float ms = 0.f;
-  if (absl::Status status =
-          Check(cudaEventElapsedTime(&ms, slot.start, slot.stop), "cudaEventElapsedTime");
-      !status.ok()) {
-    return status;
-  }
+  ATTN_RETURN_IF_ERROR(
+      Check(cudaEventElapsedTime(&ms, slot.start, slot.stop), "cudaEventElapsedTime"));
   return static_cast<int64_t>(static_cast<double>(ms) * 1e6);
 }
-
-// Evaluates an expression yielding absl::Status; returns it if not OK.
-#define ATTN_RETURN_IF_ERROR(expr)                                    \
-  do {                                                                \
-    if (absl::Status status_ = (expr); !status_.ok()) return status_; \
-  } while (0)
-
-// Assigns the value of a StatusOr expression to `lhs`, or returns its error.
-#define ATTN_ASSIGN_OR_RETURN(lhs, expr)                                                        \
-  auto ATTN_CONCAT(statusor_, __LINE__) = (expr);                                               \
-  if (!ATTN_CONCAT(statusor_, __LINE__).ok()) return ATTN_CONCAT(statusor_, __LINE__).status(); \
-  lhs = *std::move(ATTN_CONCAT(statusor_, __LINE__))
-#define ATTN_CONCAT_INNER(a, b) a##b
-#define ATTN_CONCAT(a, b) ATTN_CONCAT_INNER(a, b)
 
 absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& outputs) {
   const Shape& s = problem.shape;
@@ -311,9 +344,10 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   }
   ATTN_RETURN_IF_ERROR(Start());
   Lease lease(*this);
-  const Slot& slot = lease.slot();
+  Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
-  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot.stream));
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, outputs.lse != nullptr)));
+  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot));
   int64_t scratch_bytes = storage_bytes;  // The two matrices, and fp32 values if converted.
   ATTN_ASSIGN_OR_RETURN(float* scores, memory.Allocate<float>(matrix_elements * 4));
   ATTN_ASSIGN_OR_RETURN(float* weights, memory.Allocate<float>(matrix_elements * 4));
@@ -364,14 +398,16 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
                                  batches, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmStridedBatchedEx (output)"));
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.stop, slot.stream), "cudaEventRecord"));
-  ATTN_RETURN_IF_ERROR(
-      Download(out, problem.OutputElements(), outputs.output, memory, slot.stream));
+  std::vector<StagedResult> results;
+  int64_t staging_offset = 0;
+  ATTN_RETURN_IF_ERROR(Download(out, problem.OutputElements(), outputs.output, memory, slot,
+                                &staging_offset, &results));
   if (lse != nullptr) {
     ATTN_RETURN_IF_ERROR(Download(lse, problem.LseElements(),
-                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory,
-                                  slot.stream));
+                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory, slot,
+                                  &staging_offset, &results));
   }
-  ATTN_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.stream), "Naive on the device"));
+  ATTN_RETURN_IF_ERROR(Finish(slot, results, "Naive on the device"));
 
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
@@ -391,9 +427,10 @@ absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& 
   }
   ATTN_RETURN_IF_ERROR(Start());
   Lease lease(*this);
-  const Slot& slot = lease.slot();
+  Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
-  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot.stream));
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, outputs.lse != nullptr)));
+  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot));
   ATTN_ASSIGN_OR_RETURN(float* out, memory.Allocate<float>(problem.OutputElements() * 4));
   float* lse = nullptr;
   if (outputs.lse != nullptr) {
@@ -402,14 +439,16 @@ absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& 
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.start, slot.stream), "cudaEventRecord"));
   ATTN_RETURN_IF_ERROR(Check(LaunchTiled(device, out, lse, slot.stream), "LaunchTiled"));
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.stop, slot.stream), "cudaEventRecord"));
-  ATTN_RETURN_IF_ERROR(
-      Download(out, problem.OutputElements(), outputs.output, memory, slot.stream));
+  std::vector<StagedResult> results;
+  int64_t staging_offset = 0;
+  ATTN_RETURN_IF_ERROR(Download(out, problem.OutputElements(), outputs.output, memory, slot,
+                                &staging_offset, &results));
   if (lse != nullptr) {
     ATTN_RETURN_IF_ERROR(Download(lse, problem.LseElements(),
-                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory,
-                                  slot.stream));
+                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory, slot,
+                                  &staging_offset, &results));
   }
-  ATTN_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.stream), "Tiled on the device"));
+  ATTN_RETURN_IF_ERROR(Finish(slot, results, "Tiled on the device"));
 
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
@@ -510,10 +549,11 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
 
   ATTN_RETURN_IF_ERROR(Start());
   Lease lease(*this);
-  const Slot& slot = lease.slot();
+  Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
   const int pitch = static_cast<int>(std::max(s.head_dim, s.value_dim));
-  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot.stream));
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, false)));
+  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot));
 
   TraceRecords device_records;
   device_records.rows = static_cast<int>(n_rows);

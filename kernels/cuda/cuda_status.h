@@ -64,3 +64,17 @@ inline absl::Status CublasStatus(cublasStatus_t status, const char* what) {
         !cublas_status.ok())                                                    \
       return cublas_status;                                                     \
   } while (0)
+
+// Evaluates an expression yielding absl::Status; returns it if not OK.
+#define ATTN_RETURN_IF_ERROR(expr)                                    \
+  do {                                                                \
+    if (absl::Status status_ = (expr); !status_.ok()) return status_; \
+  } while (0)
+
+// Assigns the value of a StatusOr expression to `lhs`, or returns its error.
+#define ATTN_ASSIGN_OR_RETURN(lhs, expr)                                                        \
+  auto ATTN_CONCAT(statusor_, __LINE__) = (expr);                                               \
+  if (!ATTN_CONCAT(statusor_, __LINE__).ok()) return ATTN_CONCAT(statusor_, __LINE__).status(); \
+  lhs = *std::move(ATTN_CONCAT(statusor_, __LINE__))
+#define ATTN_CONCAT_INNER(a, b) a##b
+#define ATTN_CONCAT(a, b) ATTN_CONCAT_INNER(a, b)
