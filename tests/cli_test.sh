@@ -5,18 +5,28 @@ set -euo pipefail
 attnd=$1
 attn=$2
 log=$(mktemp)
-trap 'kill "$server" 2>/dev/null || true; rm -f "$log"' EXIT
+log2=$(mktemp)
+bench=$(mktemp -d)
+server=""
+server2=""
+trap 'kill $server $server2 2>/dev/null || true; rm -rf "$log" "$log2" "$bench"' EXIT
+
+wait_port() {  # wait_port PID LOG: prints the port attnd reported in LOG
+  local port=""
+  for _ in $(seq 100); do
+    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$2")
+    [ -n "$port" ] && { echo "$port"; return 0; }
+    kill -0 "$1" 2>/dev/null || { cat "$2" >&2; echo "FAIL: attnd exited" >&2; return 1; }
+    sleep 0.1
+  done
+  cat "$2" >&2
+  echo "FAIL: attnd never reported its port" >&2
+  return 1
+}
 
 "$attnd" --listen 127.0.0.1:0 --threads 2 >"$log" 2>&1 &
 server=$!
-port=""
-for _ in $(seq 100); do
-  port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$log")
-  [ -n "$port" ] && break
-  kill -0 "$server" 2>/dev/null || { cat "$log"; echo "FAIL: attnd exited"; exit 1; }
-  sleep 0.1
-done
-[ -n "$port" ] || { cat "$log"; echo "FAIL: attnd never reported its port"; exit 1; }
+port=$(wait_port "$server" "$log")
 target=(--target "127.0.0.1:$port")
 
 passed=0
@@ -59,6 +69,45 @@ check bad-row 1 'INVALID_ARGUMENT: rows\[0\]\.row' -- \
   "$attn" "${target[@]}" trace --example seed --rows 0:0:99
 check bad-command 2 'unknown command' -- "$attn" "${target[@]}" frobnicate
 check unreachable 1 'UNAVAILABLE' -- "$attn" --target 127.0.0.1:1 --timeout-ms 2000 info
+
+# attn bench: a tiny sweep, its table, CSV and SVG.
+csv_header='^method,n,batch,heads,kv_heads,dim,dtype,causal,block_k,repeats,status,wall_s,compute_s,'
+csv_header+='server_s,rpc_overhead_s,flops,gflops,intermediate_bytes,scratch_bytes,peak_memory_bytes,'
+csv_header+='message$'
+bench_run=("$attn" "${target[@]}" bench --ns "128,64" --heads 2 --dim 16 --repeats 1
+  --csv "$bench/a.csv" --svg "$bench/a.svg")
+check bench 0 '^tiled +128 +[0-9.]+ (ns|µs|ms|s) .* 0 B$' -- "${bench_run[@]}"
+check bench-progress 0 '^\[4/4\] tiled N=128 … [0-9.]+ (ns|µs|ms|s) ' -- "${bench_run[@]}"
+check bench-csv-header 0 "$csv_header" -- head -n 1 "$bench/a.csv"
+check bench-csv-naive 0 '^naive,64,1,2,2,16,f32,0,0,1,ok,[0-9.]+,' -- cat "$bench/a.csv"
+check bench-csv-tiled 0 '^tiled,128,1,2,2,16,f32,0,[0-9]+,1,ok,[0-9.]+,' -- cat "$bench/a.csv"
+check bench-csv-rows 0 '^4$' -- grep -cE '^(naive|tiled),(64|128),.*,ok,' "$bench/a.csv"
+check bench-svg-start 0 '^<svg ' -- head -c 5 "$bench/a.svg"
+check bench-svg-xml 0 '^\{http://www.w3.org/2000/svg\}svg$' -- /usr/bin/python3 -c \
+  'import sys, xml.etree.ElementTree as et; print(et.parse(sys.argv[1]).getroot().tag)' \
+  "$bench/a.svg"
+check bench-svg-naive 0 'Naive scratch' -- cat "$bench/a.svg"
+check bench-svg-tiled 0 'Tiled scratch' -- cat "$bench/a.svg"
+check bench-tiled-only 0 '^tiled +64 ' -- "$attn" "${target[@]}" bench --ns 64 --heads 1 \
+  --dim 8 --repeats 2 --methods tiled --csv "" --svg ""
+check bench-bad-ns 1 '--ns expects positive integers' -- "$attn" "${target[@]}" bench --ns 64,x
+check bench-bad-methods 1 '--methods expects naive, tiled' -- \
+  "$attn" "${target[@]}" bench --methods flash
+check bench-bad-path 1 'cannot write' -- "$attn" "${target[@]}" bench --ns 16 --repeats 1 \
+  --csv "$bench/missing/a.csv" --svg ""
+
+# A server whose Naive budget (200 000 bytes) holds N=64 (2·2·64²·4 = 65 536 bytes of scores
+# and weights) but not N=128 (262 144): the Naive point is refused and the sweep goes on.
+"$attnd" --listen 127.0.0.1:0 --threads 2 --max-naive-bytes 200000 >"$log2" 2>&1 &
+server2=$!
+port2=$(wait_port "$server2" "$log2")
+refused_run=("$attn" --target "127.0.0.1:$port2" bench --ns "64,128" --heads 2 --dim 16 --repeats 1
+  --csv "$bench/b.csv" --svg "$bench/b.svg")
+check bench-refused 0 '^naive +128 +refused: over --max-naive-bytes' -- "${refused_run[@]}"
+check bench-refused-goes-on 0 '^tiled +128 +[0-9.]+ (µs|ms|s) ' -- "${refused_run[@]}"
+check bench-refused-csv 0 '^naive,128,1,2,2,16,f32,0,0,1,refused,,.*max-naive-bytes' -- \
+  cat "$bench/b.csv"
+check bench-refused-svg 0 'Naive refused from N = 128' -- cat "$bench/b.svg"
 
 kill -0 "$server" || { echo "FAIL: attnd died"; cat "$log"; exit 1; }
 echo "cli: $passed passed, $failed failed"

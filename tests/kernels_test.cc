@@ -124,15 +124,17 @@ TEST(SeedExampleTest, FirstRowMatchesExplainerForEveryKernelAndBlockK) {
   }
 }
 
-// Keys 0 and 7 of the example are identical, so row 0 gives them the same score and weight.
+// Keys 0 and 7 of the example are identical, so row 0 gives them the same score and weight
+// (through Naive's own row computation).
 TEST(SeedExampleTest, TiedKeysShareTheWeight) {
   const HostProblem host = SeedExample();
   const Problem problem = host.View();
-  std::vector<float> weights(8);
-  ScoreRow(problem, host.query.data(), host.key.data(), 0, weights.data());
-  EXPECT_EQ(weights[0], 2.f);
-  EXPECT_EQ(weights[7], 2.f);
-  const float lse = SoftmaxRow(weights.data(), 8, weights.data());
+  std::vector<float> scores(8), weights(8), out(4);
+  float lse = 0;
+  NaiveRows(problem, host.query.data(), host.key.data(), host.value.data(), 0, 1, scores.data(),
+            weights.data(), &lse, out.data());
+  EXPECT_EQ(scores[0], 2.f);
+  EXPECT_EQ(scores[7], 2.f);
   EXPECT_EQ(weights[0], weights[7]);
   EXPECT_NEAR(weights[0], 0.304404, 1e-6);
   EXPECT_NEAR(lse, ReferenceAttention(host).lse[0], 1e-6);
@@ -161,9 +163,9 @@ TEST(SeedExampleTest, HugeScoresStayFiniteAndTied) {
   }
 
   const HostProblem host = SeedExample(1000.f);
-  std::vector<float> weights(8);
-  ScoreRow(host.View(), host.query.data(), host.key.data(), 0, weights.data());
-  SoftmaxRow(weights.data(), 8, weights.data());
+  std::vector<float> scores(8), weights(8), out(4);
+  NaiveRows(host.View(), host.query.data(), host.key.data(), host.value.data(), 0, 1, scores.data(),
+            weights.data(), nullptr, out.data());
   for (float w : weights) ASSERT_TRUE(std::isfinite(w));
   EXPECT_EQ(weights[0], weights[7]);
   EXPECT_NEAR(weights[0], 0.5, 1e-6);
@@ -225,8 +227,8 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"LongRows", MakeShape(1, 1, 1, 131, 293, 24, 16), false, 64, 2}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
-// ParallelFor hands row blocks to workers dynamically, but a row's arithmetic must not depend on
-// which worker ran it or how many there were.
+// The thread pool hands row blocks to workers dynamically, but a row's arithmetic must not depend
+// on which worker ran it or how many there were.
 TEST(ThreadsTest, OutputsAreBitIdenticalForAnyThreadCount) {
   for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
     // 150 rows = 3 row blocks per head, 12 heads in all: more tasks than workers.

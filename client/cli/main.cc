@@ -4,6 +4,8 @@
 //   attn naive|tiled  (--example seed [--query-multiplier X] | --random B,H,N,D [--seed S]
 //                      [--dtype f32|f16|bf16] [--kv-heads K]) [--causal] [--block-k K] [--lse]
 //   attn trace        (same inputs) [--rows b:h:r,...]
+//   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
+//                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -15,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/cli/bench.h"
 #include "client/cli/inputs.h"
 #include "client/cli/render.h"
 #include "client/client.h"
@@ -33,6 +36,15 @@ ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
 ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
 ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
 ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
+ABSL_FLAG(std::string, ns, "256,512,1024,2048,4096", "bench: sequence lengths N to sweep.");
+ABSL_FLAG(int64_t, batch, 1, "bench: batch size B.");
+ABSL_FLAG(int64_t, heads, 8, "bench: query heads H (--kv-heads sets key/value heads).");
+ABSL_FLAG(int64_t, dim, 64, "bench: head_dim D (= value_dim).");
+ABSL_FLAG(std::string, methods, "naive,tiled", "bench: methods to sweep: naive, tiled or both.");
+ABSL_FLAG(int32_t, repeats, 3, "bench: calls per point; the median is reported.");
+ABSL_FLAG(std::string, csv, "bench.csv", "bench: CSV output file (\"\" = none).");
+ABSL_FLAG(std::string, svg, "bench.svg",
+          "bench: SVG chart of time and memory against N (\"\" = none).");
 
 namespace {
 
@@ -131,6 +143,50 @@ int RunTrace(attn::client::Client& client) {
   return status.ok() ? 0 : Fail(status);
 }
 
+int RunBench(attn::client::Client& client) {
+  if (!absl::GetFlag(FLAGS_example).empty() || !absl::GetFlag(FLAGS_random).empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "bench makes its own inputs: set them with --ns, --batch, --heads and --dim"));
+  }
+  attn::cli::BenchConfig config;
+  absl::StatusOr<std::vector<int64_t>> ns = attn::cli::ParseNs(absl::GetFlag(FLAGS_ns));
+  if (!ns.ok()) return Fail(ns.status());
+  absl::StatusOr<std::vector<std::string>> methods =
+      attn::cli::ParseMethods(absl::GetFlag(FLAGS_methods));
+  if (!methods.ok()) return Fail(methods.status());
+  absl::StatusOr<v1::DType> dtype = attn::cli::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail(dtype.status());
+  config.ns = *std::move(ns);
+  config.methods = *std::move(methods);
+  config.dtype = *dtype;
+  config.batch = absl::GetFlag(FLAGS_batch);
+  config.heads = absl::GetFlag(FLAGS_heads);
+  config.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  config.dim = absl::GetFlag(FLAGS_dim);
+  config.repeats = absl::GetFlag(FLAGS_repeats);
+  config.seed = absl::GetFlag(FLAGS_seed);
+  config.options = ReadOptions();
+  config.options.set_return_lse(false);
+  if (config.batch < 1 || config.heads < 1 || config.dim < 1) {
+    return Fail(absl::InvalidArgumentError("--batch, --heads and --dim must be positive"));
+  }
+  if (config.repeats < 1) return Fail(absl::InvalidArgumentError("--repeats must be positive"));
+
+  absl::StatusOr<attn::cli::BenchResult> result = attn::cli::RunSweep(client, config, stderr);
+  if (!result.ok()) return Fail(result.status());
+  attn::cli::PrintTable(stdout, *result);
+  std::fflush(stdout);
+  for (const auto& [path, contents] :
+       {std::pair{absl::GetFlag(FLAGS_csv), attn::cli::ToCsv(*result)},
+        std::pair{absl::GetFlag(FLAGS_svg), attn::cli::RenderSvg(attn::cli::MakeChart(*result))}}) {
+    if (path.empty()) continue;
+    const absl::Status written = attn::cli::WriteFile(path, contents);
+    if (!written.ok()) return Fail(written);
+    std::fprintf(stderr, "wrote %s\n", path.c_str());
+  }
+  return 0;
+}
+
 int RunInfo(attn::client::Client& client) {
   absl::StatusOr<v1::ServerInfo> info = client.Info();
   if (!info.ok()) return Fail(info.status());
@@ -157,14 +213,16 @@ int RunHealth(attn::client::Client& client) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "attn <info|health|naive|tiled|trace> [flags]: call an attnd server.\n"
+      "attn <info|health|naive|tiled|trace|bench> [flags]: call an attnd server.\n"
       "  attn tiled --example seed            the explainer's 8×4 example\n"
       "  attn naive --random 1,8,2048,64      a random problem [batch, heads, seq, dim]\n"
-      "  attn trace --example seed --block-k 2   every online-softmax step of row 0");
+      "  attn trace --example seed --block-k 2   every online-softmax step of row 0\n"
+      "  attn bench --ns 256,512,1024,2048,4096   Naive vs Tiled against N: table, CSV, SVG");
   attn::DashedFlags flags(argc, argv);
   const std::vector<char*> args = absl::ParseCommandLine(flags.argc(), flags.argv());
   if (args.size() != 2) {
-    std::fprintf(stderr, "attn: give one command: info, health, naive, tiled or trace (--help)\n");
+    std::fprintf(stderr,
+                 "attn: give one command: info, health, naive, tiled, trace or bench (--help)\n");
     return 2;
   }
   const std::string command = args[1];
@@ -175,9 +233,11 @@ int main(int argc, char** argv) {
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);
   if (command == "naive" || command == "tiled") return RunCompute(client, command);
   if (command == "trace") return RunTrace(client);
+  if (command == "bench") return RunBench(client);
   if (command == "info") return RunInfo(client);
   if (command == "health") return RunHealth(client);
-  std::fprintf(stderr, "attn: unknown command \"%s\": use info, health, naive, tiled or trace\n",
+  std::fprintf(stderr,
+               "attn: unknown command \"%s\": use info, health, naive, tiled, trace or bench\n",
                command.c_str());
   return 2;
 }

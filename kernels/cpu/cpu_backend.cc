@@ -1,5 +1,6 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <cblas.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -52,22 +53,29 @@ absl::StatusOr<Stats> Timed(const Problem& problem, Kernel&& kernel) {
   return stats;
 }
 
+int ThreadsOrAll(int threads) {
+  return threads > 0 ? threads
+                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes)
-    : threads_(threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency())),
+    : pool_(ThreadsOrAll(threads)),
       memory_bytes_(PhysicalMemoryBytes()),
       max_naive_bytes_(max_naive_bytes > 0 ? max_naive_bytes : memory_bytes_ / 4),
-      device_(absl::StrCat(CpuModel(), ", ", threads_, " threads")) {}
+      device_(absl::StrCat(CpuModel(), ", ", pool_.threads(), " threads")) {
+  // Parallelism comes from the pool; BLAS threads inside it would only oversubscribe.
+  openblas_set_num_threads(1);
+}
 
 absl::StatusOr<Stats> CpuBackend::Naive(const Problem& problem, const Outputs& outputs) {
-  return Timed(problem,
-               [&] { return NaiveAttention(problem, outputs, threads_, max_naive_bytes_); });
+  return Timed(problem, [&] { return NaiveAttention(problem, outputs, pool_, max_naive_bytes_); });
 }
 
 absl::StatusOr<Stats> CpuBackend::Tiled(const Problem& problem, const Outputs& outputs) {
   return Timed(problem, [&]() -> absl::StatusOr<Stats> {
-    absl::StatusOr<Stats> stats = TiledAttention(problem, outputs, threads_);
+    absl::StatusOr<Stats> stats = TiledAttention(problem, outputs, pool_);
     if (stats.ok()) stats->block_k = problem.block_k;
     return stats;
   });

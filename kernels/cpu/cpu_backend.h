@@ -1,7 +1,7 @@
 // CpuBackend: serves Naive, Tiled and Trace from the CPU kernels in this directory.
 //
-// Thread-safe: holds only its configuration; each call spreads its work over `threads`
-// worker threads of its own.
+// Thread-safe. Each Naive or Tiled call spreads its work over the backend's pool of `threads`
+// workers (calls take turns on it); BLAS runs single-threaded inside each worker.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace attn {
 
@@ -24,7 +25,7 @@ class CpuBackend final : public Backend {
   int64_t memory_bytes() const override { return memory_bytes_; }
   int default_block_k() const override { return kDefaultBlockK; }
   int64_t max_naive_bytes() const override { return max_naive_bytes_; }
-  int threads() const { return threads_; }
+  int threads() const { return pool_.threads(); }
 
   absl::StatusOr<Stats> Naive(const Problem& problem, const Outputs& outputs) override;
   absl::StatusOr<Stats> Tiled(const Problem& problem, const Outputs& outputs) override;
@@ -32,9 +33,10 @@ class CpuBackend final : public Backend {
                                                      std::vector<RowRef> rows) override;
 
  private:
-  static constexpr int kDefaultBlockK = 64;
+  // Keys per tile when a request asks for 0 (measured: docs/perf.md).
+  static constexpr int kDefaultBlockK = 256;
 
-  int threads_;
+  ThreadPool pool_;
   int64_t memory_bytes_;
   int64_t max_naive_bytes_;
   std::string device_;

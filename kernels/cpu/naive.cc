@@ -1,5 +1,7 @@
 #include "kernels/cpu/naive.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -7,61 +9,82 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/row_blocks.h"
+#include "kernels/online_softmax.h"
 
 namespace attn {
+
+// Stable softmax of each score row: the causal mask, the row max, e^(s − max), the sum, the
+// normalization. Lanes as in OnlineSoftmaxRow::VisitTile so the loops vectorize.
+ATTN_CPU_CLONES void SoftmaxRows(const Problem& problem, int64_t row_begin, int64_t rows,
+                                 float* scores, float* weights, float* lse) {
+  constexpr int kLanes = 8;
+  const int64_t n = problem.shape.key_len;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * n;
+    float* w = weights + r * n;
+    const int64_t visible = problem.VisibleKeys(row_begin + r);
+    std::fill(s + visible, s + n, -INFINITY);
+    float lane_max[kLanes];
+    std::fill(lane_max, lane_max + kLanes, -INFINITY);
+    int64_t j = 0;
+    for (; j + kLanes <= visible; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l)
+        lane_max[l] = s[j + l] > lane_max[l] ? s[j + l] : lane_max[l];
+    }
+    float max = -INFINITY;
+    for (int l = 0; l < kLanes; ++l) max = lane_max[l] > max ? lane_max[l] : max;
+    for (; j < visible; ++j) max = s[j] > max ? s[j] : max;
+
+    float lane_sum[kLanes] = {};
+    j = 0;
+    for (; j + kLanes <= visible; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        w[j + l] = Exp(s[j + l] - max);
+        lane_sum[l] += w[j + l];
+      }
+    }
+    float sum = 0.f;
+    for (int l = 0; l < kLanes; ++l) sum += lane_sum[l];
+    for (; j < visible; ++j) {
+      w[j] = Exp(s[j] - max);
+      sum += w[j];
+    }
+    const float inverse = visible > 0 ? 1.f / sum : 0.f;
+    for (j = 0; j < visible; ++j) w[j] *= inverse;
+    std::fill(w + visible, w + n, 0.f);
+    if (lse != nullptr) lse[r] = visible > 0 ? max + std::log(sum) : -INFINITY;
+  }
+}
+
+void NaiveRows(const Problem& problem, const float* query, const float* key, const float* value,
+               int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
+               float* out) {
+  const Shape& s = problem.shape;
+  const int m = static_cast<int>(rows);
+  const int n = static_cast<int>(s.key_len);
+  const int d = static_cast<int>(s.head_dim);
+  const int dv = static_cast<int>(s.value_dim);
+  // S = scale · Q Kᵀ, W = softmax(S), O = W V.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, d, problem.scale, query, d, key, d,
+              0.f, scores, n);
+  SoftmaxRows(problem, row_begin, rows, scores, weights, lse);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, n, 1.f, weights, n, value, dv, 0.f,
+              out, dv);
+}
+
 namespace {
 
 struct Worker {
   BlockLoader loader;
-  std::vector<float> out_row;
+  std::vector<float> out, lse;
 };
 
 }  // namespace
 
-void ScoreRow(const Problem& problem, const float* q_row, const float* key, int64_t row,
-              float* scores) {
-  const int64_t d = problem.shape.head_dim;
-  const int64_t visible = problem.VisibleKeys(row);
-  for (int64_t j = 0; j < visible; ++j) {
-    const float* k_row = key + j * d;
-    float dot = 0.f;
-    for (int64_t c = 0; c < d; ++c) dot += q_row[c] * k_row[c];
-    scores[j] = problem.scale * dot;
-  }
-  std::fill(scores + visible, scores + problem.shape.key_len, -INFINITY);
-}
-
-float SoftmaxRow(const float* scores, int64_t n, float* weights) {
-  float max = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) max = std::max(max, scores[j]);
-  if (max == -INFINITY) {
-    std::fill(weights, weights + n, 0.f);
-    return -INFINITY;
-  }
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    weights[j] = std::exp(scores[j] - max);
-    sum += weights[j];
-  }
-  for (int64_t j = 0; j < n; ++j) weights[j] /= sum;
-  return max + std::log(sum);
-}
-
-void WeightedSumRow(const float* weights, const float* value, int64_t key_len, int64_t value_dim,
-                    float* out) {
-  std::fill(out, out + value_dim, 0.f);
-  for (int64_t j = 0; j < key_len; ++j) {
-    const float w = weights[j];
-    if (w == 0.f) continue;
-    const float* v_row = value + j * value_dim;
-    for (int64_t c = 0; c < value_dim; ++c) out[c] += w * v_row[c];
-  }
-}
-
-absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outputs, int threads,
-                                     int64_t max_naive_bytes) {
+absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outputs,
+                                     ThreadPool& pool, int64_t max_naive_bytes) {
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
   const int64_t storage_bytes = 2 * matrix_elements * static_cast<int64_t>(sizeof(float));
@@ -81,33 +104,23 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
   }
 
   const int64_t tasks = RowBlockCount(problem);
-  std::vector<Worker> workers(WorkerCount(tasks, threads));
-  ParallelFor(tasks, threads, [&](int64_t task, int worker_index) {
+  std::vector<Worker> workers(pool.WorkersFor(tasks));
+  pool.Run(tasks, [&](int64_t task, int worker_index) {
     Worker& worker = workers[worker_index];
     const RowBlock block = RowBlockAt(problem, task);
-    const auto [batch, head, kv_head, row_begin, row_end] = block;
     const auto [query, key, value] = worker.loader.Load(problem, block);
-    const int64_t matrix_offset = (batch * s.heads + head) * s.query_len * s.key_len;
-    float* head_scores = scores.get() + matrix_offset;
-    float* head_weights = weights.get() + matrix_offset;
-
-    // The three passes of the eager formulation, each over the whole block of rows.
-    for (int64_t i = row_begin; i < row_end; ++i) {
-      ScoreRow(problem, query + (i - row_begin) * s.head_dim, key, i, head_scores + i * s.key_len);
-    }
-    for (int64_t i = row_begin; i < row_end; ++i) {
-      const float lse =
-          SoftmaxRow(head_scores + i * s.key_len, s.key_len, head_weights + i * s.key_len);
-      if (outputs.lse != nullptr) outputs.lse[problem.LseOffset(batch, head, i)] = lse;
-    }
-    worker.out_row.resize(s.value_dim);
-    for (int64_t i = row_begin; i < row_end; ++i) {
-      WeightedSumRow(head_weights + i * s.key_len, value, s.key_len, s.value_dim,
-                     worker.out_row.data());
-      const int64_t out_offset = problem.OutputOffset(batch, head, i);
-      for (int64_t c = 0; c < s.value_dim; ++c) {
-        outputs.output.Store(out_offset + c, worker.out_row[c]);
-      }
+    const int64_t rows = block.row_end - block.row_begin;
+    const int64_t offset =
+        ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
+    worker.out.resize(rows * s.value_dim);
+    worker.lse.resize(rows);
+    NaiveRows(problem, query, key, value, block.row_begin, rows, scores.get() + offset,
+              weights.get() + offset, worker.lse.data(), worker.out.data());
+    StoreFloats(worker.out.data(), rows * s.value_dim, outputs.output,
+                problem.OutputOffset(block.batch, block.head, block.row_begin));
+    if (outputs.lse != nullptr) {
+      std::copy(worker.lse.begin(), worker.lse.end(),
+                outputs.lse + problem.LseOffset(block.batch, block.head, block.row_begin));
     }
   });
 
@@ -115,8 +128,9 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
   stats.intermediate_bytes = problem.NaiveIntermediateBytes();
   stats.scratch_bytes = storage_bytes;
   for (const Worker& worker : workers) {
-    stats.scratch_bytes += worker.loader.scratch_bytes() +
-                           static_cast<int64_t>(worker.out_row.capacity() * sizeof(float));
+    stats.scratch_bytes +=
+        worker.loader.scratch_bytes() +
+        static_cast<int64_t>((worker.out.capacity() + worker.lse.capacity()) * sizeof(float));
   }
   return stats;
 }

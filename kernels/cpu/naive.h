@@ -1,35 +1,32 @@
-// Naive attention on the CPU: the explainer's ideas 1 and 2. For every (batch, head) the full
-// query_len × key_len score matrix is written, turned into a weight matrix by a stable softmax,
-// and multiplied by the values. Both matrices live in memory at once, 8·B·H·Nq·Nk bytes.
+// Naive attention on the CPU: the explainer's ideas 1 and 2, as a framework's eager path does
+// it. For every (batch, head) the full query_len × key_len score matrix is written by a BLAS
+// GEMM, turned into a weight matrix by a stable (vectorized) softmax, and multiplied by the
+// values with a second GEMM. Both matrices live in memory at once, 8·B·H·Nq·Nk bytes.
 //
-// The row functions are also the trace's full-matrix reference, so Trace compares the online
-// softmax against exactly this computation.
+// NaiveRows is also the trace's full-matrix reference, so Trace compares the online softmax
+// against exactly this computation.
 #pragma once
 
 #include <cstdint>
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/problem.h"
 
 namespace attn {
 
-// Scores of query row `row` (fp32 q_row[head_dim]) against every key of one head (fp32
-// key[key_len, head_dim]): scale · q·k_j, −inf where the causal mask hides key j.
-void ScoreRow(const Problem& problem, const float* q_row, const float* key, int64_t row,
-              float* scores);
+// Full-matrix attention for query rows [row_begin, row_begin + rows) of one head, all fp32:
+// query [rows, head_dim], key [key_len, head_dim], value [key_len, value_dim]. Writes the scaled
+// and masked scores [rows, key_len], the weights [rows, key_len], each row's log-sum-exp into
+// lse (when not null; −inf for a row that sees no key) and the output [rows, value_dim].
+void NaiveRows(const Problem& problem, const float* query, const float* key, const float* value,
+               int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
+               float* out);
 
-// Stable softmax of one score row of n entries into weights (may alias scores). Returns the
-// row's log-sum-exp; a row with every score −inf gets zero weights and returns −inf.
-float SoftmaxRow(const float* scores, int64_t n, float* weights);
-
-// out[value_dim] = Σ_j weights[j] · value[j, :] over key_len keys.
-void WeightedSumRow(const float* weights, const float* value, int64_t key_len, int64_t value_dim,
-                    float* out);
-
-// Full-matrix attention with `threads` workers. RESOURCE_EXHAUSTED naming Tiled when the score
-// and weight matrices would pass max_naive_bytes or cannot be allocated.
-absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outputs, int threads,
-                                     int64_t max_naive_bytes);
+// Full-matrix attention on `pool`. RESOURCE_EXHAUSTED naming Tiled when the score and weight
+// matrices would pass max_naive_bytes or cannot be allocated.
+absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outputs,
+                                     ThreadPool& pool, int64_t max_naive_bytes);
 
 }  // namespace attn

@@ -1,90 +1,102 @@
 #include "kernels/cpu/tiled.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/cpu_dispatch.h"
+#include "kernels/cpu/fp32_rows.h"
 #include "kernels/cpu/row_blocks.h"
 
 namespace attn {
+
+ATTN_CPU_CLONES void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows,
+                                      int64_t key_begin, int n, float* scores, float* acc,
+                                      OnlineSoftmaxRow* states, float* rescales) {
+  const int64_t dv = problem.shape.value_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * n;
+    const int64_t visible_in_tile = problem.VisibleKeys(row_begin + r) - key_begin;
+    for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) s[j] = -INFINITY;
+    const float rescale = states[r].VisitTile(s, n, s);
+    if (rescales != nullptr) rescales[r] = rescale;
+    if (rescale != 1.f) {
+      float* a = acc + r * dv;
+      for (int64_t c = 0; c < dv; ++c) a[c] *= rescale;
+    }
+  }
+}
+
 namespace {
 
 struct Worker {
-  BlockLoader loader;
-  std::vector<float> scores, weights, acc;
+  Fp32Rows query, key, value;
+  std::vector<float> scores;  // [rows, block_k]: scores, then weights in place.
+  std::vector<float> acc;     // [rows, value_dim]: the running weighted sums.
+  std::vector<float> lse;     // [rows]
+  std::vector<OnlineSoftmaxRow> states;
 };
 
 }  // namespace
 
-float VisitKeyTile(const Problem& problem, const float* q_row, const float* key, const float* value,
-                   int64_t row, int64_t tile, OnlineSoftmaxRow& state, float* scores,
-                   float* weights, float* acc) {
-  const int64_t d = problem.shape.head_dim;
-  const int64_t dv = problem.shape.value_dim;
-  const int64_t key_begin = tile * problem.block_k;
-  const int64_t key_end = std::min<int64_t>(key_begin + problem.block_k, problem.shape.key_len);
-  const int64_t visible = problem.VisibleKeys(row);
-  const int n = static_cast<int>(key_end - key_begin);
-
-  for (int j = 0; j < n; ++j) {
-    const int64_t key_index = key_begin + j;
-    if (key_index >= visible) {
-      scores[j] = -INFINITY;
-      continue;
-    }
-    const float* k_row = key + key_index * d;
-    float dot = 0.f;
-    for (int64_t c = 0; c < d; ++c) dot += q_row[c] * k_row[c];
-    scores[j] = problem.scale * dot;
-  }
-  const float rescale = state.VisitTile(scores, n, weights);
-  for (int64_t c = 0; c < dv; ++c) acc[c] *= rescale;
-  for (int j = 0; j < n; ++j) {
-    if (weights[j] == 0.f) continue;
-    const float* v_row = value + (key_begin + j) * dv;
-    for (int64_t c = 0; c < dv; ++c) acc[c] += weights[j] * v_row[c];
-  }
-  return rescale;
-}
-
-absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs, int threads) {
+absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs,
+                                     ThreadPool& pool) {
   const Shape& s = problem.shape;
+  const int d = static_cast<int>(s.head_dim);
+  const int dv = static_cast<int>(s.value_dim);
   const int64_t tasks = RowBlockCount(problem);
-  std::vector<Worker> workers(WorkerCount(tasks, threads));
-  ParallelFor(tasks, threads, [&](int64_t task, int worker_index) {
+  std::vector<Worker> workers(pool.WorkersFor(tasks));
+  pool.Run(tasks, [&](int64_t task, int worker_index) {
     Worker& worker = workers[worker_index];
     const RowBlock block = RowBlockAt(problem, task);
-    const auto [batch, head, kv_head, row_begin, row_end] = block;
-    const auto [query, key, value] = worker.loader.Load(problem, block);
-    worker.scores.resize(problem.block_k);
-    worker.weights.resize(problem.block_k);
-    worker.acc.resize(s.value_dim);
-
-    for (int64_t i = row_begin; i < row_end; ++i) {
-      OnlineSoftmaxRow state;
-      std::fill(worker.acc.begin(), worker.acc.end(), 0.f);
-      const int64_t tiles = problem.VisitedTiles(i);
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        VisitKeyTile(problem, query + (i - row_begin) * s.head_dim, key, value, i, tile, state,
-                     worker.scores.data(), worker.weights.data(), worker.acc.data());
-      }
-      const int64_t out_offset = problem.OutputOffset(batch, head, i);
-      for (int64_t c = 0; c < s.value_dim; ++c) {
-        outputs.output.Store(out_offset + c, state.Normalize(worker.acc[c]));
-      }
-      if (outputs.lse != nullptr)
-        outputs.lse[problem.LseOffset(batch, head, i)] = state.LogSumExp();
+    const int64_t rows = block.row_end - block.row_begin;
+    const int m = static_cast<int>(rows);
+    const float* query = worker.query.Load(
+        problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin), rows * d);
+    worker.scores.resize(rows * problem.block_k);
+    worker.acc.assign(rows * dv, 0.f);
+    worker.states.assign(rows, OnlineSoftmaxRow{});
+    // The block's last row sees the most keys; tiles past it are hidden from every row.
+    const int64_t tiles = problem.VisitedTiles(block.row_end - 1);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t key_begin = tile * problem.block_k;
+      const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
+      const float* key = worker.key.Load(
+          problem.key, problem.KeyOffset(block.batch, block.kv_head, key_begin), int64_t{n} * d);
+      const float* value = worker.value.Load(
+          problem.value, problem.ValueOffset(block.batch, block.kv_head, key_begin),
+          int64_t{n} * dv);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, d, problem.scale, query, d, key, d,
+                  0.f, worker.scores.data(), n);
+      VisitKeyTileRows(problem, block.row_begin, rows, key_begin, n, worker.scores.data(),
+                       worker.acc.data(), worker.states.data());
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, n, 1.f, worker.scores.data(), n,
+                  value, dv, 1.f, worker.acc.data(), dv);
+    }
+    worker.lse.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = worker.acc.data() + r * dv;
+      for (int c = 0; c < dv; ++c) a[c] = worker.states[r].Normalize(a[c]);
+      worker.lse[r] = worker.states[r].LogSumExp();
+    }
+    StoreFloats(worker.acc.data(), rows * dv, outputs.output,
+                problem.OutputOffset(block.batch, block.head, block.row_begin));
+    if (outputs.lse != nullptr) {
+      std::copy(worker.lse.begin(), worker.lse.end(),
+                outputs.lse + problem.LseOffset(block.batch, block.head, block.row_begin));
     }
   });
 
   Stats stats;
   for (const Worker& worker : workers) {
     stats.scratch_bytes +=
-        worker.loader.scratch_bytes() +
+        worker.query.scratch_bytes() + worker.key.scratch_bytes() + worker.value.scratch_bytes() +
         static_cast<int64_t>(
-            (worker.scores.capacity() + worker.weights.capacity() + worker.acc.capacity()) *
-            sizeof(float));
+            (worker.scores.capacity() + worker.acc.capacity() + worker.lse.capacity()) *
+                sizeof(float) +
+            worker.states.capacity() * sizeof(OnlineSoftmaxRow));
   }
   return stats;
 }

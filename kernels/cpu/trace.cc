@@ -1,5 +1,7 @@
 #include "kernels/cpu/trace.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -37,10 +39,10 @@ class CpuTraceCursor final : public TraceCursor {
 
   Stats stats() const override {
     Stats stats = stats_;
-    stats.scratch_bytes = query_.scratch_bytes() + key_.scratch_bytes() + value_.scratch_bytes() +
-                          static_cast<int64_t>((scores_.capacity() + weights_.capacity() +
-                                                acc_.capacity() + reference_.capacity()) *
-                                               sizeof(float));
+    stats.scratch_bytes =
+        query_.scratch_bytes() + key_.scratch_bytes() + value_.scratch_bytes() +
+        static_cast<int64_t>((scores_.capacity() + acc_.capacity() + reference_.capacity()) *
+                             sizeof(float));
     stats.peak_memory_bytes = stats.scratch_bytes;
     return stats;
   }
@@ -58,32 +60,41 @@ class CpuTraceCursor final : public TraceCursor {
                               s.key_len * s.value_dim);
     state_ = OnlineSoftmaxRow{};
     scores_.assign(problem_.block_k, 0.f);
-    weights_.assign(problem_.block_k, 0.f);
     acc_.assign(s.value_dim, 0.f);
     row_started_ = true;
   }
 
   TraceStep Step() {
     const RowRef& ref = rows_[row_index_];
+    const Shape& s = problem_.shape;
     TraceStep step;
     step.row = ref;
     step.tile = static_cast<int>(tile_);
     step.key_begin = tile_ * problem_.block_k;
-    step.key_end = std::min<int64_t>(step.key_begin + problem_.block_k, problem_.shape.key_len);
-    step.max_before = state_.max;
-    step.rescale = VisitKeyTile(problem_, q_row_, key_rows_, value_rows_, ref.row, tile_, state_,
-                                scores_.data(), weights_.data(), acc_.data());
-    step.max_after = state_.max;
-    step.denominator = state_.denominator;
-    const int64_t n = step.key_end - step.key_begin;
+    step.key_end = std::min<int64_t>(step.key_begin + problem_.block_k, s.key_len);
+    const int n = static_cast<int>(step.key_end - step.key_begin);
+    const int d = static_cast<int>(s.head_dim);
+    const int dv = static_cast<int>(s.value_dim);
+    // Tiled's own tile step, for a block of one row.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, n, d, problem_.scale, q_row_, d,
+                key_rows_ + step.key_begin * d, d, 0.f, scores_.data(), n);
     step.scores.assign(scores_.begin(), scores_.begin() + n);
-    step.weights.assign(weights_.begin(), weights_.begin() + n);
+    // The masked scores, as VisitKeyTileRows sees them.
+    const int64_t visible_in_tile = problem_.VisibleKeys(ref.row) - step.key_begin;
+    for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) step.scores[j] = -INFINITY;
+    step.max_before = state_.max;
+    VisitKeyTileRows(problem_, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(), &state_,
+                     &step.rescale);
+    step.max_after = state_.max;
+    step.weights.assign(scores_.begin(), scores_.begin() + n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, dv, n, 1.f, scores_.data(), n,
+                value_rows_ + step.key_begin * dv, dv, 1.f, acc_.data(), dv);
+    step.denominator = state_.denominator;
     step.accumulator = acc_;
     step.estimate.resize(acc_.size());
     for (size_t c = 0; c < acc_.size(); ++c) step.estimate[c] = state_.Normalize(acc_[c]);
-    const int64_t visible = std::min(step.key_end, problem_.VisibleKeys(ref.row)) - step.key_begin;
-    stats_.flops += 2.0 * static_cast<double>(visible) *
-                    static_cast<double>(problem_.shape.head_dim + problem_.shape.value_dim);
+    stats_.flops += 2.0 * static_cast<double>(std::clamp<int64_t>(visible_in_tile, 0, n)) *
+                    static_cast<double>(s.head_dim + s.value_dim);
     ++tile_;
     return step;
   }
@@ -97,11 +108,11 @@ class CpuTraceCursor final : public TraceCursor {
     done.output.resize(s.value_dim);
     for (int64_t c = 0; c < s.value_dim; ++c) done.output[c] = state_.Normalize(acc_[c]);
 
-    reference_.resize(s.key_len);
-    ScoreRow(problem_, q_row_, key_rows_, ref.row, reference_.data());
-    SoftmaxRow(reference_.data(), s.key_len, reference_.data());
+    // The full-matrix row, by Naive's own code.
+    reference_.resize(2 * s.key_len);
     done.reference.resize(s.value_dim);
-    WeightedSumRow(reference_.data(), value_rows_, s.key_len, s.value_dim, done.reference.data());
+    NaiveRows(problem_, q_row_, key_rows_, value_rows_, ref.row, 1, reference_.data(),
+              reference_.data() + s.key_len, nullptr, done.reference.data());
     for (int64_t c = 0; c < s.value_dim; ++c) {
       done.max_abs_error =
           std::max(done.max_abs_error, std::abs(done.output[c] - done.reference[c]));
@@ -124,7 +135,7 @@ class CpuTraceCursor final : public TraceCursor {
   const float* key_rows_ = nullptr;
   const float* value_rows_ = nullptr;
   OnlineSoftmaxRow state_;
-  std::vector<float> scores_, weights_, acc_, reference_;
+  std::vector<float> scores_, acc_, reference_;
   Stats stats_;
 };
 

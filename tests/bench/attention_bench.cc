@@ -1,0 +1,449 @@
+// attention_bench: Naive and Tiled on the CPU backend beside the machine's single-precision GEMM
+// rate, measured in the same process, in the same run, through the same BLAS (OpenBLAS
+// cblas_sgemm), so that every attention figure can be read as a fraction of the peak measured
+// right then. Google Benchmark; not a ctest test: tests/bench/run.sh runs it (JSON) and prints
+// one table of ratios.
+//
+// Rows, in this order:
+//   sgemm/N:<n>/at:begin                      an n×n×n cblas_sgemm (2·n³ FLOP) on `threads` threads
+//   <method>/<dtype>/causal:<0|1>/N:<n>/H:<h>/d:<d>   for d, dtype, causal, N (ascending), method
+//   sgemm/N:<n>/at:end                        the same sgemm again, to show drift during the run
+// Counters of an attention row: GFLOP/s = 4·B·H·N²·d (halved when causal) / time; peak_bytes =
+// the backend's Stats::peak_memory_bytes (the peak extra memory of the call: scratch + output);
+// scratch_bytes; intermediate_bytes (Naive: the explainer's score/weight traffic);
+// block_k. A refused row (Naive past its budget) is an error row whose message starts with the
+// status code, e.g. "RESOURCE_EXHAUSTED: Naive needs ...".
+//
+// Shapes: B = 1, self-attention (Nq = Nk = N), kv_heads = heads, value_dim = head_dim, inputs
+// uniform(−1, 1) in the row's dtype, output in the same dtype, no lse. Heads default to 8 for
+// N ≤ 4096 and to max(1, 8·4096²/N²) above, so the big-N rows stay a few seconds each on two
+// cores (N = 32768 has H = 1, the shape of the memory target).
+//
+// Naive runs up to --naive_max_n; above it a Naive row is registered only when its score and
+// weight matrices pass the budget (--naive_budget_gib, default 4 GiB), so the backend refuses it
+// at once (RESOURCE_EXHAUSTED) instead of allocating. One such refusal row (N = 32768, H = 1,
+// d = 64, fp32, non-causal) is always registered, also in --quick.
+//
+// Flags (before or among Google Benchmark's own --benchmark_* flags):
+//   --threads=N        worker threads for the backend and OpenBLAS (default $ATTN_BENCH_THREADS,
+//                      else 2)
+//   --quick            a smoke run of a few seconds: N 256,1024; d 64; sgemm 1024; short min time
+//   --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1 --methods=tiled,naive
+//   --heads=H          fixed heads for every N (default 0: the policy above)
+//   --naive_max_n=N    largest N Naive runs at (default 8192; --quick 1024)
+//   --naive_budget_gib=G   the backend's max_naive_bytes (default 4)
+//   --sgemm_n=N        the ceiling's size (default 2048; --quick 1024)
+//   --block_k=K        keys per tile (default: the backend's default_block_k)
+//   --min_time=S       Google Benchmark's minimum time per row (default 0.5; --quick 0.05)
+//   --deadline_s=S     attention rows that would start after S seconds report "timeout" (default
+//                      0: none); the sgemm rows always run
+//   --no_refusal       do not add the explicit refusal row
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "benchmark/benchmark.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/dtype.h"
+#include "kernels/problem.h"
+#include "tests/reference.h"
+
+namespace {
+
+using attn::DType;
+using Clock = std::chrono::steady_clock;
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// Problems above this many FLOPs get no untimed warm-up call (its cost would double theirs, and
+// one call of that size is not sensitive to cold caches or thread start-up).
+constexpr double kWarmupMaxFlops = 8e9;
+
+struct Options {
+  int threads = 2;
+  bool quick = false;
+  std::vector<int64_t> seqs = {256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+  std::vector<int64_t> dims = {64, 128};
+  std::vector<DType> dtypes = {DType::kFloat32, DType::kBFloat16};
+  std::vector<int64_t> causal = {0, 1};
+  std::vector<std::string> methods = {"tiled", "naive"};
+  int64_t heads = 0;
+  int64_t naive_max_n = 8192;
+  double naive_budget_gib = 4;
+  int64_t sgemm_n = 2048;
+  int block_k = 0;
+  double min_time = 0.5;
+  double deadline_s = 0;
+  bool refusal = true;
+};
+
+struct Cell {
+  std::string method;
+  DType dtype = DType::kFloat32;
+  bool causal = false;
+  int64_t n = 0;
+  int64_t heads = 0;
+  int64_t d = 0;
+
+  std::string Name() const {
+    return absl::StrCat(method, "/", DTypeLabel(dtype), "/causal:", causal ? 1 : 0, "/N:", n,
+                        "/H:", heads, "/d:", d);
+  }
+  static const char* DTypeLabel(DType dtype) {
+    return dtype == DType::kFloat32 ? "fp32" : attn::DTypeName(dtype);
+  }
+  // Naive's fp32 score and weight matrices, as the backend counts them against its budget.
+  double NaiveStorageBytes() const { return 2.0 * heads * n * n * 4; }
+  // The count: 4·B·H·Nq·Nk·d, halved for causal.
+  double Flops() const { return 4.0 * heads * n * n * d * (causal ? 0.5 : 1.0); }
+};
+
+Clock::time_point g_start;
+double g_deadline_s = 0;
+
+bool DeadlinePassed() {
+  return g_deadline_s > 0 &&
+         std::chrono::duration<double>(Clock::now() - g_start).count() > g_deadline_s;
+}
+
+[[noreturn]] void Usage(const std::string& problem) {
+  std::fprintf(stderr,
+               "attention_bench: %s\n"
+               "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
+               "       --methods=tiled,naive --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+               "       --sgemm_n=N --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+               "       and Google Benchmark's --benchmark_* flags\n",
+               problem.c_str());
+  std::exit(2);
+}
+
+int64_t ParseInt(const std::string& flag, absl::string_view text) {
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value) || value < 0) Usage(absl::StrCat("bad value for ", flag));
+  return value;
+}
+
+double ParseDouble(const std::string& flag, absl::string_view text) {
+  double value = 0;
+  if (!absl::SimpleAtod(text, &value) || !(value >= 0)) {
+    Usage(absl::StrCat("bad value for ", flag));
+  }
+  return value;
+}
+
+std::vector<int64_t> ParseInts(const std::string& flag, absl::string_view text) {
+  std::vector<int64_t> values;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const int64_t value = ParseInt(flag, item);
+    if (value == 0) Usage(absl::StrCat(flag, " values must be positive"));
+    values.push_back(value);
+  }
+  if (values.empty()) Usage(absl::StrCat(flag, " needs at least one value"));
+  return values;
+}
+
+// Takes this binary's own flags out of argv (leaving Google Benchmark's).
+Options ParseOptions(int* argc, char** argv) {
+  Options options;
+  if (const char* env = std::getenv("ATTN_BENCH_THREADS"); env != nullptr && *env != '\0') {
+    options.threads = static_cast<int>(ParseInt("ATTN_BENCH_THREADS", env));
+  }
+  // --quick first, so explicit flags override what it sets whatever their order.
+  for (int i = 1; i < *argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      options.quick = true;
+      options.seqs = {256, 1024};
+      options.dims = {64};
+      options.naive_max_n = 1024;
+      options.sgemm_n = 1024;
+      options.min_time = 0.05;
+    }
+  }
+  int kept = 1;
+  for (int i = 1; i < *argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    const std::string flag = arg.substr(0, eq);
+    const absl::string_view value =
+        eq == std::string::npos ? absl::string_view() : absl::string_view(arg).substr(eq + 1);
+    auto need_value = [&] {
+      if (eq == std::string::npos) Usage(absl::StrCat(flag, " needs =VALUE"));
+    };
+    if (flag == "--quick") {
+    } else if (flag == "--no_refusal") {
+      options.refusal = false;
+    } else if (flag == "--threads") {
+      need_value();
+      options.threads = static_cast<int>(ParseInt(flag, value));
+    } else if (flag == "--n") {
+      need_value();
+      options.seqs = ParseInts(flag, value);
+    } else if (flag == "--d") {
+      need_value();
+      options.dims = ParseInts(flag, value);
+    } else if (flag == "--causal") {
+      need_value();
+      options.causal.clear();
+      for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        if (item != "0" && item != "1") Usage("--causal takes 0 and/or 1");
+        options.causal.push_back(item == "1");
+      }
+      if (options.causal.empty()) Usage("--causal needs at least one value");
+    } else if (flag == "--dtype") {
+      need_value();
+      options.dtypes.clear();
+      for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        if (item == "fp32" || item == "f32") {
+          options.dtypes.push_back(DType::kFloat32);
+        } else if (item == "bf16") {
+          options.dtypes.push_back(DType::kBFloat16);
+        } else if (item == "fp16" || item == "f16") {
+          options.dtypes.push_back(DType::kFloat16);
+        } else {
+          Usage(absl::StrCat("unknown dtype ", item));
+        }
+      }
+      if (options.dtypes.empty()) Usage("--dtype needs at least one value");
+    } else if (flag == "--methods") {
+      need_value();
+      options.methods.clear();
+      for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        if (item != "tiled" && item != "naive") Usage(absl::StrCat("unknown method ", item));
+        options.methods.emplace_back(item);
+      }
+    } else if (flag == "--heads") {
+      need_value();
+      options.heads = ParseInt(flag, value);
+    } else if (flag == "--naive_max_n") {
+      need_value();
+      options.naive_max_n = ParseInt(flag, value);
+    } else if (flag == "--naive_budget_gib") {
+      need_value();
+      options.naive_budget_gib = ParseDouble(flag, value);
+    } else if (flag == "--sgemm_n") {
+      need_value();
+      options.sgemm_n = ParseInt(flag, value);
+    } else if (flag == "--block_k") {
+      need_value();
+      options.block_k = static_cast<int>(ParseInt(flag, value));
+    } else if (flag == "--min_time") {
+      need_value();
+      options.min_time = ParseDouble(flag, value);
+    } else if (flag == "--deadline_s") {
+      need_value();
+      options.deadline_s = ParseDouble(flag, value);
+    } else if (flag == "--help" || flag == "-h") {
+      std::printf(
+          "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
+          "  --causal=0,1 --methods=tiled,naive --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+          "  --sgemm_n=N --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+          "  (see tests/bench/attention_bench.cc); Google Benchmark's own flags follow.\n\n");
+      argv[kept++] = argv[i];
+    } else if (flag.rfind("--benchmark_", 0) == 0) {
+      argv[kept++] = argv[i];
+    } else {
+      Usage(absl::StrCat("unknown flag ", arg));
+    }
+  }
+  *argc = kept;
+  argv[kept] = nullptr;
+  if (options.threads < 1) Usage("--threads must be at least 1");
+  if (options.sgemm_n < 1) Usage("--sgemm_n must be positive");
+  if (options.naive_budget_gib <= 0) Usage("--naive_budget_gib must be positive");
+  return options;
+}
+
+int64_t HeadsFor(const Options& options, int64_t n) {
+  if (options.heads > 0) return options.heads;
+  if (n <= 4096) return 8;
+  return std::max<int64_t>(1, int64_t{8} * 4096 * 4096 / (n * n));
+}
+
+void Skip(benchmark::State& state, const std::string& message) {
+  state.SkipWithError(message.c_str());
+}
+
+std::string StatusText(const absl::Status& status) {
+  return absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message());
+}
+
+void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& cell, int block_k) {
+  if (DeadlinePassed()) return Skip(state, "timeout: --deadline_s passed before this row ran");
+
+  const attn::Shape shape =
+      attn::testing::MakeShape(1, cell.heads, cell.heads, cell.n, cell.n, cell.d, cell.d);
+  attn::testing::HostProblem host = attn::testing::RandomProblem(
+      shape, cell.dtype, cell.causal, block_k, /*seed=*/0x5eed0000u + cell.n + cell.d);
+  host.return_lse = false;
+  const attn::Problem problem = host.View();
+
+  // The output buffer, poisoned with NaN so that an unwritten element shows after the run.
+  std::vector<uint8_t> output(problem.OutputElements() * attn::ElementSize(cell.dtype));
+  for (int64_t i = 0; i < problem.OutputElements(); ++i) {
+    attn::StoreElement(output.data(), cell.dtype, i, std::numeric_limits<float>::quiet_NaN());
+  }
+  const attn::Outputs outputs{attn::MutableTensorView{output.data(), cell.dtype}, nullptr};
+
+  auto call = [&] {
+    return cell.method == "naive" ? backend->Naive(problem, outputs)
+                                  : backend->Tiled(problem, outputs);
+  };
+  absl::StatusOr<attn::Stats> stats = absl::UnknownError("not run");
+  if (cell.Flops() <= kWarmupMaxFlops) {
+    stats = call();
+    if (!stats.ok()) return Skip(state, StatusText(stats.status()));
+  }
+  for (auto _ : state) {
+    stats = call();
+    if (!stats.ok()) {
+      Skip(state, StatusText(stats.status()));
+      break;
+    }
+  }
+  if (!stats.ok()) return;
+
+  for (int64_t i = 0; i < problem.OutputElements(); ++i) {
+    if (!std::isfinite(attn::LoadElement(output.data(), cell.dtype, i))) {
+      return Skip(state, absl::StrCat("bad: output element ", i, " is not finite (unwritten?)"));
+    }
+  }
+
+  using benchmark::Counter;
+  state.counters["GFLOP/s"] = Counter(cell.Flops() / 1e9, Counter::kIsIterationInvariantRate);
+  state.counters["peak_bytes"] =
+      Counter(static_cast<double>(stats->peak_memory_bytes), Counter::kDefaults, Counter::kIs1024);
+  state.counters["scratch_bytes"] =
+      Counter(static_cast<double>(stats->scratch_bytes), Counter::kDefaults, Counter::kIs1024);
+  if (cell.method == "naive") {
+    state.counters["intermediate_bytes"] = Counter(static_cast<double>(stats->intermediate_bytes),
+                                                   Counter::kDefaults, Counter::kIs1024);
+  }
+  state.counters["block_k"] = problem.block_k;
+}
+
+// Runs even past --deadline_s: the table needs the ceiling.
+void RunSgemm(benchmark::State& state, int64_t n, int threads) {
+  std::vector<float> a(n * n), b(n * n), c(n * n);
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  for (float& x : a) x = uniform(rng);
+  for (float& x : b) x = uniform(rng);
+  const int n32 = static_cast<int>(n);
+
+  // Only the ceiling's own thread count changes, and only for this row: whatever the kernels
+  // have set OpenBLAS to is restored afterwards.
+  const int saved_threads = openblas_get_num_threads();
+  openblas_set_num_threads(threads);
+  auto sgemm = [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n32, n32, n32, 1.f, a.data(), n32,
+                b.data(), n32, 0.f, c.data(), n32);
+  };
+  sgemm();  // Warm-up: OpenBLAS's threads and buffers, the pages of c.
+  for (auto _ : state) {
+    sgemm();
+    benchmark::DoNotOptimize(c.data());
+    benchmark::ClobberMemory();
+  }
+  openblas_set_num_threads(saved_threads);
+  if (!std::isfinite(c[0]) || !std::isfinite(c[n * n - 1])) return Skip(state, "bad: sgemm output");
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * n * n * n / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+std::string EnvOr(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options options = ParseOptions(&argc, argv);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+
+  const int64_t budget = static_cast<int64_t>(options.naive_budget_gib * kGiB);
+  attn::CpuBackend backend(options.threads, budget);
+  const int block_k = options.block_k > 0 ? options.block_k : backend.default_block_k();
+
+  benchmark::AddCustomContext("attn_device", backend.device());
+  benchmark::AddCustomContext("attn_threads", absl::StrCat(options.threads));
+  benchmark::AddCustomContext("attn_naive_budget_bytes", absl::StrCat(budget));
+  benchmark::AddCustomContext("attn_naive_max_n", absl::StrCat(options.naive_max_n));
+  benchmark::AddCustomContext("attn_block_k", absl::StrCat(block_k));
+  benchmark::AddCustomContext("attn_quick", options.quick ? "1" : "0");
+  benchmark::AddCustomContext("attn_sgemm_n", absl::StrCat(options.sgemm_n));
+  benchmark::AddCustomContext("openblas_corename", openblas_get_corename());
+  benchmark::AddCustomContext("openblas_config", openblas_get_config());
+  benchmark::AddCustomContext("OPENBLAS_CORETYPE", EnvOr("OPENBLAS_CORETYPE", ""));
+  benchmark::AddCustomContext("OPENBLAS_L2_SIZE", EnvOr("OPENBLAS_L2_SIZE", ""));
+  benchmark::AddCustomContext("OPENBLAS_NUM_THREADS", EnvOr("OPENBLAS_NUM_THREADS", ""));
+
+  auto add_sgemm = [&](const char* at) {
+    benchmark::RegisterBenchmark(absl::StrCat("sgemm/N:", options.sgemm_n, "/at:", at).c_str(),
+                                 [n = options.sgemm_n, threads = options.threads](
+                                     benchmark::State& state) { RunSgemm(state, n, threads); })
+        ->UseRealTime()
+        ->MinTime(options.min_time)
+        ->Unit(benchmark::kMillisecond);
+  };
+  std::set<std::string> registered;
+  auto add_attention = [&](const Cell& cell) {
+    if (!registered.insert(cell.Name()).second) return;
+    benchmark::RegisterBenchmark(cell.Name().c_str(),
+                                 [&backend, cell, block_k](benchmark::State& state) {
+                                   RunAttention(state, &backend, cell, block_k);
+                                 })
+        ->UseRealTime()
+        ->MinTime(options.min_time)
+        ->Unit(benchmark::kMillisecond);
+  };
+
+  add_sgemm("begin");
+  std::vector<int64_t> seqs = options.seqs;
+  std::sort(seqs.begin(), seqs.end());
+  for (int64_t d : options.dims) {
+    for (DType dtype : options.dtypes) {
+      for (int64_t causal : options.causal) {
+        for (int64_t n : seqs) {
+          for (const std::string& method : options.methods) {
+            const Cell cell{method, dtype, causal != 0, n, HeadsFor(options, n), d};
+            // Past --naive_max_n, Naive only where the backend refuses it before allocating.
+            if (method == "naive" && n > options.naive_max_n &&
+                cell.NaiveStorageBytes() <= static_cast<double>(budget)) {
+              continue;
+            }
+            add_attention(cell);
+          }
+        }
+      }
+    }
+  }
+  if (options.refusal) {
+    const Cell refusal{"naive", DType::kFloat32, false, 32768, 1, 64};
+    if (refusal.NaiveStorageBytes() > static_cast<double>(budget)) add_attention(refusal);
+  }
+  add_sgemm("end");
+
+  g_start = Clock::now();
+  g_deadline_s = options.deadline_s;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
