@@ -1,13 +1,23 @@
-// ATTN_CPU_CLONES: compiles a hot CPU function for several instruction sets and picks one at
-// run time by the CPU's features (GCC function multi-versioning; "arch=" clones would dispatch
-// on the CPU model instead and miss e.g. AMD parts), so the portable binary (no -march=native)
-// still runs its vectorized loops on AVX2 and AVX-512 machines. The clones run the same IEEE
-// operations in the same order (the kernels build with -ffp-contract=off), so results do not
-// depend on the machine's vector width.
+// Runtime dispatch for the CPU kernels' vector loops. The binary is portable (no -march=native:
+// baseline x86-64, SSE2), so each hot loop is compiled twice — for the baseline and for
+// AVX2 + FMA — and the second runs when the CPU has both (checked once). Use:
+//
+//   ATTN_CPU_FAST void LoopAvx2(args) { Loop(args); }   // Loop: an always-inline body
+//   void LoopPortable(args) { Loop(args); }
+//   ... CpuHasAvx2Fma() ? LoopAvx2(args) : LoopPortable(args);
+//
+// (GCC's target_clones("arch=haswell") would dispatch on the CPU model and miss AMD parts.)
+// The two versions may differ in the last bits (FMA contraction); a machine always uses the
+// same one, so results never depend on the thread count.
 #pragma once
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
-#define ATTN_CPU_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#define ATTN_CPU_FAST __attribute__((target("avx2,fma")))
+inline bool CpuHasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
 #else
-#define ATTN_CPU_CLONES
+#define ATTN_CPU_FAST
+inline bool CpuHasAvx2Fma() { return false; }
 #endif

@@ -17,8 +17,10 @@ namespace attn {
 
 // Stable softmax of each score row: the causal mask, the row max, e^(s − max), the sum, the
 // normalization. Lanes as in OnlineSoftmaxRow::VisitTile so the loops vectorize.
-ATTN_CPU_CLONES void SoftmaxRows(const Problem& problem, int64_t row_begin, int64_t rows,
-                                 float* scores, float* weights, float* lse) {
+namespace {
+
+ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
+                                      float* scores, float* weights, float* lse) {
   constexpr int kLanes = 8;
   const int64_t n = problem.shape.key_len;
   for (int64_t r = 0; r < rows; ++r) {
@@ -58,6 +60,18 @@ ATTN_CPU_CLONES void SoftmaxRows(const Problem& problem, int64_t row_begin, int6
   }
 }
 
+ATTN_CPU_FAST void SoftmaxRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
+                                   float* scores, float* weights, float* lse) {
+  SoftmaxRowsBody(problem, row_begin, rows, scores, weights, lse);
+}
+
+void SoftmaxRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows, float* scores,
+                         float* weights, float* lse) {
+  SoftmaxRowsBody(problem, row_begin, rows, scores, weights, lse);
+}
+
+}  // namespace
+
 void NaiveRows(const Problem& problem, const float* query, const float* key, const float* value,
                int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
                float* out) {
@@ -69,7 +83,8 @@ void NaiveRows(const Problem& problem, const float* query, const float* key, con
   // S = scale · Q Kᵀ, W = softmax(S), O = W V.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, d, problem.scale, query, d, key, d,
               0.f, scores, n);
-  SoftmaxRows(problem, row_begin, rows, scores, weights, lse);
+  (CpuHasAvx2Fma() ? SoftmaxRowsAvx2 : SoftmaxRowsPortable)(problem, row_begin, rows, scores,
+                                                            weights, lse);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, n, 1.f, weights, n, value, dv, 0.f,
               out, dv);
 }

@@ -15,7 +15,7 @@ namespace attn {
 
 // Query rows per task: enough work to amortize loading a head's keys and values, few enough
 // that causal rows balance across workers.
-constexpr int64_t kRowsPerBlock = 64;
+constexpr int64_t kRowsPerBlock = 128;
 
 struct RowBlock {
   int64_t batch = 0;

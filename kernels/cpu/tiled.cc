@@ -12,9 +12,11 @@
 
 namespace attn {
 
-ATTN_CPU_CLONES void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows,
-                                      int64_t key_begin, int n, float* scores, float* acc,
-                                      OnlineSoftmaxRow* states, float* rescales) {
+namespace {
+
+ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
+                                           int64_t key_begin, int n, float* scores, float* acc,
+                                           OnlineSoftmaxRow* states, float* rescales) {
   const int64_t dv = problem.shape.value_dim;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
@@ -27,6 +29,26 @@ ATTN_CPU_CLONES void VisitKeyTileRows(const Problem& problem, int64_t row_begin,
       for (int64_t c = 0; c < dv; ++c) a[c] *= rescale;
     }
   }
+}
+
+ATTN_CPU_FAST void VisitKeyTileRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
+                                        int64_t key_begin, int n, float* scores, float* acc,
+                                        OnlineSoftmaxRow* states, float* rescales) {
+  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, states, rescales);
+}
+
+void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows,
+                              int64_t key_begin, int n, float* scores, float* acc,
+                              OnlineSoftmaxRow* states, float* rescales) {
+  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, states, rescales);
+}
+
+}  // namespace
+
+void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
+                      int n, float* scores, float* acc, OnlineSoftmaxRow* states, float* rescales) {
+  (CpuHasAvx2Fma() ? VisitKeyTileRowsAvx2 : VisitKeyTileRowsPortable)(
+      problem, row_begin, rows, key_begin, n, scores, acc, states, rescales);
 }
 
 namespace {
