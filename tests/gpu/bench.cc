@@ -463,8 +463,11 @@ int main(int argc, char** argv) {
     failed = true;
   }
   const int64_t naive_bytes = static_cast<int64_t>(o.naive_gib * (1 << 30));
-  auto backend = cuda ? attn::cuda::MakeCudaBackend(0, naive_bytes)
-                      : attn::MakeBackend({.device = "cpu", .max_naive_bytes = naive_bytes});
+  if (!cuda) {
+    Line("# gpu_bench: --backend cpu is gone: the CPU backend has its own benchmark, tests/bench");
+    return 1;
+  }
+  auto backend = attn::cuda::MakeCudaBackend(0, naive_bytes);
   if (!backend.ok()) {
     Line("# gpu_bench: " + Clean(backend.status().ToString()));
     return 1;

@@ -190,8 +190,7 @@ find_package(CUDAToolkit REQUIRED)
 find_package(Threads REQUIRED)
 set(REPO "$ROOT")
 set(CARRY "$CARRY")
-file(GLOB KERNEL_SOURCES \${REPO}/kernels/*.cc \${REPO}/kernels/cpu/*.cc
-  \${REPO}/kernels/cuda/*.cc \${REPO}/kernels/cuda/*.cu)
+file(GLOB KERNEL_SOURCES \${REPO}/kernels/cuda/*.cc \${REPO}/kernels/cuda/*.cu)
 file(GLOB ABSL_LIBS \${CARRY}/static/libabsl_*.a)
 # CMake 3.25 does not know nvcc's C++20 flag (as in the top-level CMakeLists.txt).
 set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")

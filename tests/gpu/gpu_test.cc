@@ -32,7 +32,6 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/problem.h"
 #include "tests/reference.h"
@@ -438,27 +437,6 @@ void CheckTrace(Backend& backend, const HostProblem& host, int block_k,
   }
   EXPECT_EQ(row_index, rows.size());
   EXPECT_EQ(begin, items.size()) << "steps after the last RowDone";
-
-  CpuBackend cpu(1, 0);
-  const std::vector<TraceItem> cpu_items = CollectTrace(cpu, problem, rows);
-  ASSERT_EQ(items.size(), cpu_items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    ASSERT_EQ(items[i].index(), cpu_items[i].index()) << "event " << i;
-    if (!std::holds_alternative<TraceStep>(items[i])) continue;
-    const TraceStep& step = std::get<TraceStep>(items[i]);
-    const TraceStep& cpu_step = std::get<TraceStep>(cpu_items[i]);
-    EXPECT_EQ(step.row.batch, cpu_step.row.batch) << "event " << i;
-    EXPECT_EQ(step.row.head, cpu_step.row.head) << "event " << i;
-    EXPECT_EQ(step.row.row, cpu_step.row.row) << "event " << i;
-    EXPECT_EQ(step.tile, cpu_step.tile) << "event " << i;
-    EXPECT_EQ(step.key_begin, cpu_step.key_begin) << "event " << i;
-    EXPECT_EQ(step.key_end, cpu_step.key_end) << "event " << i;
-    ASSERT_EQ(step.scores.size(), cpu_step.scores.size()) << "event " << i;
-    for (size_t j = 0; j < step.scores.size(); ++j) {
-      EXPECT_EQ(step.scores[j] == -INFINITY, cpu_step.scores[j] == -INFINITY)
-          << "event " << i << " key " << step.key_begin + static_cast<int64_t>(j);
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
