@@ -220,6 +220,11 @@ class CudaBackend final : public Backend {
                         std::vector<StagedResult>* results);
   // Waits for the slot's stream, then moves the staged results to their destinations.
   absl::Status Finish(const Slot& slot, const std::vector<StagedResult>& results, const char* what);
+  // Copies the fp32 output (and lse, when not null) of a Naive or Tiled run into `outputs`,
+  // waiting for the stream; `what` names the computation in an error.
+  absl::Status DeliverResults(const Problem& problem, const float* out, const float* lse,
+                              const Outputs& outputs, Allocations& memory, Slot& slot,
+                              const char* what);
   absl::StatusOr<int64_t> ElapsedNs(const Slot& slot);
 
   const int index_;
@@ -313,6 +318,21 @@ absl::Status CudaBackend::Finish(const Slot& slot, const std::vector<StagedResul
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::DeliverResults(const Problem& problem, const float* out, const float* lse,
+                                         const Outputs& outputs, Allocations& memory, Slot& slot,
+                                         const char* what) {
+  std::vector<StagedResult> results;
+  int64_t staging_offset = 0;
+  ATTN_RETURN_IF_ERROR(Download(out, problem.OutputElements(), outputs.output, memory, slot,
+                                &staging_offset, &results));
+  if (lse != nullptr) {
+    ATTN_RETURN_IF_ERROR(Download(lse, problem.LseElements(),
+                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory, slot,
+                                  &staging_offset, &results));
+  }
+  return Finish(slot, results, what);
+}
+
 absl::StatusOr<int64_t> CudaBackend::ElapsedNs(const Slot& slot) {
   float ms = 0.f;
   ATTN_RETURN_IF_ERROR(
@@ -398,16 +418,8 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
                                  batches, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmStridedBatchedEx (output)"));
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.stop, slot.stream), "cudaEventRecord"));
-  std::vector<StagedResult> results;
-  int64_t staging_offset = 0;
-  ATTN_RETURN_IF_ERROR(Download(out, problem.OutputElements(), outputs.output, memory, slot,
-                                &staging_offset, &results));
-  if (lse != nullptr) {
-    ATTN_RETURN_IF_ERROR(Download(lse, problem.LseElements(),
-                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory, slot,
-                                  &staging_offset, &results));
-  }
-  ATTN_RETURN_IF_ERROR(Finish(slot, results, "Naive on the device"));
+  ATTN_RETURN_IF_ERROR(
+      DeliverResults(problem, out, lse, outputs, memory, slot, "Naive on the device"));
 
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
@@ -439,16 +451,8 @@ absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& 
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.start, slot.stream), "cudaEventRecord"));
   ATTN_RETURN_IF_ERROR(Check(LaunchTiled(device, out, lse, slot.stream), "LaunchTiled"));
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.stop, slot.stream), "cudaEventRecord"));
-  std::vector<StagedResult> results;
-  int64_t staging_offset = 0;
-  ATTN_RETURN_IF_ERROR(Download(out, problem.OutputElements(), outputs.output, memory, slot,
-                                &staging_offset, &results));
-  if (lse != nullptr) {
-    ATTN_RETURN_IF_ERROR(Download(lse, problem.LseElements(),
-                                  MutableTensorView{outputs.lse, DType::kFloat32}, memory, slot,
-                                  &staging_offset, &results));
-  }
-  ATTN_RETURN_IF_ERROR(Finish(slot, results, "Tiled on the device"));
+  ATTN_RETURN_IF_ERROR(
+      DeliverResults(problem, out, lse, outputs, memory, slot, "Tiled on the device"));
 
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));

@@ -1,0 +1,48 @@
+// Test support: run a kernel into poisoned outputs and compare it with the float64 reference,
+// for every backend's suite (tests/kernels_test.cc, tests/gpu/gpu_test.cc).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "tests/reference.h"
+
+namespace attn::testing {
+
+enum class Kernel { kNaive, kTiled };
+
+const char* KernelName(Kernel kernel);
+
+struct KernelRun {
+  std::vector<uint8_t> output_bytes;
+  std::vector<float> output;  // Decoded to fp32.
+  std::vector<float> lse;
+  Stats stats;
+};
+
+// Runs one kernel on `problem` (a view of `host`, possibly adjusted) into NaN-poisoned
+// outputs. Uses no gtest assertions, so threads may call it.
+absl::StatusOr<KernelRun> TryKernel(Backend& backend, Kernel kernel, const HostProblem& host,
+                                    const Problem& problem);
+
+// TryKernel that records a failure; a failed run comes back all NaN (the poison), so every
+// later comparison fails too.
+KernelRun RunKernel(Backend& backend, Kernel kernel, const HostProblem& host,
+                    const Problem& problem);
+KernelRun RunKernel(Backend& backend, Kernel kernel, const HostProblem& host);
+
+// Output relative error max|out − ref| / max|ref| ≤ rtol. NaN never passes.
+void ExpectOutputMatches(const KernelRun& run, const Reference& ref, double rtol);
+
+// lse within rtol · max(1, |lse|), exactly −inf where the reference row saw no key.
+void ExpectLseMatches(const KernelRun& run, const Reference& ref, double rtol);
+
+void ExpectMatchesReference(const KernelRun& run, const Reference& ref, double rtol);
+
+// Output rows of query rows that see no key must be exactly zero (and their lse −inf, which
+// ExpectLseMatches checks).
+void ExpectUnseeingRowsZero(const KernelRun& run, const HostProblem& host);
+
+}  // namespace attn::testing
