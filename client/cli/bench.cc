@@ -15,6 +15,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/inputs.h"
+#include "client/cli/render.h"
 
 namespace attn::cli {
 namespace {
@@ -51,17 +52,6 @@ std::string Duration(int64_t ns) {
     return absl::StrFormat("%.*f %s", decimals, value, unit.name);
   }
   return absl::StrFormat("%d ns", ns);
-}
-
-std::string Bytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024 && unit < 4) {
-    value /= 1024;
-    ++unit;
-  }
-  return unit == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", value, units[unit]);
 }
 
 // The explainer's accounting of Naive's score and weight traffic, 16·B·H·N².

@@ -28,6 +28,14 @@ std::string Vector(const Values& values) {
   return absl::StrCat("[", absl::StrJoin(shown, ", "), "]");
 }
 
+std::string Millis(int64_t ns) { return absl::StrFormat("%.3f ms", static_cast<double>(ns) / 1e6); }
+
+std::string Row(const v1::RowRef& row) {
+  return absl::StrCat("batch ", row.batch(), ", head ", row.head(), ", query ", row.row());
+}
+
+}  // namespace
+
 std::string Bytes(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double value = static_cast<double>(bytes);
@@ -38,14 +46,6 @@ std::string Bytes(int64_t bytes) {
   }
   return unit == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", value, units[unit]);
 }
-
-std::string Millis(int64_t ns) { return absl::StrFormat("%.3f ms", static_cast<double>(ns) / 1e6); }
-
-std::string Row(const v1::RowRef& row) {
-  return absl::StrCat("batch ", row.batch(), ", head ", row.head(), ", query ", row.row());
-}
-
-}  // namespace
 
 void PrintResult(std::FILE* out, const char* method, const v1::AttentionResponse& response,
                  const client::Array& output, int64_t round_trip_ns, int rows) {

@@ -3,12 +3,16 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "attention/v1/attention.pb.h"
 #include "client/client.h"
 
 namespace attn::cli {
+
+// A byte count for people: "512 B", "1.5 KiB", "260.0 MiB".
+std::string Bytes(int64_t bytes);
 
 // Prints a Naive/Tiled answer: shape, stats, round-trip time and the first `rows` output rows.
 void PrintResult(std::FILE* out, const char* method,
