@@ -53,13 +53,22 @@ Client::Client(const std::string& target, ClientOptions options) : options_(opti
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
   arguments.SetMaxSendMessageSize(options_.max_message_bytes);
-  channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options_.tls_ca.empty()) {
+    credentials = grpc::SslCredentials({.pem_root_certs = options_.tls_ca,
+                                        .pem_private_key = options_.tls_key,
+                                        .pem_cert_chain = options_.tls_cert});
+  }
+  channel_ = grpc::CreateCustomChannel(target, credentials, arguments);
   stub_ = v1::AttentionService::NewStub(channel_);
   health_ = grpc::health::v1::Health::NewStub(channel_);
 }
 
 void Client::Prepare(grpc::ClientContext* context) const {
   if (options_.timeout) context->set_deadline(std::chrono::system_clock::now() + *options_.timeout);
+  // Plain metadata rather than call credentials: gRPC sends call credentials over TLS only, and
+  // attnd accepts a token over plaintext on loopback.
+  if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
 absl::StatusOr<v1::AttentionResponse> Client::Naive(const v1::AttentionRequest& request) {

@@ -38,6 +38,16 @@ absl::StatusOr<Array> FromTensor(const attention::v1::Tensor& tensor);
 struct ClientOptions {
   int max_message_bytes = 1 << 30;                   // Matches attnd's default --max-message-bytes.
   std::optional<std::chrono::milliseconds> timeout;  // Per-call deadline; none by default.
+  // TLS, with PEM *contents* (not paths): tls_ca, the CA bundle the server's certificate must
+  // chain to (empty = plaintext); tls_cert and tls_key, both or neither, a client certificate
+  // for servers that require one (attnd --tls-client-ca).
+  std::string tls_ca{};
+  std::string tls_cert{};
+  std::string tls_key{};
+  // Sent as "authorization: Bearer <token>" on every call (empty = none); attnd started with
+  // --auth-token-file requires it on every call but Health. Over plaintext anyone on the path
+  // can read it: use TLS beyond loopback.
+  std::string token{};
 };
 
 class Client {

@@ -7,8 +7,10 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config git clang-format
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcpp-httplib-dev
   python3 python3-grpcio python3-numpy
+  openssl  # tests/security_test.sh makes its TLS certificates with it.
+  clang libclang-rt-14-dev  # The libFuzzer target (tests/fuzz, the "fuzz" CMake preset).
 )
 
 missing=()

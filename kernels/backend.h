@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <variant>
@@ -34,6 +35,12 @@ struct Stats {
 struct Outputs {
   MutableTensorView output;
   float* lse = nullptr;
+  // Asked between pieces of work (row blocks on the CPU, before each launch on a GPU): a non-OK
+  // answer (e.g. CANCELLED when the client went away) abandons the call, which returns it and
+  // leaves the outputs incomplete. Empty: never interrupted.
+  std::function<absl::Status()> interrupt;
+
+  absl::Status CheckInterrupt() const { return interrupt ? interrupt() : absl::OkStatus(); }
 };
 
 // The online-softmax state of one traced row after one key tile (see online_softmax.h).

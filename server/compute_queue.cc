@@ -1,11 +1,16 @@
 #include "server/compute_queue.h"
 
+#include <algorithm>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace attn {
 
-ComputeQueue::ComputeQueue(int workers) {
-  for (int i = 0; i < workers; ++i) workers_.emplace_back([this] { Run(); });
+ComputeQueue::ComputeQueue(AdmissionLimits limits) : limits_(limits) {
+  for (int i = 0; i < std::max(limits_.max_inflight, 1); ++i) {
+    workers_.emplace_back([this] { Run(); });
+  }
 }
 
 ComputeQueue::~ComputeQueue() {
@@ -17,25 +22,52 @@ ComputeQueue::~ComputeQueue() {
   for (std::thread& worker : workers_) worker.join();
 }
 
-void ComputeQueue::Submit(std::function<void()> work) {
+absl::Status ComputeQueue::Submit(int64_t bytes, std::function<void()> work) {
+  if (bytes > limits_.memory_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the computation needs ", bytes, " bytes, over this server's budget of ",
+                     limits_.memory_bytes, " bytes for concurrent computations"));
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    pending_.push_back(std::move(work));
+    if (static_cast<int64_t>(pending_.size()) >= limits_.max_queue) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("server busy: ", running_.load(), " computations running and ",
+                       pending_.size(), " waiting (--max-inflight=", limits_.max_inflight,
+                       ", --max-queue=", limits_.max_queue, "); retry later"));
+    }
+    pending_.push_back({bytes, std::move(work)});
+    queued_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
   }
   ready_.notify_one();
+  return absl::OkStatus();
+}
+
+bool ComputeQueue::HeadFits() const {
+  return !pending_.empty() &&
+         pending_.front().bytes <= limits_.memory_bytes - reserved_.load(std::memory_order_relaxed);
 }
 
 void ComputeQueue::Run() {
   for (;;) {
-    std::function<void()> work;
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      ready_.wait(lock, [this] { return stopping_ || !pending_.empty(); });
-      if (pending_.empty()) return;  // Stopping, and everything submitted has run.
-      work = std::move(pending_.front());
+      ready_.wait(lock, [this] { return HeadFits() || (stopping_ && pending_.empty()); });
+      if (pending_.empty()) return;  // Stopping, and everything accepted has run.
+      job = std::move(pending_.front());
       pending_.pop_front();
+      queued_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
+      running_.fetch_add(1, std::memory_order_relaxed);
+      reserved_.fetch_add(job.bytes, std::memory_order_relaxed);
     }
-    work();
+    job.work();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_.fetch_sub(1, std::memory_order_relaxed);
+      reserved_.fetch_sub(job.bytes, std::memory_order_relaxed);
+    }
+    ready_.notify_all();  // Memory freed: the head may fit now.
   }
 }
 

@@ -1,37 +1,69 @@
-// ComputeQueue: runs computations off gRPC's callback threads, in arrival order.
+// ComputeQueue: admission and scheduling of Naive and Tiled computations, off gRPC's callback
+// threads (whose handlers must not block, while a computation can run for seconds).
 //
-// gRPC's callback handlers must not block, and a Naive or Tiled call can compute for seconds.
-// Handlers Submit the work here; `workers` threads run it (the backend's concurrency(): one for
-// the CPU, whose every call already spreads over all threads; one per stream for a GPU). The
-// destructor runs everything already submitted, then joins: no accepted request is dropped.
+// `max_inflight` worker threads run the accepted work in arrival order. At most `max_queue`
+// requests wait for a worker; one more is refused at once with RESOURCE_EXHAUSTED, so a busy
+// server answers quickly instead of growing an unbounded backlog. Each piece of work declares
+// the bytes it will hold while it runs (Naive's score and weight matrices); work starts only
+// while its bytes and those of the work already running fit in `memory_bytes`, so concurrent
+// requests cannot together pass the budget (the head of the queue waits for memory to free;
+// a request that needs more than the whole budget is refused at Submit). The destructor runs
+// everything already accepted, then joins: no accepted request is dropped.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace attn {
+
+struct AdmissionLimits {
+  int max_inflight = 1;  // Computations running at once (worker threads).
+  int max_queue = 64;    // Accepted computations waiting for a worker.
+  int64_t memory_bytes = std::numeric_limits<int64_t>::max();  // Shared by running work.
+};
 
 class ComputeQueue {
  public:
-  explicit ComputeQueue(int workers = 1);
+  explicit ComputeQueue(AdmissionLimits limits);
   ~ComputeQueue();
   ComputeQueue(const ComputeQueue&) = delete;
   ComputeQueue& operator=(const ComputeQueue&) = delete;
 
-  // Queues work to run on a worker thread. Thread-safe.
-  void Submit(std::function<void()> work);
+  // Accepts work that will hold `bytes` while it runs, or refuses it (RESOURCE_EXHAUSTED, the
+  // work is not run) when the queue is full or `bytes` exceeds the whole budget. Thread-safe.
+  absl::Status Submit(int64_t bytes, std::function<void()> work);
+
+  const AdmissionLimits& limits() const { return limits_; }
+  // Work accepted and not yet started, work running now, and the bytes it holds. Thread-safe.
+  int64_t queued() const { return queued_.load(std::memory_order_relaxed); }
+  int64_t running() const { return running_.load(std::memory_order_relaxed); }
+  int64_t reserved_bytes() const { return reserved_.load(std::memory_order_relaxed); }
 
  private:
+  struct Job {
+    int64_t bytes;
+    std::function<void()> work;
+  };
   void Run();
+  bool HeadFits() const;  // Needs mutex_.
 
+  const AdmissionLimits limits_;
   std::mutex mutex_;
   std::condition_variable ready_;
-  std::deque<std::function<void()>> pending_;
+  std::deque<Job> pending_;
   bool stopping_ = false;
+  std::atomic<int64_t> queued_{0};
+  std::atomic<int64_t> running_{0};
+  std::atomic<int64_t> reserved_{0};
   std::vector<std::thread> workers_;
 };
 

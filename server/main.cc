@@ -1,11 +1,14 @@
 // attnd: the attention server. Flags → backend and service → a gRPC server on --listen.
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -16,9 +19,19 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
 #include "server/dashed_flags.h"
+#include "server/http_port.h"
+#include "server/metrics.h"
+#include "server/request_log.h"
+#include "server/security.h"
 #include "server/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Address to serve gRPC on (host:port).");
+ABSL_FLAG(std::string, http_listen, "127.0.0.1:8080",
+          "Address of the HTTP side port (/metrics, /healthz, /readyz), host:port (:0 picks a "
+          "free port); empty disables it.");
+ABSL_FLAG(std::string, log_level, "info",
+          "Request log on stderr: error (failed calls only), info (also every attention.v1 "
+          "call) or debug (also health checks and reflection).");
 ABSL_FLAG(std::string, device, "auto",
           "Compute device: auto (the first CUDA device if there is one, else the CPU), cpu, "
           "cuda or cuda:N.");
@@ -29,10 +42,43 @@ ABSL_FLAG(int64_t, max_naive_bytes, 0,
           "Largest score + weight storage Naive may allocate, bytes; 0 = 1/4 of physical memory.");
 ABSL_FLAG(int64_t, max_trace_rows, 64, "Most query rows one Trace call may follow.");
 ABSL_FLAG(int64_t, max_trace_steps, 65536, "Most tile steps one Trace call may stream.");
+ABSL_FLAG(int64_t, max_traces, 16,
+          "Trace streams open at once; one more is refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, max_inflight, 0,
+          "Naive/Tiled computations running at once; 0 = the backend's (1 on the CPU, whose "
+          "every call uses all --threads; one per stream on a GPU).");
+ABSL_FLAG(int, max_queue, 64,
+          "Accepted computations that may wait for a worker; one more is refused at once with "
+          "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, shutdown_grace, 30,
+          "Seconds in-flight calls get to finish after SIGTERM/SIGINT (a second signal exits at "
+          "once).");
+ABSL_FLAG(std::string, tls_cert, "", "TLS: PEM certificate chain to serve (with --tls-key).");
+ABSL_FLAG(std::string, tls_key, "", "TLS: PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "Mutual TLS: PEM CA bundle; clients must present a certificate it signed.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a bearer token every RPC but grpc.health.v1 must send as metadata "
+          "\"authorization: Bearer <token>\" (trailing whitespace ignored).");
+ABSL_FLAG(bool, insecure, false,
+          "Allow plaintext on a non-loopback --listen address (refused otherwise).");
 
 namespace {
 
-constexpr auto kShutdownGrace = std::chrono::seconds(5);
+int signal_pipe[2] = {-1, -1};
+
+// Async-signal-safe: hands the signal number to WaitForSignal.
+void ForwardSignal(int signal) {
+  const unsigned char byte = static_cast<unsigned char>(signal);
+  [[maybe_unused]] const ssize_t written = write(signal_pipe[1], &byte, 1);
+}
+
+int WaitForSignal() {
+  unsigned char byte = 0;
+  while (read(signal_pipe[0], &byte, 1) != 1) {
+  }
+  return byte;
+}
 
 // Exits with a message on a configuration error; used only at start-up.
 [[noreturn]] void Die(const std::string& message) {
@@ -43,6 +89,15 @@ constexpr auto kShutdownGrace = std::chrono::seconds(5);
 }  // namespace
 
 int main(int argc, char** argv) {
+  // SIGINT/SIGTERM go through a pipe to the thread that drains the server (below). A handler,
+  // not sigwait: threads started before main (OpenBLAS starts its own) never blocked them.
+  if (pipe(signal_pipe) != 0) Die("cannot create the signal pipe");
+  struct sigaction action = {};
+  action.sa_handler = ForwardSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+
   absl::SetProgramUsageMessage("attnd: scaled dot-product attention over gRPC (attention.v1).");
   attn::DashedFlags flags(argc, argv);
   absl::ParseCommandLine(flags.argc(), flags.argv());
@@ -58,60 +113,113 @@ int main(int argc, char** argv) {
   config.trace.max_steps = absl::GetFlag(FLAGS_max_trace_steps);
   if (config.trace.max_rows < 1) Die("--max-trace-rows must be ≥ 1");
   if (config.trace.max_steps < 1) Die("--max-trace-steps must be ≥ 1");
+  config.trace.max_streams = absl::GetFlag(FLAGS_max_traces);
+  if (config.trace.max_streams < 1) Die("--max-traces must be ≥ 1");
+  config.admission.max_inflight = absl::GetFlag(FLAGS_max_inflight);
+  config.admission.max_queue = absl::GetFlag(FLAGS_max_queue);
+  if (config.admission.max_inflight < 0) Die("--max-inflight must be ≥ 0");
+  if (config.admission.max_queue < 0) Die("--max-queue must be ≥ 0");
+  const int shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  if (shutdown_grace < 0) Die("--shutdown-grace must be ≥ 0");
+  absl::StatusOr<attn::ServerSecurity> security =
+      attn::MakeServerSecurity({.tls_cert_file = absl::GetFlag(FLAGS_tls_cert),
+                                .tls_key_file = absl::GetFlag(FLAGS_tls_key),
+                                .tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca),
+                                .auth_token_file = absl::GetFlag(FLAGS_auth_token_file),
+                                .insecure = absl::GetFlag(FLAGS_insecure)},
+                               absl::GetFlag(FLAGS_listen));
+  if (!security.ok()) Die(std::string(security.status().message()));
 
   absl::StatusOr<std::unique_ptr<attn::Backend>> backend =
       attn::MakeBackend({.device = absl::GetFlag(FLAGS_device),
                          .threads = absl::GetFlag(FLAGS_threads),
                          .max_naive_bytes = absl::GetFlag(FLAGS_max_naive_bytes)});
   if (!backend.ok()) Die(std::string(backend.status().message()));
-
-  // SIGINT/SIGTERM are taken by a thread that shuts the server down; block them first so no
-  // other thread receives them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const absl::StatusOr<attn::LogLevel> log_level =
+      attn::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!log_level.ok()) Die(std::string(log_level.status().message()));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::Server* running = nullptr;  // Set once built; the service only calls back after that.
-  config.on_device_lost = [&running] {
+  // /readyz: set once serving, cleared on device loss or drain.
+  attn::ReadyFlag ready;
+  config.on_device_lost = [&running, &ready] {
     std::fprintf(stderr, "attnd: the device failed; health is now NOT_SERVING\n");
+    ready.Set(false);
     if (running != nullptr) running->GetHealthCheckService()->SetServingStatus(false);
   };
   attn::AttentionService service(**backend, config);
+  // Per-RPC metrics and the request log (one interceptor), process gauges, and the HTTP port,
+  // bound before gRPC so a port in use fails start-up before anything serves.
+  attn::MetricsRegistry metrics;
+  attn::RequestObserver observer(metrics, *log_level);
+  attn::AddServerGauges(metrics, service, **backend);
+  attn::HttpPort http(metrics, ready);
+  const std::string http_listen = absl::GetFlag(FLAGS_http_listen);
+  if (!http_listen.empty()) {
+    if (absl::Status status = http.Start(http_listen); !status.ok()) {
+      Die(absl::StrCat(status.message(), " (--http-listen)"));
+    }
+  }
   grpc::ServerBuilder builder;
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, security->credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
   builder.RegisterService(&service);
+  // Server interceptors, run in this order; each module appends its own factory.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(observer.InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die(absl::StrCat("cannot listen on ", listen));
   running = server.get();
+  ready.Set(true);
 
   std::printf(
       "attnd %s serving attention.v1 on %s (port %d)\n  device: %s [%s]\n  limits: "
       "max-message-bytes=%lld max-naive-bytes=%lld max-trace-rows=%lld max-trace-steps=%lld "
-      "default-block-k=%d\n",
+      "default-block-k=%d max-inflight=%d max-queue=%d max-traces=%lld "
+      "shutdown-grace=%ds\n",
       ATTN_VERSION, listen.c_str(), port, (*backend)->device().c_str(),
       std::string((*backend)->name()).c_str(), static_cast<long long>(max_message_bytes),
       static_cast<long long>((*backend)->max_naive_bytes()),
       static_cast<long long>(config.trace.max_rows), static_cast<long long>(config.trace.max_steps),
-      (*backend)->default_block_k());
+      (*backend)->default_block_k(), service.admission().max_inflight,
+      service.admission().max_queue, static_cast<long long>(config.trace.max_streams),
+      shutdown_grace);
+  std::printf("  security: %s\n", security->summary.c_str());
+  const std::string http_banner =
+      http.port() != 0 ? absl::StrCat("http://", http.address(), " (/metrics /healthz /readyz)")
+                       : "off";
+  std::printf("  http: %s  log-level: %s\n", http_banner.c_str(),
+              absl::GetFlag(FLAGS_log_level).c_str());
   std::fflush(stdout);
 
+  // Graceful drain: the first signal marks the server NOT_SERVING, refuses new calls
+  // (UNAVAILABLE) and gives those in flight --shutdown-grace seconds, after which gRPC cancels
+  // them (and the computations stop at their next row block). A second signal exits at once.
   std::thread stopper([&] {
-    int signal = 0;
-    sigwait(&signals, &signal);
-    std::printf("attnd: signal %d, shutting down (in-flight calls get %lld s)\n", signal,
-                static_cast<long long>(kShutdownGrace.count()));
+    const int signal = WaitForSignal();
+    std::printf("attnd: signal %d, draining (in-flight calls get %d s; signal again to exit now)\n",
+                signal, shutdown_grace);
     std::fflush(stdout);
-    server->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
+    service.StartDrain();
+    ready.Set(false);
+    server->GetHealthCheckService()->SetServingStatus(false);
+    std::thread([] {
+      const int again = WaitForSignal();
+      std::fprintf(stderr, "attnd: signal %d again, exiting without waiting\n", again);
+      std::_Exit(1);
+    }).detach();
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(shutdown_grace));
+    std::printf("attnd: drained, exiting\n");
+    std::fflush(stdout);
   });
   server->Wait();
   stopper.join();
+  http.Stop();
   return 0;
 }

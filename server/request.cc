@@ -1,6 +1,8 @@
 #include "server/request.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -19,8 +21,15 @@ absl::Status Invalid(absl::string_view field, absl::string_view message) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
 }
 
+// At most the first 8 dimensions: a hostile rank must not make a message of megabytes (gRPC
+// would refuse to send it as trailing metadata).
 std::string ShapeString(const v1::Tensor& tensor) {
-  return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+  constexpr int kShown = 8;
+  const int rank = tensor.shape_size();
+  if (rank <= kShown) return absl::StrCat("[", absl::StrJoin(tensor.shape(), ", "), "]");
+  return absl::StrCat("[",
+                      absl::StrJoin(tensor.shape().begin(), tensor.shape().begin() + kShown, ", "),
+                      ", … ", rank - kShown, " more]");
 }
 
 // a·b, or nullopt when it overflows int64.
@@ -33,6 +42,7 @@ std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
 // A tensor's dims as [batch, heads, len, dim], after its own checks.
 struct Dims {
   int64_t batch = 1, heads = 1, len = 1, dim = 1;
+  double max_abs = 0;  // Largest |element|.
 };
 
 // Checks one input tensor: present, rank 2..4, positive dims, a known dtype, data of exactly
@@ -78,13 +88,15 @@ absl::StatusOr<Dims> CheckTensor(absl::string_view name, bool present, const v1:
                                 bytes ? absl::StrCat(*bytes) : "more than int64 can count"));
   }
   const TensorView view{tensor.data().data(), *dtype};
-  for (int64_t i = 0; i < elements; ++i) {
-    if (!std::isfinite(view[i])) {
-      return Invalid(absl::StrCat(name, ".data"),
-                     absl::StrCat("element ", i, " is ", view[i], "; inputs must be finite"));
-    }
-  }
   Dims dims;
+  for (int64_t i = 0; i < elements; ++i) {
+    const float x = view[i];
+    if (!std::isfinite(x)) {
+      return Invalid(absl::StrCat(name, ".data"),
+                     absl::StrCat("element ", i, " is ", x, "; inputs must be finite"));
+    }
+    dims.max_abs = std::max(dims.max_abs, static_cast<double>(std::abs(x)));
+  }
   dims.dim = tensor.shape(rank - 1);
   dims.len = tensor.shape(rank - 2);
   if (rank >= 3) dims.heads = tensor.shape(rank - 3);
@@ -185,6 +197,24 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
   problem.value = TensorView{request.value().data().data(), value_dtype};
   problem.scale =
       options.has_scale() ? options.scale() : static_cast<float>(1.0 / std::sqrt(double(q->dim)));
+  // Every score and partial sum of q·k (scaled or not) is at most head_dim·max|q|·max|k|·
+  // max(1, |scale|), and every weighted sum of values at most key_len·max|v|: both must stay
+  // within fp32, or the kernels would meet inf − inf and answer NaN.
+  constexpr double kFloatMax = std::numeric_limits<float>::max();
+  const double score_bound = static_cast<double>(q->dim) * q->max_abs * k->max_abs *
+                             std::max(1.0, std::abs(static_cast<double>(problem.scale)));
+  if (score_bound > kFloatMax) {
+    return Invalid("query.data/key.data",
+                   absl::StrCat("max |query| = ", q->max_abs, " and max |key| = ", k->max_abs,
+                                " with head_dim ", q->dim, " and scale ", problem.scale,
+                                " allow scores up to ", score_bound, ", past fp32's largest value ",
+                                kFloatMax, "; scale the inputs down"));
+  }
+  if (static_cast<double>(k->len) * v->max_abs > kFloatMax) {
+    return Invalid("value.data", absl::StrCat("max |value| = ", v->max_abs, " over key_len ",
+                                              k->len, " keys can sum past fp32's largest value ",
+                                              kFloatMax, "; scale the values down"));
+  }
   problem.causal = options.causal();
   const int64_t block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, k->len));

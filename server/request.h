@@ -18,6 +18,7 @@ namespace attn {
 struct TraceLimits {
   int64_t max_rows = 64;        // Rows one Trace may follow.
   int64_t max_steps = 1 << 16;  // TileStep events one Trace may send.
+  int64_t max_streams = 16;     // Trace streams open at once (each computes on gRPC's threads).
 };
 
 // Validates an AttentionRequest and builds its Problem. default_block_k replaces a block_k of 0;

@@ -1,13 +1,11 @@
 #include "server/service.h"
 
+#include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 
 namespace attn {
 namespace {
@@ -28,11 +26,25 @@ void FillStats(const Backend& backend, const Stats& stats, Clock::time_point sta
 }
 
 // Streams a trace: TraceStart, the cursor's events one write at a time, TraceEnd.
+// One of the --max-traces stream slots, released when the stream ends.
+class TraceSlot {
+ public:
+  explicit TraceSlot(std::atomic<int64_t>& open) : open_(&open) {}
+  TraceSlot(TraceSlot&& other) : open_(std::exchange(other.open_, nullptr)) {}
+  TraceSlot& operator=(TraceSlot&&) = delete;
+  ~TraceSlot() {
+    if (open_ != nullptr) open_->fetch_sub(1);
+  }
+
+ private:
+  std::atomic<int64_t>* open_;
+};
+
 class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
  public:
   TraceWriter(const Backend& backend, const Problem& problem, std::unique_ptr<TraceCursor> cursor,
-              Clock::time_point start)
-      : backend_(backend), cursor_(std::move(cursor)), start_(start) {
+              Clock::time_point start, TraceSlot slot)
+      : backend_(backend), cursor_(std::move(cursor)), start_(start), slot_(std::move(slot)) {
     *event_.mutable_start() = EncodeTraceStart(problem);
     StartWrite(&event_);
   }
@@ -70,6 +82,7 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   v1::TraceEvent event_;
   int64_t rows_ = 0;
   int64_t steps_ = 0;
+  TraceSlot slot_;
 };
 
 // A stream that fails before its first event.
@@ -86,17 +99,44 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-void LogFailedRequest(absl::string_view method, const std::string& peer,
-                      const absl::Status& status) {
-  const std::string line = absl::StrCat(
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " attnd ", method,
-      " from ", peer, " failed: ", absl::StatusCodeToString(status.code()), ": ", status.message(),
-      "\n");
-  std::fputs(line.c_str(), stderr);
+namespace {
+
+AdmissionLimits ResolveLimits(const Backend& backend, AdmissionLimits limits) {
+  if (limits.max_inflight <= 0) limits.max_inflight = backend.concurrency();
+  if (limits.memory_bytes <= 0) limits.memory_bytes = backend.max_naive_bytes();
+  return limits;
 }
 
+// Bytes a computation holds while it runs, for admission: Naive's fp32 score and weight
+// matrices, so that concurrent ones stay within the budget together. Capped at the budget: the
+// backend itself refuses a single Naive past it, with a message that names Tiled. Tiled's
+// scratch is a few tiles per worker: not counted.
+int64_t HeldBytes(bool naive, const Problem& problem, int64_t budget) {
+  if (!naive) return 0;
+  const Shape& s = problem.shape;
+  return std::min(2 * s.batch * s.heads * s.query_len * s.key_len * int64_t{sizeof(float)}, budget);
+}
+
+// Why a call must stop now, if it must: the client cancelled or its deadline passed.
+absl::Status Interruption(grpc::CallbackServerContext* context) {
+  if (context->deadline() < std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError("the call's deadline passed");
+  }
+  if (context->IsCancelled()) return absl::CancelledError("the client cancelled the call");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 AttentionService::AttentionService(Backend& backend, ServiceConfig config)
-    : backend_(backend), config_(std::move(config)), queue_(backend.concurrency()) {}
+    : backend_(backend),
+      config_(std::move(config)),
+      queue_(ResolveLimits(backend, config_.admission)) {}
+
+absl::Status AttentionService::CheckAccepting() const {
+  if (!draining_.load()) return absl::OkStatus();
+  return absl::UnavailableError("attnd is shutting down and takes no new calls; retry elsewhere");
+}
 
 absl::Status AttentionService::CheckDevice() {
   if (backend_.healthy()) return absl::OkStatus();
@@ -124,12 +164,8 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
                                                     v1::AttentionResponse* response) {
   const Clock::time_point start = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::string_view name = method == Method::kNaive ? "Naive" : "Tiled";
-  const std::string peer = context->peer();
-  auto fail = [reactor, name, peer](const absl::Status& status) {
-    LogFailedRequest(name, peer, status);
-    reactor->Finish(ToGrpcStatus(status));
-  };
+  // Failures are logged, with the rest of the call, by the request log (request_log.h).
+  auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
 
   absl::StatusOr<Problem> problem = ParseAttentionRequest(*request, backend_.default_block_k());
   if (!problem.ok()) {
@@ -140,15 +176,23 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
     fail(device);
     return reactor;
   }
-  queue_.Submit(
-      [this, method, context, request, response, problem = *problem, start, fail, reactor] {
-        if (context->IsCancelled()) {
-          fail(absl::CancelledError("the client cancelled the call before it started"));
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) {
+    fail(accepting);
+    return reactor;
+  }
+  const bool naive = method == Method::kNaive;
+  absl::Status accepted = queue_.Submit(
+      HeldBytes(naive, *problem, queue_.limits().memory_bytes),
+      [this, naive, context, request, response, problem = *problem, start, fail, reactor] {
+        // A call whose client left, or whose deadline passed, while it waited never starts.
+        if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+          fail(interrupted);
           return;
         }
-        const Outputs outputs = PrepareOutputs(problem, *request, response);
-        absl::StatusOr<Stats> stats = method == Method::kNaive ? backend_.Naive(problem, outputs)
-                                                               : backend_.Tiled(problem, outputs);
+        Outputs outputs = PrepareOutputs(problem, *request, response);
+        outputs.interrupt = [context] { return Interruption(context); };
+        absl::StatusOr<Stats> stats =
+            naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
         if (!stats.ok()) {
           response->Clear();
           fail(stats.status());
@@ -157,16 +201,15 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
         FillStats(backend_, *stats, start, response->mutable_stats());
         reactor->Finish(grpc::Status::OK);
       });
+  if (!accepted.ok()) fail(accepted);
   return reactor;
 }
 
 grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
     grpc::CallbackServerContext* context, const v1::TraceRequest* request) {
   const Clock::time_point start = Clock::now();
-  auto fail = [context](const absl::Status& status) {
-    LogFailedRequest("Trace", context->peer(), status);
-    return new FailedWriter(ToGrpcStatus(status));
-  };
+  auto fail = [](const absl::Status& status) { return new FailedWriter(ToGrpcStatus(status)); };
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return fail(accepting);
   if (!request->has_attention()) {
     return fail(absl::InvalidArgumentError("attention: is required"));
   }
@@ -177,9 +220,15 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
   }
   absl::StatusOr<std::vector<RowRef>> rows = ParseTraceRows(*request, *problem, config_.trace);
   if (!rows.ok()) return fail(rows.status());
+  TraceSlot slot(open_traces_);
+  if (const int64_t open = open_traces_.fetch_add(1); open >= config_.trace.max_streams) {
+    return fail(absl::ResourceExhaustedError(absl::StrCat(
+        "server busy: ", open, " trace streams open (--max-traces=", config_.trace.max_streams,
+        "); retry later")));
+  }
   absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(*problem, *std::move(rows));
   if (!cursor.ok()) return fail(cursor.status());
-  return new TraceWriter(backend_, *problem, *std::move(cursor), start);
+  return new TraceWriter(backend_, *problem, *std::move(cursor), start, std::move(slot));
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
@@ -195,6 +244,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_max_message_bytes(config_.max_message_bytes);
   response->set_max_naive_bytes(backend_.max_naive_bytes());
   response->set_default_block_k(backend_.default_block_k());
+  response->set_max_inflight(queue_.limits().max_inflight);
+  response->set_max_queue(queue_.limits().max_queue);
+  response->set_max_trace_rows(config_.trace.max_rows);
+  response->set_max_trace_steps(config_.trace.max_steps);
+  response->set_max_traces(config_.trace.max_streams);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

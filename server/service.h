@@ -24,6 +24,9 @@ namespace attn {
 
 struct ServiceConfig {
   TraceLimits trace;
+  // max_inflight 0 = the backend's concurrency(); memory_bytes 0 = its max_naive_bytes(): the
+  // Naive score and weight matrices of every running computation share that budget.
+  AdmissionLimits admission{.max_inflight = 0, .max_queue = 64, .memory_bytes = 0};
   int64_t max_message_bytes = int64_t{1} << 30;
   // Called (once) when the backend reports that its device is lost, e.g. to mark the health
   // service NOT_SERVING. May be empty.
@@ -49,6 +52,15 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
                                           const attention::v1::GetServerInfoRequest* request,
                                           attention::v1::ServerInfo* response) override;
 
+  // From now on every new Naive, Tiled and Trace call is refused with UNAVAILABLE (the server
+  // is shutting down); calls already accepted run to the end. Thread-safe.
+  void StartDrain() { draining_.store(true); }
+  const AdmissionLimits& admission() const { return queue_.limits(); }
+
+  // Naive and Tiled calls waiting for a compute worker, and computing now (for metrics).
+  int64_t queued() const { return queue_.queued(); }
+  int64_t computing() const { return queue_.running(); }
+
  private:
   enum class Method { kNaive, kTiled };
   grpc::ServerUnaryReactor* Compute(Method method, grpc::CallbackServerContext* context,
@@ -60,12 +72,13 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
 
   Backend& backend_;
   const ServiceConfig config_;
+  // UNAVAILABLE while draining.
+  absl::Status CheckAccepting() const;
+
   std::atomic<bool> loss_reported_{false};
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> open_traces_{0};
   ComputeQueue queue_;  // Last: destroyed first, finishing queued work while the rest lives.
 };
-
-// Logs one failed request to stderr: method, peer, code and message.
-void LogFailedRequest(absl::string_view method, const std::string& peer,
-                      const absl::Status& status);
 
 }  // namespace attn

@@ -24,7 +24,7 @@ wait_port() {  # wait_port PID LOG: prints the port attnd reported in LOG
   return 1
 }
 
-"$attnd" --listen 127.0.0.1:0 --threads 2 >"$log" 2>&1 &
+"$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 >"$log" 2>&1 &
 server=$!
 port=$(wait_port "$server" "$log")
 target=(--target "127.0.0.1:$port")
@@ -98,7 +98,7 @@ check bench-bad-path 1 'cannot write' -- "$attn" "${target[@]}" bench --ns 16 --
 
 # A server whose Naive budget (200 000 bytes) holds N=64 (2·2·64²·4 = 65 536 bytes of scores
 # and weights) but not N=128 (262 144): the Naive point is refused and the sweep goes on.
-"$attnd" --listen 127.0.0.1:0 --threads 2 --max-naive-bytes 200000 >"$log2" 2>&1 &
+"$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 --max-naive-bytes 200000 >"$log2" 2>&1 &
 server2=$!
 port2=$(wait_port "$server2" "$log2")
 refused_run=("$attn" --target "127.0.0.1:$port2" bench --ns "64,128" --heads 2 --dim 16 --repeats 1

@@ -196,7 +196,10 @@ PoisonedOutputs::PoisonedOutputs(const HostProblem& problem)
 }
 
 Outputs PoisonedOutputs::outputs() {
-  return Outputs{MutableTensorView{output_bytes.data(), dtype}, lse.data()};
+  Outputs outputs;
+  outputs.output = MutableTensorView{output_bytes.data(), dtype};
+  outputs.lse = lse.data();
+  return outputs;
 }
 
 std::vector<float> PoisonedOutputs::Output() const {

@@ -38,7 +38,15 @@ class CountingBackend final : public Backend {
     return inner_.Naive(p, o);
   }
   absl::StatusOr<Stats> Tiled(const Problem& p, const Outputs& o) override {
-    return inner_.Tiled(p, o);
+    ++tiled_calls;
+    Outputs slowed = o;  // block_delay_ms before each row block: seconds of work from a small call.
+    slowed.interrupt = [this, inner = o.interrupt] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(block_delay_ms.load()));
+      return inner ? inner() : absl::OkStatus();
+    };
+    absl::StatusOr<Stats> stats = inner_.Tiled(p, slowed);
+    last_tiled_code = stats.status().code();
+    return stats;
   }
   absl::StatusOr<std::unique_ptr<TraceCursor>> Trace(const Problem& p,
                                                      std::vector<RowRef> rows) override {
@@ -48,6 +56,9 @@ class CountingBackend final : public Backend {
   }
 
   std::atomic<int64_t> events{0};
+  std::atomic<int64_t> tiled_calls{0};
+  std::atomic<int> block_delay_ms{0};
+  std::atomic<absl::StatusCode> last_tiled_code{absl::StatusCode::kOk};
 
  private:
   class Counting final : public TraceCursor {
@@ -70,11 +81,13 @@ class CountingBackend final : public Backend {
 // An attnd service on an ephemeral loopback port, and a client connected to it.
 class ServiceTest : public ::testing::Test {
  protected:
-  void StartServer(int64_t max_naive_bytes = 0, TraceLimits limits = {}) {
+  void StartServer(int64_t max_naive_bytes = 0, TraceLimits limits = {},
+                   AdmissionLimits admission = {.max_inflight = 0, .memory_bytes = 0}) {
     cpu_ = std::make_unique<CpuBackend>(2, max_naive_bytes);
     backend_ = std::make_unique<CountingBackend>(*cpu_);
     ServiceConfig config;
     config.trace = limits;
+    config.admission = admission;
     service_ = std::make_unique<AttentionService>(*backend_, config);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
@@ -86,7 +99,13 @@ class ServiceTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_NE(port, 0);
-    client_ = std::make_unique<client::Client>("127.0.0.1:" + std::to_string(port));
+    target_ = "127.0.0.1:" + std::to_string(port);
+    client_ = std::make_unique<client::Client>(target_);
+  }
+
+  // A client whose every call has the given deadline.
+  client::Client ClientWithDeadline(std::chrono::milliseconds timeout) const {
+    return client::Client(target_, {.timeout = timeout});
   }
 
   void SetUp() override { StartServer(); }
@@ -100,6 +119,7 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<client::Client> client_;
+  std::string target_;
 };
 
 v1::Tensor ToTensor(std::vector<int64_t> shape, const std::vector<uint8_t>& bytes, DType dtype) {
@@ -449,6 +469,191 @@ TEST_F(ServiceTest, CancellingALongTraceStopsTheServerPromptly) {
   EXPECT_EQ(backend_->events.load(), after_cancel) << "the trace kept computing after cancel";
   EXPECT_LT(after_cancel, total_events / 10);
   EXPECT_TRUE(client_->Tiled(ValidRequest()).ok());
+}
+
+// A Tiled call of 32 row blocks (one head, 4096 rows): with the backend's block_delay_ms at 200
+// and its two threads it computes for over 3.2 s whatever the machine, from a request of 3 MiB
+// that arrives at once.
+v1::AttentionRequest LongRequest() {
+  HostProblem p =
+      testing::RandomProblem({.query_len = 4096, .key_len = 4096, .head_dim = 64, .value_dim = 64},
+                             DType::kFloat32, false, 0, 11);
+  return ToRequest(p);
+}
+
+// Polls `done` every 5 ms for up to 20 s; false if it never became true.
+bool WaitFor(const std::function<bool()>& done) {
+  for (int i = 0; i < 4000; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+TEST_F(ServiceTest, ADeadlineStopsTheComputationAndFreesTheWorker) {
+  backend_->block_delay_ms = 200;
+  const v1::AttentionRequest long_request = LongRequest();
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<v1::AttentionResponse> cut =
+      ClientWithDeadline(std::chrono::milliseconds(1000)).Tiled(long_request);
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kDeadlineExceeded) << cut.status();
+  ASSERT_TRUE(WaitFor([&] { return service_->computing() == 0; }));
+  EXPECT_EQ(backend_->last_tiled_code.load(), absl::StatusCode::kDeadlineExceeded)
+      << "the kernel ran to the end instead of stopping at the deadline";
+  // The only worker (max-inflight 1 on the CPU) is free again: the kernel gave up early.
+  // Run to the end, it would have taken over 3.2 s.
+  EXPECT_LT(SecondsSince(start), 3.0) << "the computation went on after its deadline";
+  backend_->block_delay_ms = 0;
+  ASSERT_TRUE(client_->Tiled(ValidRequest()).ok());
+  EXPECT_EQ(backend_->tiled_calls.load(), 2);
+}
+
+TEST_F(ServiceTest, ClientCancelStopsTheComputation) {
+  backend_->block_delay_ms = 200;
+  const v1::AttentionRequest long_request = LongRequest();
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+  std::unique_ptr<v1::AttentionService::Stub> stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext context;
+  v1::AttentionResponse response;
+  Clock::time_point cancelled;
+  std::thread canceller([&] {
+    WaitFor([&] { return service_->computing() > 0; });
+    cancelled = Clock::now();
+    context.TryCancel();
+  });
+  const grpc::Status status = stub->Tiled(&context, long_request, &response);
+  canceller.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
+  ASSERT_TRUE(WaitFor([&] { return service_->computing() == 0; }));
+  EXPECT_EQ(backend_->last_tiled_code.load(), absl::StatusCode::kCancelled)
+      << "the kernel ran to the end instead of stopping at the cancel";
+  EXPECT_LT(SecondsSince(cancelled), 1.0) << "the computation went on after the cancel";
+  backend_->block_delay_ms = 0;
+  ASSERT_TRUE(client_->Tiled(ValidRequest()).ok());
+}
+
+TEST_F(ServiceTest, AFullQueueRefusesAtOnceAndAnExpiredWaiterNeverStarts) {
+  TearDown();
+  StartServer(0, {}, {.max_inflight = 1, .max_queue = 1, .memory_bytes = 0});
+  backend_->block_delay_ms = 200;
+  const v1::AttentionRequest long_request = LongRequest();
+  absl::Status running, waiting;
+  std::thread first([&] {
+    running = ClientWithDeadline(std::chrono::milliseconds(2000)).Tiled(long_request).status();
+  });
+  ASSERT_TRUE(WaitFor([&] { return backend_->tiled_calls.load() > 0; }));
+  std::thread second([&] {
+    waiting = ClientWithDeadline(std::chrono::milliseconds(800)).Tiled(long_request).status();
+  });
+  ASSERT_TRUE(WaitFor([&] { return service_->queued() > 0; }));
+
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<v1::AttentionResponse> refused = client_->Tiled(ValidRequest());
+  EXPECT_LT(SecondsSince(start), 0.5) << "a full queue must refuse at once";
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("--max-queue=1"), std::string::npos)
+      << refused.status();
+
+  first.join();
+  second.join();
+  EXPECT_EQ(running.code(), absl::StatusCode::kDeadlineExceeded) << running;
+  EXPECT_EQ(waiting.code(), absl::StatusCode::kDeadlineExceeded) << waiting;
+  ASSERT_TRUE(WaitFor([&] { return service_->computing() + service_->queued() == 0; }));
+  EXPECT_EQ(backend_->tiled_calls.load(), 1) << "the waiter started after its deadline";
+  backend_->block_delay_ms = 0;
+  EXPECT_TRUE(client_->Tiled(ValidRequest()).ok());
+  absl::StatusOr<v1::ServerInfo> info = client_->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->max_inflight(), 1);
+  EXPECT_EQ(info->max_queue(), 1);
+}
+
+TEST_F(ServiceTest, DrainingRefusesNewCallsWithUnavailable) {
+  ASSERT_TRUE(client_->Tiled(ValidRequest()).ok());
+  service_->StartDrain();
+  EXPECT_EQ(client_->Tiled(ValidRequest()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(client_->Naive(ValidRequest()).status().code(), absl::StatusCode::kUnavailable);
+  const absl::Status trace =
+      client_->Trace(TraceOf(ValidRequest(), {}), [](const v1::TraceEvent&) { return true; });
+  EXPECT_EQ(trace.code(), absl::StatusCode::kUnavailable) << trace;
+  EXPECT_TRUE(client_->Info().ok()) << "GetServerInfo still answers while draining";
+}
+
+TEST_F(ServiceTest, AClientThatStopsReadingHoldsTheTraceAtTheFlowControlWindow) {
+  TearDown();
+  StartServer(0, TraceLimits{.max_rows = 1, .max_steps = 1 << 20});
+  HostProblem p =
+      testing::RandomProblem({.query_len = 1, .key_len = 200000, .head_dim = 8, .value_dim = 8},
+                             DType::kFloat32, false, 1, 9);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+  std::unique_ptr<v1::AttentionService::Stub> stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader =
+      stub->Trace(&context, TraceOf(ToRequest(p), {}));
+  v1::TraceEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  // The client reads nothing more: the server computes only what the transport buffers, then
+  // waits (on a busy machine filling the windows takes a while: wait for the count to settle).
+  // gRPC may widen its windows a few times (BDP probing), so "settled" means a whole second
+  // without a new event, within 30 s.
+  int64_t stalled = backend_->events.load();
+  for (int quiet_ms = 0, waited_ms = 0; quiet_ms < 1000 && waited_ms < 30000; waited_ms += 100) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const int64_t now = backend_->events.load();
+    quiet_ms = now == stalled ? quiet_ms + 100 : 0;
+    stalled = now;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(backend_->events.load(), stalled) << "the server kept computing for a stalled reader";
+  // What it computed is what the HTTP/2 windows hold (a few MiB), not the trace.
+  EXPECT_LT(stalled, 200000 / 2) << "the server buffered most of the trace";
+  // Reading again drains the windows and the server resumes.
+  int64_t read = 0;
+  while (read < 150000 && backend_->events.load() == stalled && reader->Read(&event)) ++read;
+  EXPECT_GT(backend_->events.load(), stalled) << "the stream did not resume after " << read;
+  context.TryCancel();
+  reader->Finish();
+}
+
+TEST_F(ServiceTest, TraceStreamsPastMaxTracesAreRefusedUntilOneCloses) {
+  TearDown();
+  StartServer(0, TraceLimits{.max_rows = 1, .max_steps = 1 << 20, .max_streams = 1});
+  HostProblem p =
+      testing::RandomProblem({.query_len = 1, .key_len = 200000, .head_dim = 8, .value_dim = 8},
+                             DType::kFloat32, false, 1, 9);
+  const v1::TraceRequest long_trace = TraceOf(ToRequest(p), {});
+  auto open_stream = [&](grpc::ClientContext& context) {
+    std::shared_ptr<grpc::Channel> channel =
+        grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    return v1::AttentionService::NewStub(channel)->Trace(&context, long_trace);
+  };
+  grpc::ClientContext first_context;
+  std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> first = open_stream(first_context);
+  v1::TraceEvent event;
+  ASSERT_TRUE(first->Read(&event));  // The first stream is open and holds the only slot.
+
+  const absl::Status refused =
+      client_->Trace(TraceOf(ValidRequest(), {}), [](const v1::TraceEvent&) { return true; });
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("--max-traces=1"), std::string::npos) << refused;
+
+  first_context.TryCancel();
+  first->Finish();
+  // The slot comes back when the server sees the stream end.
+  absl::Status again = refused;
+  for (int i = 0; i < 200 && !again.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    again = client_->Trace(TraceOf(ValidRequest(), {}), [](const v1::TraceEvent&) { return true; });
+  }
+  EXPECT_TRUE(again.ok()) << again;
 }
 
 }  // namespace

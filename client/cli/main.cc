@@ -8,12 +8,16 @@
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -36,6 +40,13 @@ ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
 ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
 ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
 ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "Connect with TLS, trusting this PEM CA bundle for the server's certificate.");
+ABSL_FLAG(std::string, tls_cert, "", "Mutual TLS: PEM client certificate (with --tls-key).");
+ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the bearer token to send (attnd --auth-token-file); trailing whitespace "
+          "is ignored.");
 ABSL_FLAG(std::string, ns, "256,512,1024,2048,4096", "bench: sequence lengths N to sweep.");
 ABSL_FLAG(int64_t, batch, 1, "bench: batch size B.");
 ABSL_FLAG(int64_t, heads, 8, "bench: query heads H (--kv-heads sets key/value heads).");
@@ -209,6 +220,49 @@ int RunHealth(attn::client::Client& client) {
   return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
+absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::ostringstream contents;
+  if (file) contents << file.rdbuf();
+  if (!file || file.bad()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
+  }
+  return std::move(contents).str();
+}
+
+// Fills the TLS and token fields of `options` from --tls-ca, --tls-cert, --tls-key and
+// --token-file. INVALID_ARGUMENT names the flag whose file is unreadable or unusable.
+absl::Status ReadSecurityFlags(attn::client::ClientOptions& options) {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca);
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together: give both or neither");
+  }
+  if (!cert.empty() && ca.empty()) {
+    return absl::InvalidArgumentError("--tls-cert needs TLS: give --tls-ca too");
+  }
+  for (const auto& [flag, path, field] : {std::tuple{"--tls-ca", ca, &options.tls_ca},
+                                          std::tuple{"--tls-cert", cert, &options.tls_cert},
+                                          std::tuple{"--tls-key", key, &options.tls_key}}) {
+    if (path.empty()) continue;
+    absl::StatusOr<std::string> pem = ReadFile(flag, path);
+    if (!pem.ok()) return pem.status();
+    *field = *std::move(pem);
+  }
+  const std::string token_file = absl::GetFlag(FLAGS_token_file);
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadFile("--token-file", token_file);
+    if (!token.ok()) return token.status();
+    absl::StripTrailingAsciiWhitespace(&*token);
+    if (token->empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token-file: ", token_file, " is empty"));
+    }
+    options.token = *std::move(token);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -229,6 +283,9 @@ int main(int argc, char** argv) {
   attn::client::ClientOptions options;
   if (absl::GetFlag(FLAGS_timeout_ms) > 0) {
     options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  }
+  if (const absl::Status security = ReadSecurityFlags(options); !security.ok()) {
+    return Fail(security);
   }
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);
   if (command == "naive" || command == "tiled") return RunCompute(client, command);

@@ -120,24 +120,26 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
 
   const int64_t tasks = RowBlockCount(problem);
   std::vector<Worker> workers(pool.WorkersFor(tasks));
-  pool.Run(tasks, [&](int64_t task, int worker_index) {
-    Worker& worker = workers[worker_index];
-    const RowBlock block = RowBlockAt(problem, task);
-    const auto [query, key, value] = worker.loader.Load(problem, block);
-    const int64_t rows = block.row_end - block.row_begin;
-    const int64_t offset =
-        ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
-    worker.out.resize(rows * s.value_dim);
-    worker.lse.resize(rows);
-    NaiveRows(problem, query, key, value, block.row_begin, rows, scores.get() + offset,
-              weights.get() + offset, worker.lse.data(), worker.out.data());
-    StoreFloats(worker.out.data(), rows * s.value_dim, outputs.output,
-                problem.OutputOffset(block.batch, block.head, block.row_begin));
-    if (outputs.lse != nullptr) {
-      std::copy(worker.lse.begin(), worker.lse.end(),
-                outputs.lse + problem.LseOffset(block.batch, block.head, block.row_begin));
-    }
-  });
+  const absl::Status run =
+      RunInterruptible(pool, tasks, outputs.interrupt, [&](int64_t task, int worker_index) {
+        Worker& worker = workers[worker_index];
+        const RowBlock block = RowBlockAt(problem, task);
+        const auto [query, key, value] = worker.loader.Load(problem, block);
+        const int64_t rows = block.row_end - block.row_begin;
+        const int64_t offset =
+            ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
+        worker.out.resize(rows * s.value_dim);
+        worker.lse.resize(rows);
+        NaiveRows(problem, query, key, value, block.row_begin, rows, scores.get() + offset,
+                  weights.get() + offset, worker.lse.data(), worker.out.data());
+        StoreFloats(worker.out.data(), rows * s.value_dim, outputs.output,
+                    problem.OutputOffset(block.batch, block.head, block.row_begin));
+        if (outputs.lse != nullptr) {
+          std::copy(worker.lse.begin(), worker.lse.end(),
+                    outputs.lse + problem.LseOffset(block.batch, block.head, block.row_begin));
+        }
+      });
+  if (!run.ok()) return run;
 
   Stats stats;
   stats.intermediate_bytes = problem.NaiveIntermediateBytes();

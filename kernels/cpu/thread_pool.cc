@@ -1,6 +1,7 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace attn {
 
@@ -64,6 +65,29 @@ void ThreadPool::Run(int64_t tasks, const std::function<void(int64_t, int)>& fn)
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [&] { return active_helpers_ == 0; });
   job_ = nullptr;
+}
+
+absl::Status RunInterruptible(ThreadPool& pool, int64_t tasks,
+                              const std::function<absl::Status()>& interrupt,
+                              const std::function<void(int64_t, int)>& fn) {
+  if (!interrupt) {
+    pool.Run(tasks, fn);
+    return absl::OkStatus();
+  }
+  std::atomic<bool> stopped{false};
+  std::mutex mutex;
+  absl::Status why;
+  pool.Run(tasks, [&](int64_t task, int worker) {
+    if (stopped.load(std::memory_order_relaxed)) return;
+    if (absl::Status status = interrupt(); !status.ok()) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (why.ok()) why = std::move(status);
+      stopped.store(true, std::memory_order_relaxed);
+      return;
+    }
+    fn(task, worker);
+  });
+  return why;
 }
 
 }  // namespace attn

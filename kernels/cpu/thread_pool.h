@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace attn {
 
 class ThreadPool {
@@ -48,5 +50,11 @@ class ThreadPool {
   bool stopping_ = false;
   std::vector<std::thread> helpers_;
 };
+
+// pool.Run(tasks, fn), asking `interrupt` (when set) before each task: once it answers non-OK
+// the tasks not yet started are skipped and that answer is returned (a running task finishes).
+absl::Status RunInterruptible(ThreadPool& pool, int64_t tasks,
+                              const std::function<absl::Status()>& interrupt,
+                              const std::function<void(int64_t task, int worker)>& fn);
 
 }  // namespace attn

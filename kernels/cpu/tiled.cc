@@ -1,13 +1,12 @@
 #include "kernels/cpu/tiled.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/fp32_rows.h"
+#include "kernels/cpu/key_tile.h"
 #include "kernels/cpu/row_blocks.h"
 
 namespace attn {
@@ -16,7 +15,8 @@ namespace {
 
 ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
                                            int64_t key_begin, int n, float* scores, float* acc,
-                                           OnlineSoftmaxRow* states, float* rescales) {
+                                           int acc_stride, OnlineSoftmaxRow* states,
+                                           float* rescales) {
   const int64_t dv = problem.shape.value_dim;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
@@ -25,7 +25,7 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
     const float rescale = states[r].VisitTile(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     if (rescale != 1.f) {
-      float* a = acc + r * dv;
+      float* a = acc + r * acc_stride;
       for (int64_t c = 0; c < dv; ++c) a[c] *= rescale;
     }
   }
@@ -33,93 +33,105 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
 
 ATTN_CPU_FAST void VisitKeyTileRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
                                         int64_t key_begin, int n, float* scores, float* acc,
-                                        OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, states, rescales);
+                                        int acc_stride, OnlineSoftmaxRow* states, float* rescales) {
+  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states,
+                       rescales);
 }
 
 void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows,
-                              int64_t key_begin, int n, float* scores, float* acc,
+                              int64_t key_begin, int n, float* scores, float* acc, int acc_stride,
                               OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, states, rescales);
+  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states,
+                       rescales);
 }
 
 }  // namespace
 
 void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
-                      int n, float* scores, float* acc, OnlineSoftmaxRow* states, float* rescales) {
+                      int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
+                      float* rescales) {
   (CpuHasAvx2Fma() ? VisitKeyTileRowsAvx2 : VisitKeyTileRowsPortable)(
-      problem, row_begin, rows, key_begin, n, scores, acc, states, rescales);
+      problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states, rescales);
 }
 
 namespace {
 
 struct Worker {
   Fp32Rows query, key, value;
+  KeyTile tile;
   std::vector<float> scores;  // [rows, block_k]: scores, then weights in place.
-  std::vector<float> acc;     // [rows, value_dim]: the running weighted sums.
+  std::vector<float> acc;     // [rows, KeyTile::AccStride(value_dim)]: the running weighted sums.
   std::vector<float> lse;     // [rows]
   std::vector<OnlineSoftmaxRow> states;
+
+  int64_t scratch_bytes() const {
+    return query.scratch_bytes() + key.scratch_bytes() + value.scratch_bytes() +
+           tile.scratch_bytes() +
+           static_cast<int64_t>((scores.capacity() + acc.capacity() + lse.capacity()) *
+                                    sizeof(float) +
+                                states.capacity() * sizeof(OnlineSoftmaxRow));
+  }
 };
+
+// One block of query rows of one (batch, head) over every key tile it can see.
+void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& block,
+                Worker& worker) {
+  const Shape& s = problem.shape;
+  const int d = static_cast<int>(s.head_dim);
+  const int dv = static_cast<int>(s.value_dim);
+  const int acc_stride = KeyTile::AccStride(dv);
+  const int64_t rows = block.row_end - block.row_begin;
+  const int m = static_cast<int>(rows);
+  const float* query = worker.query.Load(
+      problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin), rows * d);
+  worker.scores.resize(rows * problem.block_k);
+  worker.acc.assign(rows * acc_stride, 0.f);
+  worker.states.assign(rows, OnlineSoftmaxRow{});
+  // The block's last row sees the most keys; tiles past it are hidden from every row.
+  const int64_t tiles = problem.VisitedTiles(block.row_end - 1);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t key_begin = tile * problem.block_k;
+    const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
+    const float* key = worker.key.Load(
+        problem.key, problem.KeyOffset(block.batch, block.kv_head, key_begin), int64_t{n} * d);
+    const float* value = worker.value.Load(
+        problem.value, problem.ValueOffset(block.batch, block.kv_head, key_begin), int64_t{n} * dv);
+    worker.tile.Load(key, value, n, d, dv, problem.scale);
+    worker.tile.Scores(query, m, worker.scores.data());
+    VisitKeyTileRows(problem, block.row_begin, rows, key_begin, n, worker.scores.data(),
+                     worker.acc.data(), acc_stride, worker.states.data());
+    worker.tile.Accumulate(worker.scores.data(), m, worker.acc.data());
+  }
+  // Normalized rows, packed to value_dim columns in place (row r moves down to r · dv).
+  worker.lse.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = worker.acc.data() + r * acc_stride;
+    float* out = worker.acc.data() + r * dv;
+    for (int c = 0; c < dv; ++c) out[c] = worker.states[r].Normalize(a[c]);
+    worker.lse[r] = worker.states[r].LogSumExp();
+  }
+  StoreFloats(worker.acc.data(), rows * dv, outputs.output,
+              problem.OutputOffset(block.batch, block.head, block.row_begin));
+  if (outputs.lse != nullptr) {
+    std::copy(worker.lse.begin(), worker.lse.end(),
+              outputs.lse + problem.LseOffset(block.batch, block.head, block.row_begin));
+  }
+}
 
 }  // namespace
 
 absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs,
                                      ThreadPool& pool) {
-  const Shape& s = problem.shape;
-  const int d = static_cast<int>(s.head_dim);
-  const int dv = static_cast<int>(s.value_dim);
   const int64_t tasks = RowBlockCount(problem);
   std::vector<Worker> workers(pool.WorkersFor(tasks));
-  pool.Run(tasks, [&](int64_t task, int worker_index) {
-    Worker& worker = workers[worker_index];
-    const RowBlock block = RowBlockAt(problem, task);
-    const int64_t rows = block.row_end - block.row_begin;
-    const int m = static_cast<int>(rows);
-    const float* query = worker.query.Load(
-        problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin), rows * d);
-    worker.scores.resize(rows * problem.block_k);
-    worker.acc.assign(rows * dv, 0.f);
-    worker.states.assign(rows, OnlineSoftmaxRow{});
-    // The block's last row sees the most keys; tiles past it are hidden from every row.
-    const int64_t tiles = problem.VisitedTiles(block.row_end - 1);
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t key_begin = tile * problem.block_k;
-      const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
-      const float* key = worker.key.Load(
-          problem.key, problem.KeyOffset(block.batch, block.kv_head, key_begin), int64_t{n} * d);
-      const float* value = worker.value.Load(
-          problem.value, problem.ValueOffset(block.batch, block.kv_head, key_begin),
-          int64_t{n} * dv);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, d, problem.scale, query, d, key, d,
-                  0.f, worker.scores.data(), n);
-      VisitKeyTileRows(problem, block.row_begin, rows, key_begin, n, worker.scores.data(),
-                       worker.acc.data(), worker.states.data());
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, n, 1.f, worker.scores.data(), n,
-                  value, dv, 1.f, worker.acc.data(), dv);
-    }
-    worker.lse.resize(rows);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* a = worker.acc.data() + r * dv;
-      for (int c = 0; c < dv; ++c) a[c] = worker.states[r].Normalize(a[c]);
-      worker.lse[r] = worker.states[r].LogSumExp();
-    }
-    StoreFloats(worker.acc.data(), rows * dv, outputs.output,
-                problem.OutputOffset(block.batch, block.head, block.row_begin));
-    if (outputs.lse != nullptr) {
-      std::copy(worker.lse.begin(), worker.lse.end(),
-                outputs.lse + problem.LseOffset(block.batch, block.head, block.row_begin));
-    }
-  });
+  const absl::Status run =
+      RunInterruptible(pool, tasks, outputs.interrupt, [&](int64_t task, int worker) {
+        TiledBlock(problem, outputs, RowBlockAt(problem, task), workers[worker]);
+      });
+  if (!run.ok()) return run;
 
   Stats stats;
-  for (const Worker& worker : workers) {
-    stats.scratch_bytes +=
-        worker.query.scratch_bytes() + worker.key.scratch_bytes() + worker.value.scratch_bytes() +
-        static_cast<int64_t>(
-            (worker.scores.capacity() + worker.acc.capacity() + worker.lse.capacity()) *
-                sizeof(float) +
-            worker.states.capacity() * sizeof(OnlineSoftmaxRow));
-  }
+  for (const Worker& worker : workers) stats.scratch_bytes += worker.scratch_bytes();
   return stats;
 }
 

@@ -1,9 +1,9 @@
 // Tiled attention on the CPU: the explainer's idea 3 (FlashAttention's forward pass). A block
 // of query rows visits block_k keys at a time, keeping only a running max, denominator and
 // weighted sum per row (online_softmax.h); nothing query_len × key_len is ever stored, and
-// tiles the causal mask hides entirely are never visited. Per tile: the scores come from one
-// BLAS GEMM, the online-softmax step runs vectorized over the tile, the weighted values
-// accumulate with a second GEMM. fp16/bf16 keys and values are converted a tile at a time.
+// tiles the causal mask hides entirely are never visited. Per tile: the scores come from
+// KeyTile::Scores, the online-softmax step runs vectorized over the tile, and the weighted values
+// accumulate with KeyTile::Accumulate. fp16/bf16 keys and values are converted a tile at a time.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +19,10 @@ namespace attn {
 // The online-softmax step for rows [row_begin, row_begin + rows) of a block over the key tile
 // starting at key_begin with n keys: masks scores [rows, n] (scaled) for the causal mask,
 // turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
-// acc [rows, value_dim] (recording the factors in rescales when not null). The caller then
-// adds weights · V_tile to acc.
+// acc [rows, value_dim] (row stride acc_stride; recording the factors in rescales when not
+// null). The caller then adds weights · V_tile to acc (KeyTile::Accumulate).
 void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
-                      int n, float* scores, float* acc, OnlineSoftmaxRow* states,
+                      int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
                       float* rescales = nullptr);
 
 // Online-softmax attention on `pool`. Never fails for a valid Problem.

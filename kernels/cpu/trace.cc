@@ -1,13 +1,12 @@
 #include "kernels/cpu/trace.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <utility>
 
 #include "kernels/cpu/fp32_rows.h"
+#include "kernels/cpu/key_tile.h"
 #include "kernels/cpu/naive.h"
 #include "kernels/cpu/tiled.h"
 #include "kernels/online_softmax.h"
@@ -41,6 +40,7 @@ class CpuTraceCursor final : public TraceCursor {
     Stats stats = stats_;
     stats.scratch_bytes =
         query_.scratch_bytes() + key_.scratch_bytes() + value_.scratch_bytes() +
+        key_tile_.scratch_bytes() +
         static_cast<int64_t>((scores_.capacity() + acc_.capacity() + reference_.capacity()) *
                              sizeof(float));
     stats.peak_memory_bytes = stats.scratch_bytes;
@@ -60,7 +60,7 @@ class CpuTraceCursor final : public TraceCursor {
                               s.key_len * s.value_dim);
     state_ = OnlineSoftmaxRow{};
     scores_.assign(problem_.block_k, 0.f);
-    acc_.assign(s.value_dim, 0.f);
+    acc_.assign(KeyTile::AccStride(static_cast<int>(s.value_dim)), 0.f);
     row_started_ = true;
   }
 
@@ -76,23 +76,23 @@ class CpuTraceCursor final : public TraceCursor {
     const int d = static_cast<int>(s.head_dim);
     const int dv = static_cast<int>(s.value_dim);
     // Tiled's own tile step, for a block of one row.
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, n, d, problem_.scale, q_row_, d,
-                key_rows_ + step.key_begin * d, d, 0.f, scores_.data(), n);
+    key_tile_.Load(key_rows_ + step.key_begin * d, value_rows_ + step.key_begin * dv, n, d, dv,
+                   problem_.scale);
+    key_tile_.Scores(q_row_, 1, scores_.data());
     step.scores.assign(scores_.begin(), scores_.begin() + n);
     // The masked scores, as VisitKeyTileRows sees them.
     const int64_t visible_in_tile = problem_.VisibleKeys(ref.row) - step.key_begin;
     for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) step.scores[j] = -INFINITY;
     step.max_before = state_.max;
-    VisitKeyTileRows(problem_, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(), &state_,
-                     &step.rescale);
+    VisitKeyTileRows(problem_, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(),
+                     static_cast<int>(acc_.size()), &state_, &step.rescale);
     step.max_after = state_.max;
     step.weights.assign(scores_.begin(), scores_.begin() + n);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, dv, n, 1.f, scores_.data(), n,
-                value_rows_ + step.key_begin * dv, dv, 1.f, acc_.data(), dv);
+    key_tile_.Accumulate(scores_.data(), 1, acc_.data());
     step.denominator = state_.denominator;
-    step.accumulator = acc_;
-    step.estimate.resize(acc_.size());
-    for (size_t c = 0; c < acc_.size(); ++c) step.estimate[c] = state_.Normalize(acc_[c]);
+    step.accumulator.assign(acc_.begin(), acc_.begin() + dv);
+    step.estimate.resize(dv);
+    for (int c = 0; c < dv; ++c) step.estimate[c] = state_.Normalize(acc_[c]);
     stats_.flops += 2.0 * static_cast<double>(std::clamp<int64_t>(visible_in_tile, 0, n)) *
                     static_cast<double>(s.head_dim + s.value_dim);
     ++tile_;
@@ -134,6 +134,7 @@ class CpuTraceCursor final : public TraceCursor {
   const float* q_row_ = nullptr;
   const float* key_rows_ = nullptr;
   const float* value_rows_ = nullptr;
+  KeyTile key_tile_;
   OnlineSoftmaxRow state_;
   std::vector<float> scores_, acc_, reference_;
   Stats stats_;

@@ -341,6 +341,7 @@ absl::StatusOr<int64_t> CudaBackend::ElapsedNs(const Slot& slot) {
 }
 
 absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& outputs) {
+  if (absl::Status status = outputs.CheckInterrupt(); !status.ok()) return status;
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
   const int64_t storage_bytes = 2 * matrix_elements * static_cast<int64_t>(sizeof(float));
@@ -431,6 +432,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
 }
 
 absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& outputs) {
+  if (absl::Status status = outputs.CheckInterrupt(); !status.ok()) return status;
   const int pitch = PaddedDim(problem.shape);
   if (pitch == 0) {
     return absl::InvalidArgumentError(

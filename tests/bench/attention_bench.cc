@@ -298,7 +298,8 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
   for (int64_t i = 0; i < problem.OutputElements(); ++i) {
     attn::StoreElement(output.data(), cell.dtype, i, std::numeric_limits<float>::quiet_NaN());
   }
-  const attn::Outputs outputs{attn::MutableTensorView{output.data(), cell.dtype}, nullptr};
+  attn::Outputs outputs;
+  outputs.output = attn::MutableTensorView{output.data(), cell.dtype};
 
   auto call = [&] {
     return cell.method == "naive" ? backend->Naive(problem, outputs)

@@ -523,7 +523,8 @@ int main(int argc, char** argv) {
               Line(cell + ",0,,,,,timeout,deadline passed");
               continue;
             }
-            attn::Outputs outputs{attn::MutableTensorView{output.data(), dtype}, nullptr};
+            attn::Outputs outputs;
+            outputs.output = attn::MutableTensorView{output.data(), dtype};
             auto run = [&]() -> absl::StatusOr<attn::Stats> {
               return method == "naive" ? (*backend)->Naive(p, outputs)
                                        : (*backend)->Tiled(p, outputs);

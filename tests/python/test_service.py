@@ -136,7 +136,7 @@ class AttndProcess:
         self.port = None
         self._ready = threading.Event()
         self.process = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--threads", "2"],
+            [binary, "--listen", "127.0.0.1:0", "--http-listen=", "--threads", "2"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.stderr_file)
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()

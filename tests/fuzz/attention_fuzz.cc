@@ -1,0 +1,471 @@
+// attention_fuzz: a libFuzzer target over the server's request validation and the CPU kernels.
+//
+// Input: one byte choosing the message (even: AttentionRequest, odd: TraceRequest), then that
+// message in protobuf's binary format. Each input goes the way attnd's handlers take it
+// (server/service.cc), and the target aborts, which libFuzzer reports as a crash and saves, when
+//   - validation (server/request.h) refuses with anything but INVALID_ARGUMENT naming a field,
+//     or accepts a Problem that breaks kernels/problem.h's invariants;
+//   - an accepted problem that is small (kMaxWork) fails on the CPU backend, except Naive's one
+//     documented refusal: RESOURCE_EXHAUSTED exactly when its matrices pass its budget;
+//   - an output row of Naive, Tiled or Trace is farther from a float64 reference than the error
+//     bound below allows (so Naive and Tiled agree with each other within twice that bound), a
+//     row that sees no key is not exactly 0 with lse −inf, or a trace's events do not follow the
+//     contract (attention.proto: one TileStep per visited tile, then a RowDone, per row).
+// The "fuzz" preset builds it with ASan and UBSan, which catch memory errors and undefined
+// behavior on the way, and structure_mutator.cc's mutations keep shapes and data in step.
+// tests/run.sh runs it on a copy of corpus/; see tests/fuzz/CMakeLists.txt.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "attention/v1/attention.pb.h"
+#include "kernels/backend.h"
+#include "kernels/problem.h"
+#include "server/request.h"
+
+namespace attn {
+namespace {
+
+namespace v1 = attention::v1;
+
+// Multiply-adds one input may cost, B·H·Nq·Nk·(d + dv) (Naive, Tiled and the reference each
+// make about one such pass): a few milliseconds at most under ASan. Larger problems are only
+// validated.
+constexpr double kMaxWork = 1 << 20;
+// Naive's budget for its fp32 score and weight matrices (8 bytes per query-key pair): small
+// enough that fuzzed problems reach the refusal.
+constexpr int64_t kMaxNaiveBytes = 1 << 20;
+// More than one worker, so row blocks are split between threads.
+constexpr int kThreads = 2;
+// A row is compared with its reference only when every input, dot product and sum stays under
+// this: far enough below fp32's 3.4e38 that no intermediate overflows, in any order of
+// operations. Larger values may legitimately overflow to inf and NaN.
+constexpr double kMaxTame = 1e30;
+constexpr double kUnitRoundoff = 0x1p-24;  // fp32
+constexpr double kFloatTiny = 0x1p-149;    // fp32's smallest subnormal
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "attention_fuzz: %s\n", what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+std::string Describe(const Problem& p) {
+  const Shape& s = p.shape;
+  return absl::StrFormat(
+      "problem [B=%d H=%d Hkv=%d Nq=%d Nk=%d d=%d dv=%d], q/k/v %s/%s/%s → %s, scale %g, "
+      "block_k %d%s%s",
+      s.batch, s.heads, s.kv_heads, s.query_len, s.key_len, s.head_dim, s.value_dim,
+      DTypeName(p.query.dtype), DTypeName(p.key.dtype), DTypeName(p.value.dtype),
+      DTypeName(p.output_dtype), p.scale, p.block_k, p.causal ? ", causal" : "",
+      p.return_lse ? ", lse" : "");
+}
+
+Backend& Cpu() {
+  static Backend* const backend = [] {
+    absl::StatusOr<std::unique_ptr<Backend>> made = MakeBackend(
+        BackendConfig{.device = "cpu", .threads = kThreads, .max_naive_bytes = kMaxNaiveBytes});
+    if (!made.ok()) Fail(absl::StrCat("MakeBackend(cpu): ", made.status().ToString()));
+    return made->release();  // Lives as long as the process.
+  }();
+  return *backend;
+}
+
+// Validation's only way to refuse: INVALID_ARGUMENT with "field: what is wrong".
+void ExpectRefusal(absl::string_view where, const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kInvalidArgument ||
+      !absl::StrContains(status.message(), ": ")) {
+    Fail(absl::StrCat(where, " refused with ", status.ToString(),
+                      "; expected INVALID_ARGUMENT naming the field"));
+  }
+}
+
+// kernels/problem.h's invariants, which the kernels assume without checking.
+void ExpectInvariants(const Problem& p) {
+  const Shape& s = p.shape;
+  const bool ok = s.batch >= 1 && s.heads >= 1 && s.kv_heads >= 1 && s.query_len >= 1 &&
+                  s.key_len >= 1 && s.head_dim >= 1 && s.value_dim >= 1 &&
+                  s.heads % s.kv_heads == 0 && p.block_k >= 1 && p.block_k <= s.key_len &&
+                  std::isfinite(p.scale) && p.query.data != nullptr && p.key.data != nullptr &&
+                  p.value.data != nullptr;
+  if (!ok) Fail(absl::StrCat("validation accepted an invalid ", Describe(p)));
+}
+
+// B·H·Nq·Nk·(d + dv), in double so it cannot overflow.
+double Work(const Problem& p, double rows) {
+  const Shape& s = p.shape;
+  return rows * static_cast<double>(s.key_len) * static_cast<double>(s.head_dim + s.value_dim);
+}
+
+// One query row in float64 on the problem's (stored) inputs, and how far an fp32 computation of
+// it may be off.
+//
+// The bound. The unit tests' fixed tolerances (tests/checks.h: 1e-5 of max|ref| in fp32) assume
+// well-scaled random inputs; fuzzed inputs span fp32's range, so the bound follows the row's
+// conditioning instead. With u = 2^-24, P = max_j Σ_c |q_c·k_jc| over the visible keys and
+// V = max |v| over them:
+//   a score              off by at most ε = (d + 2)·u·|scale|·P   (fp32 dot product in any order,
+//                                                                  then the scale)
+//   a normalized weight  off by a factor within e^(±δ), δ = 2ε + 3η, with η = 128u for exp's own
+//                        error and the rounding of (s − max) when the weight is not negligible
+//   the output           |out − ref| ≤ V·(w + (4·Nk + 8)·u·(1 + w)) + subnormal rounding, with
+//                        w = min(expm1(δ), 2); the sums: weighted values, the denominator, each
+//                        tile's rescale
+//   the lse              |lse − ref| ≤ ε + η + (4·Nk + 8)·u + 2u·|lse|   (log-sum-exp moves by
+//                                                                         at most ε)
+// each doubled for slack. A kernel that mishandles a tile, a mask or a head is off by O(V).
+struct RowReference {
+  int64_t visible = 0;          // Keys the row sees.
+  std::vector<double> output;   // value_dim values.
+  double lse = -INFINITY;       // −inf when the row sees no key.
+  bool tame = false;            // Whether the bounds apply (nothing can overflow in fp32).
+  double max_abs_value = 0;     // V
+  double output_tolerance = 0;  // In fp32, before the output dtype's rounding.
+  double lse_tolerance = 0;
+};
+
+RowReference ReferenceRow(const Problem& p, const RowRef& row) {
+  const Shape& s = p.shape;
+  RowReference ref;
+  ref.visible = p.VisibleKeys(row.row);
+  ref.output.assign(s.value_dim, 0.0);
+  if (ref.visible == 0) {
+    ref.tame = true;
+    return ref;
+  }
+  const int64_t kv_head = p.KvHead(row.head);
+  const int64_t q0 = p.QueryOffset(row.batch, row.head, row.row);
+  double max_abs_query = 0, max_abs_key = 0, products = 0;
+  for (int64_t c = 0; c < s.head_dim; ++c) {
+    max_abs_query = std::max(max_abs_query, std::abs(double{p.query[q0 + c]}));
+  }
+  std::vector<double> scores(ref.visible);
+  double max_score = -INFINITY;
+  for (int64_t j = 0; j < ref.visible; ++j) {
+    const int64_t k0 = p.KeyOffset(row.batch, kv_head, j);
+    double dot = 0, abs_dot = 0;
+    for (int64_t c = 0; c < s.head_dim; ++c) {
+      const double q = p.query[q0 + c], k = p.key[k0 + c];
+      dot += q * k;
+      abs_dot += std::abs(q * k);
+      max_abs_key = std::max(max_abs_key, std::abs(k));
+    }
+    scores[j] = double{p.scale} * dot;
+    products = std::max(products, abs_dot);
+    max_score = std::max(max_score, scores[j]);
+  }
+  double denominator = 0;
+  for (int64_t j = 0; j < ref.visible; ++j) {
+    const double weight = std::exp(scores[j] - max_score);
+    denominator += weight;
+    const int64_t v0 = p.ValueOffset(row.batch, kv_head, j);
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      const double v = p.value[v0 + c];
+      ref.output[c] += weight * v;
+      ref.max_abs_value = std::max(ref.max_abs_value, std::abs(v));
+    }
+  }
+  for (double& out : ref.output) out /= denominator;
+  ref.lse = max_score + std::log(denominator);
+
+  const double scale = std::abs(double{p.scale});
+  const double visible = static_cast<double>(ref.visible);
+  ref.tame = std::max({max_abs_query, max_abs_key, scale * max_abs_query, products,
+                       scale * products, ref.max_abs_value * visible}) <= kMaxTame;
+  const double u = kUnitRoundoff;
+  const double score_error = static_cast<double>(s.head_dim + 2) * u * scale * products;
+  // Past 2 the weights may be anything: out and ref are both averages of values within ±V.
+  const double weight_error = std::min(std::expm1(2 * score_error + 3 * 128 * u), 2.0);
+  const double sums = (4 * visible + 8) * u;
+  ref.output_tolerance = 2 * (ref.max_abs_value * (weight_error + sums * (1 + weight_error)) +
+                              (4 * visible + 8) * kFloatTiny);
+  ref.lse_tolerance = 2 * (score_error + 128 * u + sums + 2 * u * std::abs(ref.lse));
+  return ref;
+}
+
+// Half an ulp relative, and half the smallest subnormal: what storing in `dtype` may add.
+double HalfUlp(DType dtype) {
+  return dtype == DType::kFloat32 ? 0x1p-24 : dtype == DType::kFloat16 ? 0x1p-11 : 0x1p-8;
+}
+double HalfTiniest(DType dtype) {
+  return dtype == DType::kFloat32 ? 0x1p-150 : dtype == DType::kFloat16 ? 0x1p-25 : 0x1p-134;
+}
+
+// Checks one computed row against its reference. `output(c)` reads component c as stored in
+// `dtype`; lse is null when the method returned none.
+template <class Output>
+void ExpectRowMatches(absl::string_view where, const Problem& p, const RowRef& row,
+                      const RowReference& ref, DType dtype, Output output, const float* lse) {
+  auto fail = [&](const std::string& what) {
+    Fail(absl::StrFormat("%s: row (batch %d, head %d, row %d) of %s, %d of %d keys visible: %s",
+                         where, row.batch, row.head, row.row, Describe(p), ref.visible,
+                         p.shape.key_len, what));
+  };
+  if (ref.visible == 0) {  // Zeros and −inf, whatever the inputs.
+    for (int64_t c = 0; c < p.shape.value_dim; ++c) {
+      if (output(c) != 0.f) fail(absl::StrCat("out[", c, "] = ", output(c), "; expected 0"));
+    }
+    if (lse != nullptr && !(std::isinf(*lse) && *lse < 0)) {
+      fail(absl::StrCat("lse = ", *lse, "; expected -inf"));
+    }
+    return;
+  }
+  if (!ref.tame) return;
+  // An fp16 output may round to ±inf only when the values come near its largest finite 65504.
+  if (dtype == DType::kFloat16 && ref.max_abs_value > 6e4) return;
+  for (int64_t c = 0; c < p.shape.value_dim; ++c) {
+    const double out = output(c);
+    const double tolerance = ref.output_tolerance +
+                             HalfUlp(dtype) * (std::abs(ref.output[c]) + ref.output_tolerance) +
+                             HalfTiniest(dtype);
+    if (!(std::abs(out - ref.output[c]) <= tolerance)) {
+      fail(absl::StrFormat(
+          "out[%d] = %.9g, float64 reference %.9g: off by %.3g, over the bound "
+          "%.3g (max |v| %.9g)",
+          c, out, ref.output[c], std::abs(out - ref.output[c]), tolerance, ref.max_abs_value));
+    }
+  }
+  if (lse != nullptr && !(std::abs(double{*lse} - ref.lse) <= ref.lse_tolerance)) {
+    fail(absl::StrFormat("lse = %.9g, float64 reference %.9g: off by %.3g, over the bound %.3g",
+                         *lse, ref.lse, std::abs(*lse - ref.lse), ref.lse_tolerance));
+  }
+}
+
+std::vector<RowRef> AllRows(const Shape& s) {
+  std::vector<RowRef> rows;
+  rows.reserve(s.batch * s.heads * s.query_len);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      for (int64_t i = 0; i < s.query_len; ++i) rows.push_back(RowRef{b, h, i});
+    }
+  }
+  return rows;
+}
+
+// Runs Naive or Tiled the way the service does (PrepareOutputs into a response) and checks
+// every row against `refs` (AllRows order).
+void RunAndCheck(bool naive, const Problem& p, const v1::AttentionRequest& request,
+                 const std::vector<RowReference>& refs) {
+  const char* method = naive ? "Naive" : "Tiled";
+  const Shape& s = p.shape;
+  v1::AttentionResponse response;
+  const Outputs outputs = PrepareOutputs(p, request, &response);
+  // All-ones bytes are NaN in every dtype, so an element left unwritten fails its row's check.
+  std::string* data = response.mutable_output()->mutable_data();
+  if (static_cast<int64_t>(data->size()) != p.OutputElements() * ElementSize(p.output_dtype) ||
+      outputs.output.data != data->data() || (outputs.lse != nullptr) != p.return_lse) {
+    Fail(absl::StrCat("PrepareOutputs sized the outputs wrongly for ", Describe(p)));
+  }
+  std::memset(data->data(), 0xff, data->size());
+  if (p.return_lse) {
+    std::string* lse = response.mutable_lse()->mutable_data();
+    std::memset(lse->data(), 0xff, lse->size());
+  }
+
+  Backend& backend = Cpu();
+  const absl::StatusOr<Stats> stats = naive ? backend.Naive(p, outputs) : backend.Tiled(p, outputs);
+  const bool over_budget =
+      naive && 8 * s.batch * s.heads * s.query_len * s.key_len > backend.max_naive_bytes();
+  if (over_budget) {
+    if (stats.status().code() != absl::StatusCode::kResourceExhausted ||
+        !absl::StrContains(stats.status().message(), "Tiled")) {
+      Fail(absl::StrCat("Naive over its budget answered ", stats.status().ToString(),
+                        "; expected RESOURCE_EXHAUSTED pointing to Tiled, for ", Describe(p)));
+    }
+    return;
+  }
+  if (!stats.ok()) {
+    Fail(absl::StrCat(method, " failed with ", stats.status().ToString(), " on ", Describe(p)));
+  }
+  EncodeStats(*stats, response.mutable_stats());
+
+  const std::vector<RowRef> rows = AllRows(s);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int64_t offset = p.OutputOffset(rows[r].batch, rows[r].head, rows[r].row);
+    const float* lse = p.return_lse ? outputs.lse + r : nullptr;
+    ExpectRowMatches(
+        method, p, rows[r], refs[r], p.output_dtype,
+        [&](int64_t c) { return LoadElement(data->data(), p.output_dtype, offset + c); }, lse);
+  }
+}
+
+void FuzzAttention(const v1::AttentionRequest& request) {
+  const absl::StatusOr<Problem> problem = ParseAttentionRequest(request, Cpu().default_block_k());
+  if (!problem.ok()) {
+    ExpectRefusal("ParseAttentionRequest", problem.status());
+    return;
+  }
+  ExpectInvariants(*problem);
+  const Shape& s = problem->shape;
+  if (Work(*problem, static_cast<double>(s.batch * s.heads * s.query_len)) > kMaxWork) return;
+
+  std::vector<RowReference> refs;
+  for (const RowRef& row : AllRows(s)) refs.push_back(ReferenceRow(*problem, row));
+  RunAndCheck(/*naive=*/true, *problem, request, refs);
+  RunAndCheck(/*naive=*/false, *problem, request, refs);
+}
+
+// Checks one TileStep of a row against the contract in attention.proto.
+void ExpectStepMatches(const Problem& p, const RowRef& row, const RowReference& ref, int64_t tile,
+                       const TraceStep& step) {
+  auto fail = [&](const std::string& what) {
+    Fail(absl::StrFormat("Trace: row (batch %d, head %d, row %d) of %s, tile %d: %s", row.batch,
+                         row.head, row.row, Describe(p), tile, what));
+  };
+  const int64_t key_begin = tile * p.block_k;
+  const int64_t key_end = std::min<int64_t>(key_begin + p.block_k, p.shape.key_len);
+  const size_t n = static_cast<size_t>(key_end - key_begin);
+  const size_t dv = static_cast<size_t>(p.shape.value_dim);
+  if (step.row.batch != row.batch || step.row.head != row.head || step.row.row != row.row ||
+      step.tile != tile || step.key_begin != key_begin || step.key_end != key_end) {
+    fail(absl::StrFormat(
+        "step for row (%d, %d, %d), tile %d, keys [%d, %d); expected keys [%d, %d)", step.row.batch,
+        step.row.head, step.row.row, step.tile, step.key_begin, step.key_end, key_begin, key_end));
+  }
+  if (step.scores.size() != n || step.weights.size() != n || step.accumulator.size() != dv ||
+      step.estimate.size() != dv) {
+    fail(
+        absl::StrFormat("%d scores, %d weights, %d accumulators, %d estimates; expected %d, %d, "
+                        "%d, %d",
+                        step.scores.size(), step.weights.size(), step.accumulator.size(),
+                        step.estimate.size(), n, n, dv, dv));
+  }
+  for (size_t j = 0; j < n; ++j) {
+    if (key_begin + static_cast<int64_t>(j) >= ref.visible &&
+        !(std::isinf(step.scores[j]) && step.scores[j] < 0 && step.weights[j] == 0.f)) {
+      fail(absl::StrCat("masked key ", key_begin + j, " has score ", step.scores[j], " and weight ",
+                        step.weights[j], "; expected -inf and 0"));
+    }
+  }
+  if (!ref.tame) return;
+  if (tile == 0 && !(std::isinf(step.max_before) && step.max_before < 0 && step.rescale == 0.f)) {
+    fail(absl::StrCat("first tile: max_before ", step.max_before, ", rescale ", step.rescale,
+                      "; expected -inf and 0"));
+  }
+  float max_after = step.max_before;
+  for (float score : step.scores) max_after = std::max(max_after, score);
+  if (step.max_after != max_after) {
+    fail(absl::StrCat("max_after ", step.max_after,
+                      "; expected max(max_before, scores) = ", max_after));
+  }
+}
+
+void FuzzTrace(const v1::TraceRequest& request) {
+  if (!request.has_attention()) return;  // The service refuses it before validation.
+  Backend& backend = Cpu();
+  const absl::StatusOr<Problem> problem =
+      ParseAttentionRequest(request.attention(), backend.default_block_k());
+  if (!problem.ok()) {
+    ExpectRefusal("ParseAttentionRequest", problem.status());
+    return;
+  }
+  ExpectInvariants(*problem);
+  const Problem& p = *problem;
+  absl::StatusOr<std::vector<RowRef>> rows = ParseTraceRows(request, p, TraceLimits{});
+  if (!rows.ok()) {
+    ExpectRefusal("ParseTraceRows", rows.status());
+    return;
+  }
+  if (rows->empty()) Fail(absl::StrCat("ParseTraceRows accepted no rows for ", Describe(p)));
+  if (Work(p, static_cast<double>(rows->size())) > kMaxWork) return;
+
+  const v1::TraceStart start = EncodeTraceStart(p);
+  if (start.tiles_per_row() != p.TilesPerRow() ||
+      start.tiled_scratch_floats_per_row() != p.block_k + p.shape.value_dim + 2 ||
+      start.naive_intermediate_bytes() != p.NaiveIntermediateBytes()) {
+    Fail(absl::StrCat("TraceStart ", start.ShortDebugString(), " disagrees with ", Describe(p)));
+  }
+  const std::vector<RowRef> traced = *rows;
+  absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend.Trace(p, *std::move(rows));
+  if (!cursor.ok()) {
+    Fail(absl::StrCat("Trace failed with ", cursor.status().ToString(), " on ", Describe(p)));
+  }
+
+  // Drain the cursor as the service's writer does, following each row's expected events.
+  v1::TraceEvent event;
+  for (const RowRef& row : traced) {
+    const RowReference ref = ReferenceRow(p, row);
+    const int64_t tiles = p.VisitedTiles(row.row);
+    TraceItem item;
+    std::vector<float> estimate;
+    for (int64_t tile = 0; tile <= tiles; ++tile) {
+      if (!(*cursor)->Next(&item)) {
+        Fail(absl::StrFormat("Trace ended early: row (%d, %d, %d) has %d of %d steps, %s",
+                             row.batch, row.head, row.row, tile, tiles, Describe(p)));
+      }
+      EncodeTraceItem(item, &event);
+      const bool is_step = std::holds_alternative<TraceStep>(item);
+      if (is_step != (tile < tiles)) {
+        Fail(absl::StrFormat(
+            "Trace: row (%d, %d, %d) has a %s after %d steps; it visits %d tiles, "
+            "%s",
+            row.batch, row.head, row.row, is_step ? "step" : "RowDone", tile, tiles, Describe(p)));
+      }
+      if (is_step) {
+        const TraceStep& step = std::get<TraceStep>(item);
+        ExpectStepMatches(p, row, ref, tile, step);
+        estimate = step.estimate;
+      }
+    }
+    const TraceRowDone& done = std::get<TraceRowDone>(item);
+    const size_t dv = static_cast<size_t>(p.shape.value_dim);
+    if (done.row.batch != row.batch || done.row.head != row.head || done.row.row != row.row ||
+        done.output.size() != dv || done.reference.size() != dv) {
+      Fail(
+          absl::StrFormat("Trace: RowDone for row (%d, %d, %d) with %d outputs and %d reference "
+                          "values; expected row (%d, %d, %d) and %d, %s",
+                          done.row.batch, done.row.head, done.row.row, done.output.size(),
+                          done.reference.size(), row.batch, row.head, row.row, dv, Describe(p)));
+    }
+    ExpectRowMatches(
+        "Trace output", p, row, ref, DType::kFloat32, [&](int64_t c) { return done.output[c]; },
+        &done.lse);
+    ExpectRowMatches(
+        "Trace reference", p, row, ref, DType::kFloat32,
+        [&](int64_t c) { return done.reference[c]; }, nullptr);
+    if (tiles > 0) {
+      ExpectRowMatches(
+          "Trace last estimate", p, row, ref, DType::kFloat32,
+          [&](int64_t c) { return estimate[c]; }, nullptr);
+    }
+    if (ref.tame) {
+      float max_abs_error = 0;
+      for (size_t c = 0; c < dv; ++c) {
+        max_abs_error = std::max(max_abs_error, std::abs(done.output[c] - done.reference[c]));
+      }
+      if (!(std::abs(done.max_abs_error - max_abs_error) <= 1e-6f * max_abs_error)) {
+        Fail(absl::StrCat("Trace: RowDone.max_abs_error ", done.max_abs_error,
+                          "; max |output − reference| is ", max_abs_error, ", ", Describe(p)));
+      }
+    }
+  }
+  TraceItem extra;
+  if ((*cursor)->Next(&extra)) Fail(absl::StrCat("Trace went on past its last row, ", Describe(p)));
+}
+
+}  // namespace
+}  // namespace attn
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  if (data[0] % 2 == 0) {
+    attention::v1::AttentionRequest request;
+    if (request.ParseFromArray(data + 1, static_cast<int>(size - 1))) attn::FuzzAttention(request);
+  } else {
+    attention::v1::TraceRequest request;
+    if (request.ParseFromArray(data + 1, static_cast<int>(size - 1))) attn::FuzzTrace(request);
+  }
+  return 0;
+}

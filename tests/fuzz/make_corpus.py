@@ -1,0 +1,114 @@
+#!/usr/bin/python3
+"""Writes the fuzz target's seed corpus (tests/fuzz/corpus/): small valid requests, each file one
+byte choosing the message (0: AttentionRequest, 1: TraceRequest) and then the message in
+protobuf's binary format, as attention_fuzz.cc reads them. Deterministic; rerun it after changing
+the proto and commit the result:
+
+  /usr/bin/python3 tests/fuzz/make_corpus.py --stubs build/release/python
+
+Needs the Debian python3-grpcio (for protobuf) and python3-numpy, and the Python stubs the build
+generates.
+"""
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
+parser.add_argument("--out", default=os.path.join(HERE, "corpus"))
+args = parser.parse_args()
+sys.path.insert(0, os.path.abspath(args.stubs))
+
+import numpy as np  # noqa: E402
+from attention.v1 import attention_pb2 as pb  # noqa: E402
+
+ATTENTION, TRACE = b"\x00", b"\x01"
+
+
+def tensor(values, dtype):
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == pb.DTYPE_FLOAT32:
+        data = values.astype("<f4").tobytes()
+    elif dtype == pb.DTYPE_FLOAT16:
+        data = values.astype("<f2").tobytes()
+    else:  # bf16: round to nearest even on the fp32 bits
+        bits = values.astype("<f4").view("<u4").astype(np.uint64)
+        data = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    return pb.Tensor(shape=list(values.shape), dtype=dtype, data=data)
+
+
+def seed_example(multiplier=1.0):
+    """The explainer's 8×4 example (README, tests/reference.h)."""
+    n, d = 8, 4
+    q = np.array([[((i + j) % 5 - 2) * multiplier for j in range(d)] for i in range(n)])
+    k = np.array([[((2 * i + j) % 7 - 3) / 2 for j in range(d)] for i in range(n)])
+    v = np.array([[(i + j) % 9 - 4 for j in range(d)] for i in range(n)])
+    f32 = pb.DTYPE_FLOAT32
+    return pb.AttentionRequest(query=tensor(q, f32), key=tensor(k, f32), value=tensor(v, f32))
+
+
+def random_request(seed, leading, kv_heads, query_len, key_len, head_dim, value_dim,
+                   dtypes=(pb.DTYPE_FLOAT32,) * 3, **options):
+    """Uniform(−1, 1) inputs; `leading` is [] (rank 2), [heads] or [batch, heads]."""
+    rng = np.random.default_rng(seed)
+    kv_leading = leading[:-1] + [kv_heads] if leading else []
+    q = rng.uniform(-1, 1, leading + [query_len, head_dim])
+    k = rng.uniform(-1, 1, kv_leading + [key_len, head_dim])
+    v = rng.uniform(-1, 1, kv_leading + [key_len, value_dim])
+    return pb.AttentionRequest(query=tensor(q, dtypes[0]), key=tensor(k, dtypes[1]),
+                               value=tensor(v, dtypes[2]),
+                               options=pb.AttentionOptions(**options))
+
+
+def rows(*refs):
+    return [pb.RowRef(batch=b, head=h, row=r) for b, h, r in refs]
+
+
+F32, F16, BF16 = pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16
+seed = seed_example()
+seed.options.block_k = 2
+ties = seed_example(1000.0)
+ties.options.return_lse = True
+
+seeds = {
+    "attention-seed-8x4": ATTENTION + seed.SerializeToString(),
+    "attention-seed-ties-lse": ATTENTION + ties.SerializeToString(),
+    "attention-causal-gqa": ATTENTION + random_request(
+        1, [2, 4], 2, 7, 11, 5, 3, causal=True, block_k=4, return_lse=True).SerializeToString(),
+    "attention-causal-unseeing-rows": ATTENTION + random_request(
+        2, [2], 2, 9, 5, 3, 3, causal=True, block_k=2, return_lse=True).SerializeToString(),
+    "attention-f16-gqa": ATTENTION + random_request(
+        3, [1, 2], 1, 13, 13, 8, 8, (F16, F16, F16), block_k=5,
+        output_dtype=F32).SerializeToString(),
+    "attention-bf16-causal": ATTENTION + random_request(
+        4, [3], 3, 6, 17, 4, 6, (BF16, BF16, BF16), causal=True, return_lse=True,
+        scale=0.75).SerializeToString(),
+    "attention-mixed-dtypes": ATTENTION + random_request(
+        5, [], 1, 5, 9, 6, 2, (F16, BF16, F32), block_k=3, output_dtype=F16).SerializeToString(),
+    # Finite inputs whose scores overflow fp32 (4·1e20·1e20 > 3.4e38): inf − inf in the softmax.
+    "attention-overflowing-scores": ATTENTION + pb.AttentionRequest(
+        query=tensor(np.full((2, 4), 1e20), F32), key=tensor(np.full((3, 4), 1e20), F32),
+        value=tensor(np.ones((3, 2)), F32),
+        options=pb.AttentionOptions(block_k=2)).SerializeToString(),
+    "attention-invalid-head-dim": ATTENTION + pb.AttentionRequest(
+        query=tensor(np.ones((2, 4)), F32), key=tensor(np.ones((3, 8)), F32),
+        value=tensor(np.ones((3, 8)), F32)).SerializeToString(),
+    "trace-seed-8x4": TRACE + pb.TraceRequest(attention=seed).SerializeToString(),
+    "trace-causal-gqa-rows": TRACE + pb.TraceRequest(
+        attention=random_request(6, [2, 4], 2, 7, 11, 5, 3, causal=True, block_k=3),
+        rows=rows((0, 0, 0), (1, 3, 6), (0, 1, 3))).SerializeToString(),
+    "trace-bf16-unseeing-row": TRACE + pb.TraceRequest(
+        attention=random_request(7, [2], 1, 6, 4, 4, 4, (BF16, BF16, BF16), causal=True,
+                                 block_k=3),
+        rows=rows((0, 1, 0), (0, 0, 5))).SerializeToString(),
+}
+
+os.makedirs(args.out, exist_ok=True)
+for name, data in sorted(seeds.items()):
+    with open(os.path.join(args.out, name), "wb") as f:
+        f.write(data)
+    print("%-32s %5d bytes" % (name, len(data)))

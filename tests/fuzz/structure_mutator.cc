@@ -1,0 +1,251 @@
+// Structure-aware mutations for attention_fuzz (libFuzzer's LLVMFuzzerCustomMutator).
+//
+// Byte-level mutations of a serialized request almost never keep a tensor's shape and its data
+// length in step, so validation refuses them and the kernels would only ever see the seeds'
+// shapes. Half of the time this mutator instead parses the input, changes one thing the way a
+// client could — a dimension of the problem, consistently in every tensor that has it (data
+// resized, new elements fresh finite values), a tensor's dtype or magnitude, an option, a traced
+// row — and serializes it again. The other half, and whenever the input does not parse or the
+// result would not fit, libFuzzer's own mutations run, which keep validation under fire.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/v1/attention.pb.h"
+#include "kernels/dtype.h"
+#include "proto/dtype_mapping.h"
+
+extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
+
+namespace attn {
+namespace {
+
+namespace v1 = attention::v1;
+using Random = std::minstd_rand;
+
+constexpr int64_t kMaxElements = 1 << 14;  // Per tensor; larger shapes are left alone.
+
+// Uniform in [0, n); 0 when n < 1 (a fuzzed shape may hold anything).
+int64_t Pick(Random& rng, int64_t n) {
+  return n < 1 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(n));
+}
+
+// A new size for a dimension: one more or less, small, or now and then long enough for several
+// tiles of the default block_k.
+int64_t NewDim(Random& rng, int64_t old) {
+  switch (Pick(rng, 5)) {
+    case 0:
+      return std::max<int64_t>(1, old - 1);
+    case 1:
+      return old + 1;
+    case 2:
+      return 1 + Pick(rng, 8);
+    case 3:
+      return 1 + Pick(rng, 40);
+    default:
+      return 1 + Pick(rng, 600);
+  }
+}
+
+// Sets the dimension `from_end` places from the end (1: the last) when the tensor has it.
+void SetDim(v1::Tensor* tensor, int from_end, int64_t value) {
+  if (tensor->shape_size() >= from_end) tensor->set_shape(tensor->shape_size() - from_end, value);
+}
+
+std::vector<float> Values(const v1::Tensor& tensor, DType dtype) {
+  std::vector<float> values(tensor.data().size() / ElementSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = LoadElement(tensor.data().data(), dtype, i);
+  return values;
+}
+
+// Stores `values` as the tensor's data in `dtype`, resized to its shape: elements past the end
+// of `values` get uniform(−2, 2). False when the shape is not small and valid.
+bool SetData(v1::Tensor* tensor, DType dtype, const std::vector<float>& values, Random& rng) {
+  int64_t elements = 1;
+  for (int64_t dim : tensor->shape()) {
+    if (dim < 1 || dim > kMaxElements) return false;
+    elements *= dim;
+    if (elements > kMaxElements) return false;
+  }
+  tensor->set_dtype(ToProtoDType(dtype));
+  std::string* data = tensor->mutable_data();
+  data->resize(elements * ElementSize(dtype));
+  std::uniform_real_distribution<float> fresh(-2.f, 2.f);
+  for (int64_t i = 0; i < elements; ++i) {
+    const float value = i < static_cast<int64_t>(values.size()) ? values[i] : fresh(rng);
+    StoreElement(data->data(), dtype, i, value);
+  }
+  return true;
+}
+
+// Brings the tensor's data in line with its (changed) shape, keeping its dtype and values.
+bool Refit(v1::Tensor* tensor, Random& rng) {
+  const std::optional<DType> dtype = FromProtoDType(tensor->dtype());
+  return dtype && SetData(tensor, *dtype, Values(*tensor, *dtype), rng);
+}
+
+DType AnyDType(Random& rng) {
+  constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  return kDTypes[Pick(rng, 3)];
+}
+
+// One structural change to the request; false when it did not apply.
+bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
+  v1::Tensor* q = request->mutable_query();
+  v1::Tensor* k = request->mutable_key();
+  v1::Tensor* v = request->mutable_value();
+  v1::Tensor* all[] = {q, k, v};
+  v1::AttentionOptions* options = request->mutable_options();
+  switch (Pick(rng, 12)) {
+    case 0: {  // batch
+      const int64_t batch = NewDim(rng, 1);
+      for (v1::Tensor* t : all) SetDim(t, 4, batch);
+      break;
+    }
+    case 1: {  // query heads and key/value heads, with the group size kept whole
+      const int64_t kv_heads = 1 + Pick(rng, 4);
+      const int64_t group = Pick(rng, 4) == 0 ? 1 + Pick(rng, 4) : 1;
+      SetDim(q, 3, kv_heads * group);
+      SetDim(k, 3, kv_heads);
+      SetDim(v, 3, kv_heads);
+      break;
+    }
+    case 2:  // query_len
+      SetDim(q, 2, NewDim(rng, q->shape_size() >= 2 ? q->shape(q->shape_size() - 2) : 1));
+      break;
+    case 3: {  // key_len
+      const int64_t key_len = NewDim(rng, k->shape_size() >= 2 ? k->shape(k->shape_size() - 2) : 1);
+      SetDim(k, 2, key_len);
+      SetDim(v, 2, key_len);
+      break;
+    }
+    case 4: {  // head_dim
+      const int64_t head_dim = NewDim(rng, 4) % 80 + 1;
+      SetDim(q, 1, head_dim);
+      SetDim(k, 1, head_dim);
+      break;
+    }
+    case 5:  // value_dim
+      SetDim(v, 1, NewDim(rng, 4) % 80 + 1);
+      break;
+    case 6: {  // rank: drop the leading dimension or add one
+      const bool grow = q->shape_size() <= 2 || (q->shape_size() < 4 && Pick(rng, 2) == 0);
+      const int64_t leading = 1 + Pick(rng, 3);
+      for (v1::Tensor* t : all) {
+        if (grow) {
+          t->mutable_shape()->Add(leading);
+          std::rotate(t->mutable_shape()->begin(), t->mutable_shape()->end() - 1,
+                      t->mutable_shape()->end());
+        } else if (t->shape_size() > 2) {
+          t->mutable_shape()->erase(t->mutable_shape()->begin());
+        }
+      }
+      break;
+    }
+    case 7: {  // one tensor's dtype, values kept (rounded)
+      v1::Tensor* t = all[Pick(rng, 3)];
+      const std::optional<DType> dtype = FromProtoDType(t->dtype());
+      return dtype && SetData(t, AnyDType(rng), Values(*t, *dtype), rng);
+    }
+    case 8: {  // one tensor's magnitude: × 2^e, toward fp32's limits
+      v1::Tensor* t = all[Pick(rng, 3)];
+      const std::optional<DType> dtype = FromProtoDType(t->dtype());
+      if (!dtype) return false;
+      const float factor = std::ldexp(1.f, static_cast<int>(Pick(rng, 121)) - 60);
+      std::vector<float> values = Values(*t, *dtype);
+      for (float& value : values) value *= factor;
+      return SetData(t, *dtype, values, rng);
+    }
+    case 9:  // block_k: the server's default, small, or past key_len
+      options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
+      return true;
+    case 10:
+      switch (Pick(rng, 4)) {
+        case 0:
+          options->set_causal(!options->causal());
+          break;
+        case 1:
+          options->set_return_lse(!options->return_lse());
+          break;
+        case 2:
+          options->set_output_dtype(static_cast<v1::DType>(Pick(rng, 4)));
+          break;
+        default:
+          if (options->has_scale()) {
+            options->clear_scale();
+          } else {
+            options->set_scale(std::uniform_real_distribution<float>(-3.f, 3.f)(rng));
+          }
+      }
+      return true;
+    default: {  // fresh values for one tensor
+      v1::Tensor* t = all[Pick(rng, 3)];
+      const std::optional<DType> dtype = FromProtoDType(t->dtype());
+      return dtype && SetData(t, *dtype, {}, rng);
+    }
+  }
+  for (v1::Tensor* t : all) {
+    if (!Refit(t, rng)) return false;
+  }
+  return true;
+}
+
+// A traced row somewhere in the problem (or just past an edge).
+v1::RowRef AnyRow(const v1::AttentionRequest& request, Random& rng) {
+  const v1::Tensor& q = request.query();
+  auto dim = [&](int from_end) {
+    return q.shape_size() >= from_end ? q.shape(q.shape_size() - from_end) : 1;
+  };
+  v1::RowRef row;
+  row.set_batch(Pick(rng, dim(4) + (Pick(rng, 8) == 0)));
+  row.set_head(Pick(rng, dim(3) + (Pick(rng, 8) == 0)));
+  row.set_row(Pick(rng, dim(2) + (Pick(rng, 8) == 0)));
+  return row;
+}
+
+bool MutateTrace(v1::TraceRequest* request, Random& rng) {
+  switch (Pick(rng, 4)) {
+    case 0:
+      *request->add_rows() = AnyRow(request->attention(), rng);
+      return true;
+    case 1:
+      if (request->rows_size() == 0) return false;
+      *request->mutable_rows(Pick(rng, request->rows_size())) = AnyRow(request->attention(), rng);
+      return true;
+    case 2:
+      request->clear_rows();
+      return true;
+    default:
+      return MutateAttention(request->mutable_attention(), rng);
+  }
+}
+
+}  // namespace
+}  // namespace attn
+
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size,
+                                          unsigned int seed) {
+  attn::Random rng(seed);
+  if (size < 1 || attn::Pick(rng, 2) == 0) return LLVMFuzzerMutate(data, size, max_size);
+  std::string bytes;
+  const bool trace = data[0] % 2 == 1;
+  bool mutated;
+  if (trace) {
+    attention::v1::TraceRequest request;
+    mutated = request.ParseFromArray(data + 1, static_cast<int>(size - 1)) &&
+              attn::MutateTrace(&request, rng) && request.SerializeToString(&bytes);
+  } else {
+    attention::v1::AttentionRequest request;
+    mutated = request.ParseFromArray(data + 1, static_cast<int>(size - 1)) &&
+              attn::MutateAttention(&request, rng) && request.SerializeToString(&bytes);
+  }
+  if (!mutated || bytes.size() + 1 > max_size) return LLVMFuzzerMutate(data, size, max_size);
+  std::memcpy(data + 1, bytes.data(), bytes.size());
+  return bytes.size() + 1;
+}
