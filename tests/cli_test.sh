@@ -57,6 +57,16 @@ check trace-steps 0 'tile 3, keys \[6, 8\)' -- \
   "$attn" "${target[@]}" trace --example seed --block-k 2
 check trace-final 0 'max \|online − full\| = [0-9.e-]+' -- \
   "$attn" "${target[@]}" trace --example seed --block-k 2
+check trace-json-start 0 '^\{"start":\{.*"naiveIntermediateBytes":"1024"' -- \
+  "$attn" "${target[@]}" trace --example seed --block-k 2 --json
+check trace-json-lines 0 '^\{"end":' -- \
+  "$attn" "${target[@]}" trace --example seed --block-k 2 --json
+check trace-follow 0 'tile 4 of 4, keys \[6, 8\) +\[#{30}\]' -- \
+  "$attn" "${target[@]}" trace --example seed --block-k 2 --follow --follow-ms 0
+check trace-follow-final 0 'online output +\[-0\.593223, 0\.406777, -1\.332858, -0\.371937\]' -- \
+  "$attn" "${target[@]}" trace --example seed --block-k 2 --follow --follow-ms 0
+check trace-follow-json 1 '--follow and --json: choose one' -- \
+  "$attn" "${target[@]}" trace --example seed --follow --json
 check random-bf16 0 'output \[1, 2, 33, 8\] DTYPE_BFLOAT16' -- \
   "$attn" "${target[@]}" tiled --random 1,2,33,8 --dtype bf16 --causal --lse
 check random-gqa 0 'output \[2, 4, 17, 5\]' -- \

@@ -3,12 +3,15 @@
 //   attn info | health
 //   attn naive|tiled  (--example seed [--query-multiplier X] | --random B,H,N,D [--seed S]
 //                      [--dtype f32|f16|bf16] [--kv-heads K]) [--causal] [--block-k K] [--lse]
-//   attn trace        (same inputs) [--rows b:h:r,...]
+//   attn trace        (same inputs) [--rows b:h:r,...] [--follow [--follow-ms MS] | --json]
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -25,6 +28,7 @@
 #include "client/cli/inputs.h"
 #include "client/cli/render.h"
 #include "client/client.h"
+#include "google/protobuf/util/json_util.h"
 #include "server/dashed_flags.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address (host:port).");
@@ -38,6 +42,11 @@ ABSL_FLAG(bool, causal, false, "Apply the causal mask (bottom-right aligned).");
 ABSL_FLAG(int32_t, block_k, 0, "Keys per tile for tiled/trace; 0 = the server's default.");
 ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
 ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
+ABSL_FLAG(bool, follow, false,
+          "trace: animate the steps in the terminal as they arrive (--follow-ms between steps).");
+ABSL_FLAG(int32_t, follow_ms, 250, "trace --follow: pause between steps, milliseconds.");
+ABSL_FLAG(bool, json, false,
+          "trace: print each event as one line of JSON (protobuf's JSON mapping), for scripts.");
 ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
 ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
 ABSL_FLAG(std::string, tls_ca, "",
@@ -146,9 +155,31 @@ int RunTrace(attn::client::Client& client) {
   v1::TraceRequest request;
   *request.mutable_attention() = attn::cli::MakeRequest(*inputs, ReadOptions());
   for (const v1::RowRef& row : *rows) *request.add_rows() = row;
+  if (absl::GetFlag(FLAGS_follow) && absl::GetFlag(FLAGS_json)) {
+    return Fail(absl::InvalidArgumentError("--follow and --json: choose one"));
+  }
+  if (absl::GetFlag(FLAGS_follow_ms) < 0) {
+    return Fail(absl::InvalidArgumentError("--follow-ms must be ≥ 0"));
+  }
+  std::function<void(const v1::TraceEvent&)> show;
   attn::cli::TraceRenderer renderer(stdout);
+  attn::cli::TraceFollower follower(stdout, absl::GetFlag(FLAGS_follow_ms), isatty(1) != 0);
+  if (absl::GetFlag(FLAGS_json)) {
+    show = [](const v1::TraceEvent& event) {
+      std::string line;
+      google::protobuf::util::JsonPrintOptions options;
+      options.add_whitespace = false;
+      (void)google::protobuf::util::MessageToJsonString(event, &line, options);
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    };
+  } else if (absl::GetFlag(FLAGS_follow)) {
+    show = [&](const v1::TraceEvent& event) { follower.OnEvent(event); };
+  } else {
+    show = [&](const v1::TraceEvent& event) { renderer.OnEvent(event); };
+  }
   const absl::Status status = client.Trace(request, [&](const v1::TraceEvent& event) {
-    renderer.OnEvent(event);
+    show(event);
     return true;
   });
   return status.ok() ? 0 : Fail(status);

@@ -1,7 +1,10 @@
 #include "client/cli/render.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -138,6 +141,53 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
   absl::FPrintF(out_, "\n  online output  %s\n", Vector(done.output()));
   absl::FPrintF(out_, "  full matrix    %s\n", Vector(done.reference()));
   absl::FPrintF(out_, "  max |online − full| = %.3g, lse = %g\n", done.max_abs_error(), done.lse());
+}
+
+void TraceFollower::OnEvent(const v1::TraceEvent& event) {
+  switch (event.event_case()) {
+    case v1::TraceEvent::kStart:
+      start_ = event.start();
+      absl::FPrintF(out_, "Following %d queries × %d keys, %d tiles of %d keys per row\n",
+                    start_.query_len(), start_.key_len(), start_.tiles_per_row(), start_.block_k());
+      break;
+    case v1::TraceEvent::kStep:
+      DrawStep(event.step());
+      std::fflush(out_);
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_ms_));
+      break;
+    case v1::TraceEvent::kRowDone: {
+      const v1::RowDone& done = event.row_done();
+      absl::FPrintF(out_,
+                    "  online output  %s\n  full matrix    %s\n  max |online − full| = %.3g\n",
+                    Vector(done.output()), Vector(done.reference()), done.max_abs_error());
+      frame_lines_ = 0;  // The next row draws below, leaving this one on screen.
+      break;
+    }
+    case v1::TraceEvent::kEnd:
+      absl::FPrintF(out_, "%d rows, %d steps\n", event.end().rows(), event.end().steps());
+      break;
+    case v1::TraceEvent::EVENT_NOT_SET:
+      break;
+  }
+  std::fflush(out_);
+}
+
+void TraceFollower::DrawStep(const v1::TileStep& step) {
+  // Over the previous frame: up to its first line, then clear to the end of the screen.
+  if (redraw_ && frame_lines_ > 0) absl::FPrintF(out_, "\x1b[%dA\x1b[J", frame_lines_);
+  const int tiles = std::max(start_.tiles_per_row(), 1);
+  const int done = std::min(step.tile() + 1, tiles);
+  constexpr int kBar = 30;
+  const int filled = done * kBar / tiles;
+  absl::FPrintF(out_, "Row (%s)  tile %d of %d, keys [%d, %d)  [%s%s]\n", Row(step.row()),
+                step.tile() + 1, tiles, step.key_begin(), step.key_end(), std::string(filled, '#'),
+                std::string(kBar - filled, '.'));
+  absl::FPrintF(out_, "  scores       %s\n", Vector(step.scores()));
+  absl::FPrintF(out_, "  max          %g → %g   rescale %g\n", step.max_before(), step.max_after(),
+                step.rescale());
+  absl::FPrintF(out_, "  denominator  %.6f\n", step.denominator());
+  absl::FPrintF(out_, "  estimate     %s\n", Vector(step.estimate()));
+  frame_lines_ = 5;
 }
 
 }  // namespace attn::cli

@@ -34,4 +34,25 @@ class TraceRenderer {
   std::vector<attention::v1::TileStep> steps_;  // Of the row in progress.
 };
 
+// Animates a trace in the terminal as it arrives (attn trace --follow): each step of the row in
+// progress redraws one frame in place — the tile's scores, the running max and rescale, the
+// denominator and the estimate converging, with a progress bar — pausing `step_ms` between steps
+// so a person can follow; each finished row leaves its online and full-matrix results. On a
+// non-terminal `out` the frames are printed one after another instead of redrawn.
+class TraceFollower {
+ public:
+  TraceFollower(std::FILE* out, int step_ms, bool redraw)
+      : out_(out), step_ms_(step_ms), redraw_(redraw) {}
+  void OnEvent(const attention::v1::TraceEvent& event);
+
+ private:
+  void DrawStep(const attention::v1::TileStep& step);
+
+  std::FILE* out_;
+  const int step_ms_;
+  const bool redraw_;
+  attention::v1::TraceStart start_;
+  int frame_lines_ = 0;  // Lines of the frame on screen, to redraw over.
+};
+
 }  // namespace attn::cli
