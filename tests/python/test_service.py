@@ -13,75 +13,36 @@ Needs the Debian python3-grpcio and python3-numpy (hence /usr/bin/python3); stdl
 import argparse
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 import unittest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 _parser = argparse.ArgumentParser(add_help=False)
 _parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
 _parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
 ARGS, _UNITTEST_ARGV = _parser.parse_known_args()
-sys.path.insert(0, os.path.abspath(ARGS.stubs))
+
+import attnd_harness as h  # noqa: E402
+
+h.add_stubs_path(ARGS.stubs)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from attention.v1 import attention_pb2 as pb  # noqa: E402
 from attention.v1 import attention_pb2_grpc as pb_grpc  # noqa: E402
 
-STARTUP_TIMEOUT_S = 20.0
 RPC_TIMEOUT_S = 30.0
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-STARTUP_LINE = re.compile(r"^attnd .* serving attention\.v1 on (\S+) \(port (\d+)\)")
 
 SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
 
 
-# --- Tensors ------------------------------------------------------------------------------------
+# --- Problems (tensor encoding, decoding and the float64 reference are attnd_harness's) ---------
 
 def fp32_tensor(array):
-    array = np.ascontiguousarray(array, dtype="<f4")
-    return pb.Tensor(shape=list(array.shape), dtype=pb.DTYPE_FLOAT32, data=array.tobytes())
+    return h.encode(array, pb.DTYPE_FLOAT32)[0]
 
-
-def round_to_bf16_bits(array):
-    """fp32 → bf16 bit patterns (uint16), round to nearest even on the uint32 view."""
-    bits = np.ascontiguousarray(array, dtype="<f4").view("<u4").astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype("<u2")
-
-
-def bf16_bits_to_fp32(bits):
-    return (np.asarray(bits, dtype="<u2").astype("<u4") << 16).view("<f4")
-
-
-def bf16_tensor(bits):
-    bits = np.ascontiguousarray(bits, dtype="<u2")
-    return pb.Tensor(shape=list(bits.shape), dtype=pb.DTYPE_BFLOAT16, data=bits.tobytes())
-
-
-def decode(tensor):
-    """A response Tensor as a numpy float64 array of its shape."""
-    shape = tuple(tensor.shape)
-    if tensor.dtype == pb.DTYPE_FLOAT32:
-        values = np.frombuffer(tensor.data, dtype="<f4")
-    elif tensor.dtype == pb.DTYPE_BFLOAT16:
-        values = bf16_bits_to_fp32(np.frombuffer(tensor.data, dtype="<u2"))
-    elif tensor.dtype == pb.DTYPE_FLOAT16:
-        values = np.frombuffer(tensor.data, dtype="<f2")
-    else:
-        raise AssertionError("unexpected dtype %d" % tensor.dtype)
-    if values.size != int(np.prod(shape)):
-        raise AssertionError("tensor data has %d elements, shape %s" % (values.size, shape))
-    return values.astype(np.float64).reshape(shape)
-
-
-# --- Problems and the float64 reference ---------------------------------------------------------
 
 def seed_problem():
     """The explainer's 8×4 example (rank 2)."""
@@ -92,100 +53,8 @@ def seed_problem():
     return q, k, v
 
 
-def reference_attention(q, k, v, scale=None, causal=False):
-    """float64 attention over [B, H, Nq, d] / [B, Hkv, Nk, d] / [B, Hkv, Nk, dv] → (out, lse)."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    batch, heads, query_len, head_dim = q.shape
-    kv_heads, key_len = k.shape[1], k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    group = heads // kv_heads
-    k = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
-    v = np.repeat(v, group, axis=1)
-    scores = scale * np.einsum("bhid,bhjd->bhij", q, k)
-    if causal:
-        rows = np.arange(query_len)[:, None]
-        cols = np.arange(key_len)[None, :]
-        scores = np.where(cols <= rows + key_len - query_len, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    weights = np.exp(scores - safe_max)
-    denominator = weights.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(denominator > 0, np.einsum("bhij,bhjd->bhid", weights, v) / denominator,
-                       0.0)
-        lse = np.where(denominator[..., 0] > 0,
-                       np.log(denominator[..., 0]) + safe_max[..., 0], -np.inf)
-    return out, lse
-
-
 def relative_error(got, ref):
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-
-
-# --- The server ---------------------------------------------------------------------------------
-
-class AttndProcess:
-    """attnd on 127.0.0.1:0; stdout is drained by a thread, stderr goes to a temporary file."""
-
-    def __init__(self, binary):
-        if not os.access(binary, os.X_OK):
-            raise RuntimeError("attnd binary not found or not executable: %s" % binary)
-        self.stderr_file = tempfile.TemporaryFile(mode="w+b")
-        self.stdout_lines = []
-        self.port = None
-        self._ready = threading.Event()
-        self.process = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--http-listen=", "--threads", "2"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.stderr_file)
-        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not self._ready.wait(0.05):
-            if self.process.poll() is not None:
-                self._reader.join(1.0)
-                if self.port is not None:
-                    break
-                message = ("attnd exited with status %d before listening\nstdout:\n%s\n"
-                           "stderr:\n%s" % (self.process.returncode, "".join(self.stdout_lines),
-                                            self.stderr()))
-                self.close()
-                raise RuntimeError(message)
-            if time.monotonic() > deadline:
-                self.stop()
-                message = ("attnd printed no startup line within %.0f s\nstdout:\n%s\n"
-                           "stderr:\n%s" % (STARTUP_TIMEOUT_S, "".join(self.stdout_lines),
-                                            self.stderr()))
-                self.close()
-                raise RuntimeError(message)
-
-    def _read_stdout(self):
-        for raw in iter(self.process.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            self.stdout_lines.append(line)
-            match = STARTUP_LINE.match(line)
-            if match and self.port is None:
-                self.port = int(match.group(2))
-                self._ready.set()
-        self.process.stdout.close()
-
-    def stderr(self):
-        self.stderr_file.flush()
-        self.stderr_file.seek(0)
-        return self.stderr_file.read().decode("utf-8", "replace")
-
-    def stop(self):
-        """Kills attnd (idempotent); stderr() stays readable until close()."""
-        if self.process.poll() is None:
-            self.process.kill()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def close(self):
-        self.stop()
-        self.stderr_file.close()
 
 
 # --- Tests --------------------------------------------------------------------------------------
@@ -197,13 +66,9 @@ class AttentionServiceTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.server = AttndProcess(ARGS.attnd)
+        cls.server = h.AttndProcess(ARGS.attnd, extra_args=["--threads", "2"])
         try:
-            cls.channel = grpc.insecure_channel(
-                "127.0.0.1:%d" % cls.server.port,
-                options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-            grpc.channel_ready_future(cls.channel).result(timeout=STARTUP_TIMEOUT_S)
+            cls.channel = h.open_channel(cls.server.address)
             cls.stub = pb_grpc.AttentionServiceStub(cls.channel)
         except Exception:
             cls._failed = True
@@ -262,14 +127,14 @@ class AttentionServiceTest(unittest.TestCase):
 
     def test_seed_example(self):
         q, k, v = seed_problem()
-        ref, _ = reference_attention(q[None, None], k[None, None], v[None, None])
+        ref, _, _ = h.reference_attention(q[None, None], k[None, None], v[None, None])
         for name, call, intermediate in (("Naive", self.stub.Naive, 16 * 8 * 8),
                                          ("Tiled", self.stub.Tiled, 0)):
             with self.subTest(rpc=name):
                 response = call(self.seed_request(), timeout=RPC_TIMEOUT_S)
                 self.assertEqual(list(response.output.shape), [8, 4])
                 self.assertEqual(response.output.dtype, pb.DTYPE_FLOAT32)
-                out = decode(response.output)
+                out = h.decode(response.output)
                 np.testing.assert_allclose(out[0], SEED_OUT_ROW0, rtol=0, atol=1e-6)
                 np.testing.assert_allclose(out, ref[0, 0], rtol=0, atol=1e-5)
                 self.assertFalse(response.HasField("lse") and response.lse.data)
@@ -289,7 +154,7 @@ class AttentionServiceTest(unittest.TestCase):
 
     def test_random_gqa_causal_fp32(self):
         q, k, v = self.random_problem()
-        ref_out, ref_lse = reference_attention(q, k, v, causal=True)
+        ref_out, ref_lse, _ = h.reference_attention(q, k, v, causal=True)
         request = pb.AttentionRequest(
             query=fp32_tensor(q), key=fp32_tensor(k), value=fp32_tensor(v),
             options=pb.AttentionOptions(causal=True, block_k=7, return_lse=True))
@@ -304,8 +169,8 @@ class AttentionServiceTest(unittest.TestCase):
                 self.assertEqual(response.output.dtype, pb.DTYPE_FLOAT32)
                 self.assertEqual(list(response.lse.shape), [2, 4, 37])
                 self.assertEqual(response.lse.dtype, pb.DTYPE_FLOAT32)
-                out = decode(response.output)
-                lse = decode(response.lse)
+                out = h.decode(response.output)
+                lse = h.decode(response.lse)
                 self.assertFalse(np.isnan(out).any() or np.isnan(lse).any())
                 self.assertLessEqual(relative_error(out, ref_out), 1e-5)
                 self.assertLessEqual(relative_error(lse, ref_lse), 1e-5)
@@ -318,11 +183,12 @@ class AttentionServiceTest(unittest.TestCase):
 
     def test_random_gqa_causal_bf16(self):
         q, k, v = self.random_problem()
-        q16, k16, v16 = (round_to_bf16_bits(x) for x in (q, k, v))
-        ref_out, _ = reference_attention(bf16_bits_to_fp32(q16), bf16_bits_to_fp32(k16),
-                                         bf16_bits_to_fp32(v16), causal=True)
+        # Each tensor rounded to bf16 (nearest even) and the values the server sees from it.
+        (q16, q_seen), (k16, k_seen), (v16, v_seen) = (h.encode(x, pb.DTYPE_BFLOAT16)
+                                                       for x in (q, k, v))
+        ref_out, _, _ = h.reference_attention(q_seen, k_seen, v_seen, causal=True)
         request = pb.AttentionRequest(
-            query=bf16_tensor(q16), key=bf16_tensor(k16), value=bf16_tensor(v16),
+            query=q16, key=k16, value=v16,
             options=pb.AttentionOptions(causal=True, block_k=7))
         for name, call in (("Naive", self.stub.Naive), ("Tiled", self.stub.Tiled)):
             with self.subTest(rpc=name):
@@ -330,7 +196,7 @@ class AttentionServiceTest(unittest.TestCase):
                 self.assertEqual(list(response.output.shape), [2, 4, 37, 20])
                 self.assertEqual(response.output.dtype, pb.DTYPE_BFLOAT16)
                 self.assertEqual(len(response.output.data), 2 * 4 * 37 * 20 * 2)
-                out = decode(response.output)
+                out = h.decode(response.output)
                 self.assertFalse(np.isnan(out).any())
                 self.assertLessEqual(float(np.max(np.abs(out - ref_out))), 2e-2)
 
@@ -395,7 +261,7 @@ class AttentionServiceTest(unittest.TestCase):
         np.testing.assert_allclose(done.reference, SEED_OUT_ROW0, rtol=0, atol=1e-6)
         np.testing.assert_allclose(done.output, events[3].step.estimate, rtol=0, atol=1e-6)
         self.assertLess(done.max_abs_error, 1e-6)
-        _, ref_lse = reference_attention(q[None, None], k[None, None], v[None, None])
+        _, ref_lse, _ = h.reference_attention(q[None, None], k[None, None], v[None, None])
         self.assertAlmostEqual(done.lse, ref_lse[0, 0, 0], delta=1e-5)
 
         end = events[5].end
