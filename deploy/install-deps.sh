@@ -11,17 +11,33 @@ packages=(
   python3 python3-grpcio python3-numpy
   openssl  # tests/security_test.sh makes its TLS certificates with it.
   clang libclang-rt-14-dev  # The libFuzzer target (tests/fuzz, the "fuzz" CMake preset).
+  chromium  # tests/browser_test.sh drives the web viewer in it (with playwright-core, below).
 )
+# Node and npm for tests/browser and client/node: Debian's unless a node (e.g. NodeSource's,
+# which brings its own npm) is already installed.
+command -v node >/dev/null || packages+=(nodejs npm)
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -ne 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 
-echo "install-deps: installing ${missing[*]}"
-sudo=""
-[ "$(id -u)" -ne 0 ] && sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# npm packages, exactly as each package-lock.json pins them; skipped while node_modules holds
+# the install of the same lock (npm ci empties node_modules, so the stamp goes with it).
+root="$(cd "$(dirname "$0")/.." && pwd)"
+for dir in tests/browser client/node; do
+  lock="$root/$dir/package-lock.json"
+  stamp="$root/$dir/node_modules/.install-deps-lock"
+  cmp -s "$lock" "$stamp" 2>/dev/null && continue
+  echo "install-deps: npm ci --prefix $dir"
+  npm ci --prefix "$root/$dir" --no-audit --no-fund --loglevel=error >/dev/null
+  cp "$lock" "$stamp"
+done

@@ -19,6 +19,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
 #include "server/dashed_flags.h"
+#include "server/gateway.h"
 #include "server/http_port.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
@@ -27,8 +28,11 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Address to serve gRPC on (host:port).");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:8080",
-          "Address of the HTTP side port (/metrics, /healthz, /readyz), host:port (:0 picks a "
-          "free port); empty disables it.");
+          "Address of the HTTP side port (/metrics, /healthz, /readyz, the JSON gateway /v1/... "
+          "and the trace viewer /), host:port (:0 picks a free port); empty disables it.");
+ABSL_FLAG(std::string, http_cors_origin, "",
+          "CORS for the JSON gateway (/v1/...): the Access-Control-Allow-Origin to send, e.g. * "
+          "or https://viewer.example; empty sends no CORS headers.");
 ABSL_FLAG(std::string, log_level, "info",
           "Request log on stderr: error (failed calls only), info (also every attention.v1 "
           "call) or debug (also health checks and reflection).");
@@ -155,7 +159,22 @@ int main(int argc, char** argv) {
   attn::MetricsRegistry metrics;
   attn::RequestObserver observer(metrics, *log_level);
   attn::AddServerGauges(metrics, service, **backend);
-  attn::HttpPort http(metrics, ready);
+  // The JSON gateway and viewer share the HTTP port; their calls reach gRPC once it is built,
+  // through the in-process channel, which skips the listener's token check: the gateway applies
+  // the same check to the HTTP Authorization header.
+  std::string gateway_token;
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    absl::StatusOr<std::string> token = attn::LoadToken(absl::GetFlag(FLAGS_auth_token_file));
+    if (!token.ok()) Die(std::string(token.status().message()));
+    gateway_token = *std::move(token);
+  }
+  attn::Gateway gateway({.cors_origin = absl::GetFlag(FLAGS_http_cors_origin),
+                         .auth_token = std::move(gateway_token),
+                         .max_message_bytes = max_message_bytes});
+  // 16 HTTP workers: each open viewer trace (server-sent events) holds one while it streams,
+  // and /metrics and the probes must still answer; --max-traces bounds the streams.
+  attn::HttpPort http(metrics, ready, 16);
+  gateway.AddRoutes(http.server());
   const std::string http_listen = absl::GetFlag(FLAGS_http_listen);
   if (!http_listen.empty()) {
     if (absl::Status status = http.Start(http_listen); !status.ok()) {
@@ -176,6 +195,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die(absl::StrCat("cannot listen on ", listen));
   running = server.get();
+  grpc::ChannelArguments gateway_channel;
+  gateway_channel.SetMaxReceiveMessageSize(-1);  // The server's own limits apply.
+  gateway_channel.SetMaxSendMessageSize(-1);
+  gateway.SetChannel(server->InProcessChannel(gateway_channel));
   ready.Set(true);
 
   std::printf(
@@ -192,7 +215,9 @@ int main(int argc, char** argv) {
       shutdown_grace);
   std::printf("  security: %s\n", security->summary.c_str());
   const std::string http_banner =
-      http.port() != 0 ? absl::StrCat("http://", http.address(), " (/metrics /healthz /readyz)")
+      http.port() != 0 ? absl::StrCat("http://", http.address(),
+                                      " (/metrics /healthz /readyz; JSON gateway /v1/naive "
+                                      "/v1/tiled /v1/trace /v1/info; viewer /)")
                        : "off";
   std::printf("  http: %s  log-level: %s\n", http_banner.c_str(),
               absl::GetFlag(FLAGS_log_level).c_str());
@@ -206,6 +231,7 @@ int main(int argc, char** argv) {
     std::printf("attnd: signal %d, draining (in-flight calls get %d s; signal again to exit now)\n",
                 signal, shutdown_grace);
     std::fflush(stdout);
+    const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(shutdown_grace);
     service.StartDrain();
     ready.Set(false);
     server->GetHealthCheckService()->SetServingStatus(false);
@@ -214,7 +240,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "attnd: signal %d again, exiting without waiting\n", again);
       std::_Exit(1);
     }).detach();
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(shutdown_grace));
+    // The JSON gateway first: /v1 answers 503 from now on, and its calls in flight get the grace
+    // (shutting gRPC down would end its in-process calls at once).
+    gateway.Drain(deadline);
+    server->Shutdown(deadline);
     std::printf("attnd: drained, exiting\n");
     std::fflush(stdout);
   });

@@ -1,0 +1,287 @@
+'use strict';
+// A small Node client for attnd's attention.v1 service (proto/attention/v1/attention.proto).
+//
+// The proto is loaded at run time with @grpc/proto-loader; no generated code. Choices, fixed
+// for every message this module hands out or accepts:
+//   - Field names are lowerCamelCase (keepCase: false): options.blockK, step.maxAfter,
+//     stats.computeNs, start.naiveIntermediateBytes. Requests use the same names.
+//   - int64 fields are JS Numbers (longs: Number): shape dims, stats and limits all fit in
+//     2^53. Enums are their names as strings (DTYPE_FLOAT32), and requests may use either
+//     the name or the number.
+//   - bytes are Buffers; unset scalar fields read as their defaults (defaults: true), and a
+//     TraceEvent carries `event`, the name of the oneof member it holds ('start', 'step',
+//     'rowDone' or 'end').
+//   - fp32 tensors travel as little-endian bytes; tensor() and toFloat32Array() convert
+//     between Float32Array and a Tensor (fp16 and bf16 too, rounded to nearest even).
+//
+// Errors: every RPC rejects (or, for trace, throws from the iterator) an AttndError, an Error
+// with .code (the numeric gRPC status), .codeName ('INVALID_ARGUMENT'), .details (the
+// server's message, which names the offending field) and .metadata.
+//
+//   const {Client, tensor, toFloat32Array} = require('./client');
+//   const client = new Client('127.0.0.1:50051', {token: 's3cret', tlsCa: 'ca.pem'});
+//   const res = await client.tiled({query: tensor(q, [8, 4]), key: ..., value: ...,
+//                                   options: {blockK: 2}});
+//   const out = toFloat32Array(res.output);           // Float32Array, row-major
+//   for await (const ev of client.trace({attention: req, rows: [{row: 0}]})) { ... }
+//   client.close();
+
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTO_ROOT = path.join(__dirname, '..', '..', 'proto');
+const PROTO_FILE = 'attention/v1/attention.proto';
+const MAX_MESSAGE_BYTES = 1024 * 1024 * 1024;  // 1 GiB, attnd's largest --max-message-bytes.
+
+const packageDefinition = protoLoader.loadSync(PROTO_FILE, {
+  includeDirs: [PROTO_ROOT],
+  keepCase: false,
+  longs: Number,
+  enums: String,
+  bytes: Buffer,
+  defaults: true,
+  oneofs: true,
+});
+const proto = grpc.loadPackageDefinition(packageDefinition).attention.v1;
+
+const DTYPES = {
+  float32: 'DTYPE_FLOAT32', f32: 'DTYPE_FLOAT32', fp32: 'DTYPE_FLOAT32',
+  float16: 'DTYPE_FLOAT16', f16: 'DTYPE_FLOAT16', fp16: 'DTYPE_FLOAT16',
+  bfloat16: 'DTYPE_BFLOAT16', bf16: 'DTYPE_BFLOAT16',
+};
+const DTYPE_NUMBERS = {1: 'DTYPE_FLOAT32', 2: 'DTYPE_FLOAT16', 3: 'DTYPE_BFLOAT16'};
+
+// Canonical enum name for 'f32', 'float16', 'DTYPE_BFLOAT16', 2, ...; throws on anything else.
+function dtypeName(dtype) {
+  if (typeof dtype === 'number' && DTYPE_NUMBERS[dtype]) return DTYPE_NUMBERS[dtype];
+  if (typeof dtype === 'string') {
+    if (Object.values(DTYPES).includes(dtype)) return dtype;
+    if (DTYPES[dtype.toLowerCase()]) return DTYPES[dtype.toLowerCase()];
+  }
+  throw new TypeError(`unknown dtype ${String(dtype)}; expected float32, float16 or bfloat16`);
+}
+
+// --- fp16 / bf16 conversions (storage formats; arithmetic is fp32) ---------------------------
+const scratchF32 = new Float32Array(1);
+const scratchU32 = new Uint32Array(scratchF32.buffer);
+
+// binary32 → binary16 bits, round to nearest even; overflow → ±inf, NaN stays NaN.
+function float32ToFloat16Bits(x) {
+  scratchF32[0] = x;
+  const bits = scratchU32[0];
+  const sign = (bits >>> 16) & 0x8000;
+  const exponent = (bits >>> 23) & 0xff;
+  let mantissa = bits & 0x7fffff;
+  if (exponent === 0xff) return sign | 0x7c00 | (mantissa ? 0x200 : 0);
+  const e = exponent - 127 + 15;
+  if (e >= 0x1f) return sign | 0x7c00;
+  if (e <= 0) {  // Subnormal half (or zero): value = half · 2^-24.
+    if (e < -10) return sign;
+    mantissa |= 0x800000;
+    const shift = 14 - e;
+    let half = mantissa >>> shift;
+    const rest = mantissa & ((1 << shift) - 1);
+    const halfway = 1 << (shift - 1);
+    if (rest > halfway || (rest === halfway && (half & 1))) half += 1;
+    return sign | half;
+  }
+  let half = (e << 10) | (mantissa >>> 13);
+  const rest = mantissa & 0x1fff;
+  if (rest > 0x1000 || (rest === 0x1000 && (half & 1))) half += 1;  // May carry into inf: right.
+  return sign | half;
+}
+
+function float16BitsToFloat32(h) {
+  const sign = h & 0x8000 ? -1 : 1;
+  const exponent = (h >>> 10) & 0x1f;
+  const mantissa = h & 0x3ff;
+  if (exponent === 0) return sign * mantissa * 2 ** -24;
+  if (exponent === 0x1f) return mantissa ? NaN : sign * Infinity;
+  return sign * (1 + mantissa / 1024) * 2 ** (exponent - 15);
+}
+
+// binary32 → bfloat16 bits (the upper half), round to nearest even; NaN stays NaN.
+function float32ToBfloat16Bits(x) {
+  scratchF32[0] = x;
+  const bits = scratchU32[0];
+  if (Number.isNaN(x)) return (bits >>> 16) | 0x40;
+  return Math.floor((bits + 0x7fff + ((bits >>> 16) & 1)) / 65536) & 0xffff;
+}
+
+function bfloat16BitsToFloat32(h) {
+  scratchU32[0] = (h & 0xffff) << 16;
+  return scratchF32[0];
+}
+
+const LITTLE_ENDIAN = os.endianness() === 'LE';
+
+// A Tensor message from values (Float32Array, or any array-like of numbers) and a shape.
+// dtype: 'float32' (default), 'float16' or 'bfloat16' (or the DTYPE_* names); values are
+// rounded to it. Throws a TypeError when the shape's product is not the number of values.
+function tensor(values, shape, dtype = 'float32') {
+  const dims = Array.from(shape, Number);
+  const count = dims.reduce((a, b) => a * b, 1);
+  if (values.length !== count) {
+    throw new TypeError(`tensor: ${values.length} values for shape [${dims.join(', ')}] ` +
+                        `(${count} elements)`);
+  }
+  const name = dtypeName(dtype);
+  let data;
+  if (name === 'DTYPE_FLOAT32') {
+    const f32 = values instanceof Float32Array ? values : Float32Array.from(values);
+    if (LITTLE_ENDIAN) {
+      data = Buffer.from(f32.buffer, f32.byteOffset, f32.byteLength);
+    } else {
+      data = Buffer.alloc(count * 4);
+      for (let i = 0; i < count; ++i) data.writeFloatLE(f32[i], i * 4);
+    }
+  } else {
+    const toBits = name === 'DTYPE_FLOAT16' ? float32ToFloat16Bits : float32ToBfloat16Bits;
+    data = Buffer.alloc(count * 2);
+    for (let i = 0; i < count; ++i) data.writeUInt16LE(toBits(values[i]), i * 2);
+  }
+  return {shape: dims, dtype: name, data};
+}
+
+// A Tensor message's elements as a Float32Array (row-major), whatever its dtype.
+// Throws a TypeError on an unknown dtype or data whose length does not match the shape.
+function toFloat32Array(message) {
+  const name = dtypeName(message.dtype);
+  const count = message.shape.reduce((a, b) => a * Number(b), 1);
+  const data = message.data;
+  const size = name === 'DTYPE_FLOAT32' ? 4 : 2;
+  if (data.length !== count * size) {
+    throw new TypeError(`tensor: ${data.length} bytes for shape [${message.shape.join(', ')}] ` +
+                        `of ${name}; expected ${count * size}`);
+  }
+  const out = new Float32Array(count);
+  if (name === 'DTYPE_FLOAT32') {
+    if (LITTLE_ENDIAN) {
+      new Uint8Array(out.buffer).set(data);  // Copy: data's offset may not be 4-aligned.
+    } else {
+      for (let i = 0; i < count; ++i) out[i] = data.readFloatLE(i * 4);
+    }
+  } else {
+    const fromBits = name === 'DTYPE_FLOAT16' ? float16BitsToFloat32 : bfloat16BitsToFloat32;
+    for (let i = 0; i < count; ++i) out[i] = fromBits(data.readUInt16LE(i * 2));
+  }
+  return out;
+}
+
+// --- errors ----------------------------------------------------------------------------------
+const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
+
+class AttndError extends Error {
+  constructor(err) {
+    const codeName = CODE_NAMES[err.code] ?? 'UNKNOWN';
+    const details = err.details ?? err.message;
+    super(`${codeName}: ${details}`);
+    this.name = 'AttndError';
+    this.code = err.code;
+    this.codeName = codeName;
+    this.details = details;
+    this.metadata = err.metadata;
+    this.cause = err;
+  }
+}
+
+function wrapError(err) {
+  return err instanceof AttndError || err.code === undefined ? err : new AttndError(err);
+}
+
+// --- the client ------------------------------------------------------------------------------
+class Client {
+  // target: 'host:port'. Options:
+  //   token:       sent as 'authorization: Bearer <token>' on every call (attnd --auth-token).
+  //   tlsCa:       path of a PEM CA bundle; when given the channel uses TLS.
+  //   tlsCert, tlsKey: PEM paths of a client certificate and key for mutual TLS.
+  //   serverName:  the name to verify the server's certificate against, when not the target's.
+  //   deadlineMs:  default per-call deadline (none when absent).
+  //   channelOptions: extra grpc-js channel options.
+  constructor(target, options = {}) {
+    const {token, tlsCa, tlsCert, tlsKey, serverName, deadlineMs, channelOptions} = options;
+    let credentials;
+    if (tlsCa || tlsCert) {
+      credentials = grpc.credentials.createSsl(
+          tlsCa ? fs.readFileSync(tlsCa) : null, tlsKey ? fs.readFileSync(tlsKey) : null,
+          tlsCert ? fs.readFileSync(tlsCert) : null);
+    } else {
+      credentials = grpc.credentials.createInsecure();
+    }
+    const channel = {
+      'grpc.max_send_message_length': MAX_MESSAGE_BYTES,
+      'grpc.max_receive_message_length': MAX_MESSAGE_BYTES,
+      ...(serverName ? {'grpc.ssl_target_name_override': serverName,
+                        'grpc.default_authority': serverName} : {}),
+      ...channelOptions,
+    };
+    this.stub = new proto.AttentionService(target, credentials, channel);
+    this.token = token;
+    this.deadlineMs = deadlineMs;
+  }
+
+  metadata_() {
+    const metadata = new grpc.Metadata();
+    if (this.token) metadata.set('authorization', `Bearer ${this.token}`);
+    return metadata;
+  }
+
+  callOptions_(options = {}) {
+    const deadlineMs = options.deadlineMs ?? this.deadlineMs;
+    return deadlineMs === undefined ? {} : {deadline: Date.now() + deadlineMs};
+  }
+
+  unary_(method, request, options) {
+    return new Promise((resolve, reject) => {
+      this.stub[method](request, this.metadata_(), this.callOptions_(options),
+                        (err, response) => (err ? reject(wrapError(err)) : resolve(response)));
+    });
+  }
+
+  // Full-matrix attention. request: an AttentionRequest ({query, key, value, options}).
+  // Resolves to the AttentionResponse ({output, lse, stats}); rejects with an AttndError.
+  naive(request, options) { return this.unary_('Naive', request, options); }
+
+  // Online-softmax attention over key tiles; same request and answer as naive().
+  tiled(request, options) { return this.unary_('Tiled', request, options); }
+
+  // The server's ServerInfo: version, backend, device and limits.
+  info(options) { return this.unary_('GetServerInfo', {}, options); }
+
+  // Streams a TraceRequest's events ({attention, rows}) as an async iterator of TraceEvents,
+  // each with `event` naming its member: 'start', then per row one 'step' per key tile and a
+  // 'rowDone', then 'end'. Throws an AttndError from the loop when the call fails; leaving the
+  // loop early (break, return, throw) cancels the call.
+  async* trace(request, options) {
+    const call = this.stub.Trace(request, this.metadata_(), this.callOptions_(options));
+    let finished = false;
+    try {
+      for await (const event of call) yield event;
+      finished = true;
+    } catch (err) {
+      finished = true;
+      throw wrapError(err);
+    } finally {
+      if (!finished) call.cancel();
+    }
+  }
+
+  close() { this.stub.close(); }
+}
+
+module.exports = {
+  Client,
+  AttndError,
+  tensor,
+  toFloat32Array,
+  dtypeName,
+  float32ToFloat16Bits,
+  float16BitsToFloat32,
+  float32ToBfloat16Bits,
+  bfloat16BitsToFloat32,
+  status: grpc.status,
+  proto,
+};

@@ -1,0 +1,338 @@
+'use strict';
+// The Node client against a running attnd (tests/node_client_test.sh starts it): all four RPCs,
+// the seed example's out[0] and a random grouped-query causal problem against a float64
+// reference computed here, the trace's final estimate against Tiled's row, fp16/bf16 tensors,
+// error paths (INVALID_ARGUMENT naming the field, for a unary call and for a stream) and, when
+// given a TLS server with a token, TLS + bearer token.
+// Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
+//                                         --token-file FILE]
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const attnd = require('./client');
+const {Client, AttndError, tensor, toFloat32Array, status} = attnd;
+
+function parseArgs(argv) {
+  const args = {};
+  for (let i = 0; i < argv.length; i += 2) {
+    const key = argv[i].replace(/^--/, '').replace(/-(.)/g, (_, c) => c.toUpperCase());
+    args[key] = argv[i + 1];
+  }
+  if (!args.target) throw new Error('usage: node test.js --target HOST:PORT');
+  return args;
+}
+const args = parseArgs(process.argv.slice(2));
+const client = new Client(args.target, {deadlineMs: 60000});
+test.after(() => client.close());
+
+// --- inputs and the float64 reference ---------------------------------------------------------
+function mulberry32(seed) {  // Small seeded PRNG: the same problem on every run.
+  return () => {
+    seed = (seed + 0x6d2b79f5) | 0;
+    let t = seed;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+function randomNormal(count, random) {
+  const out = new Float32Array(count);
+  for (let i = 0; i < count; ++i) {
+    const u = 1 - random(), w = random();
+    out[i] = Math.sqrt(-2 * Math.log(u)) * Math.cos(2 * Math.PI * w);
+  }
+  return out;
+}
+
+function seedInputs(n = 8, d = 4) {
+  const q = new Float32Array(n * d), k = new Float32Array(n * d), v = new Float32Array(n * d);
+  for (let i = 0; i < n; ++i) {
+    for (let j = 0; j < d; ++j) {
+      q[i * d + j] = ((i + j) % 5) - 2;
+      k[i * d + j] = (((2 * i + j) % 7) - 3) / 2;
+      v[i * d + j] = ((i + j) % 9) - 4;
+    }
+  }
+  const dims = {batch: 1, heads: 1, kvHeads: 1, queryLen: n, keyLen: n, headDim: d, valueDim: d};
+  return {q, k, v, dims};
+}
+
+// softmax(scale · Q Kᵀ + mask) V in float64, with grouped-query heads and the bottom-right
+// causal mask; a row that sees no key gives zeros and lse −inf.
+function referenceAttention({q, k, v, dims}, scale, causal) {
+  const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
+  const out = new Float64Array(batch * heads * queryLen * valueDim);
+  const lse = new Float64Array(batch * heads * queryLen).fill(-Infinity);
+  const scores = new Float64Array(keyLen);
+  for (let b = 0; b < batch; ++b) {
+    for (let h = 0; h < heads; ++h) {
+      const kh = Math.floor(h / (heads / kvHeads));
+      const kBase = (b * kvHeads + kh) * keyLen;
+      for (let i = 0; i < queryLen; ++i) {
+        const row = (b * heads + h) * queryLen + i;
+        const visible = causal ? Math.min(keyLen, i + keyLen - queryLen + 1) : keyLen;
+        if (visible <= 0) continue;
+        let max = -Infinity;
+        for (let j = 0; j < visible; ++j) {
+          let s = 0;
+          for (let c = 0; c < headDim; ++c) {
+            s += q[row * headDim + c] * k[(kBase + j) * headDim + c];
+          }
+          scores[j] = s * scale;
+          max = Math.max(max, scores[j]);
+        }
+        let sum = 0;
+        for (let j = 0; j < visible; ++j) {
+          const w = Math.exp(scores[j] - max);
+          sum += w;
+          for (let c = 0; c < valueDim; ++c) {
+            out[row * valueDim + c] += w * v[(kBase + j) * valueDim + c];
+          }
+        }
+        for (let c = 0; c < valueDim; ++c) out[row * valueDim + c] /= sum;
+        lse[row] = max + Math.log(sum);
+      }
+    }
+  }
+  return {out, lse};
+}
+
+// |got − want| ≤ tol · (1 + |want|) everywhere; NaN never passes; −inf only where wanted.
+function assertClose(got, want, tol, what) {
+  assert.equal(got.length, want.length, `${what}: length`);
+  let worst = 0, worstAt = -1;
+  for (let i = 0; i < want.length; ++i) {
+    if (want[i] === -Infinity) {
+      assert.equal(got[i], -Infinity, `${what}[${i}]: ${got[i]}, wanted -inf`);
+      continue;
+    }
+    assert.ok(Number.isFinite(got[i]), `${what}[${i}] is ${got[i]}`);
+    const err = Math.abs(got[i] - want[i]) / (1 + Math.abs(want[i]));
+    if (err > worst) [worst, worstAt] = [err, i];
+  }
+  assert.ok(worst <= tol, `${what}: error ${worst} at ${worstAt} (got ${got[worstAt]}, ` +
+                          `wanted ${want[worstAt]}) over ${tol}`);
+}
+
+function request({q, k, v, dims}, options, dtype = 'float32') {
+  const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
+  return {
+    query: tensor(q, [batch, heads, queryLen, headDim], dtype),
+    key: tensor(k, [batch, kvHeads, keyLen, headDim], dtype),
+    value: tensor(v, [batch, kvHeads, keyLen, valueDim], dtype),
+    options,
+  };
+}
+
+async function collect(iterable) {
+  const events = [];
+  for await (const event of iterable) events.push(event);
+  return events;
+}
+
+const SEED_OUT0 = [-0.593223, 0.406777, -1.332858, -0.371937];  // README, attn CLI.
+const seed = seedInputs();
+const seedRef = referenceAttention(seed, 0.5, false);
+
+// --- the tests --------------------------------------------------------------------------------
+test('info: version, backend and limits, int64 as Numbers', async () => {
+  const info = await client.info();
+  assert.match(info.version, /^\d+\.\d+/);
+  assert.ok(['cpu', 'cuda'].includes(info.backend), info.backend);
+  assert.ok(info.device.length > 0);
+  assert.ok(info.dtypes.includes('DTYPE_FLOAT32'), `dtypes ${info.dtypes}`);
+  for (const field of ['deviceMemoryBytes', 'maxMessageBytes', 'maxNaiveBytes', 'maxTraceRows',
+                       'maxTraceSteps', 'defaultBlockK']) {
+    assert.equal(typeof info[field], 'number', field);
+    assert.ok(info[field] > 0, `${field} = ${info[field]}`);
+  }
+});
+
+test('seed example: tiled and naive out[0] against the float64 reference', async () => {
+  for (const method of ['tiled', 'naive']) {
+    const res = await client[method](request(seed, {scale: 0.5, blockK: 3}));
+    assert.deepEqual(res.output.shape, [1, 1, 8, 4]);
+    assert.equal(res.output.dtype, 'DTYPE_FLOAT32');
+    const out = toFloat32Array(res.output);
+    assertClose(out, seedRef.out, 1e-5, `${method} out`);
+    assertClose(out.subarray(0, 4), SEED_OUT0, 1e-6, `${method} out[0] vs README`);
+    assert.equal(res.stats.intermediateBytes, method === 'naive' ? 1024 : 0);
+    assert.equal(res.stats.blockK, method === 'naive' ? 0 : 3);
+    assert.equal(typeof res.stats.computeNs, 'number');
+  }
+  // An explicit scale is sent (proto3 optional), not replaced by the default 1/sqrt(d).
+  const scaled = await client.naive(request(seed, {scale: 1}));
+  assertClose(toFloat32Array(scaled.output), referenceAttention(seed, 1, false).out, 1e-5,
+              'scale 1');
+  // Rank 2 inputs come back rank 2.
+  const n = 8, d = 4;
+  const res = await client.tiled({
+    query: tensor(seed.q, [n, d]), key: tensor(seed.k, [n, d]), value: tensor(seed.v, [n, d]),
+    options: {scale: 0.5, blockK: 2},
+  });
+  assert.deepEqual(res.output.shape, [8, 4]);
+  assertClose(toFloat32Array(res.output).subarray(0, 4), SEED_OUT0, 1e-6, 'rank-2 out[0]');
+});
+
+// 2 batches × 4 query heads over 2 key/value heads, 41 queries over 29 keys (so causal rows
+// 0..11 see no key), head_dim 16, value_dim 12, default scale 1/4, block_k 7.
+const random = mulberry32(20240611);
+const dims = {batch: 2, heads: 4, kvHeads: 2, queryLen: 41, keyLen: 29, headDim: 16,
+              valueDim: 12};
+const problem = {
+  q: randomNormal(dims.batch * dims.heads * dims.queryLen * dims.headDim, random),
+  k: randomNormal(dims.batch * dims.kvHeads * dims.keyLen * dims.headDim, random),
+  v: randomNormal(dims.batch * dims.kvHeads * dims.keyLen * dims.valueDim, random),
+  dims,
+};
+const problemRef = referenceAttention(problem, 1 / Math.sqrt(dims.headDim), true);
+let tiledRandom;  // Tiled's answer, reused by the trace test.
+
+test('random GQA causal problem: naive and tiled (with lse) against float64', async () => {
+  for (const method of ['naive', 'tiled']) {
+    const res = await client[method](request(problem, {causal: true, blockK: 7, returnLse: true}));
+    assert.deepEqual(res.output.shape, [2, 4, 41, 12]);
+    assert.deepEqual(res.lse.shape, [2, 4, 41]);
+    assertClose(toFloat32Array(res.output), problemRef.out, 1e-5, `${method} output`);
+    assertClose(toFloat32Array(res.lse), problemRef.lse, 1e-5, `${method} lse`);
+    if (method === 'tiled') tiledRandom = toFloat32Array(res.output);
+  }
+});
+
+test('fp16 and bf16 tensors: rounded inputs, fp32 and fp16 outputs', async () => {
+  for (const dtype of ['float16', 'bfloat16']) {
+    const req = request(problem, {causal: true, blockK: 5, outputDtype: 'DTYPE_FLOAT32'}, dtype);
+    // The reference sees exactly the rounded inputs the server gets.
+    const rounded = {q: toFloat32Array(req.query), k: toFloat32Array(req.key),
+                     v: toFloat32Array(req.value), dims};
+    const ref = referenceAttention(rounded, 0.25, true);
+    const res = await client.tiled(req);
+    assert.equal(res.output.dtype, 'DTYPE_FLOAT32');
+    assertClose(toFloat32Array(res.output), ref.out, 1e-5, `${dtype} in, fp32 out`);
+    req.options.outputDtype = 0;  // The query's dtype.
+    const low = await client.naive(req);
+    assert.equal(low.output.dtype, req.query.dtype);
+    assertClose(toFloat32Array(low.output), ref.out, dtype === 'float16' ? 2e-3 : 1e-2,
+                `${dtype} in and out`);
+  }
+  assert.equal(attnd.float32ToFloat16Bits(1), 0x3c00);
+  assert.equal(attnd.float32ToFloat16Bits(65504), 0x7bff);
+  assert.equal(attnd.float32ToFloat16Bits(65520), 0x7c00);  // Halfway to inf rounds to inf.
+  assert.equal(attnd.float32ToFloat16Bits(2 ** -24), 0x0001);
+  assert.equal(attnd.float32ToFloat16Bits(1 + 2 ** -11), 0x3c00);  // Tie to even.
+  assert.equal(attnd.float32ToFloat16Bits(1 + 3 * 2 ** -11), 0x3c02);
+  assert.equal(attnd.float16BitsToFloat32(0xc000), -2);
+  assert.equal(attnd.float32ToBfloat16Bits(1), 0x3f80);
+  assert.equal(attnd.float32ToBfloat16Bits(1 + 2 ** -8), 0x3f80);  // Tie to even.
+  assert.equal(attnd.float32ToBfloat16Bits(1 + 3 * 2 ** -8), 0x3f82);
+  assert.equal(attnd.bfloat16BitsToFloat32(0xbf80), -1);
+});
+
+test('trace of the seed with block_k 2: four steps converging to tiled out[0]', async () => {
+  const req = request(seed, {scale: 0.5, blockK: 2});
+  const tiled = toFloat32Array((await client.tiled(req)).output);
+  const events = await collect(client.trace({attention: req, rows: [{batch: 0, head: 0, row: 0}]}));
+  assert.deepEqual(events.map((e) => e.event),
+                   ['start', 'step', 'step', 'step', 'step', 'rowDone', 'end']);
+  const {start} = events[0];
+  assert.equal(start.queryLen, 8);
+  assert.equal(start.blockK, 2);
+  assert.equal(start.scale, 0.5);
+  assert.equal(start.tilesPerRow, 4);
+  assert.equal(start.naiveIntermediateBytes, 1024);
+  const steps = events.slice(1, 5).map((e) => e.step);
+  assert.deepEqual(steps.map((s) => [s.tile, s.keyBegin, s.keyEnd]),
+                   [[0, 0, 2], [1, 2, 4], [2, 4, 6], [3, 6, 8]]);
+  assert.equal(steps[0].maxBefore, -Infinity);
+  assert.equal(steps[0].rescale, 0);
+  assert.deepEqual(steps[3].scores.map((s) => Math.fround(s)), [-2.25, 2]);  // The tie at 2.
+  for (const s of steps) {
+    const sum = s.weights.reduce((a, b) => a + b, 0);
+    assert.ok(s.denominator >= sum - 1e-6, `denominator ${s.denominator} < Σ weights ${sum}`);
+  }
+  const last = steps[3].estimate;
+  assert.deepEqual(Float32Array.from(last), tiled.subarray(0, 4), 'last estimate vs tiled row 0');
+  assert.deepEqual(Float32Array.from(events[5].rowDone.output), tiled.subarray(0, 4));
+  assertClose(events[5].rowDone.reference, seedRef.out.subarray(0, 4), 1e-5, 'row reference');
+  assert.ok(events[5].rowDone.maxAbsError < 1e-5);
+  assert.equal(events[6].end.rows, 1);
+  assert.equal(events[6].end.steps, 4);
+});
+
+test('trace of random rows: each final estimate equals tiled row', async () => {
+  assert.ok(tiledRandom, 'the random-problem test ran first');
+  const rows = [{batch: 1, head: 3, row: 40}, {batch: 0, head: 1, row: 20},
+                {batch: 1, head: 0, row: 3}];  // Row 3 sees no key.
+  const req = request(problem, {causal: true, blockK: 7});
+  const events = await collect(client.trace({attention: req, rows}));
+  assert.equal(events[0].event, 'start');
+  assert.equal(events.at(-1).event, 'end');
+  const done = events.filter((e) => e.event === 'rowDone').map((e) => e.rowDone);
+  assert.equal(done.length, rows.length);
+  const {valueDim} = dims;
+  for (const [index, ref] of rows.entries()) {
+    const at = ((ref.batch * dims.heads + ref.head) * dims.queryLen + ref.row) * valueDim;
+    const want = tiledRandom.subarray(at, at + valueDim);
+    const rowSteps = events.filter((e) => e.event === 'step' &&
+                                          e.step.row.batch === ref.batch &&
+                                          e.step.row.head === ref.head &&
+                                          e.step.row.row === ref.row);
+    if (rowSteps.length > 0) {
+      assert.deepEqual(Float32Array.from(rowSteps.at(-1).step.estimate), want,
+                       `row ${JSON.stringify(ref)}: last estimate vs tiled`);
+    }
+    assert.deepEqual(Float32Array.from(done[index].output), want, `row ${index} output`);
+    assertClose(done[index].output, problemRef.out.subarray(at, at + valueDim), 1e-5,
+                `row ${index} vs float64`);
+  }
+  assert.equal(done[2].lse, -Infinity);
+  assert.deepEqual(done[2].output, new Array(valueDim).fill(0));
+  // Leaving the loop early cancels the stream; the client still works after.
+  for await (const event of client.trace({attention: req, rows})) {
+    assert.equal(event.event, 'start');
+    break;
+  }
+  assert.equal((await client.info()).backend.length > 0, true);
+});
+
+test('errors: bad shape and bad trace row are INVALID_ARGUMENT naming the field', async () => {
+  const bad = request(seed, {scale: 0.5});
+  bad.query = {shape: [32], dtype: 'DTYPE_FLOAT32', data: bad.query.data};
+  await assert.rejects(client.tiled(bad), (err) => {
+    assert.ok(err instanceof AttndError);
+    assert.ok(err instanceof Error);
+    assert.equal(err.code, status.INVALID_ARGUMENT);
+    assert.equal(err.codeName, 'INVALID_ARGUMENT');
+    assert.match(err.details, /^query\.shape: has rank 1/);
+    assert.match(err.message, /^INVALID_ARGUMENT: query\.shape/);
+    return true;
+  });
+  await assert.rejects(client.naive({...request(seed, {}), value: undefined}), (err) => {
+    assert.equal(err.code, status.INVALID_ARGUMENT);
+    assert.match(err.details, /^value/);
+    return true;
+  });
+  const trace = client.trace({attention: request(seed, {blockK: 2}),
+                              rows: [{batch: 0, head: 0, row: 99}]});
+  await assert.rejects(collect(trace), (err) => {
+    assert.equal(err.code, status.INVALID_ARGUMENT);
+    assert.match(err.details, /rows\[0\]\.row/);
+    return true;
+  });
+});
+
+test('TLS with a bearer token', {skip: !args.secureTarget && 'no --secure-target'}, async () => {
+  const token = fs.readFileSync(args.tokenFile, 'utf8').trim();
+  const secure = new Client(args.secureTarget, {token, tlsCa: args.tlsCa});
+  const anonymous = new Client(args.secureTarget, {tlsCa: args.tlsCa});
+  try {
+    const res = await secure.tiled(request(seed, {scale: 0.5, blockK: 2}));
+    assertClose(toFloat32Array(res.output).subarray(0, 4), SEED_OUT0, 1e-6, 'TLS out[0]');
+    const events = await collect(secure.trace({attention: request(seed, {blockK: 2})}));
+    assert.equal(events.at(-1).event, 'end');
+    await assert.rejects(anonymous.info(), (err) => err.code === status.UNAUTHENTICATED);
+  } finally {
+    secure.close();
+    anonymous.close();
+  }
+});

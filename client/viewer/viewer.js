@@ -1,0 +1,840 @@
+// attnd's web viewer: the explainer's three ideas drawn from the server's own numbers.
+//
+// Inputs are built here (the seed example's formulas or a seeded random problem) in float32 and
+// sent as AttentionRequest JSON (protobuf's JSON mapping) to the gateway's /v1/naive, /v1/tiled
+// and /v1/trace. The trace answers text/event-stream, one TraceEvent JSON per `data:` line; it is
+// read with fetch() and a stream reader (EventSource cannot POST). Every event is kept in an
+// array and only the current step is drawn, so thousands of steps stay cheap.
+'use strict';
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const SVG_NS = 'http://www.w3.org/2000/svg';
+  const MAX_ELEMENTS = 1 << 22;   // per input tensor; beyond this the browser itself suffers
+  const MAX_TABLE_KEYS = 32;      // idea 1 lists at most this many keys (the heaviest)
+  const MAX_IDEA1_COMPONENTS = 4; // value components shown in idea 1, as in the explainer
+  const MAX_COMPONENTS = 16;      // columns of value/accumulator shown
+  const TIE_COLOURS = ['#f6c85f', '#9dd866', '#6fb7f2', '#f28e8e', '#c89df2', '#f2b56f',
+                       '#7fdcd0', '#e0a3c8'];
+
+  // ---------------------------------------------------------------------------------------------
+  // Protobuf JSON mapping: floats may be "Infinity", "-Infinity" or "NaN"; int64 may be strings;
+  // fields equal to their default are omitted.
+  function num(x) {
+    if (x === undefined || x === null) return 0;
+    if (typeof x === 'number') return x;
+    if (x === 'Infinity') return Infinity;
+    if (x === '-Infinity') return -Infinity;
+    if (x === 'NaN') return NaN;
+    return Number(x);
+  }
+  const nums = (a) => (a || []).map(num);
+
+  function fmt(x, digits = 4) {
+    if (x === -Infinity) return '−∞';
+    if (x === Infinity) return '∞';
+    if (Number.isNaN(x)) return 'NaN';
+    if (x === 0) return '0';
+    const a = Math.abs(x);
+    if (a >= 1e5 || a < Math.pow(10, -digits)) return x.toExponential(3).replace('-', '−');
+    return x.toFixed(digits).replace('-', '−');
+  }
+  const fmtVector = (v, digits) => '[' + Array.from(v, (x) => fmt(x, digits)).join(', ') + ']';
+
+  function fmtBytes(b) {
+    const units = ['KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+    let s = `${b} bytes`;
+    if (b >= 1024) {
+      let x = b / 1024, u = 0;
+      while (x >= 1024 && u < units.length - 1) { x /= 1024; ++u; }
+      s += ` (${x.toPrecision(3)} ${units[u]})`;
+    }
+    return s;
+  }
+
+  function el(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === 'class') e.className = v;
+      else if (k === 'style') e.style.cssText = v;
+      else e.setAttribute(k, v);
+    }
+    for (const c of children) e.append(c);
+    return e;
+  }
+  function svg(tag, attrs, text) {
+    const e = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Problems.
+  function mulberry32(seed) {
+    let a = seed >>> 0;
+    return () => {
+      a = (a + 0x6d2b79f5) >>> 0;
+      let t = a;
+      t = Math.imul(t ^ (t >>> 15), t | 1);
+      t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+      return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+    };
+  }
+
+  // Returns {n, d, q, k, v} as Float32Arrays in row-major [n, d].
+  function buildProblem(cfg) {
+    const {n, d, multiplier} = cfg;
+    const q = new Float32Array(n * d), k = new Float32Array(n * d), v = new Float32Array(n * d);
+    if (cfg.example === 'seed') {
+      for (let i = 0; i < n; ++i) {
+        for (let j = 0; j < d; ++j) {
+          q[i * d + j] = (((i + j) % 5) - 2) * multiplier;
+          k[i * d + j] = (((2 * i + j) % 7) - 3) / 2;
+          v[i * d + j] = ((i + j) % 9) - 4;
+        }
+      }
+    } else {
+      const rand = mulberry32(cfg.randomSeed);
+      const normal = () => {
+        const u = 1 - rand(), w = rand();
+        return Math.sqrt(-2 * Math.log(u)) * Math.cos(2 * Math.PI * w);
+      };
+      for (let i = 0; i < n * d; ++i) q[i] = normal() * multiplier;
+      for (let i = 0; i < n * d; ++i) k[i] = normal();
+      for (let i = 0; i < n * d; ++i) v[i] = normal();
+    }
+    return {n, d, q, k, v};
+  }
+
+  function base64Float32(values) {
+    const bytes = new Uint8Array(values.length * 4);
+    const view = new DataView(bytes.buffer);
+    values.forEach((x, i) => view.setFloat32(i * 4, x, true));  // little-endian on the wire
+    let binary = '';
+    for (let i = 0; i < bytes.length; i += 0x8000) {
+      binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+    }
+    return btoa(binary);
+  }
+
+  function decodeTensor(t) {
+    if (!t || !t.data) return null;
+    const binary = atob(t.data);
+    const bytes = new Uint8Array(binary.length);
+    for (let i = 0; i < binary.length; ++i) bytes[i] = binary.charCodeAt(i);
+    const view = new DataView(bytes.buffer);
+    const out = new Float32Array(bytes.length / 4);
+    for (let i = 0; i < out.length; ++i) out[i] = view.getFloat32(i * 4, true);
+    return {shape: (t.shape || []).map(num), data: out};
+  }
+
+  function attentionRequest(problem, cfg) {
+    const tensor = (data) => ({shape: [problem.n, problem.d], dtype: 'DTYPE_FLOAT32',
+                               data: base64Float32(data)});
+    return {
+      query: tensor(problem.q),
+      key: tensor(problem.k),
+      value: tensor(problem.v),
+      // No scale: the server's default 1/sqrt(d), the seed's `/ d**0.5`.
+      options: {causal: cfg.causal, blockK: cfg.blockK, returnLse: true},
+    };
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Talking to the gateway.
+  function serverBase() {
+    const s = $('server').value.trim().replace(/\/+$/, '');
+    return s || location.origin;
+  }
+  function headers(json) {
+    const h = {};
+    if (json) h['Content-Type'] = 'application/json';
+    const token = $('token').value.trim();
+    if (token) h.Authorization = `Bearer ${token}`;
+    return h;
+  }
+
+  // An error to show on the page: `path` is the endpoint, `detail` what went wrong there.
+  class ServerError extends Error {
+    constructor(path, detail) {
+      super(`${path} → ${detail}`);
+      this.path = path;
+      this.detail = detail;
+    }
+  }
+
+  async function httpError(path, response) {
+    const text = await response.text().catch(() => '');
+    let detail = text.trim() || response.statusText;
+    try {
+      const body = JSON.parse(text);
+      if (body && (body.code || body.message)) detail = `${body.code || ''}: ${body.message || ''}`;
+    } catch (e) { /* not JSON: show the text as it came */ }
+    return new ServerError(path, `HTTP ${response.status} ${detail}`);
+  }
+
+  async function request(path, body, signal) {
+    let response;
+    try {
+      response = await fetch(serverBase() + path, {
+        method: body === undefined ? 'GET' : 'POST',
+        headers: headers(body !== undefined),
+        body: body === undefined ? undefined : JSON.stringify(body),
+        signal,
+      });
+    } catch (e) {
+      if (e.name === 'AbortError') throw e;
+      throw new ServerError(path, `could not reach ${serverBase()} (${e.message}). Check the ` +
+                            'gateway address, and that its CORS setting allows this page.');
+    }
+    if (!response.ok) throw await httpError(path, response);
+    return response;
+  }
+
+  // Reads a text/event-stream body, calling onEvent(parsed JSON) for each event's data.
+  async function readEventStream(path, response, onEvent) {
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = '', data = [], type = '';
+    const dispatch = () => {
+      if (data.length === 0) { type = ''; return; }
+      const text = data.join('\n');
+      data = [];
+      let parsed;
+      try { parsed = JSON.parse(text); } catch (e) {
+        throw new ServerError(path, `an event that is not JSON: ${text.slice(0, 200)}`);
+      }
+      const isError = type === 'error' ||
+          (parsed && !parsed.start && !parsed.step && !parsed.rowDone && !parsed.end &&
+           (parsed.code || parsed.message));
+      type = '';
+      if (isError) {
+        throw new ServerError(`${path} (stream)`, `${parsed.code || 'error'}: ${parsed.message || text}`);
+      }
+      onEvent(parsed);
+    };
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += value;
+      let start = 0, nl;
+      while ((nl = buffer.indexOf('\n', start)) >= 0) {
+        let line = buffer.slice(start, nl);
+        start = nl + 1;
+        if (line.endsWith('\r')) line = line.slice(0, -1);
+        if (line === '') { dispatch(); continue; }
+        if (line.startsWith(':')) continue;
+        const colon = line.indexOf(':');
+        const field = colon < 0 ? line : line.slice(0, colon);
+        let val = colon < 0 ? '' : line.slice(colon + 1);
+        if (val.startsWith(' ')) val = val.slice(1);
+        if (field === 'data') data.push(val);
+        else if (field === 'event') type = val;
+      }
+      buffer = buffer.slice(start);
+    }
+    dispatch();
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // State of one run.
+  const state = {
+    abort: null,
+    problem: null,
+    cfg: null,
+    start: null,      // TraceStart
+    steps: [],        // TileStep, as parsed
+    rowDone: new Map(),  // row key → RowDone, as parsed
+    lastStepOfRow: new Map(),  // row key → index into steps
+    end: null,
+    streamDone: false,
+    naive: null,      // {output, lse, stats}
+    tiled: null,
+    pos: 0,
+    playing: false,
+    chartCache: null,
+  };
+  const rowKey = (r) => `${num(r && r.batch)}/${num(r && r.head)}/${num(r && r.row)}`;
+
+  function showError(message) {
+    const box = $('error');
+    box.hidden = false;
+    box.append(el('div', {}, message));
+  }
+  function clearError() { $('error').hidden = true; $('error').replaceChildren(); }
+  function setStatus(text) { $('status').textContent = text; }
+
+  function readConfig() {
+    const int = (id) => Math.trunc(Number($(id).value));
+    return {
+      example: $('example').value,
+      n: int('n'),
+      d: int('d'),
+      blockK: int('block-k'),
+      multiplier: Number($('multiplier').value),
+      causal: $('causal').checked,
+      row: int('row'),
+      randomSeed: int('random-seed'),
+    };
+  }
+
+  function describeProblem() {
+    const cfg = readConfig();
+    document.body.classList.toggle('random', cfg.example === 'random');
+    $('problem-note').textContent = cfg.example === 'seed'
+      ? 'Seed: q[i][j] = ((i + j) % 5 − 2) · multiplier, k[i][j] = ((2i + j) % 7 − 3) / 2, ' +
+        'v[i][j] = (i + j) % 9 − 4, scale 1/√d (1/2 at d = 4). The seed is 8 × 4; other sizes ' +
+        'extend its formulas.'
+      : `Random: q, k, v drawn from N(0, 1) with seed ${cfg.randomSeed} (q × multiplier), ` +
+        'scale 1/√d.';
+    drawBytes(cfg, null);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Idea 2: bytes.
+  function drawBytes(cfg, fromServer) {
+    const n = Math.max(1, cfg.n || 1);
+    const naiveBytes = fromServer && fromServer.naiveBytes !== undefined
+      ? fromServer.naiveBytes : 16 * n * n;
+    const perRow = (Math.max(1, cfg.blockK || 1) + Math.max(1, cfg.d || 1) + 2);
+    const perRowFloats = fromServer && fromServer.perRowFloats ? fromServer.perRowFloats : perRow;
+    $('naive-bytes').textContent = fmtBytes(naiveBytes);
+    $('naive-bytes').dataset.bytes = String(naiveBytes);
+    $('naive-bytes').title = fromServer ? 'as the server reported it' : 'computed here: 16·N²';
+    $('tiled-bytes').textContent = '0 bytes (no N × N matrix exists)';
+    $('tiled-scratch').textContent =
+        `${perRowFloats} floats = ${fmtBytes(perRowFloats * 4)} per row, whatever N`;
+    $('tiled-scratch').dataset.bytes = String(perRowFloats * 4);
+
+    const chart = $('bytes-chart');
+    chart.replaceChildren();
+    const W = 480, H = 260, L = 62, R = 12, T = 12, B = 34;
+    const nMax = Math.max(65536, 4 * n);
+    const x = (v) => L + (Math.log2(v) / Math.log2(nMax)) * (W - L - R);
+    const yMax = 16 * nMax * nMax;
+    const y = (v) => T + (1 - Math.log10(Math.max(v, 1)) / Math.log10(yMax)) * (H - T - B);
+    chart.append(svg('rect', {x: L, y: T, width: W - L - R, height: H - T - B, class: 'plot'}));
+    for (let p = 0; p <= Math.log2(nMax); p += 4) {
+      const v = Math.pow(2, p);
+      chart.append(svg('line', {x1: x(v), x2: x(v), y1: T, y2: H - B, class: 'grid'}));
+      chart.append(svg('text', {x: x(v), y: H - B + 14, class: 'tick', 'text-anchor': 'middle'},
+                       v >= 1024 ? `${v / 1024}K` : String(v)));
+    }
+    const yLabels = ['1 B', '1 kB', '1 MB', '1 GB', '1 TB', '1 PB', '1 EB'];
+    for (let p = 0; p <= Math.log10(yMax); p += 3) {
+      const v = Math.pow(10, p);
+      chart.append(svg('line', {x1: L, x2: W - R, y1: y(v), y2: y(v), class: 'grid'}));
+      chart.append(svg('text', {x: L - 6, y: y(v) + 4, class: 'tick', 'text-anchor': 'end'},
+                       yLabels[p / 3] || `1e${p} B`));
+    }
+    chart.append(svg('text', {x: (L + W - R) / 2, y: H - 4, class: 'axis', 'text-anchor': 'middle'},
+                     'N (query and key length)'));
+    const curve = (f, cls) => {
+      const pts = [];
+      for (let p = 0; p <= Math.log2(nMax); p += 0.25) {
+        const v = Math.pow(2, p);
+        pts.push(`${x(v).toFixed(1)},${y(f(v)).toFixed(1)}`);
+      }
+      chart.append(svg('polyline', {points: pts.join(' '), class: cls}));
+    };
+    curve((v) => 16 * v * v, 'naive');
+    curve((v) => v * perRowFloats * 4, 'tiled-all');
+    curve(() => perRowFloats * 4, 'tiled');
+    chart.append(svg('circle', {cx: x(n), cy: y(16 * n * n), r: 4, class: 'naive'}));
+    chart.append(svg('circle', {cx: x(n), cy: y(perRowFloats * 4), r: 4, class: 'tiled'}));
+    const here = svg('text', {x: L + 10, y: T + 60, class: 'legend'}, `At N = ${n}: `);
+    here.append(svg('tspan', {class: 'label naive'}, `Naive ${16 * n * n} bytes`),
+                svg('tspan', {}, ', '),
+                svg('tspan', {class: 'label tiled'}, `Tiled ${perRowFloats * 4} bytes per row`));
+    chart.append(here);
+    const legend = [['naive', 'Naive: 16·N² bytes of score and weight traffic'],
+                    ['tiled-all', 'Tiled: every row\'s scratch at once, N·(block_k + d + 2)·4'],
+                    ['tiled', 'Tiled: one row\'s scratch, (block_k + d + 2)·4']];
+    legend.forEach(([cls, text], i) => {
+      chart.append(svg('line', {x1: L + 10, x2: L + 30, y1: T + 12 + i * 14, y2: T + 12 + i * 14,
+                                class: cls}));
+      chart.append(svg('text', {x: L + 34, y: T + 16 + i * 14, class: 'legend'}, text));
+    });
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Idea 1: one score row, its weights and the weighted result.
+  function tieGroups(values) {
+    // Returns a Map index → colour for scores exactly equal to at least one other (the server's
+    // float32 values), and the indices of the largest score.
+    const order = Array.from(values.keys()).filter((i) => Number.isFinite(values[i]))
+        .sort((a, b) => values[a] - values[b]);
+    const colour = new Map();
+    let g = 0;
+    for (let s = 0; s < order.length;) {
+      let e = s + 1;
+      const base = values[order[s]];
+      while (e < order.length && values[order[e]] === base) ++e;
+      if (e - s > 1) {
+        const c = TIE_COLOURS[g++ % TIE_COLOURS.length];
+        for (let i = s; i < e; ++i) colour.set(order[i], c);
+      }
+      s = e;
+    }
+    const top = order.length ? values[order[order.length - 1]] : -Infinity;
+    const max = new Set(order.filter((i) => values[i] === top));
+    return {colour, max};
+  }
+
+  function drawIdea1() {
+    const table = $('score-table');
+    const p = state.problem, cfg = state.cfg;
+    if (!p || !state.start) return;
+    const key = `0/0/${cfg.row}`;
+    const done = state.rowDone.get(key);
+    $('idea1-row').textContent = String(cfg.row);
+    if (!done) {
+      table.replaceChildren(el('caption', {}, 'Waiting for the trace of this row…'));
+      return;
+    }
+    const n = p.n, d = p.d;
+    const scores = new Float64Array(n).fill(-Infinity);
+    for (const s of state.steps) {
+      if (rowKey(s.row) !== key) continue;
+      s.scores.forEach((x, i) => { scores[s.keyBegin + i] = x; });
+    }
+    const weights = Array.from(scores, (s) => (done.lse === -Infinity ? 0 : Math.exp(s - done.lse)));
+    const {colour, max} = tieGroups(scores);
+    let keys = Array.from(scores.keys());
+    if (n > MAX_TABLE_KEYS) {
+      keys = keys.sort((a, b) => weights[b] - weights[a]).slice(0, MAX_TABLE_KEYS)
+          .sort((a, b) => a - b);
+    }
+    const dc = Math.min(d, MAX_IDEA1_COMPONENTS);
+    const part = dc < d ? ` (components 0–${dc - 1} of ${d})` : '';
+    const head = el('tr', {}, el('th', {}, 'key j'), el('th', {}, 'score'),
+                    el('th', {}, 'weight'), el('th', {colspan: dc}, `value row v_j${part}`),
+                    el('th', {colspan: dc}, 'weight · v_j'));
+    const rows = [el('thead', {}, head)];
+    const body = el('tbody');
+    const row = cfg.row;
+    for (const j of keys) {
+      const w = weights[j];
+      const tr = el('tr', {class: max.has(j) ? 'max' : ''});
+      const sc = el('td', {class: 'score'}, scores[j] === -Infinity ? '−∞ (masked)' : fmt(scores[j]));
+      if (colour.has(j)) {
+        sc.style.background = colour.get(j);
+        sc.title = 'tied with another key\'s score';
+        sc.classList.add('tie');
+      }
+      const bar = el('span', {class: 'bar', style: `width:${(w * 100).toFixed(1)}%`});
+      tr.append(el('td', {}, String(j)), sc,
+                el('td', {class: 'weight'}, el('span', {class: 'barbox'}, bar), ' ', fmt(w)));
+      for (let c = 0; c < dc; ++c) tr.append(el('td', {class: 'v'}, fmt(p.v[j * d + c], 2)));
+      for (let c = 0; c < dc; ++c) tr.append(el('td', {}, fmt(w * p.v[j * d + c])));
+      body.append(tr);
+    }
+    rows.push(body);
+    const result = new Float64Array(dc);
+    for (let j = 0; j < n; ++j) for (let c = 0; c < dc; ++c) result[c] += weights[j] * p.v[j * d + c];
+    const foot = el('tr', {}, el('th', {colspan: 3 + dc},
+                                 n > keys.length ? `Σ over all ${n} keys (${n - keys.length} not listed)`
+                                                 : 'Σ over keys = weighted result'));
+    for (let c = 0; c < dc; ++c) foot.append(el('th', {}, fmt(result[c])));
+    rows.push(el('tfoot', {}, foot));
+    const ties = new Set(colour.values()).size;
+    rows.unshift(el('caption', {},
+                    `lse = ${fmt(done.lse)}; ` +
+                    (max.size > 1 ? `${max.size} keys tie for the largest score and share its weight; `
+                                  : '') +
+                    (ties ? `${ties} group(s) of equal scores highlighted.` : 'no equal scores.')));
+    table.replaceChildren(...rows);
+    if (state.naive && state.naive.output) {
+      const vd = state.naive.output.shape.at(-1);
+      $('naive-output').textContent = fmtVector(state.naive.output.data.slice(row * vd, row * vd + vd));
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Idea 3: the current step.
+  function referenceFor(key) {
+    const done = state.rowDone.get(key);
+    if (done) return done.reference;
+    if (state.naive && state.naive.output) {
+      const row = Number(key.split('/')[2]);
+      const vd = state.naive.output.shape.at(-1);
+      return Array.from(state.naive.output.data.slice(row * vd, row * vd + vd));
+    }
+    return null;
+  }
+
+  let drawQueued = false;
+  function scheduleDraw() {
+    if (drawQueued) return;
+    drawQueued = true;
+    requestAnimationFrame(() => { drawQueued = false; drawStep(); });
+  }
+
+  function drawStep() {
+    const total = state.steps.length;
+    const slider = $('step-slider');
+    slider.max = String(Math.max(0, total - 1));
+    slider.disabled = total === 0;
+    const streaming = !state.streamDone && state.abort;
+    for (const id of ['step-first', 'step-prev']) $(id).disabled = total === 0 || state.pos === 0;
+    for (const id of ['step-next', 'step-last']) $(id).disabled = total === 0 || state.pos >= total - 1;
+    $('play').disabled = total === 0 || state.playing;
+    $('pause').disabled = !state.playing;
+    if (total === 0) {
+      $('step-pos').textContent = streaming ? 'waiting for steps…' : 'no steps yet';
+      return;
+    }
+    const pos = Math.min(state.pos, total - 1);
+    slider.value = String(pos);
+    const s = state.steps[pos];
+    const key = rowKey(s.row);
+    const tilesPerRow = state.start ? state.start.tilesPerRow : '?';
+    $('step-pos').textContent = `step ${pos + 1} / ${total}${streaming ? ' (streaming…)' : ''}` +
+        ` · row ${num(s.row.row)} · tile ${s.tile + 1} of ${tilesPerRow}`;
+    $('tile-label').textContent = `keys ${s.keyBegin}…${s.keyEnd - 1}`;
+
+    // The tile's scores and weights.
+    const {colour, max} = tieGroups(s.scores);
+    const tileRows = [el('thead', {}, el('tr', {}, el('th', {}, 'key'), el('th', {}, 'score'),
+                                              el('th', {}, 'exp(score − max_after)')))];
+    const tb = el('tbody');
+    const shown = Math.min(s.scores.length, MAX_TABLE_KEYS);
+    for (let i = 0; i < shown; ++i) {
+      const sc = el('td', {}, s.scores[i] === -Infinity ? '−∞ (masked)' : fmt(s.scores[i]));
+      if (colour.has(i)) { sc.style.background = colour.get(i); sc.classList.add('tie'); }
+      tb.append(el('tr', {class: max.has(i) ? 'max' : ''}, el('td', {}, String(s.keyBegin + i)), sc,
+                   el('td', {}, fmt(s.weights[i]))));
+    }
+    if (shown < s.scores.length) {
+      tb.append(el('tr', {}, el('td', {colspan: 3}, `… ${s.scores.length - shown} more keys`)));
+    }
+    tileRows.push(tb);
+    $('tile-table').replaceChildren(...tileRows);
+
+    $('max-before').textContent = fmt(s.maxBefore);
+    $('max-after').textContent = fmt(s.maxAfter);
+    const note = s.maxBefore === -Infinity ? ' (first tile: nothing to rescale)'
+               : s.maxAfter > s.maxBefore ? ' (a larger score arrived: earlier totals shrink)'
+               : ' (max unchanged)';
+    $('rescale').textContent = fmt(s.rescale, 6) + note;
+    const prev = pos > 0 && rowKey(state.steps[pos - 1].row) === key ? state.steps[pos - 1] : null;
+    const prevDen = prev ? prev.denominator : 0;
+    const tileSum = s.weights.reduce((a, b) => a + b, 0);
+    $('denominator').textContent =
+        `${fmt(prevDen)} × ${fmt(s.rescale)} + ${fmt(tileSum)} = ${fmt(s.denominator, 6)}`;
+
+    // Accumulators: previous · rescale + this tile's weighted values = new; estimate = acc / den.
+    const ref = referenceFor(key);
+    const dc = Math.min(s.accumulator.length, MAX_COMPONENTS);
+    const accRows = [el('thead', {}, el('tr', {}, el('th', {}, 'c'), el('th', {}, 'previous × rescale'),
+                                             el('th', {}, '+ tile Σ w·v'), el('th', {}, '= accumulator'),
+                                             el('th', {}, 'estimate'), el('th', {}, 'full-matrix'),
+                                             el('th', {}, '|error|')))];
+    const ab = el('tbody');
+    for (let c = 0; c < dc; ++c) {
+      const before = prev ? prev.accumulator[c] * s.rescale : 0;
+      const r = ref ? ref[c] : NaN;
+      const err = Math.abs(s.estimate[c] - r);
+      ab.append(el('tr', {}, el('td', {}, String(c)), el('td', {}, fmt(before)),
+                   el('td', {}, fmt(s.accumulator[c] - before)), el('td', {}, fmt(s.accumulator[c])),
+                   el('td', {class: 'estimate'}, fmt(s.estimate[c], 6)), el('td', {}, fmt(r, 6)),
+                   el('td', {class: err < 1e-5 ? 'close' : 'far'}, ref ? fmt(err) : '—')));
+    }
+    accRows.push(ab);
+    $('acc-table').replaceChildren(...accRows);
+    drawConvergence(key, s.tile, ref);
+
+    // The final output, once the row's last tile is reached.
+    const done = state.rowDone.get(key);
+    const last = state.lastStepOfRow.get(key);
+    const out = $('final-output');
+    if (done && last === pos) {
+      out.textContent = fmtVector(done.output, 6);
+      out.dataset.values = JSON.stringify(done.output);
+      out.classList.add('ready');
+      $('reference-output').textContent = fmtVector(done.reference, 6);
+      $('max-error').textContent = fmt(done.maxAbsError, 8);
+    } else {
+      const remaining = state.start ? Math.max(0, state.start.tilesPerRow - s.tile - 1) : '?';
+      out.textContent = `— (step to this row's last tile; about ${remaining} to go)`;
+      delete out.dataset.values;
+      out.classList.remove('ready');
+      $('reference-output').textContent = ref ? fmtVector(ref, 6) : '—';
+      $('max-error').textContent = '—';
+    }
+  }
+
+  // The estimate of each of the first few components against the tile index, for one row; the
+  // polylines are rebuilt only when that row gains steps, the marker moves every step.
+  function drawConvergence(key, tile, ref) {
+    const chart = $('converge-chart');
+    const W = 420, H = 180, L = 44, R = 10, T = 10, B = 22;
+    let cache = state.chartCache;
+    const count = state.steps.length;
+    if (!cache || cache.key !== key || cache.count !== count) {
+      const rowSteps = [];
+      for (const s of state.steps) if (rowKey(s.row) === key) rowSteps.push(s);
+      const comps = Math.min(4, rowSteps.length ? rowSteps[0].estimate.length : 0);
+      let lo = Infinity, hi = -Infinity;
+      for (const s of rowSteps) {
+        for (let c = 0; c < comps; ++c) {
+          if (Number.isFinite(s.estimate[c])) { lo = Math.min(lo, s.estimate[c]); hi = Math.max(hi, s.estimate[c]); }
+        }
+      }
+      if (ref) for (let c = 0; c < comps; ++c) { lo = Math.min(lo, ref[c]); hi = Math.max(hi, ref[c]); }
+      if (!(hi > lo)) { lo -= 1; hi += 1; }
+      const tiles = Math.max(1, state.start ? state.start.tilesPerRow : rowSteps.length);
+      const x = (t) => L + (tiles <= 1 ? 0.5 : t / (tiles - 1)) * (W - L - R);
+      const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
+      const nodes = [svg('rect', {x: L, y: T, width: W - L - R, height: H - T - B, class: 'plot'})];
+      nodes.push(svg('text', {x: L - 4, y: T + 8, class: 'tick', 'text-anchor': 'end'}, fmt(hi, 2)));
+      nodes.push(svg('text', {x: L - 4, y: H - B, class: 'tick', 'text-anchor': 'end'}, fmt(lo, 2)));
+      nodes.push(svg('text', {x: L, y: H - 6, class: 'axis'},
+                     'tile → estimate (dashed: full-matrix result)'));
+      const stride = Math.max(1, Math.floor(rowSteps.length / 400));
+      for (let c = 0; c < comps; ++c) {
+        if (ref) {
+          nodes.push(svg('line', {x1: L, x2: W - R, y1: y(ref[c]), y2: y(ref[c]), class: `ref c${c}`}));
+        }
+        const pts = [];
+        for (let i = 0; i < rowSteps.length; i += stride) {
+          pts.push(`${x(rowSteps[i].tile).toFixed(1)},${y(rowSteps[i].estimate[c]).toFixed(1)}`);
+        }
+        const lastStep = rowSteps[rowSteps.length - 1];
+        if (lastStep && (rowSteps.length - 1) % stride) {
+          pts.push(`${x(lastStep.tile).toFixed(1)},${y(lastStep.estimate[c]).toFixed(1)}`);
+        }
+        nodes.push(svg('polyline', {points: pts.join(' '), class: `est c${c}`}));
+        nodes.push(svg('text', {x: W - R - (comps - 1 - c) * 26, y: H - 6,
+                                'text-anchor': 'end', class: `legend key c${c}`}, `c${c}`));
+      }
+      const marker = svg('line', {y1: T, y2: H - B, class: 'marker'});
+      nodes.push(marker);
+      chart.replaceChildren(...nodes);
+      cache = state.chartCache = {key, count, x, marker};
+    }
+    cache.marker.setAttribute('x1', cache.x(tile));
+    cache.marker.setAttribute('x2', cache.x(tile));
+  }
+
+  // The speed slider is logarithmic: 1, 2, 4, … 1024 steps per second.
+  function stepsPerSecond() { return Math.pow(2, Number($('speed').value)); }
+  function showSpeed() { $('speed-value').textContent = `${stepsPerSecond()}/s`; }
+
+  // Moves to a step and draws it now, so the controls are current before the next input.
+  function goTo(pos) {
+    state.pos = Math.max(0, Math.min(pos, state.steps.length - 1));
+    drawStep();
+  }
+
+  // Play: advances `speed` steps per second; waits at the end while the stream still runs.
+  let lastTick = 0, carry = 0;
+  function tick(now) {
+    if (!state.playing) return;
+    const speed = stepsPerSecond();
+    carry += ((now - lastTick) / 1000) * speed;
+    lastTick = now;
+    const advance = Math.floor(carry);
+    if (advance > 0) {
+      carry -= advance;
+      if (state.pos < state.steps.length - 1) {
+        goTo(state.pos + advance);
+      } else if (state.streamDone || !state.abort) {
+        pause();
+        return;
+      }
+    }
+    requestAnimationFrame(tick);
+  }
+  function play() {
+    if (state.playing || state.steps.length === 0) return;
+    if (state.pos >= state.steps.length - 1 && state.streamDone) state.pos = 0;
+    state.playing = true;
+    lastTick = performance.now();
+    carry = 1;  // move at once
+    requestAnimationFrame(tick);
+    scheduleDraw();
+  }
+  function pause() { state.playing = false; drawStep(); }
+
+  // ---------------------------------------------------------------------------------------------
+  // A run: Naive and Tiled for the result and stats, Trace for the steps.
+  function onTraceEvent(e) {
+    if (e.start) {
+      const s = e.start;
+      state.start = {
+        queryLen: num(s.queryLen), keyLen: num(s.keyLen), headDim: num(s.headDim),
+        valueDim: num(s.valueDim), blockK: num(s.blockK), scale: num(s.scale), causal: !!s.causal,
+        naiveBytes: num(s.naiveIntermediateBytes), perRowFloats: num(s.tiledScratchFloatsPerRow),
+        tilesPerRow: num(s.tilesPerRow),
+      };
+      drawBytes(state.cfg, state.start);
+      setStatus(`Trace started: N = ${state.start.keyLen}, d = ${state.start.headDim}, ` +
+                `block_k = ${state.start.blockK}, scale = ${fmt(state.start.scale, 6)}, ` +
+                `${state.start.tilesPerRow} tiles per row.`);
+    } else if (e.step) {
+      const s = e.step;
+      const step = {
+        row: s.row || {}, tile: num(s.tile), keyBegin: num(s.keyBegin), keyEnd: num(s.keyEnd),
+        scores: nums(s.scores), maxBefore: num(s.maxBefore), maxAfter: num(s.maxAfter),
+        rescale: num(s.rescale), weights: nums(s.weights), denominator: num(s.denominator),
+        accumulator: nums(s.accumulator), estimate: nums(s.estimate),
+      };
+      state.steps.push(step);
+      state.lastStepOfRow.set(rowKey(step.row), state.steps.length - 1);
+      if ($('follow').checked) state.pos = state.steps.length - 1;
+      scheduleDraw();
+    } else if (e.rowDone) {
+      const r = e.rowDone;
+      state.rowDone.set(rowKey(r.row), {
+        output: nums(r.output), reference: nums(r.reference), maxAbsError: num(r.maxAbsError),
+        lse: num(r.lse),
+      });
+      drawIdea1();
+      scheduleDraw();
+    } else if (e.end) {
+      state.end = e.end;
+      state.streamDone = true;
+      setStatus(`Trace complete: ${state.steps.length} steps` +
+                (state.naive && state.tiled ? '.' : '; waiting for Naive and Tiled…'));
+      scheduleDraw();
+    }
+  }
+
+  function statsText(name, stats) {
+    if (!stats) return `${name}: —`;
+    const ms = (num(stats.computeNs) / 1e6).toFixed(3);
+    return `${name}: ${num(stats.intermediateBytes)} B intermediate, ` +
+           `${num(stats.scratchBytes)} B scratch, ${num(stats.peakMemoryBytes)} B peak, ` +
+           `${ms} ms on ${stats.backend || '?'}`;
+  }
+
+  async function run(event) {
+    if (event) event.preventDefault();
+    if (state.abort) state.abort.abort();
+    clearError();
+    pause();
+    const cfg = readConfig();
+    if (!(cfg.n >= 1) || !(cfg.d >= 1)) { showError('N and d must be at least 1.'); return; }
+    if (cfg.n * cfg.d > MAX_ELEMENTS) {
+      showError(`N × d = ${cfg.n * cfg.d} is more than this page builds (${MAX_ELEMENTS}).`);
+      return;
+    }
+    if (!Number.isFinite(cfg.multiplier)) { showError('The query multiplier must be a number.'); return; }
+    const abort = new AbortController();
+    Object.assign(state, {
+      abort, cfg, problem: buildProblem(cfg), start: null, steps: [], rowDone: new Map(),
+      lastStepOfRow: new Map(), end: null, streamDone: false, naive: null, tiled: null, pos: 0,
+      chartCache: null,
+    });
+    $('naive-output').textContent = '—';
+    $('server-stats').textContent = '—';
+    $('score-table').replaceChildren();
+    drawBytes(cfg, null);
+    scheduleDraw();
+    setStatus('Running…');
+    const body = attentionRequest(state.problem, cfg);
+    const signal = abort.signal;
+    const unary = async (path) => {
+      const response = await request(path, body, signal);
+      const json = await response.json();
+      return {output: decodeTensor(json.output), lse: decodeTensor(json.lse), stats: json.stats};
+    };
+    const failures = [];
+    const guard = (p) => p.catch((e) => {
+      if (e.name !== 'AbortError') failures.push(e);
+      return null;
+    });
+    // The trace goes first so its steps start arriving at once; Naive and Tiled follow when it
+    // has started (or failed), since a server admitting one computation at a time would
+    // otherwise hold the stream behind them.
+    let traceStarted;
+    const started = new Promise((resolve) => { traceStarted = resolve; });
+    const trace = guard((async () => {
+      const rows = [{batch: 0, head: 0, row: cfg.row}];
+      const response = await request('/v1/trace', {attention: body, rows}, signal);
+      await readEventStream('/v1/trace', response, (e) => {
+        if (state.abort !== abort) return;
+        onTraceEvent(e);
+        if (e.start) traceStarted();
+      });
+      if (!state.end) throw new ServerError('/v1/trace', 'the stream ended before its end event');
+    })()).finally(traceStarted);
+    await started;
+    const naive = guard(unary('/v1/naive')).then((r) => {
+      if (r && state.abort === abort) { state.naive = r; drawIdea1(); scheduleDraw(); }
+    });
+    const tiled = guard(unary('/v1/tiled')).then((r) => { if (r && state.abort === abort) state.tiled = r; });
+    await Promise.all([naive, tiled, trace]);
+    if (state.abort !== abort) return;  // a newer run took over
+    state.streamDone = true;
+    state.abort = null;
+    $('server-stats').textContent =
+        `${statsText('Naive', state.naive && state.naive.stats)}; ${statsText('Tiled', state.tiled && state.tiled.stats)}`;
+    if (state.naive && state.naive.stats && !state.start) {
+      drawBytes(cfg, {naiveBytes: num(state.naive.stats.intermediateBytes)});
+    }
+    // One line per distinct error, naming every endpoint that got it.
+    const byDetail = new Map();
+    for (const f of failures) {
+      const detail = f.detail || f.message;
+      byDetail.set(detail, [...(byDetail.get(detail) || []), f.path || '(page)']);
+    }
+    for (const [detail, paths] of byDetail) showError(`${paths.join(', ')} → ${detail}`);
+    const steps = state.steps.length;
+    setStatus(failures.length ? `Finished with ${failures.length} error(s); ${steps} steps received.`
+                              : `Done: ${steps} steps received for row ${cfg.row}. Step through them below.`);
+    drawIdea1();
+    scheduleDraw();
+  }
+
+  // Shows the server's description; a failure goes to the error box when asked for (the button),
+  // else only beside it (at load, before a token may have been typed).
+  async function info(loud) {
+    try {
+      const response = await request('/v1/info');
+      const i = await response.json();
+      $('info').textContent = `attnd ${i.version || '?'} · ${i.backend || '?'} · ${i.device || ''} · ` +
+          `default block_k ${num(i.defaultBlockK)} · Naive up to ${fmtBytes(num(i.maxNaiveBytes))} · ` +
+          `trace ≤ ${num(i.maxTraceSteps)} steps`;
+    } catch (e) {
+      $('info').textContent = loud ? '' : `server info: ${e.detail || e.message}`;
+      if (loud) showError(e.message);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  function init() {
+    $('server').value = /^https?:$/.test(location.protocol) ? location.origin : 'http://127.0.0.1:8080';
+    $('problem').addEventListener('submit', run);
+    $('info-button').addEventListener('click', () => { clearError(); info(true); });
+    for (const id of ['example', 'n', 'd', 'block-k', 'random-seed']) {
+      $(id).addEventListener('input', describeProblem);
+    }
+    $('example').addEventListener('change', () => {
+      if ($('example').value === 'seed') { $('n').value = 8; $('d').value = 4; }
+      describeProblem();
+    });
+    // Stepping by hand stops play; goTo draws (once) with the controls updated.
+    const stepTo = (pos) => { state.playing = false; goTo(pos); };
+    $('step-first').addEventListener('click', () => stepTo(0));
+    $('step-prev').addEventListener('click', () => stepTo(state.pos - 1));
+    $('step-next').addEventListener('click', () => stepTo(state.pos + 1));
+    $('step-last').addEventListener('click', () => stepTo(state.steps.length - 1));
+    $('play').addEventListener('click', play);
+    $('pause').addEventListener('click', pause);
+    $('speed').addEventListener('input', showSpeed);
+    showSpeed();
+    $('step-slider').addEventListener('input', () => stepTo(Number($('step-slider').value)));
+    document.addEventListener('keydown', (e) => {
+      if (e.target.closest('input, select, textarea')) return;
+      if (e.key === 'ArrowRight') stepTo(state.pos + 1);
+      else if (e.key === 'ArrowLeft') stepTo(state.pos - 1);
+      else if (e.key === ' ') { e.preventDefault(); state.playing ? pause() : play(); }
+    });
+    describeProblem();
+    drawStep();
+    if (/^https?:$/.test(location.protocol)) info(false);
+  }
+  init();
+})();

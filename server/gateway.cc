@@ -1,0 +1,423 @@
+#include "server/gateway.h"
+
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "google/protobuf/util/json_util.h"
+#include "httplib.h"
+#include "server/security.h"
+
+namespace attn {
+namespace {
+
+using attention::v1::AttentionRequest;
+using attention::v1::AttentionResponse;
+using attention::v1::GetServerInfoRequest;
+using attention::v1::ServerInfo;
+using attention::v1::TraceEvent;
+using attention::v1::TraceRequest;
+
+constexpr char kJsonType[] = "application/json";
+constexpr char kServicePath[] = "/attention.v1.AttentionService/";
+
+// Every field printed (zeros and empty lists too), so a page need not know proto3's defaults;
+// one line per message (an SSE data line must not break).
+google::protobuf::util::JsonPrintOptions PrintOptions() {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = false;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = false;
+  return options;
+}
+
+// A JSON string literal for `text` (quotes, backslashes and control characters escaped).
+std::string JsonString(absl::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned char>(c));
+          out += escaped;
+        } else {
+          out += c;
+        }
+    }
+  }
+  out += '"';
+  return out;
+}
+
+// {"code":"INVALID_ARGUMENT","message":"…"}: the body of every error answer and error event.
+std::string ErrorJson(grpc::StatusCode code, absl::string_view message) {
+  return absl::StrCat("{\"code\":\"", absl::StatusCodeToString(static_cast<absl::StatusCode>(code)),
+                      "\",\"message\":", JsonString(message), "}");
+}
+
+void WriteError(httplib::Response& response, grpc::StatusCode code, absl::string_view message) {
+  response.status = HttpStatusFor(code);
+  if (code == grpc::StatusCode::UNAUTHENTICATED) {
+    response.set_header("WWW-Authenticate", "Bearer");
+  }
+  response.set_content(ErrorJson(code, message) + "\n", kJsonType);
+}
+
+void WriteError(httplib::Response& response, const grpc::Status& status) {
+  WriteError(response, status.error_code(), status.error_message());
+}
+
+void WriteJson(httplib::Response& response, const google::protobuf::Message& message) {
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &json, PrintOptions());
+  if (!status.ok()) {
+    WriteError(response, grpc::StatusCode::INTERNAL,
+               absl::StrCat("cannot encode the answer as JSON: ",
+                            absl::string_view(status.message().data(), status.message().size())));
+    return;
+  }
+  json += '\n';
+  response.set_content(json, kJsonType);
+}
+
+// Parses `body` as `message`'s JSON; false (with a 400 written) when it is not.
+bool ParseBody(const std::string& body, google::protobuf::Message& message,
+               httplib::Response& response) {
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto status = google::protobuf::util::JsonStringToMessage(body, &message, options);
+  if (status.ok()) return true;
+  WriteError(response, grpc::StatusCode::INVALID_ARGUMENT,
+             absl::StrCat("the body is not a ", message.GetDescriptor()->name(), " in JSON: ",
+                          absl::string_view(status.message().data(), status.message().size())));
+  return false;
+}
+
+// The call's deadline from an optional "X-Timeout-Ms" header; false (400 written) when malformed.
+bool SetDeadline(const httplib::Request& request, grpc::ClientContext& context,
+                 httplib::Response& response) {
+  if (!request.has_header("X-Timeout-Ms")) return true;
+  const std::string value = request.get_header_value("X-Timeout-Ms");
+  int64_t milliseconds = 0;
+  if (!absl::SimpleAtoi(value, &milliseconds) || milliseconds <= 0) {
+    WriteError(response, grpc::StatusCode::INVALID_ARGUMENT,
+               absl::StrCat("X-Timeout-Ms must be a positive number of milliseconds, got \"", value,
+                            "\""));
+    return false;
+  }
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(milliseconds));
+  return true;
+}
+
+// Whether the call's deadline passed already (parsing a large body can take it all). Such a call
+// is answered here, as a gRPC client fails it without sending: in-process, gRPC would hand the
+// server a call without a method, which the request log would count as unknown.
+bool Expired(const grpc::ClientContext& context, httplib::Response& response) {
+  if (context.deadline() > std::chrono::system_clock::now()) return false;
+  WriteError(response, grpc::StatusCode::DEADLINE_EXCEEDED, "Deadline Exceeded");
+  return true;
+}
+
+// One server-sent event: "data: <json>\n\n" (the JSON mapping never holds a raw newline).
+std::string SseEvent(absl::string_view json, absl::string_view event = "") {
+  if (event.empty()) return absl::StrCat("data: ", json, "\n\n");
+  return absl::StrCat("event: ", event, "\ndata: ", json, "\n\n");
+}
+
+// A Trace call being relayed to one HTTP response. Destroying it before the stream finished
+// (the client went away) cancels the call, which stops the computation at its next event.
+struct TraceRelay {
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<TraceEvent>> reader;
+  TraceEvent next;
+  bool has_next = false;
+  bool finished = false;
+  std::function<void()> on_finish;  // Called once the call has finished.
+
+  grpc::Status Finish() {
+    const grpc::Status status = reader->Finish();
+    finished = true;
+    if (on_finish) on_finish();
+    return status;
+  }
+
+  ~TraceRelay() {
+    if (finished || reader == nullptr) return;
+    context.TryCancel();
+    while (reader->Read(&next)) {
+    }
+    Finish();
+  }
+};
+
+// Escapes the regex metacharacters of a file name for httplib's route patterns.
+std::string ExactPattern(absl::string_view path) {
+  std::string pattern;
+  for (const char c : path) {
+    if (absl::string_view(".^$|()[]{}*+?\\").find(c) != absl::string_view::npos) pattern += '\\';
+    pattern += c;
+  }
+  return pattern;
+}
+
+std::string ContentTypeFor(absl::string_view name) {
+  const size_t dot = name.rfind('.');
+  const absl::string_view extension =
+      dot == absl::string_view::npos ? absl::string_view() : name.substr(dot + 1);
+  if (extension == "html") return "text/html; charset=utf-8";
+  if (extension == "js" || extension == "mjs") return "text/javascript; charset=utf-8";
+  if (extension == "css") return "text/css; charset=utf-8";
+  if (extension == "json") return "application/json";
+  if (extension == "svg") return "image/svg+xml";
+  if (extension == "png") return "image/png";
+  if (extension == "ico") return "image/x-icon";
+  return "application/octet-stream";
+}
+
+}  // namespace
+
+int HttpStatusFor(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return 200;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::OUT_OF_RANGE:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return 400;
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return 401;
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return 403;
+    case grpc::StatusCode::NOT_FOUND:
+      return 404;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return 429;
+    case grpc::StatusCode::CANCELLED:
+      return 499;
+    case grpc::StatusCode::UNAVAILABLE:
+      return 503;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return 504;
+    default:
+      return 500;
+  }
+}
+
+Gateway::Gateway(GatewayConfig config) : config_(std::move(config)) {}
+
+void Gateway::SetChannel(std::shared_ptr<grpc::Channel> channel) {
+  std::unique_ptr<Stub> stub =
+      channel != nullptr ? std::make_unique<Stub>(std::move(channel)) : nullptr;
+  std::lock_guard<std::mutex> lock(mutex_);
+  stub_ = std::move(stub);
+}
+
+bool Gateway::StartCall(const std::function<void(Stub&)>& start,
+                        httplib::Response& response) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stub_ == nullptr) {
+    WriteError(response, grpc::StatusCode::UNAVAILABLE,
+               "attnd is not serving gRPC (starting up or shutting down)");
+    return false;
+  }
+  start(*stub_);
+  ++calls_;
+  return true;
+}
+
+void Gateway::CallFinished() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (--calls_ == 0) idle_.notify_all();
+}
+
+bool Gateway::Drain(std::chrono::system_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  stub_ = nullptr;
+  return idle_.wait_until(lock, deadline, [this] { return calls_ == 0; });
+}
+
+void Gateway::AllowOrigin(httplib::Response& response) const {
+  if (config_.cors_origin.empty()) return;
+  response.set_header("Access-Control-Allow-Origin", config_.cors_origin);
+  if (config_.cors_origin != "*") response.set_header("Vary", "Origin");
+}
+
+bool Gateway::Admit(const httplib::Request& request, absl::string_view method,
+                    httplib::Response& response) const {
+  AllowOrigin(response);
+  if (!config_.auth_token.empty()) {
+    std::vector<std::string> values;
+    const size_t count = request.get_header_value_count("Authorization");
+    for (size_t i = 0; i < count; ++i) {
+      values.push_back(request.get_header_value("Authorization", i));
+    }
+    const std::vector<absl::string_view> views(values.begin(), values.end());
+    const absl::Status status =
+        CheckBearerToken(config_.auth_token, absl::StrCat(kServicePath, method), views);
+    if (!status.ok()) {
+      WriteError(response, grpc::StatusCode::UNAUTHENTICATED, status.message());
+      return false;
+    }
+  }
+  return true;
+}
+
+void Gateway::AddRoutes(httplib::Server& server) {
+  // A request message of max_message_bytes grows by 4/3 as base64, plus its other fields.
+  const int64_t body_limit = config_.max_message_bytes / 3 * 4 + (int64_t{1} << 20);
+  server.set_payload_max_length(static_cast<size_t>(body_limit));
+
+  server.Post("/v1/naive", [this](const httplib::Request& request, httplib::Response& response) {
+    Compute(Method::kNaive, request, response);
+  });
+  server.Post("/v1/tiled", [this](const httplib::Request& request, httplib::Response& response) {
+    Compute(Method::kTiled, request, response);
+  });
+  server.Post("/v1/trace", [this](const httplib::Request& request, httplib::Response& response) {
+    Trace(request, response);
+  });
+  server.Get("/v1/info", [this](const httplib::Request& request, httplib::Response& response) {
+    Info(request, response);
+  });
+  if (!config_.cors_origin.empty()) {
+    server.Options(R"(/v1/.*)", [this](const httplib::Request&, httplib::Response& response) {
+      AllowOrigin(response);
+      response.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      response.set_header("Access-Control-Allow-Headers",
+                          "Authorization, Content-Type, X-Timeout-Ms");
+      response.set_header("Access-Control-Max-Age", "600");
+      response.status = 204;
+    });
+  }
+
+  // The viewer: served without a token (the page asks for it), never cached stale.
+  for (const EmbeddedFile& file : ViewerFiles()) {
+    const std::string type = ContentTypeFor(file.name);
+    const auto serve = [file, type](const httplib::Request&, httplib::Response& response) {
+      response.set_header("Cache-Control", "no-cache");
+      response.set_content(file.contents.data(), file.contents.size(), type.c_str());
+    };
+    server.Get(absl::StrCat("/", ExactPattern(file.name)), serve);
+    if (file.name == "index.html") server.Get("/", serve);
+  }
+}
+
+void Gateway::Compute(Method method, const httplib::Request& request,
+                      httplib::Response& response) const {
+  if (!Admit(request, method == Method::kNaive ? "Naive" : "Tiled", response)) return;
+  grpc::ClientContext context;  // The deadline counts from here, parsing included.
+  if (!SetDeadline(request, context, response)) return;
+  AttentionRequest call_request;
+  if (!ParseBody(request.body, call_request, response) || Expired(context, response)) return;
+  AttentionResponse call_response;
+  std::promise<grpc::Status> finished;
+  const auto done = [&finished](grpc::Status status) { finished.set_value(std::move(status)); };
+  const bool started = StartCall(
+      [&](Stub& stub) {
+        if (method == Method::kNaive) {
+          stub.async()->Naive(&context, &call_request, &call_response, done);
+        } else {
+          stub.async()->Tiled(&context, &call_request, &call_response, done);
+        }
+      },
+      response);
+  if (!started) return;
+  const grpc::Status status = finished.get_future().get();
+  CallFinished();
+  if (!status.ok()) return WriteError(response, status);
+  WriteJson(response, call_response);
+}
+
+void Gateway::Info(const httplib::Request& request, httplib::Response& response) const {
+  if (!Admit(request, "GetServerInfo", response)) return;
+  grpc::ClientContext context;
+  if (!SetDeadline(request, context, response)) return;
+  const GetServerInfoRequest call_request;
+  ServerInfo info;
+  std::promise<grpc::Status> finished;
+  const bool started = StartCall(
+      [&](Stub& stub) {
+        stub.async()->GetServerInfo(&context, &call_request, &info, [&finished](grpc::Status s) {
+          finished.set_value(std::move(s));
+        });
+      },
+      response);
+  if (!started) return;
+  const grpc::Status status = finished.get_future().get();
+  CallFinished();
+  if (!status.ok()) return WriteError(response, status);
+  WriteJson(response, info);
+}
+
+void Gateway::Trace(const httplib::Request& request, httplib::Response& response) const {
+  if (!Admit(request, "Trace", response)) return;
+  auto relay = std::make_shared<TraceRelay>();
+  if (!SetDeadline(request, relay->context, response)) return;
+  TraceRequest call_request;
+  if (!ParseBody(request.body, call_request, response) || Expired(relay->context, response)) {
+    return;
+  }
+  const bool started = StartCall(
+      [&](Stub& stub) { relay->reader = stub.Trace(&relay->context, call_request); }, response);
+  if (!started) return;
+  relay->on_finish = [this] { CallFinished(); };
+  // The first event decides the HTTP status: a request the service refuses fails before it.
+  relay->has_next = relay->reader->Read(&relay->next);
+  if (!relay->has_next) {
+    const grpc::Status status = relay->Finish();
+    if (!status.ok()) return WriteError(response, status);
+  }
+  response.set_header("Cache-Control", "no-cache");
+  response.set_header("X-Accel-Buffering", "no");  // Proxies: do not hold events back.
+  // httplib calls this until it signals done or a write fails (the client went away, and the
+  // relay's destructor cancels the call). Each call writes one event and reads the next, so the
+  // computation advances only as fast as the client reads.
+  response.set_chunked_content_provider(
+      "text/event-stream", [relay](size_t /*offset*/, httplib::DataSink& sink) {
+        if (relay->has_next) {
+          std::string json;
+          const auto status =
+              google::protobuf::util::MessageToJsonString(relay->next, &json, PrintOptions());
+          if (!status.ok()) {
+            json = ErrorJson(grpc::StatusCode::INTERNAL, "cannot encode a TraceEvent as JSON");
+          }
+          const std::string event = SseEvent(json, status.ok() ? "" : "error");
+          if (!sink.write(event.data(), event.size())) return false;
+          if (!status.ok()) {  // Ends the stream; the relay's destructor cancels the call.
+            sink.done();
+            return true;
+          }
+          relay->has_next = relay->reader->Read(&relay->next);
+          return true;
+        }
+        if (!relay->finished) {
+          const grpc::Status status = relay->Finish();
+          if (!status.ok()) {
+            const std::string event =
+                SseEvent(ErrorJson(status.error_code(), status.error_message()), "error");
+            if (!sink.write(event.data(), event.size())) return false;
+          }
+        }
+        sink.done();
+        return true;
+      });
+}
+
+}  // namespace attn

@@ -1,0 +1,456 @@
+#!/usr/bin/env bash
+# attnd's JSON gateway (server/gateway.h) against its own gRPC service, as main wires them:
+#  1. attnd with no CORS and no token: Naive and Tiled through POST /v1/naive|tiled give the
+#     same bytes as gRPC for the seed example (whose out[0] is checked) and a random GQA causal
+#     bf16 problem; GET /v1/info equals GetServerInfo; POST /v1/trace's server-sent events parse
+#     into exactly gRPC's Trace events; bad JSON and unknown fields are 400; a bad request is 400
+#     with gRPC's INVALID_ARGUMENT message (Naive and Trace); a client that leaves a long trace
+#     stream cancels it; /metrics counts the gateway's calls with gRPC's; X-Timeout-Ms: 1 on a
+#     long call is 504; GET / and the viewer files are served as embedded, with their content
+#     types; no CORS header anywhere.
+#  2. attnd with --http-cors-origin and --auth-token-file: a missing or wrong token is 401 with
+#     the message gRPC gives; the right token works (and the answer carries the origin); the
+#     OPTIONS preflight allows Authorization and Content-Type; the page loads without a token.
+#  3. SIGTERM while a trace streams and a body is half sent: /v1 answers 503, the stream goes on
+#     through the grace, and attnd exits 0.
+# Usage: gateway_test.sh ATTND PYTHON_STUBS_DIR SOURCE_DIR
+set -euo pipefail
+attnd=$1
+stubs=$2
+source_dir=$3
+dir=$(mktemp -d)
+server=""
+cleanup() {
+  if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; fi
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+
+start() {  # start ARGS...: starts attnd, sets $server, $port and $http_port
+  "$attnd" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --threads 2 "$@" \
+    >"$dir/out" 2>"$dir/err" &
+  server=$!
+  port=""
+  http_port=""
+  for _ in $(seq 200); do
+    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$dir/out")
+    http_port=$(sed -n 's|^  http: http://127\.0\.0\.1:\([0-9]*\) .*|\1|p' "$dir/out")
+    [ -n "$port" ] && [ -n "$http_port" ] && return 0
+    kill -0 "$server" 2>/dev/null || break
+    sleep 0.1
+  done
+  cat "$dir/out" "$dir/err"
+  echo "FAIL: attnd never reported its gRPC and HTTP ports"
+  exit 1
+}
+
+stop() {
+  kill "$server" 2>/dev/null || true
+  wait "$server" 2>/dev/null || true
+  server=""
+}
+
+cat >"$dir/check.py" <<'EOF'
+import base64, http.client, json, math, os, sys, time, urllib.error, urllib.request
+
+mode, grpc_port, http_port, stubs, source_dir, token_file = sys.argv[1:7]
+sys.path.insert(0, stubs)
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from attention.v1 import attention_pb2 as pb
+from attention.v1 import attention_pb2_grpc as pb_grpc
+
+base = "http://127.0.0.1:%s" % http_port
+channel = grpc.insecure_channel("127.0.0.1:%s" % grpc_port, options=[
+    ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+stub = pb_grpc.AttentionServiceStub(channel)
+token = open(token_file).read().strip() if token_file else ""
+grpc_metadata = [("authorization", "Bearer " + token)] if token else []
+http_auth = {"Authorization": "Bearer " + token} if token else {}
+failures = []
+passed = 0
+
+
+def check(name, condition, detail=""):
+    global passed
+    if condition:
+        passed += 1
+    else:
+        failures.append(name)
+        print("FAIL %s %s" % (name, detail))
+
+
+def http_call(method, path, body=None, headers=None):
+    """(status, headers, body bytes) for one HTTP request; never raises on an HTTP error."""
+    data = body.encode() if isinstance(body, str) else body
+    request = urllib.request.Request(base + path, data=data, method=method,
+                                     headers=dict(headers or {}))
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+def post_message(path, message, headers=None):
+    return http_call("POST", path, json_format.MessageToJson(message), headers)
+
+
+def fp32(array):
+    array = np.ascontiguousarray(array, dtype="<f4")
+    return pb.Tensor(shape=list(array.shape), dtype=pb.DTYPE_FLOAT32, data=array.tobytes())
+
+
+def bf16(array):
+    bits = np.ascontiguousarray(array, dtype="<f4").view("<u4").astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return pb.Tensor(shape=list(array.shape), dtype=pb.DTYPE_BFLOAT16, data=bits.tobytes())
+
+
+def seed_request(block_k=0):
+    i, j = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
+    q = (i + j) % 5 - 2
+    k = ((2 * i + j) % 7 - 3) / 2
+    v = (i + j) % 9 - 4
+    return pb.AttentionRequest(query=fp32(q), key=fp32(k), value=fp32(v),
+                               options=pb.AttentionOptions(block_k=block_k, return_lse=True))
+
+
+def random_request():
+    rng = np.random.default_rng(20261129)
+    q = rng.standard_normal((2, 4, 37, 24))
+    k = rng.standard_normal((2, 2, 53, 24))
+    v = rng.standard_normal((2, 2, 53, 24))
+    return pb.AttentionRequest(query=bf16(q), key=bf16(k), value=bf16(v),
+                               options=pb.AttentionOptions(causal=True, block_k=7,
+                                                           return_lse=True))
+
+
+def error_of(body):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return {}
+
+
+def sse_events(body):
+    """The data lines of a text/event-stream body, as (event name, JSON text) pairs."""
+    events = []
+    for block in body.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = "message", []
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data.append(line[len("data: "):])
+        events.append((name, "\n".join(data)))
+    return events
+
+
+def same_numbers(name, grpc_response, json_body):
+    got = json_format.Parse(json_body, pb.AttentionResponse())
+    for field in ("output", "lse"):
+        a, b = getattr(grpc_response, field), getattr(got, field)
+        check("%s %s bytes equal gRPC's" % (name, field),
+              a.data == b.data and list(a.shape) == list(b.shape) and a.dtype == b.dtype)
+    # Not timings, nor scratch_bytes (Naive's row blocks follow the memory free at the time).
+    for field in ("backend", "device", "block_k", "flops", "intermediate_bytes"):
+        check("%s stats.%s equals gRPC's" % (name, field),
+              getattr(grpc_response.stats, field) == getattr(got.stats, field),
+              "%r vs %r" % (getattr(grpc_response.stats, field), getattr(got.stats, field)))
+    return got
+
+
+def rpc_error(call, request):
+    try:
+        call(request, timeout=60, metadata=grpc_metadata)
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+def main_checks():
+    # Naive and Tiled: seed example (out[0] too) and a random problem, same bytes as gRPC.
+    for method, path in (("Naive", "/v1/naive"), ("Tiled", "/v1/tiled")):
+        call = getattr(stub, method)
+        for label, request in (("seed", seed_request()), ("random", random_request())):
+            expected = call(request, timeout=60, metadata=grpc_metadata)
+            status, headers, body = post_message(path, request, http_auth)
+            check("%s %s: 200" % (method, label), status == 200, body[:300])
+            check("%s %s: JSON content type" % (method, label),
+                  headers.get("Content-Type", "").startswith("application/json"))
+            if status != 200:
+                continue
+            got = same_numbers("%s %s" % (method, label), expected, body)
+            if label == "seed":
+                row0 = np.frombuffer(got.output.data, dtype="<f4")[:4]
+                check("%s seed out[0]" % method,
+                      np.allclose(row0, [-0.593223, 0.406777, -1.332858, -0.371937], atol=1e-5),
+                      str(row0))
+                # Every field is printed, defaults included (always_print_primitive_fields).
+                check("%s answer prints default fields" % method,
+                      "scratchBytes" in json.loads(body)["stats"])
+
+    # GetServerInfo.
+    expected = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30, metadata=grpc_metadata)
+    status, _, body = http_call("GET", "/v1/info", headers=http_auth)
+    check("info: 200", status == 200, body[:300])
+    if status == 200:
+        check("info equals GetServerInfo", json_format.Parse(body, pb.ServerInfo()) == expected)
+
+    # Trace: the SSE events are exactly gRPC's stream.
+    trace = pb.TraceRequest(attention=seed_request(block_k=2),
+                            rows=[pb.RowRef(row=0), pb.RowRef(row=5)])
+    expected = list(stub.Trace(trace, timeout=60, metadata=grpc_metadata))
+    status, headers, body = post_message("/v1/trace", trace, http_auth)
+    check("trace: 200", status == 200, body[:300])
+    check("trace: text/event-stream",
+          headers.get("Content-Type", "").startswith("text/event-stream"))
+    events = sse_events(body)
+    check("trace: one plain data event per TraceEvent",
+          len(events) == len(expected) and all(name == "message" for name, _ in events),
+          "%d events, gRPC %d" % (len(events), len(expected)))
+    got = [json_format.Parse(data, pb.TraceEvent()) for _, data in events]
+    for event in got + expected:  # The end's timings differ from call to call.
+        if event.WhichOneof("event") == "end":
+            event.end.stats.compute_ns = event.end.stats.server_ns = 0
+    check("trace: events equal gRPC's",
+          [e.SerializeToString(deterministic=True) for e in got] ==
+          [e.SerializeToString(deterministic=True) for e in expected])
+    check("trace: start, 4 steps per row, row_done, end",
+          len(got) == 1 + 2 * (4 + 1) + 1 and got[0].WhichOneof("event") == "start" and
+          got[-1].WhichOneof("event") == "end")
+
+    if token:
+        return
+
+    # Errors: bad JSON, unknown field, a request the service refuses (same message as gRPC).
+    status, _, body = http_call("POST", "/v1/naive", "{\"query\": ")
+    error = error_of(body)
+    check("bad JSON: 400 INVALID_ARGUMENT", status == 400 and
+          error.get("code") == "INVALID_ARGUMENT", "%d %s" % (status, body[:300]))
+    check("bad JSON: the parser's message", "AttentionRequest" in error.get("message", ""),
+          str(error))
+    status, _, body = http_call("POST", "/v1/tiled", "{\"qurey\": {}}")
+    check("unknown field: 400", status == 400 and "qurey" in error_of(body).get("message", ""),
+          "%d %s" % (status, body[:300]))
+    bad = seed_request(block_k=-5)
+    code, details = rpc_error(stub.Naive, bad)
+    status, _, body = post_message("/v1/naive", bad)
+    error = error_of(body)
+    check("bad request: gRPC says INVALID_ARGUMENT", code == grpc.StatusCode.INVALID_ARGUMENT)
+    check("bad request: 400 with gRPC's code and message",
+          status == 400 and error == {"code": "INVALID_ARGUMENT", "message": details},
+          "%d %s vs %r" % (status, body[:300], details))
+    bad_trace = pb.TraceRequest(attention=seed_request(), rows=[pb.RowRef(row=99)])
+    code, details = rpc_error(lambda r, **kw: list(stub.Trace(r, **kw)), bad_trace)
+    status, headers, body = post_message("/v1/trace", bad_trace)
+    check("bad trace: 400 JSON with gRPC's message",
+          status == 400 and code == grpc.StatusCode.INVALID_ARGUMENT and
+          error_of(body) == {"code": "INVALID_ARGUMENT", "message": details},
+          "%d %s vs %r" % (status, body[:300], details))
+    status, _, body = http_call("POST", "/v1/naive", "{}", {"X-Timeout-Ms": "soon"})
+    check("bad X-Timeout-Ms: 400", status == 400, body[:200])
+
+    # A client that reads one event of a long trace and leaves cancels the call.
+    rng = np.random.default_rng(7)
+    long_trace = pb.TraceRequest(
+        attention=pb.AttentionRequest(query=fp32(rng.standard_normal((64, 16))),
+                                    key=fp32(rng.standard_normal((4096, 16))),
+                                    value=fp32(rng.standard_normal((4096, 16))),
+                                    options=pb.AttentionOptions(block_k=1)),
+        rows=[pb.RowRef(row=r) for r in range(8)])
+    connection = http.client.HTTPConnection("127.0.0.1", int(http_port), timeout=30)
+    connection.request("POST", "/v1/trace", json_format.MessageToJson(long_trace),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first = response.readline()
+    check("long trace: streams before it ends", response.status == 200 and b"data: " in first,
+          repr(first[:100]))
+    connection.sock.shutdown(2)
+    connection.close()
+    cancelled = False
+    for _ in range(100):
+        _, _, metrics = http_call("GET", "/metrics")
+        for line in metrics.decode().splitlines():
+            if (line.startswith("attnd_rpc_requests_total{") and 'method="Trace"' in line and
+                    'code="OK"' not in line and 'code="INVALID_ARGUMENT"' not in line):
+                cancelled = True
+                print("  left trace counted as: " + line)
+        if cancelled:
+            break
+        time.sleep(0.1)
+    check("long trace: leaving cancels the stream (counted with a non-OK code)", cancelled)
+
+    # The gateway's calls are the service's calls: metrics count both paths alike.
+    _, _, metrics = http_call("GET", "/metrics")
+    metrics = metrics.decode()
+    rpc = 'service="attention.v1.AttentionService"'
+    for method, count in (("Naive", 4), ("Tiled", 4), ("GetServerInfo", 2)):
+        line = 'attnd_rpc_requests_total{%s,method="%s",code="OK"} %d' % (rpc, method, count)
+        check("metrics: %s" % line, line in metrics.splitlines())
+    line = 'attnd_rpc_requests_total{%s,method="Naive",code="INVALID_ARGUMENT"} 2' % rpc
+    check("metrics: %s" % line, line in metrics.splitlines())
+
+    # X-Timeout-Ms is the call's deadline: 1 ms for a long computation is 504.
+    big = fp32(np.random.default_rng(3).standard_normal((4, 2048, 64)))
+    status, _, body = post_message("/v1/naive", pb.AttentionRequest(query=big, key=big, value=big),
+                                   {"X-Timeout-Ms": "1"})
+    check("X-Timeout-Ms 1 on a long call: 504 DEADLINE_EXCEEDED",
+          status == 504 and error_of(body).get("code") == "DEADLINE_EXCEEDED",
+          "%d %s" % (status, body[:200]))
+
+    # The viewer, embedded at build time: / is index.html; each file with its content type.
+    types = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+    status, headers, body = http_call("GET", "/")
+    check("GET /: 200 text/html", status == 200 and
+          headers.get("Content-Type", "").startswith("text/html"))
+    check("GET /: an HTML page", b"<html" in body.lower(), body[:100])
+    viewer = os.path.join(source_dir, "client", "viewer")
+    for name in sorted(os.listdir(viewer)) if os.path.isdir(viewer) else []:
+        extension = os.path.splitext(name)[1]
+        if extension not in types:
+            continue
+        status, headers, body = http_call("GET", "/" + name)
+        check("GET /%s: 200 %s, the file's bytes" % (name, types[extension]),
+              status == 200 and headers.get("Content-Type", "").startswith(types[extension]) and
+              body == open(os.path.join(viewer, name), "rb").read(),
+              "%d %s (rebuild attnd after editing the viewer)" % (status,
+                                                                   headers.get("Content-Type")))
+        if name == "index.html":
+            check("GET / is index.html", http_call("GET", "/")[2] == body)
+
+    # No CORS without --http-cors-origin.
+    _, headers, _ = http_call("GET", "/v1/info", headers={"Origin": "https://elsewhere.example"})
+    check("no CORS header without the flag", "Access-Control-Allow-Origin" not in headers)
+    _, headers, _ = http_call("OPTIONS", "/v1/naive", headers={
+        "Origin": "https://elsewhere.example", "Access-Control-Request-Method": "POST"})
+    check("no CORS preflight without the flag", "Access-Control-Allow-Origin" not in headers)
+
+
+def auth_checks():
+    origin = "https://viewer.example"
+    no_token = grpc_metadata[:0]
+    try:
+        stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30, metadata=no_token)
+        grpc_missing = ""
+    except grpc.RpcError as error:
+        grpc_missing = error.details()
+    status, headers, body = http_call("GET", "/v1/info")
+    check("no token: 401 UNAUTHENTICATED with gRPC's message",
+          status == 401 and error_of(body) == {"code": "UNAUTHENTICATED", "message": grpc_missing},
+          "%d %s vs %r" % (status, body[:300], grpc_missing))
+    check("no token: WWW-Authenticate", headers.get("WWW-Authenticate") == "Bearer")
+    check("no token: the 401 still carries the CORS origin",
+          headers.get("Access-Control-Allow-Origin") == origin)
+    status, _, body = post_message("/v1/tiled", seed_request(), {"Authorization": "Bearer nope"})
+    check("wrong token: 401", status == 401 and
+          error_of(body).get("code") == "UNAUTHENTICATED", "%d %s" % (status, body[:300]))
+    status, _, body = post_message("/v1/trace", pb.TraceRequest(attention=seed_request()))
+    check("trace without token: 401", status == 401, "%d %s" % (status, body[:300]))
+    status, headers, body = http_call("GET", "/v1/info", headers=http_auth)
+    check("right token: 200 with the CORS origin",
+          status == 200 and headers.get("Access-Control-Allow-Origin") == origin,
+          "%d %s" % (status, dict(headers)))
+    status, headers, _ = http_call("OPTIONS", "/v1/trace", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    allowed = headers.get("Access-Control-Allow-Headers", "").lower()
+    check("preflight: 2xx, origin, methods, Authorization and Content-Type",
+          200 <= status < 300 and headers.get("Access-Control-Allow-Origin") == origin and
+          "POST" in headers.get("Access-Control-Allow-Methods", "") and
+          "authorization" in allowed and "content-type" in allowed,
+          "%d %s" % (status, dict(headers)))
+    status, _, _ = http_call("GET", "/")
+    check("the page loads without a token", status == 200)
+
+
+def drain_checks(pid):
+    """SIGTERM with a gateway trace streaming and a request body half sent: /v1 answers 503 while
+    draining, the half-sent request too once complete (no call starts on a stopping server)."""
+    import signal, socket
+    body = json_format.MessageToJson(pb.TraceRequest(attention=seed_request(block_k=1))).encode()
+    upload = socket.create_connection(("127.0.0.1", int(http_port)), timeout=30)
+    upload.sendall(b"POST /v1/trace HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+    upload.sendall(body[:10])
+    rng = np.random.default_rng(11)
+    keys = fp32(rng.standard_normal((4096, 16)))
+    stream = http.client.HTTPConnection("127.0.0.1", int(http_port), timeout=30)
+    stream.request("POST", "/v1/trace", json_format.MessageToJson(pb.TraceRequest(
+        attention=pb.AttentionRequest(query=fp32(rng.standard_normal((8, 16))), key=keys,
+                                      value=keys, options=pb.AttentionOptions(block_k=1)),
+        rows=[pb.RowRef(row=r) for r in range(8)])), {"Content-Type": "application/json"})
+    response = stream.getresponse()
+    check("drain: the trace streams", b"data: " in response.readline())
+    os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    status, _, body_info = http_call("GET", "/v1/info")
+    check("drain: a new /v1 call is 503 UNAVAILABLE",
+          status == 503 and error_of(body_info).get("code") == "UNAVAILABLE",
+          "%d %s" % (status, body_info[:200]))
+    upload.sendall(body[10:])
+    answer = b""
+    while True:
+        chunk = upload.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    check("drain: the half-sent request is answered 503", answer.startswith(b"HTTP/1.1 503"),
+          repr(answer[:100]))
+    read = 0
+    while response.readline():
+        read += 1
+    check("drain: the trace stream went on, then ended", read > 0)
+
+
+if mode == "drain":
+    drain_checks(int(sys.argv[7]))
+    print("%s: %d passed, %d failed" % (mode, passed, len(failures)))
+    sys.exit(1 if failures else 0)
+main_checks()
+if mode == "auth":
+    auth_checks()
+print("%s: %d passed, %d failed" % (mode, passed, len(failures)))
+sys.exit(1 if failures else 0)
+EOF
+
+rc=0
+start
+/usr/bin/python3 "$dir/check.py" plain "$port" "$http_port" "$stubs" "$source_dir" "" || rc=1
+stop
+
+printf 'gateway-test-token\n' >"$dir/token"
+start --http-cors-origin https://viewer.example --auth-token-file "$dir/token"
+/usr/bin/python3 "$dir/check.py" auth "$port" "$http_port" "$stubs" "$source_dir" "$dir/token" ||
+  rc=1
+stop
+
+# SIGTERM while the gateway streams a trace and receives a body: exit 0 within the grace.
+start --shutdown-grace 3
+/usr/bin/python3 "$dir/check.py" drain "$port" "$http_port" "$stubs" "$source_dir" "" "$server" ||
+  rc=1
+status=0
+for _ in $(seq 100); do
+  kill -0 "$server" 2>/dev/null || break
+  sleep 0.1
+done
+wait "$server" || status=$?
+server=""
+if [ "$status" -ne 0 ]; then
+  echo "FAIL drain: attnd exited with status $status (want 0, within the 3 s grace)"
+  rc=1
+fi
+
+if [ "$rc" -ne 0 ]; then
+  echo "--- attnd stderr (last run)"
+  tail -20 "$dir/err"
+  echo "FAIL gateway_test"
+  exit 1
+fi
+echo "PASS gateway_test"

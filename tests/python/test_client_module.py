@@ -1,0 +1,468 @@
+#!/usr/bin/python3
+"""Tests of the Python client module client/python/attn_client.py against a live attnd.
+
+Starts attnd (tests/python/attnd_harness.py: a free loopback port, no HTTP side port) and goes
+through the module only: GetServerInfo and health; the seed example's out[0] from Naive and
+Tiled against a float64 NumPy reference; a random odd-sized GQA problem (rank 4 causal and rank
+3 with key_len ≠ query_len) in fp32, fp16 and bf16 against the reference with the project's
+tolerances (attnd_harness.output_error); the seed trace with block_k 2 (every step's running
+state, the final estimate equal to Tiled's row), a multi-row trace and example.py; errors (a
+bad shape → AttnError INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors
+raise ValueError/TypeError without any RPC); a second attnd with --auth-token-file (no token or a
+wrong one → UNAUTHENTICATED, the token → OK, health without one); and, when openssl is
+present, a third attnd with TLS reached through tls_ca. Run by CTest as
+
+  /usr/bin/python3 tests/python/test_client_module.py --attnd <attnd> --stubs <stubs dir>
+
+Needs the Debian python3-grpcio and python3-numpy (hence /usr/bin/python3); stdlib unittest.
+"""
+
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+
+_parser = argparse.ArgumentParser(add_help=False)
+_parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
+_parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
+ARGS, _UNITTEST_ARGV = _parser.parse_known_args()
+
+sys.path.insert(0, HERE)
+import attnd_harness as harness  # noqa: E402
+
+harness.add_stubs_path(ARGS.stubs)
+sys.path.insert(0, os.path.join(REPO_ROOT, "client", "python"))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+
+import attn_client  # noqa: E402
+from attn_client import AttnError, Client  # noqa: E402
+
+RPC_TIMEOUT_S = 60.0
+SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
+DTYPE_NUMBER = {"fp32": 1, "fp16": 2, "bf16": 3}
+
+
+def seed_problem():
+    """The explainer's 8×4 example (tests/reference.cc SeedExample), rank 2, scale 1/2."""
+    i, j = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
+    q = ((i + j) % 5 - 2).astype(np.float32)
+    k = (((2 * i + j) % 7 - 3) / 2).astype(np.float32)
+    v = ((i + j) % 9 - 4).astype(np.float32)
+    return q, k, v
+
+
+def as4(x):
+    """A rank 2–4 array as rank 4 (for the reference)."""
+    x = np.asarray(x, dtype=np.float64)
+    while x.ndim < 4:
+        x = x[None]
+    return x
+
+
+def stored(array, dtype):
+    """(what to pass the client, the float64 values the server will see) for a float32 array
+    stored as `dtype`."""
+    if dtype == "fp32":
+        return array, array.astype(np.float64)
+    if dtype == "fp16":
+        half = array.astype(np.float16)
+        return half, half.astype(np.float64)
+    bits = attn_client.float32_to_bf16(array)
+    return bits, attn_client.bf16_to_float32(bits).astype(np.float64)
+
+
+class ServerCase(unittest.TestCase):
+    """Base: one attnd for the class (started with `server_args`), its stderr shown on failure."""
+
+    server_args = ()
+    server = None
+    client = None
+    _failed = False
+
+    @classmethod
+    def start_server(cls):
+        return harness.AttndProcess(ARGS.attnd, ("--threads", "2") + tuple(cls.server_args))
+
+    @classmethod
+    def setUpClass(cls):
+        cls._failed = False
+        cls.server = cls.start_server()
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.client is not None:
+            cls.client.close()
+            cls.client = None
+        if cls.server is not None:
+            cls.server.stop()
+            if cls._failed:
+                sys.stderr.write("\n--- attnd stderr (%s) ---\n%s--- end attnd stderr ---\n"
+                                 % (cls.__name__, cls.server.stderr()))
+            cls.server.close()
+            cls.server = None
+
+    def run(self, result=None):
+        result = super().run(result)
+        if result is not None and not result.wasSuccessful():
+            type(self)._failed = True
+        return result
+
+
+class ClientModuleTest(ServerCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.client = Client(cls.server.address, timeout=RPC_TIMEOUT_S)
+
+    # GetServerInfo and health.
+
+    def test_info(self):
+        info = self.client.info()
+        self.assertTrue(info["version"])
+        self.assertIn(info["backend"], ("cpu", "cuda"))
+        self.assertEqual(sorted(info["dtypes"]), ["bf16", "fp16", "fp32"])
+        self.assertGreater(info["default_block_k"], 0)
+        self.assertGreater(info["max_message_bytes"], 0)
+        self.assertGreater(info["max_naive_bytes"], 0)
+        self.assertGreater(info["max_trace_rows"], 0)
+
+    def test_health(self):
+        self.assertEqual(self.client.health(), "SERVING")
+
+    # The seed example.
+
+    def test_seed_example(self):
+        q, k, v = seed_problem()
+        ref, ref_lse, _ = harness.reference_attention(as4(q), as4(k), as4(v), scale=0.5)
+        for name in ("naive", "tiled"):
+            with self.subTest(rpc=name):
+                result = getattr(self.client, name)(q, k, v, scale=0.5, block_k=3,
+                                                    return_lse=True)
+                self.assertEqual(result.output.dtype, np.float32)
+                self.assertEqual(result.output_dtype, "fp32")
+                self.assertEqual(result.output.shape, (8, 4))
+                np.testing.assert_allclose(result.output[0], ref[0, 0, 0], rtol=0, atol=1e-6)
+                np.testing.assert_allclose(result.output[0], SEED_OUT_ROW0, rtol=0, atol=1e-6)
+                self.assertEqual(harness.output_error(result.output.astype(np.float64),
+                                                      ref[0, 0], 1), "")
+                self.assertEqual(result.lse.dtype, np.float32)
+                self.assertEqual(result.lse.shape, (8,))
+                self.assertEqual(harness.lse_error(result.lse.astype(np.float64),
+                                                   ref_lse[0, 0]), "")
+                stats = result.stats
+                self.assertIsInstance(stats, dict)
+                self.assertEqual(stats["backend"], self.client.info()["backend"])
+                self.assertEqual(stats["flops"], 4 * 8 * 8 * 4)
+                self.assertEqual(stats["intermediate_bytes"], 1024 if name == "naive" else 0)
+                self.assertEqual(stats["block_k"], 0 if name == "naive" else 3)
+        # The default scale is 1/sqrt(head_dim) = 1/2 here too; no lse unless asked.
+        result = self.client.tiled(q, k, v)
+        self.assertIsNone(result.lse)
+        np.testing.assert_allclose(result.output[0], SEED_OUT_ROW0, rtol=0, atol=1e-6)
+
+    # Random odd-sized problems in every dtype.
+
+    def check_random(self, q_shape, k_shape, v_shape, causal, block_k):
+        rng = np.random.default_rng()
+        q32 = rng.uniform(-1, 1, size=q_shape).astype(np.float32)
+        k32 = rng.uniform(-1, 1, size=k_shape).astype(np.float32)
+        v32 = rng.uniform(-1, 1, size=v_shape).astype(np.float32)
+        for dtype in ("fp32", "fp16", "bf16"):
+            (q, q_seen), (k, k_seen), (v, v_seen) = (stored(x, dtype) for x in (q32, k32, v32))
+            ref, ref_lse, score_max = harness.reference_attention(
+                as4(q_seen), as4(k_seen), as4(v_seen), causal=causal)
+            ref = ref.reshape(q_shape[:-1] + v_shape[-1:])
+            ref_lse = ref_lse.reshape(q_shape[:-1])
+            passed_dtype = "bf16" if dtype == "bf16" else None  # fp32/fp16 inferred
+            for name in ("naive", "tiled"):
+                with self.subTest(dtype=dtype, rpc=name, shape=q_shape):
+                    result = getattr(self.client, name)(q, k, v, causal=causal,
+                                                        block_k=block_k, return_lse=True,
+                                                        dtype=passed_dtype)
+                    self.assertEqual(result.output_dtype, dtype)
+                    self.assertEqual(result.output.dtype,
+                                     {"fp32": np.float32, "fp16": np.float16,
+                                      "bf16": np.uint16}[dtype])
+                    out = result.output_float32().astype(np.float64)
+                    self.assertEqual(out.shape, ref.shape)
+                    self.assertEqual(
+                        harness.output_error(out, ref, DTYPE_NUMBER[dtype], score_max), "")
+                    self.assertEqual(harness.lse_error(result.lse.astype(np.float64), ref_lse),
+                                     "")
+                    if name == "tiled":
+                        self.assertEqual(result.stats["block_k"], block_k)
+            # Low-precision input, fp32 output: only the fp32 accumulation error remains.
+            if dtype != "fp32":
+                with self.subTest(dtype=dtype, output_dtype="fp32"):
+                    result = self.client.tiled(q, k, v, causal=causal, block_k=block_k,
+                                               dtype=passed_dtype, output_dtype="fp32")
+                    self.assertEqual(result.output.dtype, np.float32)
+                    self.assertEqual(harness.output_error(result.output.astype(np.float64), ref,
+                                                          1, score_max), "")
+
+    def test_random_gqa_causal_rank4(self):
+        self.check_random((2, 4, 37, 33), (2, 2, 53, 33), (2, 2, 53, 20), causal=True, block_k=7)
+
+    def test_random_gqa_rank3(self):
+        self.check_random((6, 29, 17), (3, 41, 17), (3, 41, 11), causal=False, block_k=5)
+
+    def test_bf16_from_float_arrays(self):
+        # dtype="bf16" on float32 arrays rounds them the same way float32_to_bf16 does.
+        q, k, v = seed_problem()
+        from_floats = self.client.tiled(q, k, v, dtype="bf16")
+        from_bits = self.client.tiled(*(attn_client.float32_to_bf16(x) for x in (q, k, v)),
+                                      dtype="bf16")
+        np.testing.assert_array_equal(from_floats.output, from_bits.output)
+        self.assertEqual(from_floats.output_dtype, "bf16")
+        np.testing.assert_allclose(from_floats.output_float32()[0], SEED_OUT_ROW0, atol=2e-2)
+
+    # Trace.
+
+    def test_trace_seed_example(self):
+        q, k, v = seed_problem()
+        events = list(self.client.trace(q, k, v, rows=[(0, 0, 0)], block_k=2, scale=0.5))
+        kinds = [event["kind"] for event in events]
+        self.assertEqual(kinds, ["start"] + ["step"] * 4 + ["row_done", "end"])
+        start = events[0]
+        self.assertEqual((start["query_len"], start["key_len"], start["head_dim"],
+                          start["value_dim"], start["block_k"], start["tiles_per_row"]),
+                         (8, 8, 4, 4, 2, 4))
+        self.assertEqual(start["naive_intermediate_bytes"], 1024)
+        self.assertEqual(start["tiled_scratch_floats_per_row"], 2 + 4 + 2)
+        self.assertEqual(start["scale"], 0.5)
+
+        scores_all = 0.5 * (q[0].astype(np.float64) @ k.astype(np.float64).T)
+        running_max, denominator, accumulator = -math.inf, 0.0, np.zeros(4)
+        for tile, step in enumerate(events[1:5]):
+            with self.subTest(tile=tile):
+                self.assertEqual(step["row"], (0, 0, 0))
+                self.assertEqual(step["tile"], tile)
+                self.assertEqual((step["key_begin"], step["key_end"]), (2 * tile, 2 * tile + 2))
+                self.assertIsInstance(step["scores"], np.ndarray)
+                np.testing.assert_allclose(step["scores"], scores_all[2 * tile:2 * tile + 2],
+                                           rtol=0, atol=1e-6)
+                self.assertEqual(step["max_before"], running_max)
+                running_max = max(running_max, float(np.max(scores_all[2 * tile:2 * tile + 2])))
+                self.assertAlmostEqual(step["max_after"], running_max, delta=1e-6)
+                rescale = 0.0 if tile == 0 else math.exp(step["max_before"] - step["max_after"])
+                self.assertAlmostEqual(step["rescale"], rescale, delta=1e-6)
+                weights = np.exp(scores_all[2 * tile:2 * tile + 2] - running_max)
+                denominator = denominator * rescale + weights.sum()
+                accumulator = accumulator * rescale + weights @ v[2 * tile:2 * tile + 2]
+                self.assertAlmostEqual(step["denominator"], denominator, delta=1e-5 * denominator)
+                np.testing.assert_allclose(step["estimate"], accumulator / denominator,
+                                           rtol=1e-5, atol=1e-5)
+
+        done = events[5]
+        final_estimate = events[4]["estimate"]
+        np.testing.assert_allclose(done["output"], SEED_OUT_ROW0, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(done["reference"], SEED_OUT_ROW0, rtol=0, atol=1e-6)
+        self.assertLess(done["max_abs_error"], 1e-6)
+        tiled = self.client.tiled(q, k, v, scale=0.5, block_k=2)
+        np.testing.assert_allclose(final_estimate, tiled.output[0], rtol=0, atol=1e-6)
+        if tiled.stats["backend"] == "cpu":  # the same code on one row (README)
+            np.testing.assert_array_equal(final_estimate, tiled.output[0])
+        end = events[6]
+        self.assertEqual((end["rows"], end["steps"]), (1, 4))
+        self.assertEqual(end["stats"]["backend"], tiled.stats["backend"])
+        self.assertIsNotNone(end["message"])
+
+    def test_trace_rows_match_tiled(self):
+        rng = np.random.default_rng()
+        q = rng.uniform(-1, 1, size=(2, 4, 13, 9)).astype(np.float32)
+        k = rng.uniform(-1, 1, size=(2, 2, 19, 9)).astype(np.float32)
+        v = rng.uniform(-1, 1, size=(2, 2, 19, 6)).astype(np.float32)
+        rows = [(0, 0, 0), (1, 3, 12), (0, 2, 5)]
+        tiled = self.client.tiled(q, k, v, causal=True, block_k=4)
+        done = [e for e in self.client.trace(q, k, v, rows=rows, block_k=4, causal=True)
+                if e["kind"] == "row_done"]
+        self.assertEqual([e["row"] for e in done], rows)
+        for event in done:
+            b, h, r = event["row"]
+            with self.subTest(row=event["row"]):
+                np.testing.assert_allclose(event["output"], tiled.output[b, h, r], rtol=0,
+                                           atol=1e-6)
+        # An int row means (0, 0, row); closing the iterator early cancels the stream.
+        events = self.client.trace(q, k, v, rows=[3], block_k=4)
+        first = next(events)
+        self.assertEqual(first["kind"], "start")
+        self.assertEqual(next(events)["row"], (0, 0, 3))
+        events.close()
+        self.assertEqual(self.client.health(), "SERVING")
+
+    def test_example_script(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(ARGS.stubs), os.path.join(REPO_ROOT, "client", "python")])
+        run = subprocess.run(
+            [sys.executable, os.path.join(REPO_ROOT, "client", "python", "example.py"),
+             "--target", self.server.address], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=env, timeout=RPC_TIMEOUT_S, check=False)
+        text = run.stdout.decode("utf-8", "replace")
+        self.assertEqual(run.returncode, 0, text)
+        row0 = "[-0.593223  0.406777 -1.332858 -0.371937]"
+        self.assertIn("naive out[0] = " + row0, text)
+        self.assertIn("tiled out[0] = " + row0, text)
+        self.assertEqual(text.count("    estimate "), 4, text)  # 8 keys in tiles of 2
+        self.assertIn("estimate " + row0, text)
+
+    # Errors.
+
+    def test_bad_shape_is_invalid_argument(self):
+        q, k, v = seed_problem()
+        calls = {"naive": lambda: self.client.naive(q, k[:, :3], v),
+                 "tiled": lambda: self.client.tiled(q, k[:, :3], v),
+                 "trace": lambda: list(self.client.trace(q, k[:, :3], v))}
+        for name, call in calls.items():
+            with self.subTest(rpc=name):
+                with self.assertRaises(AttnError) as caught:
+                    call()
+                self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT,
+                                 caught.exception.message)
+                self.assertIn("key.shape", caught.exception.message)
+                self.assertIn("INVALID_ARGUMENT", str(caught.exception))
+        with self.assertRaises(AttnError) as caught:
+            list(self.client.trace(q, k, v, rows=[(0, 0, 8)]))
+        self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("rows[0]", caught.exception.message)
+
+    def test_local_errors_need_no_server(self):
+        # A client to a port nothing listens on: a local check must fail before any RPC
+        # (an RPC would give AttnError UNAVAILABLE instead).
+        offline = Client("127.0.0.1:1", timeout=5)
+        try:
+            q, k, v = seed_problem()
+            cases = [
+                (ValueError, lambda: offline.naive(q[0], k, v)),                  # rank 1
+                (ValueError, lambda: offline.tiled(q[None, None, None], k, v)),   # rank 5
+                (TypeError, lambda: offline.tiled(q.astype(np.uint16), k, v)),    # bf16 unsaid
+                (TypeError, lambda: offline.tiled(q.astype(np.complex64), k, v)),
+                (TypeError, lambda: offline.tiled("q", k, v)),
+                (ValueError, lambda: offline.tiled(q, k, v, dtype="fp8")),
+                (ValueError, lambda: offline.tiled(q, k, v, output_dtype=np.float64)),
+                (ValueError, lambda: offline.tiled(q, k, v, block_k=-1)),
+                (TypeError, lambda: offline.tiled(q, k, v, block_k=2.5)),
+                (ValueError, lambda: offline.tiled(q, k, v, scale=math.inf)),
+                (TypeError, lambda: offline.tiled(q, k, v, causal="yes")),
+                (TypeError, lambda: offline.trace(q, k, v, rows=[(0, 0)])),
+                (ValueError, lambda: offline.trace(q, k, v, rows=[(0, 0, -1)])),
+                (ValueError, lambda: Client("")),
+                (ValueError, lambda: Client("127.0.0.1:1", timeout=0)),
+            ]
+            for index, (error, call) in enumerate(cases):
+                with self.subTest(case=index):
+                    self.assertRaises(error, call)
+            with self.assertRaises(AttnError) as caught:
+                offline.info()
+            self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
+                                                  grpc.StatusCode.DEADLINE_EXCEEDED))
+        finally:
+            offline.close()
+
+
+class TokenTest(ServerCase):
+    """attnd --auth-token-file: every RPC but health needs "authorization: Bearer <token>"."""
+
+    token = "py-client-%d-%d" % (os.getpid(), int(time.time()))
+    _dir = None
+
+    @classmethod
+    def start_server(cls):
+        cls._dir = tempfile.mkdtemp(prefix="attn_client_token_")
+        path = os.path.join(cls._dir, "token")
+        with open(path, "w") as f:
+            f.write(cls.token + "\n")
+        os.chmod(path, 0o600)
+        cls.server_args = ("--auth-token-file", path)
+        return super().start_server()
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        if cls._dir:
+            shutil.rmtree(cls._dir, ignore_errors=True)
+
+    def test_token(self):
+        q, k, v = seed_problem()
+        address = self.server.address
+        for label, token in (("none", None), ("wrong", "not-" + self.token)):
+            with Client(address, token=token, timeout=RPC_TIMEOUT_S) as client:
+                for name, call in (("info", client.info),
+                                   ("naive", lambda: client.naive(q, k, v)),
+                                   ("tiled", lambda: client.tiled(q, k, v)),
+                                   ("trace", lambda: list(client.trace(q, k, v)))):
+                    with self.subTest(token=label, rpc=name):
+                        with self.assertRaises(AttnError) as caught:
+                            call()
+                        self.assertEqual(caught.exception.code,
+                                         grpc.StatusCode.UNAUTHENTICATED,
+                                         caught.exception.message)
+                self.assertEqual(client.health(), "SERVING")  # health needs no token
+        with Client(address, token=self.token, timeout=RPC_TIMEOUT_S) as client:
+            self.assertTrue(client.info()["version"])
+            np.testing.assert_allclose(client.naive(q, k, v).output[0], SEED_OUT_ROW0, atol=1e-6)
+            np.testing.assert_allclose(client.tiled(q, k, v).output[0], SEED_OUT_ROW0, atol=1e-6)
+            kinds = [e["kind"] for e in client.trace(q, k, v, block_k=4)]
+            self.assertEqual(kinds, ["start", "step", "step", "row_done", "end"])
+            self.assertEqual(client.health(), "SERVING")
+
+
+@unittest.skipUnless(shutil.which("openssl"), "openssl not installed: TLS path not tested")
+class TlsTest(ServerCase):
+    """attnd --tls-cert/--tls-key; the client trusts the test CA through tls_ca."""
+
+    _dir = None
+
+    @classmethod
+    def start_server(cls):
+        cls._dir = tempfile.mkdtemp(prefix="attn_client_tls_")
+        d = cls._dir
+
+        def ssl(*args):
+            subprocess.run(["openssl"] + list(args), check=True, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+
+        ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-days", "1", "-subj", "/CN=attn py test ca", "-keyout", d + "/ca.key",
+            "-out", d + "/ca.pem")
+        ssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-subj", "/CN=attn py test server", "-keyout", d + "/server.key",
+            "-out", d + "/server.csr")
+        with open(d + "/server.ext", "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+        ssl("x509", "-req", "-in", d + "/server.csr", "-CA", d + "/ca.pem", "-CAkey",
+            d + "/ca.key", "-set_serial", "7", "-days", "1", "-extfile", d + "/server.ext",
+            "-out", d + "/server.pem")
+        cls.server_args = ("--tls-cert", d + "/server.pem", "--tls-key", d + "/server.key")
+        return super().start_server()
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        if cls._dir:
+            shutil.rmtree(cls._dir, ignore_errors=True)
+
+    def test_tls(self):
+        q, k, v = seed_problem()
+        with Client(self.server.address, tls_ca=self._dir + "/ca.pem",
+                    timeout=RPC_TIMEOUT_S) as client:
+            self.assertEqual(client.health(), "SERVING")
+            np.testing.assert_allclose(client.tiled(q, k, v).output[0], SEED_OUT_ROW0, atol=1e-6)
+        with Client(self.server.address, timeout=10) as plaintext:  # no TLS: refused
+            with self.assertRaises(AttnError):
+                plaintext.info()
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + _UNITTEST_ARGV, exit=True)
