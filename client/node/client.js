@@ -272,8 +272,24 @@ class Client {
   close() { this.stub.close(); }
 }
 
+// The explainer's 8×4 example (n × d in general): q[i][j] = (i + j) % 5 − 2,
+// k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4, as Float32Arrays (row-major n × d);
+// its scale is 1/2 = 1/√4.
+function seedExample(n = 8, d = 4) {
+  const q = new Float32Array(n * d), k = new Float32Array(n * d), v = new Float32Array(n * d);
+  for (let i = 0; i < n; ++i) {
+    for (let j = 0; j < d; ++j) {
+      q[i * d + j] = ((i + j) % 5) - 2;
+      k[i * d + j] = (((2 * i + j) % 7) - 3) / 2;
+      v[i * d + j] = ((i + j) % 9) - 4;
+    }
+  }
+  return {q, k, v};
+}
+
 module.exports = {
   Client,
+  seedExample,
   AttndError,
   tensor,
   toFloat32Array,

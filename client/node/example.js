@@ -3,7 +3,7 @@
 // trace of row 0 with 2 keys per tile: each step's scores, running max, rescale factor,
 // denominator and the estimate converging to the full-matrix row.
 // Usage: node client/node/example.js [HOST:PORT] [--token T] [--tls-ca ca.pem]
-const {Client, tensor, toFloat32Array} = require('./client');
+const {Client, seedExample, tensor, toFloat32Array} = require('./client');
 
 function parseArgs(argv) {
   const args = {target: '127.0.0.1:50051', options: {}};
@@ -15,20 +15,13 @@ function parseArgs(argv) {
   return args;
 }
 
-// q[i][j] = (i + j) % 5 − 2, k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4.
-function seedExample(n = 8, d = 4) {
-  const q = new Float32Array(n * d), k = new Float32Array(n * d), v = new Float32Array(n * d);
-  for (let i = 0; i < n; ++i) {
-    for (let j = 0; j < d; ++j) {
-      q[i * d + j] = ((i + j) % 5) - 2;
-      k[i * d + j] = (((2 * i + j) % 7) - 3) / 2;
-      v[i * d + j] = ((i + j) % 9) - 4;
-    }
-  }
+// The seed example as a Tiled request with block_k 2.
+function seedRequest() {
+  const {q, k, v} = seedExample();
   return {
-    query: tensor(q, [n, d]),
-    key: tensor(k, [n, d]),
-    value: tensor(v, [n, d]),
+    query: tensor(q, [8, 4]),
+    key: tensor(k, [8, 4]),
+    value: tensor(v, [8, 4]),
     options: {scale: 0.5, blockK: 2},
   };
 }
@@ -40,7 +33,7 @@ async function main() {
   const {target, options} = parseArgs(process.argv.slice(2));
   const client = new Client(target, options);
   try {
-    const request = seedExample();
+    const request = seedRequest();
     const response = await client.tiled(request);
     const out = toFloat32Array(response.output);
     const d = response.output.shape[response.output.shape.length - 1];

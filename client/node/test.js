@@ -45,14 +45,7 @@ function randomNormal(count, random) {
 }
 
 function seedInputs(n = 8, d = 4) {
-  const q = new Float32Array(n * d), k = new Float32Array(n * d), v = new Float32Array(n * d);
-  for (let i = 0; i < n; ++i) {
-    for (let j = 0; j < d; ++j) {
-      q[i * d + j] = ((i + j) % 5) - 2;
-      k[i * d + j] = (((2 * i + j) % 7) - 3) / 2;
-      v[i * d + j] = ((i + j) % 9) - 4;
-    }
-  }
+  const {q, k, v} = attnd.seedExample(n, d);
   const dims = {batch: 1, heads: 1, kvHeads: 1, queryLen: n, keyLen: n, headDim: d, valueDim: d};
   return {q, k, v, dims};
 }

@@ -62,7 +62,7 @@ from attention.v1 import attention_pb2 as pb
 from attention.v1 import attention_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Result", "AttnError", "bf16_to_float32", "float32_to_bf16",
-           "MAX_MESSAGE_BYTES"]
+           "seed_example", "MAX_MESSAGE_BYTES"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -94,6 +94,16 @@ class AttnError(Exception):
 
 
 # --- bfloat16 -----------------------------------------------------------------------------------
+
+def seed_example():
+    """The explainer's 8×4 example as float32 arrays q, k, v (rank 2; its scale is 1/2 = 1/√4):
+    q[i][j] = (i + j) % 5 − 2, k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4."""
+    i, j = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
+    q = ((i + j) % 5 - 2).astype(np.float32)
+    k = (((2 * i + j) % 7 - 3) / 2).astype(np.float32)
+    v = ((i + j) % 9 - 4).astype(np.float32)
+    return q, k, v
+
 
 def bf16_to_float32(bits):
     """bfloat16 bit patterns (a uint16 array) → float32 values, exactly."""

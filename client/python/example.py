@@ -14,17 +14,7 @@ import sys
 
 import numpy as np
 
-from attn_client import AttnError, Client
-
-
-def seed_problem():
-    """q[i][j] = (i + j) % 5 − 2, k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4,
-    i < 8, j < 4 (tests/reference.cc SeedExample); scale 1/2 = 1/sqrt(4)."""
-    i, j = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
-    q = ((i + j) % 5 - 2).astype(np.float32)
-    k = (((2 * i + j) % 7 - 3) / 2).astype(np.float32)
-    v = ((i + j) % 9 - 4).astype(np.float32)
-    return q, k, v
+from attn_client import AttnError, Client, seed_example
 
 
 def fmt(values):
@@ -43,7 +33,7 @@ def main():
         with open(args.token_file) as f:
             token = f.read().strip()
 
-    q, k, v = seed_problem()
+    q, k, v = seed_example()
     with Client(args.target, token=token, tls_ca=args.tls_ca, timeout=30) as client:
         try:
             info = client.info()

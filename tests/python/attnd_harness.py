@@ -20,8 +20,17 @@ import time
 
 
 def add_stubs_path(stubs_dir):
-    """Makes `from attention.v1 import attention_pb2` find the stubs the build generated."""
+    """Makes `from attention.v1 import attention_pb2` find the stubs the build generated, and
+    `import attn_client` the Python client (client/python)."""
     sys.path.insert(0, os.path.abspath(stubs_dir))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "client", "python"))
+
+
+def seed_problem():
+    """The explainer's 8×4 example: float32 q, k, v, rank 2, scale 1/2 (the Python client's)."""
+    import attn_client  # noqa: E402 (needs add_stubs_path first)
+    return attn_client.seed_example()
 
 
 import grpc  # noqa: E402

@@ -52,15 +52,6 @@ SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
 DTYPE_NUMBER = {"fp32": 1, "fp16": 2, "bf16": 3}
 
 
-def seed_problem():
-    """The explainer's 8×4 example (tests/reference.cc SeedExample), rank 2, scale 1/2."""
-    i, j = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
-    q = ((i + j) % 5 - 2).astype(np.float32)
-    k = (((2 * i + j) % 7 - 3) / 2).astype(np.float32)
-    v = ((i + j) % 9 - 4).astype(np.float32)
-    return q, k, v
-
-
 def as4(x):
     """A rank 2–4 array as rank 4 (for the reference)."""
     x = np.asarray(x, dtype=np.float64)
@@ -143,7 +134,7 @@ class ClientModuleTest(ServerCase):
     # The seed example.
 
     def test_seed_example(self):
-        q, k, v = seed_problem()
+        q, k, v = attn_client.seed_example()
         ref, ref_lse, _ = harness.reference_attention(as4(q), as4(k), as4(v), scale=0.5)
         for name in ("naive", "tiled"):
             with self.subTest(rpc=name):
@@ -219,7 +210,7 @@ class ClientModuleTest(ServerCase):
 
     def test_bf16_from_float_arrays(self):
         # dtype="bf16" on float32 arrays rounds them the same way float32_to_bf16 does.
-        q, k, v = seed_problem()
+        q, k, v = attn_client.seed_example()
         from_floats = self.client.tiled(q, k, v, dtype="bf16")
         from_bits = self.client.tiled(*(attn_client.float32_to_bf16(x) for x in (q, k, v)),
                                       dtype="bf16")
@@ -230,7 +221,7 @@ class ClientModuleTest(ServerCase):
     # Trace.
 
     def test_trace_seed_example(self):
-        q, k, v = seed_problem()
+        q, k, v = attn_client.seed_example()
         events = list(self.client.trace(q, k, v, rows=[(0, 0, 0)], block_k=2, scale=0.5))
         kinds = [event["kind"] for event in events]
         self.assertEqual(kinds, ["start"] + ["step"] * 4 + ["row_done", "end"])
@@ -320,7 +311,7 @@ class ClientModuleTest(ServerCase):
     # Errors.
 
     def test_bad_shape_is_invalid_argument(self):
-        q, k, v = seed_problem()
+        q, k, v = attn_client.seed_example()
         calls = {"naive": lambda: self.client.naive(q, k[:, :3], v),
                  "tiled": lambda: self.client.tiled(q, k[:, :3], v),
                  "trace": lambda: list(self.client.trace(q, k[:, :3], v))}
@@ -342,7 +333,7 @@ class ClientModuleTest(ServerCase):
         # (an RPC would give AttnError UNAVAILABLE instead).
         offline = Client("127.0.0.1:1", timeout=5)
         try:
-            q, k, v = seed_problem()
+            q, k, v = attn_client.seed_example()
             cases = [
                 (ValueError, lambda: offline.naive(q[0], k, v)),                  # rank 1
                 (ValueError, lambda: offline.tiled(q[None, None, None], k, v)),   # rank 5
@@ -394,7 +385,7 @@ class TokenTest(ServerCase):
             shutil.rmtree(cls._dir, ignore_errors=True)
 
     def test_token(self):
-        q, k, v = seed_problem()
+        q, k, v = attn_client.seed_example()
         address = self.server.address
         for label, token in (("none", None), ("wrong", "not-" + self.token)):
             with Client(address, token=token, timeout=RPC_TIMEOUT_S) as client:
@@ -454,7 +445,7 @@ class TlsTest(ServerCase):
             shutil.rmtree(cls._dir, ignore_errors=True)
 
     def test_tls(self):
-        q, k, v = seed_problem()
+        q, k, v = attn_client.seed_example()
         with Client(self.server.address, tls_ca=self._dir + "/ca.pem",
                     timeout=RPC_TIMEOUT_S) as client:
             self.assertEqual(client.health(), "SERVING")

@@ -44,15 +44,6 @@ def fp32_tensor(array):
     return h.encode(array, pb.DTYPE_FLOAT32)[0]
 
 
-def seed_problem():
-    """The explainer's 8×4 example (rank 2)."""
-    i, j = np.meshgrid(np.arange(8), np.arange(4), indexing="ij")
-    q = ((i + j) % 5 - 2).astype(np.float32)
-    k = (((2 * i + j) % 7 - 3) / 2).astype(np.float32)
-    v = ((i + j) % 9 - 4).astype(np.float32)
-    return q, k, v
-
-
 def relative_error(got, ref):
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
@@ -98,7 +89,7 @@ class AttentionServiceTest(unittest.TestCase):
     # Helpers.
 
     def seed_request(self, **options):
-        q, k, v = seed_problem()
+        q, k, v = h.seed_problem()
         return pb.AttentionRequest(query=fp32_tensor(q), key=fp32_tensor(k), value=fp32_tensor(v),
                                    options=pb.AttentionOptions(**options))
 
@@ -126,7 +117,7 @@ class AttentionServiceTest(unittest.TestCase):
     # Naive and Tiled on the seed example.
 
     def test_seed_example(self):
-        q, k, v = seed_problem()
+        q, k, v = h.seed_problem()
         ref, _, _ = h.reference_attention(q[None, None], k[None, None], v[None, None])
         for name, call, intermediate in (("Naive", self.stub.Naive, 16 * 8 * 8),
                                          ("Tiled", self.stub.Tiled, 0)):
@@ -219,7 +210,7 @@ class AttentionServiceTest(unittest.TestCase):
         self.assertAlmostEqual(start.scale, 0.5, places=7)
         self.assertFalse(start.causal)
 
-        q, k, v = seed_problem()
+        q, k, v = h.seed_problem()
         all_scores = 0.5 * (q[0].astype(np.float64) @ k.astype(np.float64).T)
         denominator = 0.0
         accumulator = np.zeros(4)
@@ -278,7 +269,7 @@ class AttentionServiceTest(unittest.TestCase):
         self.assert_invalid(self.stub.Tiled, request, "query")
 
     def test_mismatched_head_dim_is_invalid(self):
-        q, k, v = seed_problem()
+        q, k, v = h.seed_problem()
         request = pb.AttentionRequest(query=fp32_tensor(q), key=fp32_tensor(k[:, :3]),
                                       value=fp32_tensor(v))
         self.assert_invalid(self.stub.Naive, request, "key.shape")
