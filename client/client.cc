@@ -1,6 +1,14 @@
 #include "client/client.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/dtype.h"
 #include "proto/dtype_mapping.h"
@@ -15,7 +23,78 @@ absl::Status ToAbsl(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+// Splits "host:port" or "[v6]:port" into host and port; false when it is not that form.
+bool SplitHostPort(absl::string_view endpoint, std::string* host, std::string* port) {
+  size_t colon;
+  if (absl::StartsWith(endpoint, "[")) {
+    const size_t close = endpoint.find(']');
+    if (close == absl::string_view::npos || close + 1 >= endpoint.size() ||
+        endpoint[close + 1] != ':') {
+      return false;
+    }
+    *host = std::string(endpoint.substr(1, close - 1));
+    colon = close + 1;
+  } else {
+    colon = endpoint.rfind(':');
+    if (colon == absl::string_view::npos) return false;
+    *host = std::string(endpoint.substr(0, colon));
+  }
+  *port = std::string(endpoint.substr(colon + 1));
+  int port_number;
+  return !host->empty() && absl::SimpleAtoi(*port, &port_number) && port_number > 0 &&
+         port_number < 65536;
+}
+
 }  // namespace
+
+absl::StatusOr<LoadBalancing> ParseLoadBalancing(absl::string_view name) {
+  if (name == "pick_first" || name == "pick-first") return LoadBalancing::kPickFirst;
+  if (name == "round_robin" || name == "round-robin") return LoadBalancing::kRoundRobin;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown load-balancing policy \"", name, "\": use pick_first or round_robin"));
+}
+
+std::vector<std::string> SplitEndpoints(const std::string& target) {
+  std::vector<std::string> endpoints;
+  for (absl::string_view part : absl::StrSplit(target, ',')) {
+    part = absl::StripAsciiWhitespace(part);
+    if (!part.empty()) endpoints.emplace_back(part);
+  }
+  return endpoints;
+}
+
+absl::StatusOr<std::string> ChannelTarget(const std::string& target) {
+  const std::vector<std::string> endpoints = SplitEndpoints(target);
+  if (endpoints.empty()) return absl::InvalidArgumentError("empty target");
+  if (endpoints.size() == 1) return endpoints[0];
+  // gRPC's ipv4:/ipv6: resolvers take a comma-separated list of numeric addresses.
+  std::vector<std::string> v4, v6;
+  for (const std::string& endpoint : endpoints) {
+    std::string host, port;
+    if (!SplitHostPort(endpoint, &host, &port)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target list: \"", endpoint, "\" is not host:port"));
+    }
+    if (host == "localhost") host = "127.0.0.1";
+    in_addr address4;
+    in6_addr address6;
+    if (inet_pton(AF_INET, host.c_str(), &address4) == 1) {
+      v4.push_back(absl::StrCat(host, ":", port));
+    } else if (inet_pton(AF_INET6, host.c_str(), &address6) == 1) {
+      v6.push_back(absl::StrCat("[", host, "]:", port));
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target list: \"", host,
+                       "\" is not an IP address (a list takes numeric addresses; use "
+                       "dns:///name:port for a name with several addresses)"));
+    }
+  }
+  if (!v4.empty() && !v6.empty()) {
+    return absl::InvalidArgumentError("target list: mixes IPv4 and IPv6 addresses");
+  }
+  return v4.empty() ? absl::StrCat("ipv6:", absl::StrJoin(v6, ","))
+                    : absl::StrCat("ipv4:", absl::StrJoin(v4, ","));
+}
 
 v1::Tensor ToTensor(const Array& array, v1::DType dtype) {
   const DType kernel_dtype = FromProtoDType(dtype).value_or(DType::kFloat32);
@@ -53,13 +132,18 @@ Client::Client(const std::string& target, ClientOptions options) : options_(opti
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
   arguments.SetMaxSendMessageSize(options_.max_message_bytes);
+  arguments.SetServiceConfigJSON(options_.load_balancing == LoadBalancing::kRoundRobin
+                                     ? R"({"loadBalancingConfig": [{"round_robin": {}}]})"
+                                     : R"({"loadBalancingConfig": [{"pick_first": {}}]})");
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (!options_.tls_ca.empty()) {
     credentials = grpc::SslCredentials({.pem_root_certs = options_.tls_ca,
                                         .pem_private_key = options_.tls_key,
                                         .pem_cert_chain = options_.tls_cert});
   }
-  channel_ = grpc::CreateCustomChannel(target, credentials, arguments);
+  const absl::StatusOr<std::string> channel_target = ChannelTarget(target);
+  channel_ = grpc::CreateCustomChannel(channel_target.ok() ? *channel_target : target, credentials,
+                                       arguments);
   stub_ = v1::AttentionService::NewStub(channel_);
   health_ = grpc::health::v1::Health::NewStub(channel_);
 }

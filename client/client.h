@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -35,8 +36,27 @@ attention::v1::Tensor ToTensor(const Array& array,
 // length does not match its shape.
 absl::StatusOr<Array> FromTensor(const attention::v1::Tensor& tensor);
 
+// gRPC's load-balancing policy for a channel with several addresses: pick_first sends every call
+// to one server (the first that connects), round_robin spreads calls over all ready servers.
+enum class LoadBalancing { kPickFirst, kRoundRobin };
+
+// "pick_first" / "round_robin" (also "pick-first", "round-robin"); INVALID_ARGUMENT otherwise.
+absl::StatusOr<LoadBalancing> ParseLoadBalancing(absl::string_view name);
+
+// Splits a target into its endpoints: "h1:p1,h2:p2" gives both; one address or a URI
+// ("dns:///name:port", "ipv4:...") gives itself. Empty parts are dropped.
+std::vector<std::string> SplitEndpoints(const std::string& target);
+
+// The gRPC channel target for `target`: a single address or URI as is; a comma-separated list of
+// numeric endpoints as "ipv4:h1:p1,h2:p2" (or "ipv6:[h1]:p1,..."; "localhost" counts as
+// 127.0.0.1). INVALID_ARGUMENT for a list with a host name in it (use dns:/// for names).
+absl::StatusOr<std::string> ChannelTarget(const std::string& target);
+
 struct ClientOptions {
-  int max_message_bytes = 1 << 30;                   // Matches attnd's default --max-message-bytes.
+  int max_message_bytes = 1 << 30;  // Matches attnd's default --max-message-bytes.
+  // Applied through the channel's service config; matters when the target names several servers
+  // (a list, or a dns:/// name with several addresses, e.g. a Kubernetes headless Service).
+  LoadBalancing load_balancing = LoadBalancing::kPickFirst;
   std::optional<std::chrono::milliseconds> timeout;  // Per-call deadline; none by default.
   // TLS, with PEM *contents* (not paths): tls_ca, the CA bundle the server's certificate must
   // chain to (empty = plaintext); tls_cert and tls_key, both or neither, a client certificate
@@ -52,7 +72,9 @@ struct ClientOptions {
 
 class Client {
  public:
-  // Connects lazily: the first call dials `target` (e.g. "127.0.0.1:50051").
+  // Connects lazily: the first call dials `target` (e.g. "127.0.0.1:50051", a list
+  // "127.0.0.1:50051,127.0.0.1:50052" or "dns:///attnd-headless:50051"; see ChannelTarget: a
+  // list it refuses is dialled as given, and calls then fail UNAVAILABLE).
   explicit Client(const std::string& target, ClientOptions options = {});
 
   absl::StatusOr<attention::v1::AttentionResponse> Naive(

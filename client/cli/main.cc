@@ -3,6 +3,8 @@
 //   attn info | health
 //   attn naive|tiled  (--example seed [--query-multiplier X] | --random B,H,N,D [--seed S]
 //                      [--dtype f32|f16|bf16] [--kv-heads K]) [--causal] [--block-k K] [--lse]
+//                     [--shard-heads] [--output-file PATH]
+//   (any command)     [--target h1:p1,h2:p2,... | dns:///name:port] [--lb round_robin]
 //   attn trace        (same inputs) [--rows b:h:r,...] [--follow [--follow-ms MS] | --json]
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
@@ -28,10 +30,23 @@
 #include "client/cli/inputs.h"
 #include "client/cli/render.h"
 #include "client/client.h"
+#include "client/shard.h"
 #include "google/protobuf/util/json_util.h"
 #include "server/dashed_flags.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address (host:port).");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "attnd address (host:port), a comma-separated list of them (numeric addresses), or a "
+          "gRPC URI such as dns:///name:port.");
+ABSL_FLAG(std::string, lb, "pick_first",
+          "Load balancing over the target's addresses: pick_first (one server) or round_robin "
+          "(calls spread over all ready servers).");
+ABSL_FLAG(bool, shard_heads, false,
+          "naive/tiled: split the request by (batch, kv-head group) across the --target list's "
+          "endpoints, send the parts concurrently and reassemble the answer; a failed part is "
+          "retried once on another endpoint.");
+ABSL_FLAG(std::string, output_file, "",
+          "naive/tiled: write the output tensor's raw bytes (then the lse's, with --lse) to this "
+          "file, e.g. to compare answers bit for bit.");
 ABSL_FLAG(std::string, example, "", "Use a built-in example: seed (the explainer's 8×4 problem).");
 ABSL_FLAG(float, query_multiplier, 1.f, "Multiplies the seed example's queries (and scores).");
 ABSL_FLAG(std::string, random, "", "Random inputs of shape B,H,N,D (uniform in [-1, 1)).");
@@ -129,19 +144,42 @@ absl::StatusOr<std::vector<v1::RowRef>> ReadRows() {
   return rows;
 }
 
-int RunCompute(attn::client::Client& client, const std::string& method) {
+int RunCompute(attn::client::Client& client, const std::string& method,
+               const attn::client::ClientOptions& options) {
   absl::StatusOr<Inputs> inputs = ReadInputs();
   if (!inputs.ok()) return Fail(inputs.status());
   const v1::AttentionRequest request = attn::cli::MakeRequest(*inputs, ReadOptions());
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<v1::AttentionResponse> response =
-      method == "naive" ? client.Naive(request) : client.Tiled(request);
+  absl::StatusOr<v1::AttentionResponse> response;
+  if (absl::GetFlag(FLAGS_shard_heads)) {
+    attn::client::ShardedClient sharded(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
+                                        options);
+    attn::client::ShardReport report;
+    response =
+        method == "naive" ? sharded.Naive(request, &report) : sharded.Tiled(request, &report);
+    for (size_t i = 0; i < report.parts.size(); ++i) {
+      const attn::client::ShardReport::Part& part = report.parts[i];
+      if (part.retried) {
+        std::fprintf(stderr, "shard: part %zu retried after %s\n", i + 1, part.first_error.c_str());
+      }
+      std::fprintf(stderr, "shard: part %zu/%zu units [%lld, %lld) -> %s\n", i + 1,
+                   report.parts.size(), static_cast<long long>(part.first_unit),
+                   static_cast<long long>(part.first_unit + part.units), part.endpoint.c_str());
+    }
+  } else {
+    response = method == "naive" ? client.Naive(request) : client.Tiled(request);
+  }
   const int64_t round_trip_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count();
   if (!response.ok()) return Fail(response.status());
   absl::StatusOr<attn::client::Array> output = attn::client::FromTensor(response->output());
   if (!output.ok()) return Fail(output.status());
+  if (const std::string path = absl::GetFlag(FLAGS_output_file); !path.empty()) {
+    const absl::Status written =
+        attn::cli::WriteFile(path, response->output().data() + response->lse().data());
+    if (!written.ok()) return Fail(written);
+  }
   attn::cli::PrintResult(stdout, method == "naive" ? "Naive" : "Tiled", *response, *output,
                          round_trip_ns, absl::GetFlag(FLAGS_print_rows));
   return 0;
@@ -318,8 +356,21 @@ int main(int argc, char** argv) {
   if (const absl::Status security = ReadSecurityFlags(options); !security.ok()) {
     return Fail(security);
   }
+  absl::StatusOr<attn::client::LoadBalancing> lb =
+      attn::client::ParseLoadBalancing(absl::GetFlag(FLAGS_lb));
+  if (!lb.ok()) return Fail(lb.status());
+  options.load_balancing = *lb;
+  // --shard-heads dials each endpoint on its own channel, so its list may hold host names.
+  if (const absl::StatusOr<std::string> target =
+          attn::client::ChannelTarget(absl::GetFlag(FLAGS_target));
+      !target.ok() && !absl::GetFlag(FLAGS_shard_heads)) {
+    return Fail(target.status());
+  }
+  if (absl::GetFlag(FLAGS_shard_heads) && command != "naive" && command != "tiled") {
+    return Fail(absl::InvalidArgumentError("--shard-heads applies to naive and tiled"));
+  }
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);
-  if (command == "naive" || command == "tiled") return RunCompute(client, command);
+  if (command == "naive" || command == "tiled") return RunCompute(client, command, options);
   if (command == "trace") return RunTrace(client);
   if (command == "bench") return RunBench(client);
   if (command == "info") return RunInfo(client);

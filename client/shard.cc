@@ -1,0 +1,253 @@
+#include "client/shard.h"
+
+#include <algorithm>
+#include <optional>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
+#include "proto/dtype_mapping.h"
+
+namespace attn::client {
+namespace {
+
+namespace v1 = attention::v1;
+
+// A request's shapes normalized to rank 4: query [B, H, N, D], key [B, K, M, D],
+// value [B, K, M, Dv].
+struct Dims {
+  int64_t batch, heads, kv_heads, query_len, key_len, head_dim, value_dim;
+};
+
+// Bytes of a tensor's data per element; nullopt for an unknown dtype.
+std::optional<int64_t> ElementBytes(const v1::Tensor& tensor) {
+  const std::optional<DType> dtype = FromProtoDType(tensor.dtype());
+  if (!dtype) return std::nullopt;
+  return ElementSize(*dtype);
+}
+
+// Elements of a tensor's shape; nullopt when a dimension is < 1 or the count passes 2^48.
+std::optional<int64_t> Elements(const v1::Tensor& tensor) {
+  constexpr int64_t kMax = int64_t{1} << 48;
+  int64_t elements = 1;
+  for (int64_t dim : tensor.shape()) {
+    if (dim < 1 || dim > kMax || elements > kMax / dim) return std::nullopt;
+    elements *= dim;
+  }
+  return elements;
+}
+
+// The dims of a request the server would accept as to shape, or nullopt.
+std::optional<Dims> ReadDims(const v1::AttentionRequest& request) {
+  const v1::Tensor& q = request.query();
+  const v1::Tensor& k = request.key();
+  const v1::Tensor& v = request.value();
+  const int rank = q.shape_size();
+  if (rank < 2 || rank > 4 || k.shape_size() != rank || v.shape_size() != rank) {
+    return std::nullopt;
+  }
+  for (const v1::Tensor* tensor : {&q, &k, &v}) {
+    const std::optional<int64_t> elements = Elements(*tensor);
+    const std::optional<int64_t> bytes = ElementBytes(*tensor);
+    if (!elements || !bytes || static_cast<int64_t>(tensor->data().size()) != *elements * *bytes) {
+      return std::nullopt;
+    }
+  }
+  auto at = [rank](const v1::Tensor& tensor, int from_end) -> int64_t {
+    return from_end <= rank ? tensor.shape(rank - from_end) : 1;
+  };
+  Dims dims{at(q, 4), at(q, 3), at(k, 3), at(q, 2), at(k, 2), at(q, 1), at(v, 1)};
+  if (at(k, 4) != dims.batch || at(v, 4) != dims.batch || at(v, 3) != dims.kv_heads ||
+      at(v, 2) != dims.key_len || at(k, 1) != dims.head_dim || dims.heads % dims.kv_heads != 0) {
+    return std::nullopt;
+  }
+  return dims;
+}
+
+// Elements [first·per_unit, (first + units)·per_unit) of `tensor` as a rank-4 tensor.
+v1::Tensor Slice(const v1::Tensor& tensor, int64_t first, int64_t units, int64_t per_unit,
+                 std::vector<int64_t> shape) {
+  const int64_t bytes = *ElementBytes(tensor);
+  v1::Tensor slice;
+  slice.mutable_shape()->Assign(shape.begin(), shape.end());
+  slice.set_dtype(tensor.dtype());
+  slice.set_data(tensor.data().substr(first * per_unit * bytes, units * per_unit * bytes));
+  return slice;
+}
+
+bool Retryable(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max_parts) {
+  const std::optional<Dims> dims = ReadDims(request);
+  const int64_t units = dims ? dims->batch * dims->kv_heads : 1;
+  const int64_t parts = std::clamp<int64_t>(max_parts, 1, units);
+  if (!dims || parts == 1) return {ShardPart{0, units, request}};
+  const int64_t group = dims->heads / dims->kv_heads;
+  const int64_t query_per_unit = group * dims->query_len * dims->head_dim;
+  const int64_t key_per_unit = dims->key_len * dims->head_dim;
+  const int64_t value_per_unit = dims->key_len * dims->value_dim;
+  std::vector<ShardPart> out;
+  out.reserve(parts);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t first = units * p / parts;
+    const int64_t count = units * (p + 1) / parts - first;
+    ShardPart& part = out.emplace_back();
+    part.first_unit = first;
+    part.units = count;
+    *part.request.mutable_query() = Slice(request.query(), first, count, query_per_unit,
+                                          {count, group, dims->query_len, dims->head_dim});
+    *part.request.mutable_key() =
+        Slice(request.key(), first, count, key_per_unit, {count, 1, dims->key_len, dims->head_dim});
+    *part.request.mutable_value() = Slice(request.value(), first, count, value_per_unit,
+                                          {count, 1, dims->key_len, dims->value_dim});
+    if (request.has_options()) *part.request.mutable_options() = request.options();
+  }
+  return out;
+}
+
+absl::StatusOr<v1::AttentionResponse> MergeResponses(
+    const v1::AttentionRequest& request, const std::vector<ShardPart>& parts,
+    const std::vector<v1::AttentionResponse>& responses) {
+  if (parts.size() != responses.size() || parts.empty()) {
+    return absl::InternalError("shard: a response per part is needed");
+  }
+  if (parts.size() == 1) return responses[0];
+  const Dims dims = *ReadDims(request);
+  const int64_t group = dims.heads / dims.kv_heads;
+  std::vector<int64_t> output_shape(request.query().shape().begin(), request.query().shape().end());
+  std::vector<int64_t> lse_shape(output_shape.begin(), output_shape.end() - 1);
+  output_shape.back() = dims.value_dim;
+
+  v1::AttentionResponse merged;
+  v1::Tensor& output = *merged.mutable_output();
+  output.mutable_shape()->Assign(output_shape.begin(), output_shape.end());
+  output.set_dtype(responses[0].output().dtype());
+  const bool lse = responses[0].has_lse();
+  if (lse) {
+    merged.mutable_lse()->mutable_shape()->Assign(lse_shape.begin(), lse_shape.end());
+    merged.mutable_lse()->set_dtype(responses[0].lse().dtype());
+  }
+  v1::ExecutionStats& stats = *merged.mutable_stats();
+  stats = responses[0].stats();
+  stats.set_flops(0);
+  stats.set_intermediate_bytes(0);
+  stats.set_scratch_bytes(0);
+  stats.set_peak_memory_bytes(0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const v1::AttentionResponse& response = responses[i];
+    const int64_t rows = parts[i].units * group * dims.query_len;
+    for (const auto& [name, part_tensor, whole, per_row] :
+         {std::tuple{"output", &response.output(), &output, dims.value_dim},
+          std::tuple{"lse", &response.lse(), lse ? merged.mutable_lse() : nullptr, int64_t{1}}}) {
+      if (whole == nullptr) continue;
+      const std::optional<int64_t> bytes = ElementBytes(*part_tensor);
+      if (part_tensor->dtype() != whole->dtype() || !bytes ||
+          static_cast<int64_t>(part_tensor->data().size()) != rows * per_row * *bytes) {
+        return absl::InternalError(absl::StrCat("shard: part ", i, "'s ", name, " has ",
+                                                part_tensor->data().size(), " bytes of dtype ",
+                                                part_tensor->dtype(), ", expected ", rows * per_row,
+                                                " elements of dtype ", whole->dtype()));
+      }
+      whole->mutable_data()->append(part_tensor->data());
+    }
+    const v1::ExecutionStats& part_stats = response.stats();
+    stats.set_compute_ns(std::max(stats.compute_ns(), part_stats.compute_ns()));
+    stats.set_server_ns(std::max(stats.server_ns(), part_stats.server_ns()));
+    stats.set_flops(stats.flops() + part_stats.flops());
+    stats.set_intermediate_bytes(stats.intermediate_bytes() + part_stats.intermediate_bytes());
+    stats.set_scratch_bytes(stats.scratch_bytes() + part_stats.scratch_bytes());
+    stats.set_peak_memory_bytes(stats.peak_memory_bytes() + part_stats.peak_memory_bytes());
+  }
+  return merged;
+}
+
+ShardedClient::ShardedClient(std::vector<std::string> endpoints, ClientOptions options)
+    : endpoints_(std::move(endpoints)) {
+  for (const std::string& endpoint : endpoints_) {
+    clients_.push_back(std::make_unique<Client>(endpoint, options));
+  }
+}
+
+absl::StatusOr<v1::AttentionResponse> ShardedClient::Naive(const v1::AttentionRequest& request,
+                                                           ShardReport* report) {
+  return Call(/*naive=*/true, request, report);
+}
+
+absl::StatusOr<v1::AttentionResponse> ShardedClient::Tiled(const v1::AttentionRequest& request,
+                                                           ShardReport* report) {
+  return Call(/*naive=*/false, request, report);
+}
+
+absl::StatusOr<v1::AttentionResponse> ShardedClient::Call(bool naive,
+                                                          const v1::AttentionRequest& request,
+                                                          ShardReport* report) {
+  if (clients_.empty()) return absl::InvalidArgumentError("shard: no endpoints");
+  const std::vector<ShardPart> parts = SplitRequest(request, static_cast<int>(clients_.size()));
+  const size_t endpoints = clients_.size();
+  std::vector<absl::StatusOr<v1::AttentionResponse>> results(parts.size(),
+                                                             absl::UnknownError("not sent"));
+  ShardReport local;
+  local.parts.resize(parts.size());
+  auto run = [&](size_t i) {
+    ShardReport::Part& part = local.parts[i];
+    part.first_unit = parts[i].first_unit;
+    part.units = parts[i].units;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const size_t endpoint = (i + attempt) % endpoints;
+      Client& client = *clients_[endpoint];
+      part.endpoint = endpoints_[endpoint];
+      results[i] = naive ? client.Naive(parts[i].request) : client.Tiled(parts[i].request);
+      if (results[i].ok() || !Retryable(results[i].status())) return;
+      if (attempt == 0) {
+        part.retried = true;
+        part.first_error = absl::StrCat(endpoints_[endpoint], ": ",
+                                        absl::StatusCodeToString(results[i].status().code()), ": ",
+                                        results[i].status().message());
+      }
+    }
+  };
+  if (parts.size() == 1) {
+    run(0);
+  } else {
+    std::vector<std::thread> threads;
+    threads.reserve(parts.size());
+    for (size_t i = 0; i < parts.size(); ++i) threads.emplace_back(run, i);
+    for (std::thread& thread : threads) thread.join();
+  }
+  for (const ShardReport::Part& part : local.parts) local.retried += part.retried ? 1 : 0;
+  if (report != nullptr) *report = local;
+
+  std::vector<v1::AttentionResponse> responses;
+  responses.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!results[i].ok()) {
+      if (parts.size() == 1 && !local.parts[i].retried) return results[i].status();
+      return absl::Status(
+          results[i].status().code(),
+          absl::StrCat("part ", i + 1, " of ", parts.size(), " (", local.parts[i].endpoint,
+                       local.parts[i].retried ? ", after a retry" : "",
+                       "): ", results[i].status().message()));
+    }
+    responses.push_back(*std::move(results[i]));
+  }
+  return MergeResponses(request, parts, responses);
+}
+
+}  // namespace attn::client

@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""Static checks of the deployment files (issue 7): the Dockerfile, deploy/k8s/ and
+deploy/compose.yaml. No Docker engine or cluster runs here, so this reads the files and checks
+what they say against each other and against the build recipe tests/run.sh uses:
+
+  Dockerfile: two stages, both FROM lines on an exactly pinned nvidia/cuda tag, devel then the
+    matching runtime; the build stage runs deploy/install-deps.sh and the CMake preset that
+    tests/run.sh configures and builds, with CUDA on for sm 80 and 90; the runtime stage copies
+    attnd and attn from the build stage, runs as a non-root user, exposes the gRPC and HTTP ports
+    attnd listens on, has a HEALTHCHECK with `attn health`, and starts attnd with arguments
+    attnd accepts (a non-loopback plaintext --listen needs --insecure or TLS).
+  deploy/k8s: every file parses (yaml.safe_load_all) and is listed in kustomization.yaml; the
+    Deployment asks for nvidia.com/gpu 1, listens where the Dockerfile does, has gRPC startup,
+    liveness and readiness probes on that port, runs non-root with a read-only root filesystem
+    and no privilege escalation, and reads --auth-token-file from the Secret volume's path; the
+    Services and the PDB select the Deployment's pods, the headless one has clusterIP None.
+  deploy/compose.yaml: parses, reserves an NVIDIA GPU, same ports, the token from a secret.
+  yamllint --strict -c deploy/.yamllint deploy: clean.
+
+Usage: deploy_static_test.py [REPO_ROOT]. Prints one line per check and "N passed, N failed".
+"""
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import yaml
+
+ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
+                       os.path.join(os.path.dirname(__file__), ".."))
+GPU = "nvidia.com/gpu"
+
+results = []  # (name, error or None)
+
+
+def check(fn):
+    try:
+        fn()
+        results.append((fn.__name__, None))
+    except AssertionError as e:
+        results.append((fn.__name__, str(e) or "assertion failed"))
+    except Exception as e:  # A broken file must fail the check, not the test runner.
+        results.append((fn.__name__, f"{type(e).__name__}: {e}"))
+    return fn
+
+
+def read(rel):
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+# --- the Dockerfile ---------------------------------------------------------------------------
+
+def dockerfile_instructions():
+    """[(INSTRUCTION, arguments)] with continuation lines joined and comments dropped."""
+    out, pending = [], ""
+    for line in read("Dockerfile").splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue  # A comment inside a continued instruction.
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + stripped).strip()
+        pending = ""
+        word, _, rest = full.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, "Dockerfile ends inside a continued instruction"
+    return out
+
+
+def stages():
+    """[{'from': image, 'name': alias, 'lines': [(INSTR, args)]}]."""
+    result = []
+    for instr, args in dockerfile_instructions():
+        if instr == "FROM":
+            m = re.fullmatch(r"(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?", args, re.I)
+            assert m, f"FROM line not understood: {args}"
+            result.append({"from": m.group(1), "name": m.group(2), "lines": []})
+        else:
+            assert result, f"{instr} before the first FROM"
+            result[-1]["lines"].append((instr, args))
+    return result
+
+
+def exec_form(args):
+    """The argv of a JSON (exec form) or shell form instruction."""
+    if args.startswith("["):
+        argv = json.loads(args)
+        assert all(isinstance(a, str) for a in argv), f"not a list of strings: {args}"
+        return argv
+    return shlex.split(args)
+
+
+def image_argv():
+    """ENTRYPOINT + CMD of the last stage, as Docker runs them."""
+    entry, cmd = [], []
+    for instr, args in stages()[-1]["lines"]:
+        if instr == "ENTRYPOINT":
+            entry = exec_form(args)
+        elif instr == "CMD":
+            cmd = exec_form(args)
+    return entry + cmd
+
+
+def flag(argv, name):
+    """The value of --name VALUE or --name=VALUE in argv, else None (the last one wins)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def host_port(address):
+    host, _, port = address.rpartition(":")
+    assert host and port.isdigit(), f"not host:port: {address}"
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def attnd_ports(argv, where):
+    """(grpc port, http port) from attnd's argv; also checks that attnd would start with it."""
+    listen = flag(argv, "--listen")
+    http = flag(argv, "--http-listen")
+    assert listen, f"{where}: no --listen (the default 127.0.0.1 is unreachable from outside)"
+    assert http, f"{where}: no --http-listen (the default 127.0.0.1:8080 is unreachable)"
+    host, grpc_port = host_port(listen)
+    tls = flag(argv, "--tls-cert") and flag(argv, "--tls-key")
+    assert is_loopback(host) or tls or "--insecure" in argv, (
+        f"{where}: plaintext on {listen} without --insecure: attnd exits with status 2")
+    assert flag(argv, "--device") in (None, "auto"), f"{where}: --device is not auto"
+    return grpc_port, host_port(http)[1]
+
+
+def run_preset():
+    """The configure preset tests/run.sh builds and tests (its first `cmake --preset`)."""
+    m = re.search(r"^cmake --preset (\S+)\s*$", read("tests/run.sh"), re.M)
+    assert m, "tests/run.sh has no `cmake --preset NAME` line"
+    return m.group(1)
+
+
+def docker_ports():
+    argv = image_argv()
+    assert argv and os.path.basename(argv[0]) == "attnd", f"the image does not start attnd: {argv}"
+    return attnd_ports(argv[1:], "Dockerfile")
+
+
+@check
+def dockerfile_stages_pinned_devel_then_runtime():
+    s = stages()
+    assert len(s) >= 2, f"{len(s)} stage(s); want a build stage and a runtime stage"
+    tags = []
+    for stage in (s[0], s[-1]):
+        m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+\.\d+)-(devel|runtime)-ubuntu(\d+\.\d+)",
+                         stage["from"])
+        assert m, f"not an exactly pinned nvidia/cuda X.Y.Z-devel|runtime-ubuntuNN.NN tag: " \
+                  f"{stage['from']}"
+        tags.append(m.groups())
+    (v0, kind0, os0), (v1, kind1, os1) = tags
+    assert (kind0, kind1) == ("devel", "runtime"), f"stages are {kind0} then {kind1}"
+    assert v0 == v1 and os0 == os1, f"devel {v0}/{os0} and runtime {v1}/{os1} differ"
+    assert v0.startswith("13.0."), f"CUDA {v0}; the issue asks for 13.0.x"
+    assert os0 == "24.04", f"ubuntu{os0}; the issue asks for ubuntu24.04"
+
+
+@check
+def dockerfile_build_stage_uses_ci_recipe():
+    preset = run_preset()
+    runs = " && ".join(a for i, a in stages()[0]["lines"] if i == "RUN")
+    runs = re.sub(r"\s+", " ", runs)
+    assert re.search(r"(^|[\s&;])(\S+=\S+ )*\./deploy/install-deps\.sh\b", runs), \
+        "the build stage does not run ./deploy/install-deps.sh"
+    run_sh = read("tests/run.sh")
+    assert "./deploy/install-deps.sh" in run_sh, "tests/run.sh no longer runs install-deps.sh"
+    assert f"cmake --preset {preset} " in runs + " ", \
+        f"the build stage does not configure with `cmake --preset {preset}` like tests/run.sh"
+    assert f"cmake --build --preset {preset}" in runs, \
+        f"the build stage does not build with `cmake --build --preset {preset}`"
+    assert f"cmake --build --preset {preset}" in run_sh, \
+        f"tests/run.sh does not build preset {preset}"
+    assert "-DATTN_CUDA=ON" in runs, "the build stage does not require CUDA (-DATTN_CUDA=ON)"
+    m = re.search(r"-DCMAKE_CUDA_ARCHITECTURES=\"?([0-9;]+)\"?", runs)
+    assert m and set(m.group(1).split(";")) == {"80", "90"}, \
+        "CUDA architectures are not 80;90"
+    assert re.search(r"--target (\S+ )*attnd\b", runs) and re.search(r"--target (\S+ )*attn\b",
+                                                                     runs), \
+        "the build stage does not build the attnd and attn targets"
+    presets = json.loads(read("CMakePresets.json"))
+    binary_dir = next(p["binaryDir"] for p in presets["configurePresets"] if p["name"] == preset)
+    build_dir = binary_dir.replace("${sourceDir}/", "")
+    copies = [a for i, a in stages()[-1]["lines"] if i == "COPY"]
+    for binary in ("attnd", "attn"):
+        assert any(a.startswith("--from=") and re.search(rf"{re.escape(build_dir)}/{binary}\b", a)
+                   for a in copies), \
+            f"the runtime stage does not copy {build_dir}/{binary} from the build stage"
+
+
+@check
+def dockerfile_runs_as_non_root():
+    users = [a for i, a in stages()[-1]["lines"] if i == "USER"]
+    assert users, "the runtime stage has no USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0"), f"USER {users[-1]} is root"
+    assert user.isdigit(), f"USER {user}: use a numeric uid so runAsNonRoot can verify it"
+
+
+@check
+def dockerfile_exposes_attnd_ports():
+    exposed = set()
+    for i, a in stages()[-1]["lines"]:
+        if i == "EXPOSE":
+            exposed |= {int(p.split("/")[0]) for p in a.split()}
+    grpc_port, http_port = docker_ports()
+    assert (grpc_port, http_port) == (50051, 8080), f"attnd listens on {grpc_port}, {http_port}"
+    assert {grpc_port, http_port} <= exposed, f"EXPOSE {sorted(exposed)}; attnd listens on " \
+                                              f"{grpc_port} and {http_port}"
+
+
+@check
+def dockerfile_healthcheck_uses_attn_health():
+    checks = [a for i, a in stages()[-1]["lines"] if i == "HEALTHCHECK"]
+    assert len(checks) == 1, f"{len(checks)} HEALTHCHECK lines in the runtime stage"
+    m = re.search(r"\bCMD\s+(.*)$", checks[0])
+    assert m, f"HEALTHCHECK without CMD: {checks[0]}"
+    argv = exec_form(m.group(1))
+    assert os.path.basename(argv[0]) == "attn" and "health" in argv, \
+        f"HEALTHCHECK does not run `attn health`: {argv}"
+    target = flag(argv, "--target") or "127.0.0.1:50051"
+    assert host_port(target)[1] == docker_ports()[0], \
+        f"HEALTHCHECK asks {target}, attnd listens on port {docker_ports()[0]}"
+
+
+# --- deploy/k8s -------------------------------------------------------------------------------
+
+def k8s_docs():
+    """{file: [documents]} for every YAML file in deploy/k8s."""
+    d = os.path.join(ROOT, "deploy", "k8s")
+    files = sorted(f for f in os.listdir(d) if f.endswith((".yaml", ".yml")))
+    return {f: [doc for doc in yaml.safe_load_all(read(f"deploy/k8s/{f}")) if doc is not None]
+            for f in files}
+
+
+def k8s_objects(kind):
+    return [doc for docs in k8s_docs().values() for doc in docs if doc.get("kind") == kind]
+
+
+def the_deployment():
+    deployments = k8s_objects("Deployment")
+    assert len(deployments) == 1, f"{len(deployments)} Deployments in deploy/k8s"
+    return deployments[0]
+
+
+def the_container():
+    containers = the_deployment()["spec"]["template"]["spec"]["containers"]
+    attnd = [c for c in containers if c.get("name") == "attnd"]
+    assert len(attnd) == 1, "no container named attnd in the Deployment"
+    return attnd[0]
+
+
+def container_argv(container):
+    return list(container.get("command") or []) + [str(a) for a in container.get("args") or []]
+
+
+def selects(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+@check
+def k8s_files_parse_and_are_listed():
+    docs = k8s_docs()
+    expected = {"deployment.yaml", "service.yaml", "service-headless.yaml", "pdb.yaml",
+                "kustomization.yaml"}
+    assert expected <= set(docs), f"deploy/k8s lacks {sorted(expected - set(docs))}"
+    for f, d in docs.items():
+        assert d, f"{f} holds no document"
+        for doc in d:
+            assert isinstance(doc, dict) and doc.get("kind") and doc.get("apiVersion"), \
+                f"{f}: a document without kind/apiVersion"
+    kustomization = docs["kustomization.yaml"][0]
+    assert kustomization["kind"] == "Kustomization"
+    listed = set(kustomization.get("resources") or [])
+    assert listed == set(docs) - {"kustomization.yaml"}, \
+        f"kustomization resources {sorted(listed)} != the files {sorted(set(docs))}"
+    image = the_container()["image"].split(":")[0]
+    assert any(i.get("name") == image for i in kustomization.get("images") or []), \
+        f"kustomization.yaml does not set the image {image}"
+
+
+@check
+def k8s_deployment_gpu_limit():
+    resources = the_container().get("resources") or {}
+    limit = (resources.get("limits") or {}).get(GPU)
+    request = (resources.get("requests") or {}).get(GPU)
+    assert str(limit) == "1", f"limits {GPU} is {limit!r}, want 1"
+    assert request is None or str(request) == "1", f"requests {GPU} is {request!r}, want 1"
+    assert (resources.get("requests") or {}).get("memory") and \
+        (resources.get("limits") or {}).get("memory"), "no memory request and limit"
+
+
+@check
+def k8s_deployment_ports_and_grpc_probes():
+    container = the_container()
+    grpc_port, http_port = attnd_ports(container_argv(container), "deployment.yaml")
+    assert (grpc_port, http_port) == docker_ports(), \
+        f"the Deployment listens on {grpc_port}/{http_port}, the image on {docker_ports()}"
+    ports = {p["containerPort"] for p in container.get("ports") or []}
+    assert {grpc_port, http_port} <= ports, f"containerPorts {sorted(ports)}"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        spec = container.get(probe)
+        assert spec, f"no {probe}"
+        grpc = spec.get("grpc")
+        assert grpc and grpc.get("port") == grpc_port, \
+            f"{probe} is not a gRPC probe on port {grpc_port}: {spec}"
+        assert grpc.get("service", "") == "", f"{probe} asks service {grpc.get('service')!r}; " \
+                                              "attnd reports its status for the empty service"
+
+
+@check
+def k8s_deployment_non_root():
+    pod = the_deployment()["spec"]["template"]["spec"]
+    pod_sc = pod.get("securityContext") or {}
+    sc = the_container().get("securityContext") or {}
+    assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, "runAsNonRoot is not true"
+    uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
+    assert uid is None or uid != 0, "runAsUser is 0"
+    image_user = [a for i, a in stages()[-1]["lines"] if i == "USER"][-1].split(":")[0]
+    assert uid is None or str(uid) == image_user, f"runAsUser {uid}, image USER {image_user}"
+    assert sc.get("readOnlyRootFilesystem") is True, "readOnlyRootFilesystem is not true"
+    assert sc.get("allowPrivilegeEscalation") is False, "allowPrivilegeEscalation is not false"
+
+
+@check
+def k8s_token_from_secret_file():
+    container = the_container()
+    path = flag(container_argv(container), "--auth-token-file")
+    assert path, "the Deployment does not pass --auth-token-file"
+    volumes = {v["name"]: v for v in the_deployment()["spec"]["template"]["spec"]["volumes"]}
+    found = False
+    for mount in container.get("volumeMounts") or []:
+        secret = (volumes.get(mount["name"]) or {}).get("secret")
+        if not secret:
+            continue
+        base = mount["mountPath"].rstrip("/")
+        if mount.get("subPath"):
+            files = {base}
+        elif secret.get("items"):
+            files = {f"{base}/{item['path']}" for item in secret["items"]}
+        else:
+            files = {f"{base}/token"}  # Keys become files; the README's key is "token".
+        if path in files:
+            found = True
+            assert mount.get("readOnly") is True, "the token volume is not mounted readOnly"
+            assert secret.get("secretName"), "the token volume names no Secret"
+    assert found, f"--auth-token-file {path} is not a file of a mounted Secret volume"
+
+
+@check
+def k8s_services_and_pdb_select_the_pods():
+    labels = the_deployment()["spec"]["template"]["metadata"]["labels"]
+    assert selects(the_deployment()["spec"]["selector"]["matchLabels"], labels)
+    grpc_port = docker_ports()[0]
+    container_ports = {p.get("name"): p["containerPort"] for p in the_container()["ports"]}
+    services = {s["metadata"]["name"]: s for s in k8s_objects("Service")}
+    assert "attnd" in services and "attnd-headless" in services, \
+        f"Services {sorted(services)}; want attnd and attnd-headless"
+    assert services["attnd"]["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert services["attnd-headless"]["spec"].get("clusterIP") == "None", \
+        "attnd-headless is not headless (clusterIP: None)"
+    for name, svc in services.items():
+        assert selects(svc["spec"]["selector"], labels), f"Service {name} selects no attnd pod"
+        targets = set()
+        for p in svc["spec"]["ports"]:
+            t = p.get("targetPort", p["port"])
+            targets.add(container_ports.get(t, t))
+        assert grpc_port in targets, f"Service {name} does not reach port {grpc_port}"
+    pdbs = k8s_objects("PodDisruptionBudget")
+    assert len(pdbs) == 1 and selects(pdbs[0]["spec"]["selector"]["matchLabels"], labels), \
+        "no PodDisruptionBudget selecting the attnd pods"
+
+
+# --- deploy/compose.yaml ----------------------------------------------------------------------
+
+@check
+def compose_gpu_ports_and_token():
+    compose = yaml.safe_load(read("deploy/compose.yaml"))
+    service = compose["services"]["attnd"]
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
+               for d in devices), "no NVIDIA GPU reservation"
+    argv = [str(a) for a in service.get("command") or []]
+    grpc_port, http_port = attnd_ports(argv, "compose.yaml")
+    assert (grpc_port, http_port) == docker_ports(), "compose ports differ from the image's"
+    published = {int(str(p).rsplit(":", 1)[-1]) for p in service.get("ports") or []}
+    assert {grpc_port, http_port} <= published, f"compose publishes {sorted(published)}"
+    path = flag(argv, "--auth-token-file")
+    secrets = {}
+    for s in service.get("secrets") or []:
+        if isinstance(s, str):
+            secrets[s] = f"/run/secrets/{s}"
+        else:
+            target = s.get("target", s["source"])
+            secrets[s["source"]] = target if target.startswith("/") else f"/run/secrets/{target}"
+    assert path in secrets.values(), f"--auth-token-file {path} is not a compose secret"
+    user = str(service.get("user", "")).split(":")[0]
+    assert user and user not in ("0", "root"), f"compose user {user!r}"
+
+
+# --- yamllint ---------------------------------------------------------------------------------
+
+@check
+def yamllint_clean():
+    r = subprocess.run(["yamllint", "--strict", "-f", "parsable", "-c",
+                        os.path.join(ROOT, "deploy", ".yamllint"), os.path.join(ROOT, "deploy")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip(), \
+        f"yamllint exit {r.returncode}:\n{r.stdout}{r.stderr}"
+
+
+failed = 0
+for name, error in results:
+    print(f"{'ok  ' if error is None else 'FAIL'} {name}" + ("" if error is None else f": {error}"))
+    failed += error is not None
+print(f"deploy_static: {len(results) - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
