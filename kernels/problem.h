@@ -112,6 +112,13 @@ struct Problem {
     return VisiblePairs() * 2.0 * static_cast<double>(shape.head_dim + shape.value_dim);
   }
 
+  // What Naive stores: its fp32 score and weight matrices, 2·B·H·Nq·Nk·4 bytes (the caller has
+  // checked that it fits in int64).
+  int64_t NaiveStorageBytes() const {
+    return 2 * shape.batch * shape.heads * shape.query_len * shape.key_len *
+           static_cast<int64_t>(sizeof(float));
+  }
+
   // The explainer's accounting of Naive's score and weight traffic: one fp32 write and one read
   // of each query_len × key_len matrix per (batch, head) = 16·B·H·Nq·Nk bytes. The caller has
   // checked that it fits in int64.

@@ -162,14 +162,8 @@ int main(int argc, char** argv) {
   // The JSON gateway and viewer share the HTTP port; their calls reach gRPC once it is built,
   // through the in-process channel, which skips the listener's token check: the gateway applies
   // the same check to the HTTP Authorization header.
-  std::string gateway_token;
-  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
-    absl::StatusOr<std::string> token = attn::LoadToken(absl::GetFlag(FLAGS_auth_token_file));
-    if (!token.ok()) Die(std::string(token.status().message()));
-    gateway_token = *std::move(token);
-  }
   attn::Gateway gateway({.cors_origin = absl::GetFlag(FLAGS_http_cors_origin),
-                         .auth_token = std::move(gateway_token),
+                         .auth_token = security->auth_token,
                          .max_message_bytes = max_message_bytes});
   // 16 HTTP workers: each open viewer trace (server-sent events) holds one while it streams,
   // and /metrics and the probes must still answer; --max-traces bounds the streams.

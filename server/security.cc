@@ -260,6 +260,7 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const SecurityConfig& config,
     absl::StrAppend(&security.summary, ", bearer token required (not for grpc.health.v1)");
   }
   if (!tls && !IsLoopbackAddress(listen)) absl::StrAppend(&security.summary, " [--insecure]");
+  security.auth_token = std::move(token);
   return security;
 }
 

@@ -38,7 +38,8 @@ struct SecurityConfig {
 // (never containing the token).
 struct ServerSecurity {
   std::shared_ptr<grpc::ServerCredentials> credentials;
-  std::string summary;  // e.g. "TLS (mutual: client certificates required), bearer token".
+  std::string summary;     // e.g. "TLS (mutual: client certificates required), bearer token".
+  std::string auth_token;  // The bearer token ("" when none), for checks outside gRPC's.
 };
 
 // Validates `config` for a server listening on `listen` and builds its credentials.

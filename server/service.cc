@@ -112,9 +112,7 @@ AdmissionLimits ResolveLimits(const Backend& backend, AdmissionLimits limits) {
 // backend itself refuses a single Naive past it, with a message that names Tiled. Tiled's
 // scratch is a few tiles per worker: not counted.
 int64_t HeldBytes(bool naive, const Problem& problem, int64_t budget) {
-  if (!naive) return 0;
-  const Shape& s = problem.shape;
-  return std::min(2 * s.batch * s.heads * s.query_len * s.key_len * int64_t{sizeof(float)}, budget);
+  return naive ? std::min(problem.NaiveStorageBytes(), budget) : 0;
 }
 
 // Why a call must stop now, if it must: the client cancelled or its deadline passed.

@@ -102,7 +102,7 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
                                      ThreadPool& pool, int64_t max_naive_bytes) {
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
-  const int64_t storage_bytes = 2 * matrix_elements * static_cast<int64_t>(sizeof(float));
+  const int64_t storage_bytes = problem.NaiveStorageBytes();
   if (storage_bytes > max_naive_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "Naive needs ", storage_bytes, " bytes for its fp32 score and weight matrices (2 × ",

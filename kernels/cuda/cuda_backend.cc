@@ -344,7 +344,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   if (absl::Status status = outputs.CheckInterrupt(); !status.ok()) return status;
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
-  const int64_t storage_bytes = 2 * matrix_elements * static_cast<int64_t>(sizeof(float));
+  const int64_t storage_bytes = problem.NaiveStorageBytes();
   if (storage_bytes > max_naive_bytes_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("Naive needs ", storage_bytes,
