@@ -31,17 +31,29 @@ namespace attn {
 // compiler vectorizes (a scalar libm call per weight would halve Tiled's speed): with
 // n = round(x·log2 e) and r = x − n·ln 2 (ln 2 split in two so r is exact to fp32),
 // e^x = 2^n · e^r, e^r from its degree-7 Taylor polynomial (|r| ≤ ln2/2, truncation error
-// < 6e-9 relative; a few ulp in all). Arguments below −87.3 (including −inf: a masked score)
-// give exactly 0; above 88 they saturate at e^88.
+// < 6e-9 relative; a few ulp in all). n is rounded by adding 1.5·2^23, which leaves n in the low
+// bits of the sum; shifted into the exponent field they give 2^n, and an integer max with 0
+// makes 2^n exactly 0 once n + 127 ≤ 0. So below about −87.68 (−inf included: x is first
+// clamped to −100) e^x is exactly 0, and above 88 it saturates at e^88. Only min/max and
+// arithmetic, no compare-and-select: the softmax runs it on every score.
+namespace exp_detail {
+constexpr float kLow = -100.f, kHigh = 88.f;
+constexpr float kLog2e = 1.44269504f, kRound = 12582912.f;  // 1.5·2^23
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr int32_t kBias = 127 << 23;
+}  // namespace exp_detail
+
 ATTN_HOST_DEVICE float Exp(float x) {
 #if defined(__CUDA_ARCH__)
   return expf(x);
 #else
-  const float clamped = x < -87.3f ? -87.3f : (x > 88.f ? 88.f : x);
-  // Round to nearest by adding and subtracting 1.5·2^23 (no libm call, vectorizes).
-  const float n = (clamped * 1.44269504f + 12582912.f) - 12582912.f;
-  float r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+  using namespace exp_detail;
+  float clamped = x > kLow ? x : kLow;  // Written as maxps/minps compute them: NaN gives kLow.
+  clamped = clamped < kHigh ? clamped : kHigh;
+  const float t = clamped * kLog2e + kRound;
+  const float n = t - kRound;
+  float r = clamped - n * kLn2High;
+  r = r - n * kLn2Low;
   float p = 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -50,8 +62,10 @@ ATTN_HOST_DEVICE float Exp(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.3f ? 0.f : p * two_to_n;
+  // The low bits of t hold n (two's complement); the shift drops the rest of t.
+  const int32_t exponent =
+      static_cast<int32_t>(std::bit_cast<uint32_t>(t) << 23) + kBias;  // (n + 127) << 23
+  return p * std::bit_cast<float>(exponent > 0 ? exponent : 0);
 #endif
 }
 
@@ -64,6 +78,7 @@ namespace lanes {
 constexpr int kWidth = 8;
 typedef float Floats __attribute__((vector_size(32)));
 typedef int32_t Ints __attribute__((vector_size(32)));
+typedef uint32_t UInts __attribute__((vector_size(32)));
 
 ATTN_HOST_DEVICE Floats Load(const float* p) {
   Floats v;
@@ -75,11 +90,14 @@ ATTN_HOST_DEVICE Floats Splat(float x) { return Floats{} + x; }
 
 // attn::Exp on each lane.
 ATTN_HOST_DEVICE Floats Exp(Floats x) {
-  const Floats low = Splat(-87.3f), high = Splat(88.f);
-  const Floats clamped = x < low ? low : (x > high ? high : x);
-  const Floats n = (clamped * 1.44269504f + 12582912.f) - 12582912.f;
-  Floats r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+  using namespace exp_detail;
+  const Floats low = Splat(kLow), high = Splat(kHigh);
+  Floats clamped = x > low ? x : low;
+  clamped = clamped < high ? clamped : high;
+  const Floats t = clamped * kLog2e + kRound;
+  const Floats n = t - kRound;
+  Floats r = clamped - n * kLn2High;
+  r = r - n * kLn2Low;
   Floats p = Splat(1.f / 5040.f);
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -88,9 +106,9 @@ ATTN_HOST_DEVICE Floats Exp(Floats x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const Ints exponent = (__builtin_convertvector(n, Ints) + 127) << 23;
-  const Floats two_to_n = (Floats)exponent;
-  return x < low ? Splat(0.f) : p * two_to_n;
+  const Ints exponent = (Ints)((UInts)t << 23) + kBias;
+  const Ints zero = {};
+  return p * (Floats)(exponent > zero ? exponent : zero);
 }
 
 }  // namespace lanes
@@ -143,12 +161,16 @@ struct OnlineSoftmaxRow {
     for (; j < n; ++j) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
 
     const float rescale = Rescale(tile_max);
+    if (max == -INFINITY) {  // Every score so far is masked: no weight, and s − max is NaN.
+      for (j = 0; j < n; ++j) weights[j] = 0.f;
+      return rescale;
+    }
+    // With a finite max a masked score's s − max is −inf, whose Exp is exactly 0.
     const Floats max_lanes = lanes::Splat(max);
-    const Floats minus_infinity = lanes::Splat(-INFINITY);
     Floats lane_sum = lanes::Splat(0.f);
     for (j = 0; j + kWidth <= n; j += kWidth) {
       const Floats s = lanes::Load(scores + j);
-      const Floats w = s == minus_infinity ? lanes::Splat(0.f) : lanes::Exp(s - max_lanes);
+      const Floats w = lanes::Exp(s - max_lanes);
       lanes::Store(weights + j, w);
       lane_sum += w;
     }

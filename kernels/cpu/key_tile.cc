@@ -9,7 +9,7 @@
 namespace attn {
 namespace {
 
-constexpr int kPanel = KeyTile::kPanel;
+constexpr int kPanel = kTilePanel;
 constexpr int kRows = 6;  // Query rows per register block: 12 accumulators + 2 panel halves.
 using lanes::Floats;
 
@@ -39,11 +39,9 @@ namespace avx2 {
 
 }  // namespace
 
-void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, int value_dim,
-                   float scale) {
+void TileKeys::Load(const float* keys, int n, int head_dim, float scale) {
   n_ = n;
   head_dim_ = head_dim;
-  stride_ = AccStride(value_dim);
   keys_.resize(static_cast<size_t>((n + kPanel - 1) / kPanel) * head_dim * kPanel);
 #if defined(ATTN_KEY_TILE_AVX2)
   if (CpuHasAvx2Fma()) {
@@ -54,6 +52,18 @@ void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, 
 #else
   portable::PackKeys(keys, n, head_dim, scale, keys_.data());
 #endif
+}
+
+void TileKeys::Scores(const float* queries, int m, float* scores) const {
+#if defined(ATTN_KEY_TILE_AVX2)
+  if (CpuHasAvx2Fma()) return avx2::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
+#endif
+  portable::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
+}
+
+void TileValues::Load(const float* values, int n, int value_dim) {
+  n_ = n;
+  stride_ = AccStride(value_dim);
   if (value_dim == stride_) {  // Already whole panels: used in place.
     values_view_ = values;
     return;
@@ -68,14 +78,7 @@ void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, 
   values_view_ = values_.data();
 }
 
-void KeyTile::Scores(const float* queries, int m, float* scores) const {
-#if defined(ATTN_KEY_TILE_AVX2)
-  if (CpuHasAvx2Fma()) return avx2::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
-#endif
-  portable::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
-}
-
-void KeyTile::Accumulate(const float* weights, int m, float* acc) const {
+void TileValues::Accumulate(const float* weights, int m, float* acc) const {
 #if defined(ATTN_KEY_TILE_AVX2)
   if (CpuHasAvx2Fma()) return avx2::Accumulate(weights, m, n_, values_view_, stride_, acc);
 #endif

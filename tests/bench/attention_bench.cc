@@ -52,6 +52,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -362,6 +363,9 @@ void RunSgemm(benchmark::State& state, int64_t n, int threads) {
     benchmark::ClobberMemory();
   }
   openblas_set_num_threads(saved_threads);
+  // OpenBLAS's idle threads spin (yielding) for a while after a call; let them fall asleep so
+  // they do not compete with the next row's workers (run.sh interleaves sgemm with Tiled).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   if (!std::isfinite(c[0]) || !std::isfinite(c[n * n - 1])) return Skip(state, "bad: sgemm output");
   state.counters["GFLOP/s"] =
       benchmark::Counter(2.0 * n * n * n / 1e9, benchmark::Counter::kIsIterationInvariantRate);

@@ -1,0 +1,150 @@
+// The shared online-softmax step (kernels/online_softmax.h) on the CPU: its exp against float64,
+// the vector lanes against the scalar code, and a row visited tile by tile against the float64
+// softmax of the whole row.
+
+// lanes::Floats is a 32-byte vector; passing one by value between inline functions of this
+// baseline (non-AVX) build is fine, so GCC's note about the AVX calling convention is noise.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#include "kernels/online_softmax.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace attn {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// |Exp(x) − e^x| / e^x over [−87, 88]: a few ulp (fp32's ulp at 1 is 1.19e-7).
+TEST(ExpTest, WithinFourUlpOfFloat64) {
+  std::mt19937 rng(20261129);
+  std::uniform_real_distribution<float> uniform(-87.f, 88.f);
+  std::vector<float> xs = {0.f, -0.f, 1.f, -1.f, 0.5f, -0.34657359f, 0.34657359f, 88.f, -87.f};
+  for (int i = 0; i < 200000; ++i) xs.push_back(uniform(rng));
+  for (int i = -870; i <= 880; ++i) xs.push_back(i * 0.1f);
+  double worst = 0;
+  float worst_x = 0;
+  for (float x : xs) {
+    const double exact = std::exp(static_cast<double>(x));
+    const double error = std::abs(Exp(x) - exact) / exact;
+    if (error > worst) {
+      worst = error;
+      worst_x = x;
+    }
+  }
+  EXPECT_LT(worst, 4 * 1.19e-7) << "at x = " << worst_x;
+  EXPECT_EQ(Exp(0.f), 1.f);
+}
+
+TEST(ExpTest, UnderflowsToExactlyZeroAndSaturatesAbove) {
+  for (float x : {-87.7f, -88.f, -100.f, -1e4f, -3.4e38f, -kInf}) {
+    EXPECT_EQ(Exp(x), 0.f) << "x = " << x;
+  }
+  // Just above the cut the result is tiny but never negative or NaN.
+  for (float x = -87.7f; x <= -85.f; x += 0.01f) {
+    const float e = Exp(x);
+    EXPECT_GE(e, 0.f) << "x = " << x;
+    EXPECT_LE(e, 2e-37f) << "x = " << x;
+  }
+  const float top = Exp(88.f);
+  EXPECT_TRUE(std::isfinite(top));
+  EXPECT_NEAR(top / std::exp(88.0), 1.0, 1e-6);
+  for (float x : {88.5f, 1000.f, 3.4e38f, kInf}) EXPECT_EQ(Exp(x), top) << "x = " << x;
+}
+
+TEST(ExpTest, LanesEqualTheScalarCodeBitForBit) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> wide(-120.f, 100.f);
+  std::vector<float> xs = {-kInf, kInf, 0.f, -87.68f, -87.69f, 88.f, -100.f, -101.f};
+  for (int i = 0; i < 4096; ++i) xs.push_back(wide(rng));
+  while (xs.size() % lanes::kWidth != 0) xs.push_back(0.f);
+  for (size_t i = 0; i < xs.size(); i += lanes::kWidth) {
+    const lanes::Floats v = lanes::Exp(lanes::Load(xs.data() + i));
+    for (int l = 0; l < lanes::kWidth; ++l) {
+      const float scalar = Exp(xs[i + l]);
+      EXPECT_EQ(std::memcmp(&v[l], &scalar, sizeof scalar), 0)
+          << "x = " << xs[i + l] << ": lane " << v[l] << ", scalar " << scalar;
+    }
+  }
+}
+
+// A row of scores visited in tiles of odd widths (vector body and scalar tail), with masked
+// scores and a first tile that is entirely masked, ends with the float64 softmax's denominator
+// and weights, and each tile's weights are relative to the running max.
+TEST(OnlineSoftmaxRowTest, TilesReproduceTheWholeRowSoftmax) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 4.f);
+  for (int tile : {1, 7, 8, 13, 37}) {
+    const int n = 101;
+    std::vector<float> scores(n);
+    for (float& s : scores) s = normal(rng);
+    for (int j = 0; j < tile && j < n; ++j) scores[j] = -kInf;  // The first tile: all masked.
+    for (int j = tile; j < n; j += 5) scores[j] = -kInf;
+
+    double max = -INFINITY;
+    for (float s : scores) max = std::max<double>(max, s);
+    double sum = 0;
+    for (float s : scores) sum += std::exp(static_cast<double>(s) - max);
+
+    OnlineSoftmaxRow row;
+    std::vector<float> weights(n);
+    std::vector<double> tile_max_after(n);
+    double acc = 0;  // Σ w_j · v_j with v_j = j, rescaled as the caller does.
+    for (int begin = 0; begin < n; begin += tile) {
+      const int width = std::min(tile, n - begin);
+      const float max_before = row.max;
+      const float rescale = row.VisitTile(scores.data() + begin, width, weights.data() + begin);
+      if (max_before == -kInf) {
+        EXPECT_EQ(rescale, 0.f);
+      } else {
+        EXPECT_GT(rescale, 0.f);
+        EXPECT_LE(rescale, 1.f);
+      }
+      acc *= rescale;
+      for (int j = begin; j < begin + width; ++j) {
+        acc += weights[j] * static_cast<double>(j);
+        tile_max_after[j] = row.max;
+        if (scores[j] == -kInf) {
+          EXPECT_EQ(weights[j], 0.f) << "tile " << tile << " j " << j;
+        }
+      }
+    }
+    EXPECT_EQ(row.max, static_cast<float>(max));
+    EXPECT_NEAR(row.denominator / sum, 1.0, 1e-6) << "tile " << tile;
+    EXPECT_NEAR(row.LogSumExp(), max + std::log(sum), 1e-5) << "tile " << tile;
+    double expected_acc = 0;
+    for (int j = 0; j < n; ++j) {
+      expected_acc += std::exp(static_cast<double>(scores[j]) - max) * j;
+      const double expected_weight =
+          scores[j] == -kInf ? 0.0 : std::exp(static_cast<double>(scores[j]) - tile_max_after[j]);
+      EXPECT_NEAR(weights[j], expected_weight, 1e-6 * std::max(1.0, expected_weight))
+          << "tile " << tile << " j " << j;
+    }
+    EXPECT_NEAR(row.Normalize(static_cast<float>(acc)), expected_acc / sum, 1e-4)
+        << "tile " << tile;
+  }
+}
+
+TEST(OnlineSoftmaxRowTest, AFullyMaskedRowHasNoWeightAndZeroOutput) {
+  OnlineSoftmaxRow row;
+  std::vector<float> scores(19, -kInf), weights(19, 123.f);
+  for (int pass = 0; pass < 2; ++pass) {
+    EXPECT_EQ(row.VisitTile(scores.data(), 19, weights.data()), 0.f);
+    for (float w : weights) EXPECT_EQ(w, 0.f);
+  }
+  EXPECT_EQ(row.denominator, 0.f);
+  EXPECT_EQ(row.Normalize(5.f), 0.f);
+  EXPECT_EQ(row.LogSumExp(), -kInf);
+}
+
+}  // namespace
+}  // namespace attn
