@@ -27,19 +27,23 @@
 
 namespace attn {
 
-// e^x for the softmax. On the GPU, the hardware's expf. On the CPU, a branch-free version the
-// compiler vectorizes (a scalar libm call per weight would halve Tiled's speed): with
-// n = round(x·log2 e) and r = x − n·ln 2 (ln 2 split in two so r is exact to fp32),
-// e^x = 2^n · e^r, e^r from its degree-7 Taylor polynomial (|r| ≤ ln2/2, truncation error
-// < 6e-9 relative; a few ulp in all). n is rounded by adding 1.5·2^23, which leaves n in the low
+// e^x for x ≤ 0, the softmax's e^(s − max). On the GPU, the hardware's expf. On the CPU, a
+// branch-free version the compiler vectorizes (a scalar libm call per weight would halve Tiled's
+// speed): with n = round(x·log2 e) and r = x − n·ln 2 (ln 2 split in two so r is exact to
+// fp32), e^x = 2^n · e^r, e^r from a degree-6 polynomial fitted for least maximum relative
+// error on |r| ≤ ln2/2 (3e-9; under 2 ulp in all), evaluated by Estrin's scheme (a shorter
+// dependency chain than Horner's). n is rounded by adding 1.5·2^23, which leaves n in the low
 // bits of the sum; shifted into the exponent field they give 2^n, and an integer max with 0
 // makes 2^n exactly 0 once n + 127 ≤ 0. So below about −87.68 (−inf included: x is first
-// clamped to −100) e^x is exactly 0, and above 88 it saturates at e^88. Only min/max and
-// arithmetic, no compare-and-select: the softmax runs it on every score.
+// clamped to −100) e^x is exactly 0. Positive x is right up to 88 but not clamped above: no
+// caller passes one. Past the one clamp, only arithmetic and an integer max: the softmax runs
+// this on every score, and each select cost a measurable share of it (docs/perf.md).
 namespace exp_detail {
-constexpr float kLow = -100.f, kHigh = 88.f;
+constexpr float kLow = -100.f;
 constexpr float kLog2e = 1.44269504f, kRound = 12582912.f;  // 1.5·2^23
 constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kC2 = 0.49999994f, kC3 = 0.16666521f, kC4 = 0.041668389f, kC5 = 0.0083687101f,
+                kC6 = 0.0013814613f;  // e^r ≈ 1 + r + kC2·r² + … + kC6·r⁶
 constexpr int32_t kBias = 127 << 23;
 }  // namespace exp_detail
 
@@ -48,20 +52,13 @@ ATTN_HOST_DEVICE float Exp(float x) {
   return expf(x);
 #else
   using namespace exp_detail;
-  float clamped = x > kLow ? x : kLow;  // Written as maxps/minps compute them: NaN gives kLow.
-  clamped = clamped < kHigh ? clamped : kHigh;
+  const float clamped = x > kLow ? x : kLow;  // NaN gives kLow.
   const float t = clamped * kLog2e + kRound;
   const float n = t - kRound;
   float r = clamped - n * kLn2High;
   r = r - n * kLn2Low;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const float r2 = r * r;
+  const float p = (r2 * (r * kC3 + kC2) + (r + 1.f)) + (r2 * r2) * (r2 * kC6 + (r * kC5 + kC4));
   // The low bits of t hold n (two's complement); the shift drops the rest of t.
   const int32_t exponent =
       static_cast<int32_t>(std::bit_cast<uint32_t>(t) << 23) + kBias;  // (n + 127) << 23
@@ -91,24 +88,27 @@ ATTN_HOST_DEVICE Floats Splat(float x) { return Floats{} + x; }
 // attn::Exp on each lane.
 ATTN_HOST_DEVICE Floats Exp(Floats x) {
   using namespace exp_detail;
-  const Floats low = Splat(kLow), high = Splat(kHigh);
-  Floats clamped = x > low ? x : low;
-  clamped = clamped < high ? clamped : high;
+  const Floats low = Splat(kLow);
+  const Floats clamped = x > low ? x : low;
   const Floats t = clamped * kLog2e + kRound;
   const Floats n = t - kRound;
   Floats r = clamped - n * kLn2High;
   r = r - n * kLn2Low;
-  Floats p = Splat(1.f / 5040.f);
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const Floats r2 = r * r;
+  const Floats p = (r2 * (r * kC3 + kC2) + (r + 1.f)) + (r2 * r2) * (r2 * kC6 + (r * kC5 + kC4));
   const Ints exponent = (Ints)((UInts)t << 23) + kBias;
   const Ints zero = {};
   return p * (Floats)(exponent > zero ? exponent : zero);
+}
+
+// op folded over the eight lanes as a tree (halves, then quarters, then pairs): three steps
+// instead of a chain of seven, in a fixed order.
+template <typename Op>
+ATTN_HOST_DEVICE float Reduce(Floats v, Op op) {
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+  return v[0];
 }
 
 }  // namespace lanes
@@ -150,14 +150,20 @@ struct OnlineSoftmaxRow {
 #else
     using lanes::Floats;
     constexpr int kWidth = lanes::kWidth;
-    Floats lane_max = lanes::Splat(-INFINITY);
+    // The max in two chains of lanes (the loop is short, so the compare chain's latency shows).
+    Floats lane_max = lanes::Splat(-INFINITY), lane_max_odd = lane_max;
     int j = 0;
+    for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+      const Floats s = lanes::Load(scores + j), s_odd = lanes::Load(scores + j + kWidth);
+      lane_max = s > lane_max ? s : lane_max;
+      lane_max_odd = s_odd > lane_max_odd ? s_odd : lane_max_odd;
+    }
     for (; j + kWidth <= n; j += kWidth) {
       const Floats s = lanes::Load(scores + j);
       lane_max = s > lane_max ? s : lane_max;
     }
-    float tile_max = -INFINITY;
-    for (int l = 0; l < kWidth; ++l) tile_max = lane_max[l] > tile_max ? lane_max[l] : tile_max;
+    lane_max = lane_max_odd > lane_max ? lane_max_odd : lane_max;
+    float tile_max = lanes::Reduce(lane_max, [](Floats a, Floats b) { return a > b ? a : b; });
     for (; j < n; ++j) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
 
     const float rescale = Rescale(tile_max);
@@ -174,8 +180,7 @@ struct OnlineSoftmaxRow {
       lanes::Store(weights + j, w);
       lane_sum += w;
     }
-    float sum = 0.f;
-    for (int l = 0; l < kWidth; ++l) sum += lane_sum[l];
+    float sum = lanes::Reduce(lane_sum, [](Floats a, Floats b) { return a + b; });
     for (; j < n; ++j) {
       weights[j] = Weight(scores[j]);
       sum += weights[j];

@@ -39,50 +39,36 @@ namespace avx2 {
 
 }  // namespace
 
-void TileKeys::Load(const float* keys, int n, int head_dim, float scale) {
+void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, int value_dim,
+                   float scale) {
   n_ = n;
   head_dim_ = head_dim;
+  stride_ = AccStride(value_dim);
   keys_.resize(static_cast<size_t>((n + kPanel - 1) / kPanel) * head_dim * kPanel);
+  values_.resize(static_cast<size_t>(n) * stride_);
 #if defined(ATTN_KEY_TILE_AVX2)
   if (CpuHasAvx2Fma()) {
     avx2::PackKeys(keys, n, head_dim, scale, keys_.data());
-  } else {
-    portable::PackKeys(keys, n, head_dim, scale, keys_.data());
+    avx2::PackValues(values, n, value_dim, values_.data());
+    return;
   }
-#else
-  portable::PackKeys(keys, n, head_dim, scale, keys_.data());
 #endif
+  portable::PackKeys(keys, n, head_dim, scale, keys_.data());
+  portable::PackValues(values, n, value_dim, values_.data());
 }
 
-void TileKeys::Scores(const float* queries, int m, float* scores) const {
+void KeyTile::Scores(const float* queries, int m, float* scores) const {
 #if defined(ATTN_KEY_TILE_AVX2)
   if (CpuHasAvx2Fma()) return avx2::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
 #endif
   portable::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
 }
 
-void TileValues::Load(const float* values, int n, int value_dim) {
-  n_ = n;
-  stride_ = AccStride(value_dim);
-  if (value_dim == stride_) {  // Already whole panels: used in place.
-    values_view_ = values;
-    return;
-  }
-  values_.resize(static_cast<size_t>(n) * stride_);
-  for (int j = 0; j < n; ++j) {
-    float* row = values_.data() + static_cast<size_t>(j) * stride_;
-    std::copy(values + static_cast<size_t>(j) * value_dim,
-              values + static_cast<size_t>(j + 1) * value_dim, row);
-    std::fill(row + value_dim, row + stride_, 0.f);
-  }
-  values_view_ = values_.data();
-}
-
-void TileValues::Accumulate(const float* weights, int m, float* acc) const {
+void KeyTile::Accumulate(const float* weights, int m, float* acc) const {
 #if defined(ATTN_KEY_TILE_AVX2)
-  if (CpuHasAvx2Fma()) return avx2::Accumulate(weights, m, n_, values_view_, stride_, acc);
+  if (CpuHasAvx2Fma()) return avx2::Accumulate(weights, m, n_, values_.data(), stride_, acc);
 #endif
-  portable::Accumulate(weights, m, n_, values_view_, stride_, acc);
+  portable::Accumulate(weights, m, n_, values_.data(), stride_, acc);
 }
 
 }  // namespace attn

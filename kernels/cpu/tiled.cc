@@ -56,51 +56,54 @@ void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, i
 
 namespace {
 
-// Packed keys a worker keeps for the head it works on, at most this many bytes: a head's row
-// blocks are consecutive tasks, so each worker packs a head's key tiles once instead of once
-// per block (packing cost about 5% of Tiled's time). Past the limit, tiles are packed per block.
+// Packed tiles a worker keeps for the head it works on, at most this many bytes: a head's row
+// blocks are consecutive tasks, so each worker packs a head's tiles once instead of once per
+// block (the packing cost about a tenth of Tiled's time). Past the limit (N·(d + dv)·4 bytes:
+// N = 32768 with d = dv = 64 fits), tiles are packed again for every block.
 constexpr int64_t kMaxPackedHeadBytes = 16 << 20;
 
 struct Worker {
   Fp32Rows query, key, value;
-  std::vector<TileKeys> keys;  // keys[t]: tile t of head `packed_head`, for t < packed_tiles.
+  std::vector<KeyTile> tiles;  // tiles[t]: tile t of head `packed_head`, for t < packed_tiles.
   int64_t packed_head = -1;    // batch · kv_heads + kv_head; −1: none.
   int64_t packed_tiles = 0;
-  TileValues values;
   std::vector<float> scores;  // [rows, block_k]: scores, then weights in place.
   std::vector<float> acc;     // [rows, AccStride(value_dim)]: the running weighted sums.
   std::vector<float> lse;     // [rows]
   std::vector<OnlineSoftmaxRow> states;
 
-  // The packed keys of tile `tile` (n keys) of the block's head: packed now, or kept from an
-  // earlier block of the same head. Blocks visit their tiles in order from 0.
-  const TileKeys& Keys(const Problem& problem, const RowBlock& block, int64_t tile, int n) {
+  // Tile `tile` (n keys) of the block's head: packed now, or kept from an earlier block of the
+  // same head. Blocks visit their tiles in order from 0.
+  const KeyTile& Tile(const Problem& problem, const RowBlock& block, int64_t tile, int n) {
     const Shape& s = problem.shape;
     const int d = static_cast<int>(s.head_dim);
-    const int64_t tile_bytes =
-        (problem.block_k + kTilePanel - 1) / kTilePanel * kTilePanel * d * int64_t{sizeof(float)};
-    const bool keep = problem.TilesPerRow() * tile_bytes <= kMaxPackedHeadBytes;
+    const int dv = static_cast<int>(s.value_dim);
+    const bool keep =
+        problem.TilesPerRow() * KeyTile::PackedBytes(static_cast<int>(problem.block_k), d, dv) <=
+        kMaxPackedHeadBytes;
     const int64_t head = block.batch * s.kv_heads + block.kv_head;
     if (!keep || head != packed_head) {
       packed_head = keep ? head : -1;
       packed_tiles = 0;
     }
     const size_t slot = keep ? static_cast<size_t>(tile) : 0;
-    if (keys.size() <= slot) keys.resize(slot + 1);
+    if (tiles.size() <= slot) tiles.resize(slot + 1);
     if (tile >= packed_tiles) {
+      const int64_t key_begin = tile * problem.block_k;
       const float* k = key.Load(
-          problem.key, problem.KeyOffset(block.batch, block.kv_head, tile * problem.block_k),
-          int64_t{n} * d);
-      keys[slot].Load(k, n, d, problem.scale);
+          problem.key, problem.KeyOffset(block.batch, block.kv_head, key_begin), int64_t{n} * d);
+      const float* v =
+          value.Load(problem.value, problem.ValueOffset(block.batch, block.kv_head, key_begin),
+                     int64_t{n} * dv);
+      tiles[slot].Load(k, v, n, d, dv, problem.scale);
       packed_tiles = tile + 1;
     }
-    return keys[slot];
+    return tiles[slot];
   }
 
   int64_t scratch_bytes() const {
-    int64_t bytes = query.scratch_bytes() + key.scratch_bytes() + value.scratch_bytes() +
-                    values.scratch_bytes();
-    for (const TileKeys& k : keys) bytes += k.scratch_bytes();
+    int64_t bytes = query.scratch_bytes() + key.scratch_bytes() + value.scratch_bytes();
+    for (const KeyTile& tile : tiles) bytes += tile.scratch_bytes();
     return bytes + static_cast<int64_t>((scores.capacity() + acc.capacity() + lse.capacity()) *
                                             sizeof(float) +
                                         states.capacity() * sizeof(OnlineSoftmaxRow));
@@ -126,14 +129,11 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t key_begin = tile * problem.block_k;
     const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
-    const TileKeys& keys = worker.Keys(problem, block, tile, n);
-    const float* value = worker.value.Load(
-        problem.value, problem.ValueOffset(block.batch, block.kv_head, key_begin), int64_t{n} * dv);
-    worker.values.Load(value, n, dv);
-    keys.Scores(query, m, worker.scores.data());
+    const KeyTile& key_tile = worker.Tile(problem, block, tile, n);
+    key_tile.Scores(query, m, worker.scores.data());
     VisitKeyTileRows(problem, block.row_begin, rows, key_begin, n, worker.scores.data(),
                      worker.acc.data(), acc_stride, worker.states.data());
-    worker.values.Accumulate(worker.scores.data(), m, worker.acc.data());
+    key_tile.Accumulate(worker.scores.data(), m, worker.acc.data());
   }
   // Normalized rows, packed to value_dim columns in place (row r moves down to r · dv).
   worker.lse.resize(rows);

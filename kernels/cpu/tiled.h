@@ -2,9 +2,10 @@
 // of query rows visits block_k keys at a time, keeping only a running max, denominator and
 // weighted sum per row (online_softmax.h); nothing query_len × key_len is ever stored, and
 // tiles the causal mask hides entirely are never visited. Per tile: the scores come from
-// TileKeys::Scores, the online-softmax step runs vectorized over the tile, and the weighted values
-// accumulate with TileValues::Accumulate. fp16/bf16 keys and values are converted a tile at a
-// time; a worker packs each key tile of a head once for all the head's row blocks it runs.
+// KeyTile::Scores, the online-softmax step runs vectorized over the tile, and the weighted values
+// accumulate with KeyTile::Accumulate. fp16/bf16 keys and values are converted a tile at a time,
+// as they are packed; a worker packs each tile of a head once for all the head's row blocks it
+// runs.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,7 @@ namespace attn {
 // starting at key_begin with n keys: masks scores [rows, n] (scaled) for the causal mask,
 // turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
 // acc [rows, value_dim] (row stride acc_stride; recording the factors in rescales when not
-// null). The caller then adds weights · V_tile to acc (TileValues::Accumulate).
+// null). The caller then adds weights · V_tile to acc (KeyTile::Accumulate).
 void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
                       int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
                       float* rescales = nullptr);

@@ -40,7 +40,7 @@ class CpuTraceCursor final : public TraceCursor {
     Stats stats = stats_;
     stats.scratch_bytes =
         query_.scratch_bytes() + key_.scratch_bytes() + value_.scratch_bytes() +
-        tile_keys_.scratch_bytes() + tile_values_.scratch_bytes() +
+        key_tile_.scratch_bytes() +
         static_cast<int64_t>((scores_.capacity() + acc_.capacity() + reference_.capacity()) *
                              sizeof(float));
     stats.peak_memory_bytes = stats.scratch_bytes;
@@ -76,9 +76,9 @@ class CpuTraceCursor final : public TraceCursor {
     const int d = static_cast<int>(s.head_dim);
     const int dv = static_cast<int>(s.value_dim);
     // Tiled's own tile step, for a block of one row.
-    tile_keys_.Load(key_rows_ + step.key_begin * d, n, d, problem_.scale);
-    tile_values_.Load(value_rows_ + step.key_begin * dv, n, dv);
-    tile_keys_.Scores(q_row_, 1, scores_.data());
+    key_tile_.Load(key_rows_ + step.key_begin * d, value_rows_ + step.key_begin * dv, n, d, dv,
+                   problem_.scale);
+    key_tile_.Scores(q_row_, 1, scores_.data());
     step.scores.assign(scores_.begin(), scores_.begin() + n);
     // The masked scores, as VisitKeyTileRows sees them.
     const int64_t visible_in_tile = problem_.VisibleKeys(ref.row) - step.key_begin;
@@ -88,7 +88,7 @@ class CpuTraceCursor final : public TraceCursor {
                      static_cast<int>(acc_.size()), &state_, &step.rescale);
     step.max_after = state_.max;
     step.weights.assign(scores_.begin(), scores_.begin() + n);
-    tile_values_.Accumulate(scores_.data(), 1, acc_.data());
+    key_tile_.Accumulate(scores_.data(), 1, acc_.data());
     step.denominator = state_.denominator;
     step.accumulator.assign(acc_.begin(), acc_.begin() + dv);
     step.estimate.resize(dv);
@@ -134,8 +134,7 @@ class CpuTraceCursor final : public TraceCursor {
   const float* q_row_ = nullptr;
   const float* key_rows_ = nullptr;
   const float* value_rows_ = nullptr;
-  TileKeys tile_keys_;
-  TileValues tile_values_;
+  KeyTile key_tile_;
   OnlineSoftmaxRow state_;
   std::vector<float> scores_, acc_, reference_;
   Stats stats_;
