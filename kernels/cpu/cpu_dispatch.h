@@ -11,10 +11,15 @@
 // same one, so results never depend on the thread count.
 #pragma once
 
+#include <cstdlib>
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
 #define ATTN_CPU_FAST __attribute__((target("avx2,fma")))
+// ATTN_CPU_BASELINE=1 in the environment forces the baseline versions, so that a machine with
+// AVX2 can test them (tests/CMakeLists.txt runs the kernel tests both ways).
 inline bool CpuHasAvx2Fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          std::getenv("ATTN_CPU_BASELINE") == nullptr;
   return has;
 }
 #else
