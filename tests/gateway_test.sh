@@ -27,6 +27,10 @@ cleanup() {
 trap cleanup EXIT
 
 start() {  # start ARGS...: starts attnd, sets $server, $port and $http_port
+  # Emptied here, not only by the redirection below: that runs in the background job, and the
+  # loop could otherwise read the previous server's ports before it does.
+  : >"$dir/out"
+  : >"$dir/err"
   "$attnd" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --threads 2 "$@" \
     >"$dir/out" 2>"$dir/err" &
   server=$!
