@@ -2,6 +2,7 @@
 # The attn CLI against a real attnd: every subcommand, the seed example's numbers, and clear
 # errors for bad flags and bad requests. Usage: cli_test.sh ATTND ATTN
 set -euo pipefail
+source "$(dirname "$0")/attnd_lib.sh"
 attnd=$1
 attn=$2
 log=$(mktemp)
@@ -11,38 +12,10 @@ server=""
 server2=""
 trap 'kill $server $server2 2>/dev/null || true; rm -rf "$log" "$log2" "$bench"' EXIT
 
-wait_port() {  # wait_port PID LOG: prints the port attnd reported in LOG
-  local port=""
-  for _ in $(seq 100); do
-    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$2")
-    [ -n "$port" ] && { echo "$port"; return 0; }
-    kill -0 "$1" 2>/dev/null || { cat "$2" >&2; echo "FAIL: attnd exited" >&2; return 1; }
-    sleep 0.1
-  done
-  cat "$2" >&2
-  echo "FAIL: attnd never reported its port" >&2
-  return 1
-}
-
 "$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 >"$log" 2>&1 &
 server=$!
-port=$(wait_port "$server" "$log")
+port=$(attnd_wait_port "$server" "$log")
 target=(--target "127.0.0.1:$port")
-
-passed=0
-failed=0
-check() {  # check NAME EXPECTED_EXIT PATTERN -- COMMAND...
-  local name=$1 want=$2 pattern=$3
-  shift 4
-  local out rc=0
-  out=$("$@" 2>&1) || rc=$?
-  if [ "$rc" -eq "$want" ] && grep -qE -- "$pattern" <<<"$out"; then
-    passed=$((passed + 1))
-  else
-    failed=$((failed + 1))
-    printf 'FAIL %s (exit %s, wanted %s and /%s/):\n%s\n' "$name" "$rc" "$want" "$pattern" "$out"
-  fi
-}
 
 check health 0 '^SERVING$' -- "$attn" "${target[@]}" health
 check info 0 'backend +cpu' -- "$attn" "${target[@]}" info
@@ -110,7 +83,7 @@ check bench-bad-path 1 'cannot write' -- "$attn" "${target[@]}" bench --ns 16 --
 # and weights) but not N=128 (262 144): the Naive point is refused and the sweep goes on.
 "$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 --max-naive-bytes 200000 >"$log2" 2>&1 &
 server2=$!
-port2=$(wait_port "$server2" "$log2")
+port2=$(attnd_wait_port "$server2" "$log2")
 refused_run=("$attn" --target "127.0.0.1:$port2" bench --ns "64,128" --heads 2 --dim 16 --repeats 1
   --csv "$bench/b.csv" --svg "$bench/b.svg")
 check bench-refused 0 '^naive +128 +refused: over --max-naive-bytes' -- "${refused_run[@]}"

@@ -7,6 +7,7 @@
 # Exits 77 (ctest: skipped) when node is absent; fails when client/node/node_modules is missing.
 # Usage: node_client_test.sh ATTND
 set -euo pipefail
+source "$(dirname "$0")/attnd_lib.sh"
 attnd=$1
 node_dir=$(cd "$(dirname "$0")/../client/node" && pwd)
 
@@ -42,18 +43,8 @@ start() {
   local name=$1 log="$dir/$1.log"
   shift
   "$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 "$@" >"$log" 2>&1 &
-  local pid=$!
-  servers+=("$pid")
-  port=""
-  for _ in $(seq 100); do
-    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$log")
-    [ -n "$port" ] && return 0
-    kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; echo "FAIL: attnd ($name) exited" >&2; exit 1; }
-    sleep 0.1
-  done
-  cat "$log" >&2
-  echo "FAIL: attnd ($name) never reported its port" >&2
-  exit 1
+  servers+=($!)
+  port=$(attnd_wait_port "${servers[-1]}" "$log") || { echo "FAIL: attnd ($name)" >&2; exit 1; }
 }
 
 start plain

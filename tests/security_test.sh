@@ -5,6 +5,7 @@
 # (non-loopback plaintext refused without --insecure; bad flag combinations exit 2).
 # Usage: security_test.sh ATTND ATTN
 set -euo pipefail
+source "$(dirname "$0")/attnd_lib.sh"
 attnd=$1
 attn=$2
 dir=$(mktemp -d)
@@ -58,35 +59,14 @@ start() {
   shift
   "$attnd" "${common[@]}" "$@" >"$log" 2>&1 &
   servers+=($!)
-  port=""
-  for _ in $(seq 150); do
-    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$log")
-    [ -n "$port" ] && return 0
-    kill -0 "${servers[-1]}" 2>/dev/null || { cat "$log" >&2; echo "FAIL: attnd $name exited"; exit 1; }
-    sleep 0.1
-  done
-  cat "$log" >&2
-  echo "FAIL: attnd $name never reported its port"
-  exit 1
+  port=$(attnd_wait_port "${servers[-1]}" "$log") || { echo "FAIL: attnd $name"; exit 1; }
 }
 
-passed=0
-failed=0
-check() {  # check NAME EXPECTED_EXIT PATTERN -- COMMAND...
-  local name=$1 want=$2 pattern=$3
-  shift 4
-  local out rc=0
-  out=$("$@" 2>&1) || rc=$?
-  if [ "$rc" -eq "$want" ] && grep -qE -- "$pattern" <<<"$out"; then
-    passed=$((passed + 1))
-  else
+# Neither token may ever be echoed back, in a message or anywhere else (after every check).
+check_also() {  # check_also NAME OUTPUT
+  if grep -qF -e "$token" -e "$wrong" <<<"$2"; then
     failed=$((failed + 1))
-    printf 'FAIL %s (exit %s, wanted %s and /%s/):\n%s\n' "$name" "$rc" "$want" "$pattern" "$out"
-  fi
-  # Neither token may ever be echoed back, in a message or anywhere else.
-  if grep -qF -e "$token" -e "$wrong" <<<"$out"; then
-    failed=$((failed + 1))
-    echo "FAIL $name: the output holds a token"
+    echo "FAIL $1: the output holds a token"
   fi
 }
 refused='UNAVAILABLE|DEADLINE_EXCEEDED'  # A failed handshake, seen from the client.
