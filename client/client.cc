@@ -155,31 +155,29 @@ void Client::Prepare(grpc::ClientContext* context) const {
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
-absl::StatusOr<v1::AttentionResponse> Client::Naive(const v1::AttentionRequest& request) {
+template <typename Stub, typename Request, typename Response>
+absl::StatusOr<Response> Client::Unary(Stub& stub,
+                                       grpc::Status (Stub::*method)(grpc::ClientContext*,
+                                                                    const Request&, Response*),
+                                       const Request& request) const {
   grpc::ClientContext context;
   Prepare(&context);
-  v1::AttentionResponse response;
-  const grpc::Status status = stub_->Naive(&context, request, &response);
+  Response response;
+  const grpc::Status status = (stub.*method)(&context, request, &response);
   if (!status.ok()) return ToAbsl(status);
   return response;
+}
+
+absl::StatusOr<v1::AttentionResponse> Client::Naive(const v1::AttentionRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::Naive, request);
 }
 
 absl::StatusOr<v1::AttentionResponse> Client::Tiled(const v1::AttentionRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::AttentionResponse response;
-  const grpc::Status status = stub_->Tiled(&context, request, &response);
-  if (!status.ok()) return ToAbsl(status);
-  return response;
+  return Unary(*stub_, &v1::AttentionService::Stub::Tiled, request);
 }
 
 absl::StatusOr<v1::ServerInfo> Client::Info() {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::ServerInfo info;
-  const grpc::Status status = stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
-  if (!status.ok()) return ToAbsl(status);
-  return info;
+  return Unary(*stub_, &v1::AttentionService::Stub::GetServerInfo, v1::GetServerInfoRequest());
 }
 
 absl::Status Client::Trace(const v1::TraceRequest& request,
@@ -200,14 +198,12 @@ absl::Status Client::Trace(const v1::TraceRequest& request,
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health(
     const std::string& service) {
-  grpc::ClientContext context;
-  Prepare(&context);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
-  grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status status = health_->Check(&context, request, &response);
-  if (!status.ok()) return ToAbsl(status);
-  return response.status();
+  const absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
+      Unary(*health_, &grpc::health::v1::Health::Stub::Check, request);
+  if (!response.ok()) return response.status();
+  return response->status();
 }
 
 }  // namespace attn::client

@@ -94,6 +94,12 @@ class Client {
 
  private:
   void Prepare(grpc::ClientContext* context) const;
+  // One unary call of `method` on `stub`, prepared as above (deadline, token).
+  template <typename Stub, typename Request, typename Response>
+  absl::StatusOr<Response> Unary(Stub& stub,
+                                 grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
+                                                              Response*),
+                                 const Request& request) const;
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

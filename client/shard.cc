@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
 #include "proto/dtype_mapping.h"
+#include "proto/tensor_shape.h"
 
 namespace attn::client {
 namespace {
@@ -45,9 +46,11 @@ std::optional<Dims> ReadDims(const v1::AttentionRequest& request) {
   const v1::Tensor& k = request.key();
   const v1::Tensor& v = request.value();
   const int rank = q.shape_size();
-  if (rank < 2 || rank > 4 || k.shape_size() != rank || v.shape_size() != rank) {
-    return std::nullopt;
-  }
+  if (k.shape_size() != rank || v.shape_size() != rank) return std::nullopt;
+  const std::optional<TensorDims> query = NormalizedShape(q);
+  const std::optional<TensorDims> key = NormalizedShape(k);
+  const std::optional<TensorDims> value = NormalizedShape(v);
+  if (!query || !key || !value) return std::nullopt;
   for (const v1::Tensor* tensor : {&q, &k, &v}) {
     const std::optional<int64_t> elements = Elements(*tensor);
     const std::optional<int64_t> bytes = ElementBytes(*tensor);
@@ -55,15 +58,11 @@ std::optional<Dims> ReadDims(const v1::AttentionRequest& request) {
       return std::nullopt;
     }
   }
-  auto at = [rank](const v1::Tensor& tensor, int from_end) -> int64_t {
-    return from_end <= rank ? tensor.shape(rank - from_end) : 1;
-  };
-  Dims dims{at(q, 4), at(q, 3), at(k, 3), at(q, 2), at(k, 2), at(q, 1), at(v, 1)};
-  if (at(k, 4) != dims.batch || at(v, 4) != dims.batch || at(v, 3) != dims.kv_heads ||
-      at(v, 2) != dims.key_len || at(k, 1) != dims.head_dim || dims.heads % dims.kv_heads != 0) {
+  if (key->batch != query->batch || value->batch != query->batch || value->heads != key->heads ||
+      value->len != key->len || key->dim != query->dim || query->heads % key->heads != 0) {
     return std::nullopt;
   }
-  return dims;
+  return Dims{query->batch, query->heads, key->heads, query->len, key->len, query->dim, value->dim};
 }
 
 // Elements [first·per_unit, (first + units)·per_unit) of `tensor` as a rank-4 tensor.
@@ -231,7 +230,6 @@ absl::StatusOr<v1::AttentionResponse> ShardedClient::Call(bool naive,
     for (size_t i = 0; i < parts.size(); ++i) threads.emplace_back(run, i);
     for (std::thread& thread : threads) thread.join();
   }
-  for (const ShardReport::Part& part : local.parts) local.retried += part.retried ? 1 : 0;
   if (report != nullptr) *report = local;
 
   std::vector<v1::AttentionResponse> responses;

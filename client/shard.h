@@ -55,7 +55,6 @@ struct ShardReport {
     std::string first_error;  // That first failure, when retried.
   };
   std::vector<Part> parts;
-  int retried = 0;  // Parts retried.
 };
 
 // Sends each part of a request to its own endpoint, concurrently, over one channel per endpoint

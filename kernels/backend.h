@@ -1,4 +1,4 @@
-// Backend: the interface every compute device implements (cpu now, cuda later).
+// Backend: the interface every compute device implements (cpu/, cuda/).
 //
 // A backend is chosen once at start-up and then called concurrently from request handlers, so
 // implementations are thread-safe. Kernels see only Problems (already validated, see
@@ -6,6 +6,8 @@
 // aborts the process.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -14,6 +16,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kernels/problem.h"
 
 namespace attn {
@@ -70,6 +74,33 @@ struct TraceRowDone {
 
 using TraceItem = std::variant<TraceStep, TraceRowDone>;
 
+// TraceRowDone::max_abs_error: max_c |output[c] − reference[c]| (0 for an empty row; NaN when
+// any difference is NaN, so that a NaN never reads as agreement).
+inline float MaxAbsError(const std::vector<float>& output, const std::vector<float>& reference) {
+  float error = 0;
+  for (size_t c = 0; c < output.size() && c < reference.size(); ++c) {
+    const float difference = std::abs(output[c] - reference[c]);
+    if (std::isnan(difference)) return difference;
+    error = std::max(error, difference);
+  }
+  return error;
+}
+
+// Naive's budget rule, for every backend: OK when its fp32 score and weight matrices
+// (Problem::NaiveStorageBytes) fit in max_naive_bytes, else RESOURCE_EXHAUSTED naming Tiled.
+// `memory` names where they would live ("memory", "device memory").
+inline absl::Status CheckNaiveBudget(const Problem& problem, int64_t max_naive_bytes,
+                                     absl::string_view memory) {
+  const int64_t storage_bytes = problem.NaiveStorageBytes();
+  if (storage_bytes <= max_naive_bytes) return absl::OkStatus();
+  const Shape& s = problem.shape;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "Naive needs ", storage_bytes, " bytes of ", memory,
+      " for its fp32 score and weight matrices (2 × ", s.batch, "·", s.heads, "·", s.query_len, "·",
+      s.key_len, " × 4), over this server's --max-naive-bytes=", max_naive_bytes,
+      "; use Tiled, which never stores a query_len × key_len matrix"));
+}
+
 // Produces a trace one event at a time, so the caller can send each event before the next is
 // computed (flow control) and stop at any point (cancellation). Not thread-safe; the Problem's
 // tensors must outlive it.
@@ -97,6 +128,10 @@ class Backend {
   // Computations worth running at once: 1 for a backend that already spreads each call over the
   // whole device (the CPU), the number of streams for a GPU.
   virtual int concurrency() const { return 1; }
+  // True when a call on `problem` is so small (microseconds, its inputs a few pages) that it may
+  // run on the caller's thread at once: it then waits for no shared worker or device, and the
+  // service skips its compute queue. Default: never.
+  virtual bool RunsInline(const Problem& problem) const { return false; }
 
   // Full-matrix attention. RESOURCE_EXHAUSTED (naming Tiled) when the score and weight
   // matrices would pass max_naive_bytes().

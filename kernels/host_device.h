@@ -1,6 +1,8 @@
 // ATTN_HOST_DEVICE marks small functions that both the CPU backend and CUDA kernels call, so
 // the math has one source. They are always inlined: on the CPU into the vectorized callers
 // compiled per instruction set (cpu/cpu_dispatch.h), which an out-of-line call would defeat.
+// ATTN_UNROLL asks nvcc to unroll the loop that follows (so that a register array it indexes
+// stays in registers); on the CPU it is nothing.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -9,4 +11,10 @@
 #define ATTN_HOST_DEVICE inline __attribute__((always_inline))
 #else
 #define ATTN_HOST_DEVICE inline
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define ATTN_UNROLL _Pragma("unroll")
+#else
+#define ATTN_UNROLL
 #endif

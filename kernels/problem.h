@@ -13,8 +13,26 @@
 #include <cstdint>
 
 #include "kernels/dtype.h"
+#include "kernels/host_device.h"
 
 namespace attn {
+
+// The two layout rules every kernel on every device follows, written once.
+//
+// Keys query row `row` may see: all key_len of them, or with the bottom-right causal mask the
+// first row + key_len − query_len + 1 (clamped to [0, key_len]).
+ATTN_HOST_DEVICE int64_t VisibleKeysOf(int64_t row, int64_t query_len, int64_t key_len,
+                                       bool causal) {
+  if (!causal) return key_len;
+  const int64_t visible = row + key_len - query_len + 1;
+  return visible < 0 ? 0 : (visible > key_len ? key_len : visible);
+}
+
+// The key/value head that query head `head` reads (grouped-query attention: kv_heads divides
+// heads, and each consecutive group of heads / kv_heads query heads shares one).
+ATTN_HOST_DEVICE int64_t KvHeadOf(int64_t head, int64_t heads, int64_t kv_heads) {
+  return head / (heads / kv_heads);
+}
 
 // A read-only view of a dense tensor in its storage dtype.
 struct TensorView {
@@ -60,14 +78,18 @@ struct Problem {
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
 
-  // The key/value head that query head h reads (grouped-query attention).
-  int64_t KvHead(int64_t head) const { return head / (shape.heads / shape.kv_heads); }
+  // The key/value head that query head h reads (KvHeadOf).
+  int64_t KvHead(int64_t head) const { return KvHeadOf(head, shape.heads, shape.kv_heads); }
 
-  // Keys query row i may see: all of them, or with the bottom-right causal mask the first
-  // i + key_len − query_len + 1 (clamped to [0, key_len]).
+  // Keys query row i may see (VisibleKeysOf).
   int64_t VisibleKeys(int64_t row) const {
-    if (!causal) return shape.key_len;
-    return std::clamp<int64_t>(row + shape.key_len - shape.query_len + 1, 0, shape.key_len);
+    return VisibleKeysOf(row, shape.query_len, shape.key_len, causal);
+  }
+  // Of those, the ones in key tile `tile` (of block_k keys).
+  int64_t VisibleKeysInTile(int64_t row, int64_t tile) const {
+    const int64_t begin = tile * block_k;
+    const int64_t end = std::min<int64_t>(begin + block_k, VisibleKeys(row));
+    return std::max<int64_t>(end - begin, 0);
   }
 
   // Key tiles Tiled visits for a row: the tiles holding at least one visible key.
@@ -107,9 +129,22 @@ struct Problem {
     return per_head * static_cast<double>(shape.batch * shape.heads);
   }
 
-  // FLOPs of the two matrix products over unmasked pairs: 2·d for Q·Kᵀ plus 2·dv for W·V.
-  double Flops() const {
-    return VisiblePairs() * 2.0 * static_cast<double>(shape.head_dim + shape.value_dim);
+  // FLOPs of the two matrix products per unmasked (query, key) pair: 2·d for q·k plus 2·dv
+  // for w·v.
+  double FlopsPerPair() const {
+    return 2.0 * static_cast<double>(shape.head_dim + shape.value_dim);
+  }
+
+  // FLOPs of the two matrix products over unmasked pairs (Naive and Tiled).
+  double Flops() const { return VisiblePairs() * FlopsPerPair(); }
+
+  // FLOPs a trace spends on key tile `tile` of query row `row` (its visible pairs), and on the
+  // whole row.
+  double TraceTileFlops(int64_t row, int64_t tile) const {
+    return static_cast<double>(VisibleKeysInTile(row, tile)) * FlopsPerPair();
+  }
+  double TraceRowFlops(int64_t row) const {
+    return static_cast<double>(VisibleKeys(row)) * FlopsPerPair();
   }
 
   // What Naive stores: its fp32 score and weight matrices, 2·B·H·Nq·Nk·4 bytes (the caller has

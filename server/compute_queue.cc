@@ -7,8 +7,17 @@
 
 namespace attn {
 
-ComputeQueue::ComputeQueue(AdmissionLimits limits) : limits_(limits) {
-  for (int i = 0; i < std::max(limits_.max_inflight, 1); ++i) {
+namespace {
+
+AdmissionLimits Applied(AdmissionLimits limits) {
+  limits.max_inflight = std::max(limits.max_inflight, 1);
+  return limits;
+}
+
+}  // namespace
+
+ComputeQueue::ComputeQueue(AdmissionLimits limits) : limits_(Applied(limits)) {
+  for (int i = 0; i < limits_.max_inflight; ++i) {
     workers_.emplace_back([this] { Run(); });
   }
 }
@@ -44,8 +53,7 @@ absl::Status ComputeQueue::Submit(int64_t bytes, std::function<void()> work) {
 }
 
 bool ComputeQueue::HeadFits() const {
-  return !pending_.empty() &&
-         pending_.front().bytes <= limits_.memory_bytes - reserved_.load(std::memory_order_relaxed);
+  return !pending_.empty() && pending_.front().bytes <= limits_.memory_bytes - reserved_bytes_;
 }
 
 void ComputeQueue::Run() {
@@ -59,13 +67,13 @@ void ComputeQueue::Run() {
       pending_.pop_front();
       queued_.store(static_cast<int64_t>(pending_.size()), std::memory_order_relaxed);
       running_.fetch_add(1, std::memory_order_relaxed);
-      reserved_.fetch_add(job.bytes, std::memory_order_relaxed);
+      reserved_bytes_ += job.bytes;
     }
     job.work();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       running_.fetch_sub(1, std::memory_order_relaxed);
-      reserved_.fetch_sub(job.bytes, std::memory_order_relaxed);
+      reserved_bytes_ -= job.bytes;
     }
     ready_.notify_all();  // Memory freed: the head may fit now.
   }

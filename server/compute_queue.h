@@ -25,9 +25,15 @@
 
 namespace attn {
 
+// The defaults here are attnd's (its --max-inflight and --max-queue flags start from them).
 struct AdmissionLimits {
-  int max_inflight = 1;  // Computations running at once (worker threads).
-  int max_queue = 64;    // Accepted computations waiting for a worker.
+  // 0: chosen by the queue's owner (attnd: the backend's concurrency); the queue itself runs
+  // one worker for any value below 1.
+  static constexpr int kDefaultMaxInflight = 0;
+  static constexpr int kDefaultMaxQueue = 64;
+
+  int max_inflight = kDefaultMaxInflight;  // Computations running at once (worker threads).
+  int max_queue = kDefaultMaxQueue;        // Accepted computations waiting for a worker.
   int64_t memory_bytes = std::numeric_limits<int64_t>::max();  // Shared by running work.
 };
 
@@ -42,11 +48,11 @@ class ComputeQueue {
   // work is not run) when the queue is full or `bytes` exceeds the whole budget. Thread-safe.
   absl::Status Submit(int64_t bytes, std::function<void()> work);
 
+  // The limits as applied: max_inflight is the number of workers (at least 1).
   const AdmissionLimits& limits() const { return limits_; }
-  // Work accepted and not yet started, work running now, and the bytes it holds. Thread-safe.
+  // Work accepted and not yet started, and work running now. Thread-safe.
   int64_t queued() const { return queued_.load(std::memory_order_relaxed); }
   int64_t running() const { return running_.load(std::memory_order_relaxed); }
-  int64_t reserved_bytes() const { return reserved_.load(std::memory_order_relaxed); }
 
  private:
   struct Job {
@@ -63,7 +69,7 @@ class ComputeQueue {
   bool stopping_ = false;
   std::atomic<int64_t> queued_{0};
   std::atomic<int64_t> running_{0};
-  std::atomic<int64_t> reserved_{0};
+  int64_t reserved_bytes_ = 0;  // Held by the work running now. Needs mutex_.
   std::vector<std::thread> workers_;
 };
 

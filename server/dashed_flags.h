@@ -10,8 +10,8 @@
 namespace attn {
 
 // Rewrites argv so each "--flag-name[=value]" reads "--flag_name[=value]"; values, positional
-// arguments and everything after a bare "--" are untouched. The returned strings own the text;
-// call Pointers() for an argv to hand to absl::ParseCommandLine.
+// arguments and everything after a bare "--" are untouched. The object owns the rewritten text;
+// hand argc() and argv() to absl::ParseCommandLine while it lives.
 class DashedFlags {
  public:
   DashedFlags(int argc, char** argv) {

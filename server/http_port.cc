@@ -14,7 +14,8 @@
 namespace attn {
 namespace {
 
-// Requests to the routes here are small GETs; a later route that takes bodies raises this.
+// The routes here are small GETs; the JSON gateway (gateway.cc), whose routes take bodies, raises
+// this limit when it adds them.
 constexpr size_t kMaxRequestBodyBytes = size_t{1} << 20;
 constexpr time_t kKeepAliveSeconds = 1;
 

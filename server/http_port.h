@@ -2,8 +2,8 @@
 //   GET /metrics  the MetricsRegistry in the Prometheus text format (metrics.h)
 //   GET /healthz  200 "ok" while the process runs (liveness)
 //   GET /readyz   200 "ready" while the ReadyFlag is set, else 503 "not ready" (readiness)
-// and whatever routes other modules add through server() before Start (a later JSON gateway and
-// trace viewer share this one server object).
+// and whatever routes other modules add through server() before Start (the JSON gateway and the
+// trace viewer, gateway.h, share this one server object).
 //
 // Start binds and serves on a thread of its own, handlers running on a small pool of workers;
 // Stop (or the destructor) closes the listening socket, lets running handlers finish and joins.

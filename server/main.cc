@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
+#include "server/builder_options.h"
 #include "server/dashed_flags.h"
 #include "server/gateway.h"
 #include "server/http_port.h"
@@ -40,18 +41,20 @@ ABSL_FLAG(std::string, device, "auto",
           "Compute device: auto (the first CUDA device if there is one, else the CPU), cpu, "
           "cuda or cuda:N.");
 ABSL_FLAG(int, threads, 0, "CPU worker threads per computation; 0 = every hardware thread.");
-ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
+ABSL_FLAG(int64_t, max_message_bytes, attn::BuilderOptions{}.max_message_bytes,
           "Largest request or response message, bytes (receive and send).");
 ABSL_FLAG(int64_t, max_naive_bytes, 0,
           "Largest score + weight storage Naive may allocate, bytes; 0 = 1/4 of physical memory.");
-ABSL_FLAG(int64_t, max_trace_rows, 64, "Most query rows one Trace call may follow.");
-ABSL_FLAG(int64_t, max_trace_steps, 65536, "Most tile steps one Trace call may stream.");
-ABSL_FLAG(int64_t, max_traces, 16,
+ABSL_FLAG(int64_t, max_trace_rows, attn::TraceLimits::kDefaultMaxRows,
+          "Most query rows one Trace call may follow.");
+ABSL_FLAG(int64_t, max_trace_steps, attn::TraceLimits::kDefaultMaxSteps,
+          "Most tile steps one Trace call may stream.");
+ABSL_FLAG(int64_t, max_traces, attn::TraceLimits::kDefaultMaxStreams,
           "Trace streams open at once; one more is refused with RESOURCE_EXHAUSTED.");
-ABSL_FLAG(int, max_inflight, 0,
+ABSL_FLAG(int, max_inflight, attn::AdmissionLimits::kDefaultMaxInflight,
           "Naive/Tiled computations running at once; 0 = the backend's (1 on the CPU, whose "
           "every call uses all --threads; one per stream on a GPU).");
-ABSL_FLAG(int, max_queue, 64,
+ABSL_FLAG(int, max_queue, attn::AdmissionLimits::kDefaultMaxQueue,
           "Accepted computations that may wait for a worker; one more is refused at once with "
           "RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, shutdown_grace, 30,
@@ -179,8 +182,7 @@ int main(int argc, char** argv) {
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, security->credentials, &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  attn::ApplyBuilderOptions(builder, {.max_message_bytes = max_message_bytes});
   builder.RegisterService(&service);
   // Server interceptors, run in this order; each module appends its own factory.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;

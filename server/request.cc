@@ -11,6 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "proto/dtype_mapping.h"
+#include "proto/tensor_shape.h"
+#include "server/value_scan.h"
 
 namespace attn {
 namespace {
@@ -39,16 +41,10 @@ std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
   return product;
 }
 
-// A tensor's dims as [batch, heads, len, dim], after its own checks.
-struct Dims {
-  int64_t batch = 1, heads = 1, len = 1, dim = 1;
-  double max_abs = 0;  // Largest |element|.
-};
-
-// Checks one input tensor: present, rank 2..4, positive dims, a known dtype, data of exactly
-// the right length, finite elements.
-absl::StatusOr<Dims> CheckTensor(absl::string_view name, bool present, const v1::Tensor& tensor,
-                                 DType* dtype) {
+// Checks one input tensor's form: present, rank 2..4, positive dims, a known dtype, data of
+// exactly the right length (its values: CheckValues).
+absl::StatusOr<TensorDims> CheckTensor(absl::string_view name, bool present,
+                                       const v1::Tensor& tensor, DType* dtype) {
   if (!present) return Invalid(name, "is required");
   const int rank = tensor.shape_size();
   if (rank < 2 || rank > 4) {
@@ -87,21 +83,19 @@ absl::StatusOr<Dims> CheckTensor(absl::string_view name, bool present, const v1:
                                 " of ", DTypeName(*dtype), " needs ",
                                 bytes ? absl::StrCat(*bytes) : "more than int64 can count"));
   }
-  const TensorView view{tensor.data().data(), *dtype};
-  Dims dims;
-  for (int64_t i = 0; i < elements; ++i) {
-    const float x = view[i];
-    if (!std::isfinite(x)) {
-      return Invalid(absl::StrCat(name, ".data"),
-                     absl::StrCat("element ", i, " is ", x, "; inputs must be finite"));
-    }
-    dims.max_abs = std::max(dims.max_abs, static_cast<double>(std::abs(x)));
+  return *NormalizedShape(tensor);  // The rank is 2, 3 or 4.
+}
+
+// Scans one input tensor's elements: all finite. Returns the largest |element|.
+absl::StatusOr<double> CheckValues(absl::string_view name, const TensorView& tensor,
+                                   int64_t elements) {
+  const ValueScan scan = ScanValues(tensor.data, tensor.dtype, elements);
+  if (scan.first_non_finite >= 0) {
+    return Invalid(absl::StrCat(name, ".data"),
+                   absl::StrCat("element ", scan.first_non_finite, " is ", scan.non_finite_value,
+                                "; inputs must be finite"));
   }
-  dims.dim = tensor.shape(rank - 1);
-  dims.len = tensor.shape(rank - 2);
-  if (rank >= 3) dims.heads = tensor.shape(rank - 3);
-  if (rank == 4) dims.batch = tensor.shape(0);
-  return dims;
+  return scan.max_abs;
 }
 
 absl::Status Mismatch(absl::string_view field, absl::string_view what, int64_t got,
@@ -112,16 +106,17 @@ absl::Status Mismatch(absl::string_view field, absl::string_view what, int64_t g
 
 }  // namespace
 
-absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& request,
-                                              int default_block_k) {
+absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
+                                            int default_block_k) {
   Problem problem;
   DType query_dtype, key_dtype, value_dtype;
-  const absl::StatusOr<Dims> q =
+  const absl::StatusOr<TensorDims> q =
       CheckTensor("query", request.has_query(), request.query(), &query_dtype);
   if (!q.ok()) return q.status();
-  const absl::StatusOr<Dims> k = CheckTensor("key", request.has_key(), request.key(), &key_dtype);
+  const absl::StatusOr<TensorDims> k =
+      CheckTensor("key", request.has_key(), request.key(), &key_dtype);
   if (!k.ok()) return k.status();
-  const absl::StatusOr<Dims> v =
+  const absl::StatusOr<TensorDims> v =
       CheckTensor("value", request.has_value(), request.value(), &value_dtype);
   if (!v.ok()) return v.status();
 
@@ -197,29 +192,51 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
   problem.value = TensorView{request.value().data().data(), value_dtype};
   problem.scale =
       options.has_scale() ? options.scale() : static_cast<float>(1.0 / std::sqrt(double(q->dim)));
-  // Every score and partial sum of q·k (scaled or not) is at most head_dim·max|q|·max|k|·
-  // max(1, |scale|), and every weighted sum of values at most key_len·max|v|: both must stay
-  // within fp32, or the kernels would meet inf − inf and answer NaN.
-  constexpr double kFloatMax = std::numeric_limits<float>::max();
-  const double score_bound = static_cast<double>(q->dim) * q->max_abs * k->max_abs *
-                             std::max(1.0, std::abs(static_cast<double>(problem.scale)));
-  if (score_bound > kFloatMax) {
-    return Invalid("query.data/key.data",
-                   absl::StrCat("max |query| = ", q->max_abs, " and max |key| = ", k->max_abs,
-                                " with head_dim ", q->dim, " and scale ", problem.scale,
-                                " allow scores up to ", score_bound, ", past fp32's largest value ",
-                                kFloatMax, "; scale the inputs down"));
-  }
-  if (static_cast<double>(k->len) * v->max_abs > kFloatMax) {
-    return Invalid("value.data", absl::StrCat("max |value| = ", v->max_abs, " over key_len ",
-                                              k->len, " keys can sum past fp32's largest value ",
-                                              kFloatMax, "; scale the values down"));
-  }
   problem.causal = options.causal();
   const int64_t block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, k->len));
   problem.return_lse = options.return_lse();
   problem.output_dtype = output_dtype;
+  return problem;
+}
+
+absl::Status CheckAttentionValues(const Problem& problem) {
+  const Shape& s = problem.shape;
+  const absl::StatusOr<double> q =
+      CheckValues("query", problem.query, s.batch * s.heads * s.query_len * s.head_dim);
+  if (!q.ok()) return q.status();
+  const absl::StatusOr<double> k =
+      CheckValues("key", problem.key, s.batch * s.kv_heads * s.key_len * s.head_dim);
+  if (!k.ok()) return k.status();
+  const absl::StatusOr<double> v =
+      CheckValues("value", problem.value, s.batch * s.kv_heads * s.key_len * s.value_dim);
+  if (!v.ok()) return v.status();
+  // Every score and partial sum of q·k (scaled or not) is at most head_dim·max|q|·max|k|·
+  // max(1, |scale|), and every weighted sum of values at most key_len·max|v|: both must stay
+  // within fp32, or the kernels would meet inf − inf and answer NaN.
+  constexpr double kFloatMax = std::numeric_limits<float>::max();
+  const double score_bound = static_cast<double>(s.head_dim) * *q * *k *
+                             std::max(1.0, std::abs(static_cast<double>(problem.scale)));
+  if (score_bound > kFloatMax) {
+    return Invalid(
+        "query.data/key.data",
+        absl::StrCat("max |query| = ", *q, " and max |key| = ", *k, " with head_dim ", s.head_dim,
+                     " and scale ", problem.scale, " allow scores up to ", score_bound,
+                     ", past fp32's largest value ", kFloatMax, "; scale the inputs down"));
+  }
+  if (static_cast<double>(s.key_len) * *v > kFloatMax) {
+    return Invalid("value.data", absl::StrCat("max |value| = ", *v, " over key_len ", s.key_len,
+                                              " keys can sum past fp32's largest value ", kFloatMax,
+                                              "; scale the values down"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& request,
+                                              int default_block_k) {
+  absl::StatusOr<Problem> problem = ParseAttentionShape(request, default_block_k);
+  if (!problem.ok()) return problem;
+  if (absl::Status values = CheckAttentionValues(*problem); !values.ok()) return values;
   return problem;
 }
 

@@ -15,15 +15,30 @@
 
 namespace attn {
 
+// The defaults here are attnd's (its --max-trace-rows, --max-trace-steps and --max-traces flags
+// start from them).
 struct TraceLimits {
-  int64_t max_rows = 64;        // Rows one Trace may follow.
-  int64_t max_steps = 1 << 16;  // TileStep events one Trace may send.
-  int64_t max_streams = 16;     // Trace streams open at once (each computes on gRPC's threads).
+  static constexpr int64_t kDefaultMaxRows = 64;
+  static constexpr int64_t kDefaultMaxSteps = int64_t{1} << 16;
+  static constexpr int64_t kDefaultMaxStreams = 16;
+
+  int64_t max_rows = kDefaultMaxRows;        // Rows one Trace may follow.
+  int64_t max_steps = kDefaultMaxSteps;      // TileStep events one Trace may send.
+  int64_t max_streams = kDefaultMaxStreams;  // Trace streams open at once.
 };
 
 // Validates an AttentionRequest and builds its Problem. default_block_k replaces a block_k of 0;
 // block_k is capped at key_len (a longer tile would only hold padding).
 // INVALID_ARGUMENT naming the field when anything is missing, malformed or inconsistent.
+//
+// In two steps, so that a server can take the first at once and the second where its compute
+// runs: ParseAttentionShape checks everything but the elements' values, in time independent of
+// the tensors' sizes; CheckAttentionValues reads every element once (value_scan.h: finite, and
+// scores and weighted sums that stay within fp32). A Problem is valid only after both;
+// ParseAttentionRequest does both.
+absl::StatusOr<Problem> ParseAttentionShape(const attention::v1::AttentionRequest& request,
+                                            int default_block_k);
+absl::Status CheckAttentionValues(const Problem& problem);
 absl::StatusOr<Problem> ParseAttentionRequest(const attention::v1::AttentionRequest& request,
                                               int default_block_k);
 

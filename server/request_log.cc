@@ -4,8 +4,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -16,6 +19,7 @@
 #include "grpcpp/support/interceptor.h"
 #include "kernels/dtype.h"
 #include "proto/dtype_mapping.h"
+#include "proto/tensor_shape.h"
 
 namespace attn {
 namespace {
@@ -27,45 +31,12 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxLoggedPathBytes = 128;  // A hostile method name is cut here in the log.
 constexpr char kUnknown[] = "unknown";
 
-const char* CodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
+// The code's name as gRPC and absl spell it ("INVALID_ARGUMENT"); "UNKNOWN" for a number
+// outside the enum, so a metric label or log field is never empty. absl::StatusCode has
+// grpc::StatusCode's numbers.
+std::string CodeName(grpc::StatusCode code) {
+  std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "UNKNOWN" : name;
 }
 
 // A logfmt value: bare when it is plain, else double-quoted with \" \\ and control characters
@@ -94,17 +65,14 @@ std::string LogValue(absl::string_view value) {
   return out;
 }
 
-// "B,H,Nq,Nk,d" when the query and key have one rank in [2, 4] (the leading dimensions rank 2
-// and 3 drop are 1), else "?": the line still says what the client sent when it is valid, and
-// the status message says what is wrong when it is not.
+// "B,H,Nq,Nk,d" when the query and key have one rank in [2, 4] (NormalizedShape), else "?": the
+// line still says what the client sent when it is valid, and the status message says what is
+// wrong when it is not.
 std::string DescribeShape(const v1::AttentionRequest& request) {
-  const auto& q = request.query().shape();
-  const auto& k = request.key().shape();
-  const int rank = q.size();
-  if (rank < 2 || rank > 4 || k.size() != rank) return "?";
-  const int64_t batch = rank == 4 ? q[0] : 1;
-  const int64_t heads = rank >= 3 ? q[rank - 3] : 1;
-  return absl::StrCat(batch, ",", heads, ",", q[rank - 2], ",", k[rank - 2], ",", q[rank - 1]);
+  const std::optional<TensorDims> q = NormalizedShape(request.query());
+  const std::optional<TensorDims> k = NormalizedShape(request.key());
+  if (!q || !k || request.key().shape_size() != request.query().shape_size()) return "?";
+  return absl::StrCat(q->batch, ",", q->heads, ",", q->len, ",", k->len, ",", q->dim);
 }
 
 void Describe(const v1::AttentionRequest& request, RequestRecord* record) {

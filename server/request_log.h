@@ -5,8 +5,8 @@
 // Metrics (in the MetricsRegistry given; labels service, method, code):
 //   attnd_rpc_requests_total          counter    calls finished
 //   attnd_rpc_duration_seconds        histogram  call start to status sent (LatencyBuckets)
-//   attnd_rpc_received_bytes_total    counter    request message bytes (attention.v1 and
-//                                                grpc.health.v1; reflection's are not counted)
+//   attnd_rpc_received_bytes_total    counter    request message bytes of attention.v1 calls
+//                                                (health checks and reflection count 0)
 //   attnd_rpc_sent_bytes_total        counter    response message bytes, every message of a stream
 //   attnd_rpc_inflight{service,method} gauge     calls started and not yet finished
 // A method this server does not know (neither gRPC's health or reflection service nor in the

@@ -5,15 +5,11 @@
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
 
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <sstream>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "proto/credential_files.h"
 
 namespace attn {
 namespace {
@@ -27,31 +23,6 @@ struct TlsPem {
   std::string private_key;
   std::string client_ca;  // Empty: client certificates are neither requested nor checked.
 };
-
-// The contents of the file at `path`; INVALID_ARGUMENT "cannot read PATH: reason" otherwise.
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  if (file.bad()) return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
-  return std::move(contents).str();
-}
-
-// A PEM file named by `flag`; INVALID_ARGUMENT naming the flag when unreadable or not PEM.
-absl::StatusOr<std::string> ReadPem(absl::string_view flag, const std::string& path) {
-  absl::StatusOr<std::string> pem = ReadFile(path);
-  if (!pem.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", pem.status().message()));
-  }
-  if (!absl::StrContains(*pem, "-----BEGIN ")) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is not a PEM file"));
-  }
-  return pem;
-}
 
 absl::string_view View(const grpc_slice& slice) {
   return absl::string_view(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(slice)),
@@ -165,22 +136,6 @@ absl::Status CheckBearerToken(absl::string_view expected_token, absl::string_vie
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> LoadToken(const std::string& path) {
-  absl::StatusOr<std::string> token = ReadFile(path);
-  if (!token.ok()) return token.status();
-  absl::StripTrailingAsciiWhitespace(&*token);
-  if (token->empty()) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
-  for (const char c : *token) {
-    if (c < '!' || c > '~') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path,
-          " holds a character that is not visible ASCII (space, control or non-ASCII byte); a "
-          "bearer token must be one word of printable characters"));
-    }
-  }
-  return token;
-}
-
 bool IsLoopbackAddress(absl::string_view listen) {
   if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) {
     return true;
@@ -229,25 +184,22 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const SecurityConfig& config,
 
   TlsPem pem;
   if (tls) {
-    absl::StatusOr<std::string> cert = ReadPem("--tls-cert", config.tls_cert_file);
+    absl::StatusOr<std::string> cert = ReadPemFile("--tls-cert", config.tls_cert_file);
     if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPem("--tls-key", config.tls_key_file);
+    absl::StatusOr<std::string> key = ReadPemFile("--tls-key", config.tls_key_file);
     if (!key.ok()) return key.status();
     pem.cert_chain = *std::move(cert);
     pem.private_key = *std::move(key);
     if (!config.tls_client_ca_file.empty()) {
-      absl::StatusOr<std::string> ca = ReadPem("--tls-client-ca", config.tls_client_ca_file);
+      absl::StatusOr<std::string> ca = ReadPemFile("--tls-client-ca", config.tls_client_ca_file);
       if (!ca.ok()) return ca.status();
       pem.client_ca = *std::move(ca);
     }
   }
   std::string token;
   if (!config.auth_token_file.empty()) {
-    absl::StatusOr<std::string> loaded = LoadToken(config.auth_token_file);
-    if (!loaded.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--auth-token-file: ", loaded.status().message()));
-    }
+    absl::StatusOr<std::string> loaded = ReadTokenFile("--auth-token-file", config.auth_token_file);
+    if (!loaded.ok()) return loaded.status();
     token = *std::move(loaded);
   }
 

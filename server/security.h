@@ -45,16 +45,11 @@ struct ServerSecurity {
 // Validates `config` for a server listening on `listen` and builds its credentials.
 // INVALID_ARGUMENT when only one of cert/key is given, when --tls-client-ca comes without them,
 // or when a file cannot be read, is not PEM, or the token file is empty or holds characters
-// other than visible ASCII; FAILED_PRECONDITION (its message naming --insecure) when `listen` is
-// not a loopback address and neither TLS nor --insecure is given — a token alone does not
-// suffice, since over plaintext anyone on the path could read it.
+// other than visible ASCII (proto/credential_files.h reads them); FAILED_PRECONDITION (its message
+// naming --insecure) when `listen` is not a loopback address and neither TLS nor --insecure is
+// given — a token alone does not suffice, since over plaintext anyone on the path could read it.
 absl::StatusOr<ServerSecurity> MakeServerSecurity(const SecurityConfig& config,
                                                   absl::string_view listen);
-
-// Reads a bearer token from `path`: the file's contents less trailing whitespace (a final
-// newline). INVALID_ARGUMENT when unreadable, empty, or holding anything but visible ASCII
-// (gRPC metadata could not carry it).
-absl::StatusOr<std::string> LoadToken(const std::string& path);
 
 // Whether a gRPC listen address ("host:port", "[v6]:port", "unix:path") only accepts
 // connections from this machine: 127.0.0.0/8, ::1 (or IPv4-mapped 127/8), "localhost", or a

@@ -25,7 +25,6 @@ void FillStats(const Backend& backend, const Stats& stats, Clock::time_point sta
   message->set_server_ns(NanosSince(start));
 }
 
-// Streams a trace: TraceStart, the cursor's events one write at a time, TraceEnd.
 // One of the --max-traces stream slots, released when the stream ends.
 class TraceSlot {
  public:
@@ -40,14 +39,21 @@ class TraceSlot {
   std::atomic<int64_t>* open_;
 };
 
+// Streams a trace: TraceStart, the cursor's events one write at a time, TraceEnd. Created
+// before its cursor exists: Begin starts the stream once the cursor is open, Fail ends it
+// before its first event; either may be called from any thread, once.
 class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
  public:
-  TraceWriter(const Backend& backend, const Problem& problem, std::unique_ptr<TraceCursor> cursor,
-              Clock::time_point start, TraceSlot slot)
-      : backend_(backend), cursor_(std::move(cursor)), start_(start), slot_(std::move(slot)) {
+  TraceWriter(const Backend& backend, Clock::time_point start, TraceSlot slot)
+      : backend_(backend), start_(start), slot_(std::move(slot)) {}
+
+  void Begin(const Problem& problem, std::unique_ptr<TraceCursor> cursor) {
+    cursor_ = std::move(cursor);
     *event_.mutable_start() = EncodeTraceStart(problem);
     StartWrite(&event_);
   }
+
+  void Fail(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {  // The client cancelled or went away: stop computing.
@@ -165,7 +171,8 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   // Failures are logged, with the rest of the call, by the request log (request_log.h).
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
 
-  absl::StatusOr<Problem> problem = ParseAttentionRequest(*request, backend_.default_block_k());
+  // On gRPC's callback thread only what takes no time whatever the payload: the shape checks.
+  absl::StatusOr<Problem> problem = ParseAttentionShape(*request, backend_.default_block_k());
   if (!problem.ok()) {
     fail(problem.status());
     return reactor;
@@ -179,29 +186,48 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
     return reactor;
   }
   const bool naive = method == Method::kNaive;
-  absl::Status accepted = queue_.Submit(
-      HeldBytes(naive, *problem, queue_.limits().memory_bytes),
-      [this, naive, context, request, response, problem = *problem, start, fail, reactor] {
-        // A call whose client left, or whose deadline passed, while it waited never starts.
-        if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
-          fail(interrupted);
-          return;
-        }
-        Outputs outputs = PrepareOutputs(problem, *request, response);
-        outputs.interrupt = [context] { return Interruption(context); };
-        absl::StatusOr<Stats> stats =
-            naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
-        if (!stats.ok()) {
-          response->Clear();
-          fail(stats.status());
-          return;
-        }
-        FillStats(backend_, *stats, start, response->mutable_stats());
-        reactor->Finish(grpc::Status::OK);
-      });
+  // The call's work: the values check (a pass over every input element), the kernel, the answer.
+  auto run = [this, naive, context, request, response, problem = *problem, start, fail, reactor] {
+    // A call whose client left, or whose deadline passed, while it waited never starts.
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    if (absl::Status values = CheckAttentionValues(problem); !values.ok()) {
+      fail(values);
+      return;
+    }
+    Outputs outputs = PrepareOutputs(problem, *request, response);
+    outputs.interrupt = [context] { return Interruption(context); };
+    absl::StatusOr<Stats> stats =
+        naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
+    if (!stats.ok()) {
+      response->Clear();
+      fail(stats.status());
+      return;
+    }
+    FillStats(backend_, *stats, start, response->mutable_stats());
+    reactor->Finish(grpc::Status::OK);
+  };
+  // A call too small to matter runs here: the hand-off to a worker and back would cost more.
+  if (backend_.RunsInline(*problem)) {
+    run();
+    return reactor;
+  }
+  absl::Status accepted =
+      queue_.Submit(HeldBytes(naive, *problem, queue_.limits().memory_bytes), std::move(run));
   if (!accepted.ok()) fail(accepted);
   return reactor;
 }
+
+namespace {
+
+// A TraceRequest's problem errors name their field inside `attention`.
+absl::Status InAttention(const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat("attention.", status.message()));
+}
+
+}  // namespace
 
 grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
     grpc::CallbackServerContext* context, const v1::TraceRequest* request) {
@@ -212,10 +238,8 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
     return fail(absl::InvalidArgumentError("attention: is required"));
   }
   absl::StatusOr<Problem> problem =
-      ParseAttentionRequest(request->attention(), backend_.default_block_k());
-  if (!problem.ok()) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("attention.", problem.status().message())));
-  }
+      ParseAttentionShape(request->attention(), backend_.default_block_k());
+  if (!problem.ok()) return fail(InAttention(problem.status()));
   absl::StatusOr<std::vector<RowRef>> rows = ParseTraceRows(*request, *problem, config_.trace);
   if (!rows.ok()) return fail(rows.status());
   TraceSlot slot(open_traces_);
@@ -224,9 +248,31 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
         "server busy: ", open, " trace streams open (--max-traces=", config_.trace.max_streams,
         "); retry later")));
   }
-  absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(*problem, *std::move(rows));
-  if (!cursor.ok()) return fail(cursor.status());
-  return new TraceWriter(backend_, *problem, *std::move(cursor), start, std::move(slot));
+  auto* writer = new TraceWriter(backend_, start, std::move(slot));
+  // Opening the cursor checks every input element and, on a GPU, waits for a stream and
+  // computes the whole trace: a compute queue's work, like Naive's and Tiled's.
+  auto open = [this, writer, context, problem = *problem, rows = *std::move(rows)]() mutable {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      writer->Fail(interrupted);
+      return;
+    }
+    if (absl::Status values = CheckAttentionValues(problem); !values.ok()) {
+      writer->Fail(InAttention(values));
+      return;
+    }
+    absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(problem, std::move(rows));
+    if (!cursor.ok()) {
+      writer->Fail(cursor.status());
+      return;
+    }
+    writer->Begin(problem, *std::move(cursor));
+  };
+  if (backend_.RunsInline(*problem)) {
+    open();
+  } else if (absl::Status accepted = queue_.Submit(0, std::move(open)); !accepted.ok()) {
+    writer->Fail(accepted);
+  }
+  return writer;
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,

@@ -1,10 +1,14 @@
 // AttentionService: the attention.v1 RPC handlers. Transport only: decode the request
 // (request.h), call the backend, encode the answer, map absl::Status to grpc::Status.
 //
-// Naive and Tiled run on a ComputeQueue so gRPC's callback threads never block; Trace computes
-// one event per completed write (flow control), so a slow reader holds at most one event and a
-// cancelled stream stops at its next write. Thread-safe. The backend must outlive the service;
-// destroying the service waits for queued computations to finish.
+// On gRPC's callback threads a call does only what costs the same whatever its payload: the
+// shape checks (ParseAttentionShape), the drain and device checks, admission. The rest — the
+// pass over every input element (CheckAttentionValues), the kernel, opening a trace's cursor —
+// runs on a ComputeQueue worker, so those threads never block; only a call the backend says is
+// too small to matter (Backend::RunsInline) runs there directly, saving the hand-off. A trace
+// then computes one event per completed write (flow control), so a slow reader holds at most
+// one event and a cancelled stream stops at its next write. Thread-safe. The backend must
+// outlive the service; destroying the service waits for queued computations to finish.
 #pragma once
 
 #include <atomic>
@@ -17,6 +21,7 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
+#include "server/builder_options.h"
 #include "server/compute_queue.h"
 #include "server/request.h"
 
@@ -26,8 +31,8 @@ struct ServiceConfig {
   TraceLimits trace;
   // max_inflight 0 = the backend's concurrency(); memory_bytes 0 = its max_naive_bytes(): the
   // Naive score and weight matrices of every running computation share that budget.
-  AdmissionLimits admission{.max_inflight = 0, .max_queue = 64, .memory_bytes = 0};
-  int64_t max_message_bytes = int64_t{1} << 30;
+  AdmissionLimits admission{.memory_bytes = 0};
+  int64_t max_message_bytes = BuilderOptions{}.max_message_bytes;  // For ServerInfo.
   // Called (once) when the backend reports that its device is lost, e.g. to mark the health
   // service NOT_SERVING. May be empty.
   std::function<void()> on_device_lost;

@@ -92,6 +92,16 @@ check bench-refused-csv 0 '^naive,128,1,2,2,16,f32,0,0,1,refused,,.*max-naive-by
   cat "$bench/b.csv"
 check bench-refused-svg 0 'Naive refused from N = 128' -- cat "$bench/b.svg"
 
+# The README's table of limits states attnd's defaults, which the flags take from TraceLimits
+# (server/request.h) and AdmissionLimits (server/compute_queue.h).
+help=$("$attnd" --helpfull 2>&1 | tr '\n' ' ' || true)
+for flag in max_trace_rows max_trace_steps max_traces max_queue; do
+  default=$(grep -oE -- "--$flag \([^)]*\); +default: [0-9]+;" <<<"$help" | grep -oE '[0-9]+;$' |
+    tr -d ';' || true)
+  check "readme-default-$flag" 0 "^\| \`--${flag//_/-}\` \| ${default:-?} \|" -- \
+    cat "$(dirname "$0")/../README.md"
+done
+
 kill -0 "$server" || { echo "FAIL: attnd died"; cat "$log"; exit 1; }
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

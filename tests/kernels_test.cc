@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/key_tile.h"
 #include "kernels/cpu/naive.h"
 #include "kernels/problem.h"
 #include "tests/checks.h"
@@ -173,6 +174,44 @@ TEST(ThreadsTest, OutputsAreBitIdenticalForAnyThreadCount) {
                   0)
             << "threads=" << threads;
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled's packed key tiles: kept per head by each worker while they fit the backend's
+// max_packed_head_bytes, packed again for every row block past it (kernels/cpu/tiled.cc). Both
+// paths meet the float64 reference and give the same bits: KeyTile's sums do not depend on
+// which path packed the tile.
+
+TEST(PackedTilesTest, PackingAgainForEveryBlockMatchesTheReferenceAndTheKeptTiles) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+    for (bool causal : {false, true}) {
+      // 301 rows: three row blocks per head, so blocks of one head follow each other on a worker.
+      const Shape shape = MakeShape(2, 4, 2, 301, 157, 19, 13);
+      const HostProblem host =
+          RandomProblem(shape, dtype, causal, 23, 2000 + 2 * static_cast<int>(dtype) + causal);
+      const Problem problem = host.View();
+      const int64_t head_bytes =
+          problem.TilesPerRow() * KeyTile::PackedBytes(problem.block_k,
+                                                       static_cast<int>(shape.head_dim),
+                                                       static_cast<int>(shape.value_dim));
+      const Reference ref = ReferenceAttention(host);
+      CpuBackend kept(3, 0, head_bytes);  // Exactly fits: each head packed once per worker.
+      const KernelRun baseline = RunKernel(kept, Kernel::kTiled, host);
+      for (int64_t limit : {head_bytes - 1, int64_t{1}, int64_t{0}}) {
+        SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << (causal ? " causal" : "")
+                                          << " max_packed_head_bytes=" << limit);
+        CpuBackend repacking(3, 0, limit);
+        const KernelRun run = RunKernel(repacking, Kernel::kTiled, host);
+        ExpectOutputMatches(run, ref, dtype == DType::kFloat32 ? 1e-5 : 1e-2);
+        ExpectLseMatches(run, ref, 1e-5);
+        if (causal && shape.query_len > shape.key_len) ExpectUnseeingRowsZero(run, host);
+        EXPECT_EQ(run.output_bytes, baseline.output_bytes);
+        EXPECT_EQ(std::memcmp(run.lse.data(), baseline.lse.data(), run.lse.size() * sizeof(float)),
+                  0);
+      }
+      ExpectOutputMatches(baseline, ref, dtype == DType::kFloat32 ? 1e-5 : 1e-2);
     }
   }
 }

@@ -172,6 +172,38 @@ TEST(RequestLogTest, FormatsOneLogfmtLine) {
             "code=OK ms=0.000 bytes_in=0 bytes_out=0 peer=ipv6:[::1]:5");
 }
 
+TEST(RequestLogTest, NamesCodesAsGrpcDoes) {
+  RequestRecord record;
+  record.path = "/attention.v1.AttentionService/Tiled";
+  const char* const names[] = {"OK",
+                               "CANCELLED",
+                               "UNKNOWN",
+                               "INVALID_ARGUMENT",
+                               "DEADLINE_EXCEEDED",
+                               "NOT_FOUND",
+                               "ALREADY_EXISTS",
+                               "PERMISSION_DENIED",
+                               "RESOURCE_EXHAUSTED",
+                               "FAILED_PRECONDITION",
+                               "ABORTED",
+                               "OUT_OF_RANGE",
+                               "UNIMPLEMENTED",
+                               "INTERNAL",
+                               "UNAVAILABLE",
+                               "DATA_LOSS",
+                               "UNAUTHENTICATED"};
+  for (int code = 0; code <= 16; ++code) {
+    record.code = static_cast<grpc::StatusCode>(code);
+    EXPECT_NE(
+        FormatRequestLine(record, absl::UnixEpoch()).find(absl::StrCat(" code=", names[code], " ")),
+        std::string::npos)
+        << code;
+  }
+  // A number outside the enum (a handler may build any grpc::Status) is never an empty field.
+  record.code = static_cast<grpc::StatusCode>(42);
+  EXPECT_NE(FormatRequestLine(record, absl::UnixEpoch()).find(" code=UNKNOWN "), std::string::npos);
+}
+
 // --- End to end: a server with the observer and the HTTP port ---------------------------------
 
 v1::Tensor FloatTensor(std::vector<int64_t> shape, float start) {
@@ -324,6 +356,11 @@ TEST_F(ObservedServerTest, MetricsCountRpcsByMethodAndCode) {
   EXPECT_EQ(Sample(text, "attnd_rpc_received_bytes_total" + Rpc("Naive", "INVALID_ARGUMENT")),
             static_cast<double>(bad.ByteSizeLong()));
   EXPECT_EQ(Sample(text, "attnd_rpc_sent_bytes_total" + Rpc("Naive", "INVALID_ARGUMENT")), 0);
+  // Only attention.v1 requests are counted (request_log.h): a health check's are not.
+  EXPECT_EQ(Sample(text,
+                   "attnd_rpc_received_bytes_total{service=\"grpc.health.v1.Health\","
+                   "method=\"Check\",code=\"OK\"}"),
+            0);
 
   // Gauges: nothing in flight once the calls returned; the process uses some memory.
   EXPECT_EQ(
@@ -380,6 +417,33 @@ TEST_F(ObservedServerTest, LogsOneLinePerRequestAtItsLevel) {
       << log[1];
   EXPECT_NE(log[1].find(" dtype=f16 "), std::string::npos) << log[1];
   EXPECT_NE(log[1].find(" message=\"query"), std::string::npos) << log[1];
+}
+
+TEST_F(ObservedServerTest, LogsTheShapeOfEveryRank) {
+  // Rank 2 and 3 drop leading dimensions of 1; another rank, or ranks that differ, log "?".
+  v1::AttentionRequest rank3;
+  *rank3.mutable_query() = FloatTensor({2, 5, 4}, 0.5f);
+  *rank3.mutable_key() = FloatTensor({2, 7, 4}, -0.25f);
+  *rank3.mutable_value() = FloatTensor({2, 7, 4}, 1.0f);
+  ASSERT_TRUE(client_->Tiled(rank3).ok());
+  v1::AttentionRequest rank2;
+  *rank2.mutable_query() = FloatTensor({5, 4}, 0.5f);
+  *rank2.mutable_key() = FloatTensor({7, 4}, -0.25f);
+  *rank2.mutable_value() = FloatTensor({7, 4}, 1.0f);
+  ASSERT_TRUE(client_->Naive(rank2).ok());
+  v1::AttentionRequest rank5 = SmallRequest();
+  *rank5.mutable_query() = FloatTensor({1, 1, 2, 5, 4}, 0.5f);
+  ASSERT_FALSE(client_->Tiled(rank5).ok());
+  v1::AttentionRequest mixed = SmallRequest();
+  *mixed.mutable_key() = FloatTensor({2, 7, 4}, -0.25f);
+  ASSERT_FALSE(client_->Tiled(mixed).ok());
+
+  const std::vector<std::string> log = Log();
+  ASSERT_EQ(log.size(), 4u) << absl::StrJoin(log, "");
+  EXPECT_NE(log[0].find(" shape=1,2,5,7,4 "), std::string::npos) << log[0];
+  EXPECT_NE(log[1].find(" shape=1,1,5,7,4 "), std::string::npos) << log[1];
+  EXPECT_NE(log[2].find(" shape=? "), std::string::npos) << log[2];
+  EXPECT_NE(log[3].find(" shape=? "), std::string::npos) << log[3];
 }
 
 TEST_F(ObservedServerTest, HealthAndReadiness) {

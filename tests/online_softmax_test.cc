@@ -1,6 +1,6 @@
-// The shared online-softmax step (kernels/online_softmax.h) on the CPU: its exp against float64,
-// the vector lanes against the scalar code, and a row visited tile by tile against the float64
-// softmax of the whole row.
+// The shared online-softmax step (kernels/online_softmax.h) on the CPU: its exp (kernels/exp.h)
+// against float64, the vector lanes (kernels/lanes.h) against the scalar code, and a row
+// visited tile by tile, or in strided shares, against the float64 softmax of the whole row.
 
 // lanes::Floats is a 32-byte vector; passing one by value between inline functions of this
 // baseline (non-AVX) build is fine, so GCC's note about the AVX calling convention is noise.
@@ -18,6 +18,9 @@
 #include <limits>
 #include <random>
 #include <vector>
+
+#include "kernels/exp.h"
+#include "kernels/lanes.h"
 
 namespace attn {
 namespace {
@@ -140,6 +143,40 @@ TEST(OnlineSoftmaxRowTest, AFullyMaskedRowHasNoWeightAndZeroOutput) {
   EXPECT_EQ(row.denominator, 0.f);
   EXPECT_EQ(row.Normalize(5.f), 0.f);
   EXPECT_EQ(row.LogSumExp(), -kInf);
+}
+
+// The full-row softmax (Naive's and every trace reference's) against float64: weights that sum
+// to 1, zeros past the visible scores, the log-sum-exp; and one thread's share visited with
+// VisitShare (the GPU's scalar path) gives the vector path's max and, within rounding, its sum.
+TEST(SoftmaxRowTest, MatchesFloat64AndTheScalarShare) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.f, 5.f);
+  for (int visible : {0, 1, 7, 8, 9, 31, 100}) {
+    const int n = 103;
+    std::vector<float> scores(n);
+    for (float& s : scores) s = normal(rng);
+    std::vector<float> weights(n, 123.f);
+    const OnlineSoftmaxRow row =
+        SoftmaxRow<SerialReduce>(scores.data(), weights.data(), n, visible, 0, 1);
+    double max = -INFINITY, sum = 0;
+    for (int j = 0; j < visible; ++j) max = std::max<double>(max, scores[j]);
+    for (int j = 0; j < visible; ++j) sum += std::exp(static_cast<double>(scores[j]) - max);
+    for (int j = 0; j < n; ++j) {
+      const double expected = j < visible ? std::exp(scores[j] - max) / sum : 0.0;
+      EXPECT_NEAR(weights[j], expected, 1e-6) << "visible " << visible << " j " << j;
+    }
+    if (visible == 0) {
+      EXPECT_EQ(row.LogSumExp(), -kInf);
+      continue;
+    }
+    EXPECT_NEAR(row.LogSumExp(), max + std::log(sum), 1e-5) << "visible " << visible;
+
+    OnlineSoftmaxRow share;
+    std::vector<float> share_weights(visible);
+    EXPECT_EQ(share.VisitShare(scores.data(), visible, share_weights.data(), 0, 1), 0.f);
+    EXPECT_EQ(share.max, row.max);
+    EXPECT_NEAR(share.denominator / row.denominator, 1.0, 1e-6);
+  }
 }
 
 }  // namespace

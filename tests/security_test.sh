@@ -115,6 +115,15 @@ check token-health-without 0 '^SERVING$' -- "$attn" "${t[@]}" health
 check token-health-wrong 0 '^SERVING$' -- "$attn" "${t[@]}" --token-file "$dir/wrong-token" health
 check token-client-empty-file 1 '--token-file: .* is empty' -- \
   "$attn" "${t[@]}" --token-file "$dir/empty-token" info
+# attn reads the token file by attnd's rules (proto/credential_files.h): the same refusals.
+check token-client-blank-file 1 '--token-file: .*blank-token is empty' -- \
+  "$attn" "${t[@]}" --token-file "$dir/blank-token" info
+check token-client-spaced-file 1 '--token-file: .*spaced-token holds a character that is not visible' \
+  -- "$attn" "${t[@]}" --token-file "$dir/spaced-token" info
+check token-client-missing-file 1 '--token-file: cannot read .*missing-token' -- \
+  "$attn" "${t[@]}" --token-file "$dir/missing-token" info
+check tls-client-not-pem 1 '--tls-ca: .*token is not a PEM file' -- \
+  "$attn" "${t[@]}" --tls-ca "$dir/token" info
 # Raw gRPC: reflection needs the token too; the scheme is case-insensitive; malformed and
 # repeated authorization metadata are refused.
 check token-raw 0 '^raw: 7 passed$' -- /usr/bin/python3 - "$port" "$token" "$wrong" <<'EOF'

@@ -5,12 +5,14 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -34,6 +36,13 @@ class CountingBackend final : public Backend {
   int64_t memory_bytes() const override { return inner_.memory_bytes(); }
   int default_block_k() const override { return inner_.default_block_k(); }
   int64_t max_naive_bytes() const override { return inner_.max_naive_bytes(); }
+  // The inner backend's answer when inline_calls is set; never otherwise, so that every call
+  // takes the compute queue.
+  bool RunsInline(const Problem& p) const override {
+    const bool runs_inline = inline_calls.load() && inner_.RunsInline(p);
+    if (runs_inline) ++inline_answers;
+    return runs_inline;
+  }
   absl::StatusOr<Stats> Naive(const Problem& p, const Outputs& o) override {
     return inner_.Naive(p, o);
   }
@@ -58,6 +67,8 @@ class CountingBackend final : public Backend {
   std::atomic<int64_t> events{0};
   std::atomic<int64_t> tiled_calls{0};
   std::atomic<int> block_delay_ms{0};
+  std::atomic<bool> inline_calls{false};
+  mutable std::atomic<int64_t> inline_answers{0};
   std::atomic<absl::StatusCode> last_tiled_code{absl::StatusCode::kOk};
 
  private:
@@ -81,6 +92,7 @@ class CountingBackend final : public Backend {
 // An attnd service on an ephemeral loopback port, and a client connected to it.
 class ServiceTest : public ::testing::Test {
  protected:
+  friend struct Busy;
   void StartServer(int64_t max_naive_bytes = 0, TraceLimits limits = {},
                    AdmissionLimits admission = {.max_inflight = 0, .memory_bytes = 0}) {
     cpu_ = std::make_unique<CpuBackend>(2, max_naive_bytes);
@@ -338,8 +350,16 @@ v1::AttentionRequest ValidRequest() {
 
 TEST_F(ServiceTest, EveryBadInputIsInvalidArgumentNamingTheField) {
   ASSERT_TRUE(client_->Tiled(ValidRequest()).ok());
-  for (const BadInput& bad : BadInputs()) {
-    SCOPED_TRACE(bad.name);
+  // Each case through the compute queue, and as a call small enough to run on gRPC's thread.
+  for (const auto& [inline_calls, bad] : [] {
+         std::vector<std::pair<bool, BadInput>> cases;
+         for (bool inline_calls : {false, true}) {
+           for (BadInput& bad : BadInputs()) cases.emplace_back(inline_calls, std::move(bad));
+         }
+         return cases;
+       }()) {
+    SCOPED_TRACE(std::string(bad.name) + (inline_calls ? ", inline" : ", queued"));
+    backend_->inline_calls = inline_calls;
     v1::AttentionRequest request = ValidRequest();
     bad.mutate(request);
     for (int method = 0; method < 3; ++method) {
@@ -358,6 +378,7 @@ TEST_F(ServiceTest, EveryBadInputIsInvalidArgumentNamingTheField) {
           << "message \"" << status.message() << "\" does not name " << bad.field;
     }
   }
+  EXPECT_GT(backend_->inline_answers.load(), 0) << "no call took the inline path";
   // The server is still answering after all of that.
   EXPECT_TRUE(client_->Tiled(ValidRequest()).ok());
 }
@@ -539,20 +560,39 @@ TEST_F(ServiceTest, ClientCancelStopsTheComputation) {
   ASSERT_TRUE(client_->Tiled(ValidRequest()).ok());
 }
 
+// A server of one worker and a queue of one (max_inflight = max_queue = 1) kept busy: `request`
+// (a long Tiled call, with the backend's block_delay_ms at 200) running until its 2 s deadline,
+// and a second one waiting until `waiting_deadline`. started: both got that far.
+struct Busy {
+  Busy(ServiceTest& test, const v1::AttentionRequest& request,
+       std::chrono::milliseconds waiting_deadline) {
+    test.backend_->block_delay_ms = 200;
+    first = std::thread([&test, &request, this] {
+      running = test.ClientWithDeadline(std::chrono::milliseconds(2000)).Tiled(request).status();
+    });
+    if (!WaitFor([&] { return test.backend_->tiled_calls.load() > 0; })) return;
+    second = std::thread([&test, &request, waiting_deadline, this] {
+      waiting = test.ClientWithDeadline(waiting_deadline).Tiled(request).status();
+    });
+    started = WaitFor([&] { return test.service_->queued() > 0; });
+  }
+  ~Busy() { Join(); }
+  void Join() {
+    if (first.joinable()) first.join();
+    if (second.joinable()) second.join();
+  }
+
+  bool started = false;
+  absl::Status running, waiting;
+  std::thread first, second;
+};
+
 TEST_F(ServiceTest, AFullQueueRefusesAtOnceAndAnExpiredWaiterNeverStarts) {
   TearDown();
   StartServer(0, {}, {.max_inflight = 1, .max_queue = 1, .memory_bytes = 0});
-  backend_->block_delay_ms = 200;
   const v1::AttentionRequest long_request = LongRequest();
-  absl::Status running, waiting;
-  std::thread first([&] {
-    running = ClientWithDeadline(std::chrono::milliseconds(2000)).Tiled(long_request).status();
-  });
-  ASSERT_TRUE(WaitFor([&] { return backend_->tiled_calls.load() > 0; }));
-  std::thread second([&] {
-    waiting = ClientWithDeadline(std::chrono::milliseconds(800)).Tiled(long_request).status();
-  });
-  ASSERT_TRUE(WaitFor([&] { return service_->queued() > 0; }));
+  Busy busy(*this, long_request, std::chrono::milliseconds(800));
+  ASSERT_TRUE(busy.started);
 
   const Clock::time_point start = Clock::now();
   absl::StatusOr<v1::AttentionResponse> refused = client_->Tiled(ValidRequest());
@@ -561,10 +601,9 @@ TEST_F(ServiceTest, AFullQueueRefusesAtOnceAndAnExpiredWaiterNeverStarts) {
   EXPECT_NE(refused.status().message().find("--max-queue=1"), std::string::npos)
       << refused.status();
 
-  first.join();
-  second.join();
-  EXPECT_EQ(running.code(), absl::StatusCode::kDeadlineExceeded) << running;
-  EXPECT_EQ(waiting.code(), absl::StatusCode::kDeadlineExceeded) << waiting;
+  busy.Join();
+  EXPECT_EQ(busy.running.code(), absl::StatusCode::kDeadlineExceeded) << busy.running;
+  EXPECT_EQ(busy.waiting.code(), absl::StatusCode::kDeadlineExceeded) << busy.waiting;
   ASSERT_TRUE(WaitFor([&] { return service_->computing() + service_->queued() == 0; }));
   EXPECT_EQ(backend_->tiled_calls.load(), 1) << "the waiter started after its deadline";
   backend_->block_delay_ms = 0;
@@ -573,6 +612,76 @@ TEST_F(ServiceTest, AFullQueueRefusesAtOnceAndAnExpiredWaiterNeverStarts) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->max_inflight(), 1);
   EXPECT_EQ(info->max_queue(), 1);
+}
+
+// Non-finite elements anywhere in a large request (one that takes the compute queue, where the
+// pass over its elements runs) are refused naming the tensor, by every method.
+TEST_F(ServiceTest, ALargeRequestWithANonFiniteElementIsRefusedNamingTheTensor) {
+  backend_->inline_calls = true;
+  const HostProblem p = testing::RandomProblem(
+      {.heads = 2, .query_len = 301, .key_len = 1201, .head_dim = 33, .value_dim = 31},
+      DType::kBFloat16, false, 0, 17);
+  const v1::AttentionRequest valid = ToRequest(p);
+  ASSERT_TRUE(client_->Tiled(valid).ok());
+  EXPECT_EQ(backend_->inline_answers.load(), 0) << "a large request ran on gRPC's thread";
+  const uint16_t bf16_inf = 0x7f80, bf16_nan = 0xffc1;
+  struct Poison {
+    const char* field;
+    int64_t element;
+    uint16_t bits;
+  };
+  for (const Poison& poison :
+       {Poison{"query.data", 2 * 301 * 33 - 1, bf16_inf},
+        Poison{"key.data", 1201 * 33 / 2, bf16_nan}, Poison{"value.data", 17, bf16_inf}}) {
+    SCOPED_TRACE(poison.field);
+    v1::AttentionRequest request = valid;
+    v1::Tensor* tensor = poison.field[0] == 'q'   ? request.mutable_query()
+                         : poison.field[0] == 'k' ? request.mutable_key()
+                                                  : request.mutable_value();
+    std::memcpy(tensor->mutable_data()->data() + 2 * poison.element, &poison.bits, 2);
+    const std::string element = absl::StrCat("element ", poison.element, " is ");
+    for (const absl::Status& status :
+         {client_->Naive(request).status(), client_->Tiled(request).status(),
+          client_->Trace(TraceOf(request, {}), [](const v1::TraceEvent&) { return true; })}) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_NE(status.message().find(poison.field), std::string::npos) << status;
+      EXPECT_NE(status.message().find(element), std::string::npos) << status;
+    }
+  }
+  EXPECT_TRUE(WaitFor([&] { return service_->computing() + service_->queued() == 0; }));
+}
+
+// With the only worker busy and the queue full, a call too small to matter still runs at once,
+// on gRPC's thread, and right; a large one is refused as before.
+TEST_F(ServiceTest, ASmallCallRunsAtOnceWhileTheWorkerAndTheQueueAreBusy) {
+  TearDown();
+  StartServer(0, {}, {.max_inflight = 1, .max_queue = 1, .memory_bytes = 0});
+  backend_->inline_calls = true;
+  const v1::AttentionRequest long_request = LongRequest();
+  Busy busy(*this, long_request, std::chrono::milliseconds(1500));
+  ASSERT_TRUE(busy.started);
+
+  const HostProblem small = testing::RandomProblem(
+      {.heads = 2, .kv_heads = 1, .query_len = 5, .key_len = 7, .head_dim = 3, .value_dim = 5},
+      DType::kFloat32, true, 0, 23);
+  const testing::Reference ref = testing::ReferenceAttention(small);
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<v1::AttentionResponse> answer = client_->Naive(ToRequest(small));
+  int events = 0;
+  const absl::Status trace = client_->Trace(TraceOf(ToRequest(small), {}),
+                                            [&](const v1::TraceEvent&) { return ++events > 0; });
+  EXPECT_LT(SecondsSince(start), 0.5) << "the small calls waited for the busy worker";
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_LE(testing::MaxAbsError(OutputOf(*answer), ref.output),
+            1e-5 * testing::MaxAbs(ref.output));
+  EXPECT_TRUE(trace.ok()) << trace;
+  EXPECT_GT(events, 2);
+  EXPECT_EQ(client_->Tiled(long_request).status().code(), absl::StatusCode::kResourceExhausted);
+
+  busy.Join();
+  EXPECT_EQ(busy.running.code(), absl::StatusCode::kDeadlineExceeded) << busy.running;
+  EXPECT_EQ(busy.waiting.code(), absl::StatusCode::kDeadlineExceeded) << busy.waiting;
+  backend_->block_delay_ms = 0;
 }
 
 TEST_F(ServiceTest, DrainingRefusesNewCallsWithUnavailable) {

@@ -12,9 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -22,7 +20,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -32,6 +29,7 @@
 #include "client/client.h"
 #include "client/shard.h"
 #include "google/protobuf/util/json_util.h"
+#include "proto/credential_files.h"
 #include "server/dashed_flags.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
@@ -289,16 +287,6 @@ int RunHealth(attn::client::Client& client) {
   return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
-absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream contents;
-  if (file) contents << file.rdbuf();
-  if (!file || file.bad()) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
-  }
-  return std::move(contents).str();
-}
-
 // Fills the TLS and token fields of `options` from --tls-ca, --tls-cert, --tls-key and
 // --token-file. INVALID_ARGUMENT names the flag whose file is unreadable or unusable.
 absl::Status ReadSecurityFlags(attn::client::ClientOptions& options) {
@@ -315,18 +303,14 @@ absl::Status ReadSecurityFlags(attn::client::ClientOptions& options) {
                                           std::tuple{"--tls-cert", cert, &options.tls_cert},
                                           std::tuple{"--tls-key", key, &options.tls_key}}) {
     if (path.empty()) continue;
-    absl::StatusOr<std::string> pem = ReadFile(flag, path);
+    absl::StatusOr<std::string> pem = attn::ReadPemFile(flag, path);
     if (!pem.ok()) return pem.status();
     *field = *std::move(pem);
   }
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (!token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadFile("--token-file", token_file);
+    absl::StatusOr<std::string> token = attn::ReadTokenFile("--token-file", token_file);
     if (!token.ok()) return token.status();
-    absl::StripTrailingAsciiWhitespace(&*token);
-    if (token->empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token-file: ", token_file, " is empty"));
-    }
     options.token = *std::move(token);
   }
   return absl::OkStatus();

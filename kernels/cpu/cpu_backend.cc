@@ -60,22 +60,40 @@ int ThreadsOrAll(int threads) {
 
 }  // namespace
 
-CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes)
+CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes, int64_t max_packed_head_bytes)
     : pool_(ThreadsOrAll(threads)),
       memory_bytes_(PhysicalMemoryBytes()),
       max_naive_bytes_(max_naive_bytes > 0 ? max_naive_bytes : memory_bytes_ / 4),
+      max_packed_head_bytes_(max_packed_head_bytes),
       device_(absl::StrCat(CpuModel(), ", ", pool_.threads(), " threads")) {
   // Parallelism comes from the pool; BLAS threads inside it would only oversubscribe.
   openblas_set_num_threads(1);
 }
 
+bool CpuBackend::RunsInline(const Problem& problem) const {
+  const Shape& s = problem.shape;
+  const int64_t query_bytes =
+      s.batch * s.heads * s.query_len * s.head_dim * ElementSize(problem.query.dtype);
+  const int64_t key_value_bytes = s.batch * s.kv_heads * s.key_len *
+                                  (s.head_dim * ElementSize(problem.key.dtype) +
+                                   s.value_dim * ElementSize(problem.value.dtype));
+  return problem.Flops() <= kInlineFlops && query_bytes + key_value_bytes <= kInlineInputBytes;
+}
+
+ThreadPool& CpuBackend::PoolFor(const Problem& problem) {
+  return RunsInline(problem) ? caller_only_ : pool_;
+}
+
 absl::StatusOr<Stats> CpuBackend::Naive(const Problem& problem, const Outputs& outputs) {
-  return Timed(problem, [&] { return NaiveAttention(problem, outputs, pool_, max_naive_bytes_); });
+  return Timed(problem, [&] {
+    return NaiveAttention(problem, outputs, PoolFor(problem), max_naive_bytes_);
+  });
 }
 
 absl::StatusOr<Stats> CpuBackend::Tiled(const Problem& problem, const Outputs& outputs) {
   return Timed(problem, [&]() -> absl::StatusOr<Stats> {
-    absl::StatusOr<Stats> stats = TiledAttention(problem, outputs, pool_);
+    absl::StatusOr<Stats> stats =
+        TiledAttention(problem, outputs, PoolFor(problem), max_packed_head_bytes_);
     if (stats.ok()) stats->block_k = problem.block_k;
     return stats;
   });

@@ -16,16 +16,22 @@ namespace attn {
 
 class CpuBackend final : public Backend {
  public:
+  static constexpr int64_t kDefaultMaxPackedHeadBytes = 16 << 20;  // docs/perf.md
+
   // threads: workers per call (0 = hardware concurrency). max_naive_bytes: Naive's budget for
-  // score and weight storage (0 = a quarter of physical memory).
-  CpuBackend(int threads, int64_t max_naive_bytes);
+  // score and weight storage (0 = a quarter of physical memory). max_packed_head_bytes: the
+  // packed key tiles each Tiled worker keeps per head (TiledAttention in tiled.h; tests lower it
+  // to reach the path that packs again for every block).
+  CpuBackend(int threads, int64_t max_naive_bytes,
+             int64_t max_packed_head_bytes = kDefaultMaxPackedHeadBytes);
 
   const char* name() const override { return "cpu"; }
   std::string device() const override { return device_; }
   int64_t memory_bytes() const override { return memory_bytes_; }
   int default_block_k() const override { return kDefaultBlockK; }
   int64_t max_naive_bytes() const override { return max_naive_bytes_; }
-  int threads() const { return pool_.threads(); }
+  // Up to kInlineFlops and kInlineInputBytes: such a call runs on its caller's thread alone.
+  bool RunsInline(const Problem& problem) const override;
 
   absl::StatusOr<Stats> Naive(const Problem& problem, const Outputs& outputs) override;
   absl::StatusOr<Stats> Tiled(const Problem& problem, const Outputs& outputs) override;
@@ -35,10 +41,18 @@ class CpuBackend final : public Backend {
  private:
   // Keys per tile when a request asks for 0 (measured: docs/perf.md).
   static constexpr int kDefaultBlockK = 256;
+  // A call this small takes microseconds on one core (about 4 MFLOP and 256 KiB of inputs, at
+  // tens of GFLOP/s and several GB/s): less than handing it to a worker thread and back costs.
+  static constexpr double kInlineFlops = 1 << 22;
+  static constexpr int64_t kInlineInputBytes = 256 << 10;
+
+  ThreadPool& PoolFor(const Problem& problem);  // caller_only_ for RunsInline calls.
 
   ThreadPool pool_;
+  ThreadPool caller_only_{1};  // For RunsInline calls: no helpers, so never waits on pool_.
   int64_t memory_bytes_;
   int64_t max_naive_bytes_;
+  int64_t max_packed_head_bytes_;
   std::string device_;
 };
 

@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "kernels/cpu/cpu_dispatch.h"
-#include "kernels/online_softmax.h"
+#include "kernels/lanes.h"
 
 namespace attn {
 namespace {

@@ -15,48 +15,19 @@
 
 namespace attn {
 
-// Stable softmax of each score row: the causal mask, the row max, e^(s − max), the sum, the
-// normalization. Lanes as in OnlineSoftmaxRow::VisitTile so the loops vectorize.
 namespace {
 
+// Each score row: the causal mask, then the full-row stable softmax (SoftmaxRow,
+// online_softmax.h: the row max, e^(s − max), the sum, the normalization) in eight lanes.
 ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
                                       float* scores, float* weights, float* lse) {
-  constexpr int kLanes = 8;
   const int64_t n = problem.shape.key_len;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
-    float* w = weights + r * n;
     const int64_t visible = problem.VisibleKeys(row_begin + r);
     std::fill(s + visible, s + n, -INFINITY);
-    float lane_max[kLanes];
-    std::fill(lane_max, lane_max + kLanes, -INFINITY);
-    int64_t j = 0;
-    for (; j + kLanes <= visible; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l)
-        lane_max[l] = s[j + l] > lane_max[l] ? s[j + l] : lane_max[l];
-    }
-    float max = -INFINITY;
-    for (int l = 0; l < kLanes; ++l) max = lane_max[l] > max ? lane_max[l] : max;
-    for (; j < visible; ++j) max = s[j] > max ? s[j] : max;
-
-    float lane_sum[kLanes] = {};
-    j = 0;
-    for (; j + kLanes <= visible; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        w[j + l] = Exp(s[j + l] - max);
-        lane_sum[l] += w[j + l];
-      }
-    }
-    float sum = 0.f;
-    for (int l = 0; l < kLanes; ++l) sum += lane_sum[l];
-    for (; j < visible; ++j) {
-      w[j] = Exp(s[j] - max);
-      sum += w[j];
-    }
-    const float inverse = visible > 0 ? 1.f / sum : 0.f;
-    for (j = 0; j < visible; ++j) w[j] *= inverse;
-    std::fill(w + visible, w + n, 0.f);
-    if (lse != nullptr) lse[r] = visible > 0 ? max + std::log(sum) : -INFINITY;
+    const OnlineSoftmaxRow row = SoftmaxRow<SerialReduce>(s, weights + r * n, n, visible, 0, 1);
+    if (lse != nullptr) lse[r] = row.LogSumExp();
   }
 }
 
@@ -103,12 +74,8 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
   const int64_t storage_bytes = problem.NaiveStorageBytes();
-  if (storage_bytes > max_naive_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "Naive needs ", storage_bytes, " bytes for its fp32 score and weight matrices (2 × ",
-        s.batch, "·", s.heads, "·", s.query_len, "·", s.key_len,
-        " × 4), over this server's --max-naive-bytes=", max_naive_bytes,
-        "; use Tiled, which never stores a query_len × key_len matrix"));
+  if (absl::Status budget = CheckNaiveBudget(problem, max_naive_bytes, "memory"); !budget.ok()) {
+    return budget;
   }
   std::unique_ptr<float[]> scores(new (std::nothrow) float[matrix_elements]);
   std::unique_ptr<float[]> weights(new (std::nothrow) float[matrix_elements]);

@@ -49,6 +49,10 @@ void ThreadPool::Help(int worker) {
 }
 
 void ThreadPool::Run(int64_t tasks, const std::function<void(int64_t, int)>& fn) {
+  if (helpers_.empty()) {  // Nothing shared to guard: callers on several threads run at once.
+    for (int64_t task = 0; task < tasks; ++task) fn(task, 0);
+    return;
+  }
   std::lock_guard<std::mutex> run_lock(run_mutex_);
   const int helpers = WorkersFor(tasks) - 1;
   {

@@ -4,7 +4,8 @@
 // workers (the calling thread is worker 0) and returns when all have finished. Tasks are handed
 // out dynamically (an atomic counter), so uneven tasks such as causal row blocks balance; a
 // task's arithmetic never depends on which worker runs it, so results do not depend on the
-// thread count. Calls to Run from several threads are serialized. fn must not throw.
+// thread count. Calls to Run from several threads are serialized, except in a pool of one
+// thread, which runs each call on its caller at once. fn must not throw.
 #pragma once
 
 #include <atomic>

@@ -24,10 +24,9 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
     for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) s[j] = -INFINITY;
     const float rescale = states[r].VisitTile(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
-    if (rescale != 1.f) {
-      float* a = acc + r * acc_stride;
-      for (int64_t c = 0; c < dv; ++c) a[c] *= rescale;
-    }
+    float* a = acc + r * acc_stride;
+    OnlineSoftmaxRow::RescaleAccumulator(rescale, static_cast<int>(dv),
+                                         [a](int c) -> float& { return a[c]; });
   }
 }
 
@@ -56,12 +55,6 @@ void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, i
 
 namespace {
 
-// Packed tiles a worker keeps for the head it works on, at most this many bytes: a head's row
-// blocks are consecutive tasks, so each worker packs a head's tiles once instead of once per
-// block (the packing cost about a tenth of Tiled's time). Past the limit (N·(d + dv)·4 bytes:
-// N = 32768 with d = dv = 64 fits), tiles are packed again for every block.
-constexpr int64_t kMaxPackedHeadBytes = 16 << 20;
-
 struct Worker {
   Fp32Rows query, key, value;
   std::vector<KeyTile> tiles;  // tiles[t]: tile t of head `packed_head`, for t < packed_tiles.
@@ -73,14 +66,16 @@ struct Worker {
   std::vector<OnlineSoftmaxRow> states;
 
   // Tile `tile` (n keys) of the block's head: packed now, or kept from an earlier block of the
-  // same head. Blocks visit their tiles in order from 0.
-  const KeyTile& Tile(const Problem& problem, const RowBlock& block, int64_t tile, int n) {
+  // same head. Blocks visit their tiles in order from 0. A head whose packed tiles would pass
+  // max_packed_head_bytes is packed again for every block, one tile at a time.
+  const KeyTile& Tile(const Problem& problem, const RowBlock& block, int64_t tile, int n,
+                      int64_t max_packed_head_bytes) {
     const Shape& s = problem.shape;
     const int d = static_cast<int>(s.head_dim);
     const int dv = static_cast<int>(s.value_dim);
     const bool keep =
         problem.TilesPerRow() * KeyTile::PackedBytes(static_cast<int>(problem.block_k), d, dv) <=
-        kMaxPackedHeadBytes;
+        max_packed_head_bytes;
     const int64_t head = block.batch * s.kv_heads + block.kv_head;
     if (!keep || head != packed_head) {
       packed_head = keep ? head : -1;
@@ -112,7 +107,7 @@ struct Worker {
 
 // One block of query rows of one (batch, head) over every key tile it can see.
 void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& block,
-                Worker& worker) {
+                int64_t max_packed_head_bytes, Worker& worker) {
   const Shape& s = problem.shape;
   const int d = static_cast<int>(s.head_dim);
   const int dv = static_cast<int>(s.value_dim);
@@ -129,7 +124,7 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t key_begin = tile * problem.block_k;
     const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
-    const KeyTile& key_tile = worker.Tile(problem, block, tile, n);
+    const KeyTile& key_tile = worker.Tile(problem, block, tile, n, max_packed_head_bytes);
     key_tile.Scores(query, m, worker.scores.data());
     VisitKeyTileRows(problem, block.row_begin, rows, key_begin, n, worker.scores.data(),
                      worker.acc.data(), acc_stride, worker.states.data());
@@ -154,12 +149,13 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
 }  // namespace
 
 absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs,
-                                     ThreadPool& pool) {
+                                     ThreadPool& pool, int64_t max_packed_head_bytes) {
   const int64_t tasks = RowBlockCount(problem);
   std::vector<Worker> workers(pool.WorkersFor(tasks));
   const absl::Status run =
       RunInterruptible(pool, tasks, outputs.interrupt, [&](int64_t task, int worker) {
-        TiledBlock(problem, outputs, RowBlockAt(problem, task), workers[worker]);
+        TiledBlock(problem, outputs, RowBlockAt(problem, task), max_packed_head_bytes,
+                   workers[worker]);
       });
   if (!run.ok()) return run;
 

@@ -21,14 +21,21 @@ namespace attn {
 // The online-softmax step for rows [row_begin, row_begin + rows) of a block over the key tile
 // starting at key_begin with n keys: masks scores [rows, n] (scaled) for the causal mask,
 // turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
-// acc [rows, value_dim] (row stride acc_stride; recording the factors in rescales when not
-// null). The caller then adds weights · V_tile to acc (KeyTile::Accumulate).
+// acc [rows, value_dim] (row stride acc_stride) with OnlineSoftmaxRow::RescaleAccumulator,
+// recording the factors in rescales when not null. The caller then adds weights · V_tile to acc
+// (KeyTile::Accumulate).
 void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
                       int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
                       float* rescales = nullptr);
 
 // Online-softmax attention on `pool`. Never fails for a valid Problem.
+//
+// Each worker keeps the packed key tiles of the head it works on when they take at most
+// max_packed_head_bytes (CpuBackend's default: 16 MiB, N·(d + dv)·4 bytes, so N = 32768 with
+// d = dv = 64 fits): a head's row blocks are consecutive tasks, so a worker then packs a head's
+// tiles once instead of once per block (the packing cost about a tenth of Tiled's time). Past
+// the limit, tiles are packed again for every block.
 absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs,
-                                     ThreadPool& pool);
+                                     ThreadPool& pool, int64_t max_packed_head_bytes);
 
 }  // namespace attn

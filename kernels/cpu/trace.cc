@@ -51,7 +51,7 @@ class CpuTraceCursor final : public TraceCursor {
   void StartRow() {
     const RowRef& ref = rows_[row_index_];
     const Shape& s = problem_.shape;
-    const int64_t kv_head = problem_.KvHead(ref.head);
+    const int64_t kv_head = problem_.KvHead(ref.head);  // Grouped-query attention.
     q_row_ =
         query_.Load(problem_.query, problem_.QueryOffset(ref.batch, ref.head, ref.row), s.head_dim);
     key_rows_ =
@@ -93,8 +93,7 @@ class CpuTraceCursor final : public TraceCursor {
     step.accumulator.assign(acc_.begin(), acc_.begin() + dv);
     step.estimate.resize(dv);
     for (int c = 0; c < dv; ++c) step.estimate[c] = state_.Normalize(acc_[c]);
-    stats_.flops += 2.0 * static_cast<double>(std::clamp<int64_t>(visible_in_tile, 0, n)) *
-                    static_cast<double>(s.head_dim + s.value_dim);
+    stats_.flops += problem_.TraceTileFlops(ref.row, tile_);
     ++tile_;
     return step;
   }
@@ -113,10 +112,7 @@ class CpuTraceCursor final : public TraceCursor {
     done.reference.resize(s.value_dim);
     NaiveRows(problem_, q_row_, key_rows_, value_rows_, ref.row, 1, reference_.data(),
               reference_.data() + s.key_len, nullptr, done.reference.data());
-    for (int64_t c = 0; c < s.value_dim; ++c) {
-      done.max_abs_error =
-          std::max(done.max_abs_error, std::abs(done.output[c] - done.reference[c]));
-    }
+    done.max_abs_error = MaxAbsError(done.output, done.reference);
 
     ++row_index_;
     tile_ = 0;

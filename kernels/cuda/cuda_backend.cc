@@ -127,13 +127,38 @@ int64_t StagingBytes(const Problem& problem, bool lse) {
   return std::max(inputs, results);
 }
 
+// The request's inputs and results in their own dtypes, dense: what ExecutionStats counts
+// neither as scratch nor (the inputs) as peak memory.
+int64_t InputBytes(const Problem& problem) {
+  const Shape& s = problem.shape;
+  return s.batch * s.heads * s.query_len * s.head_dim * ElementSize(problem.query.dtype) +
+         s.batch * s.kv_heads * s.key_len *
+             (s.head_dim * ElementSize(problem.key.dtype) +
+              s.value_dim * ElementSize(problem.value.dtype));
+}
+int64_t ResultBytes(const Problem& problem, bool lse) {
+  return problem.OutputElements() * ElementSize(problem.output_dtype) +
+         (lse ? problem.LseElements() * 4 : 0);
+}
+
+// ExecutionStats.scratch_bytes and peak_memory_bytes (attention.proto) of a call whose device
+// allocations came to allocated_bytes: scratch is what it allocated beyond the inputs and the
+// results (the row padding of the uploaded inputs, fp32 copies, matrices, records); peak is
+// scratch plus the results.
+void SetMemoryStats(const Problem& problem, bool lse, int64_t allocated_bytes, Stats* stats) {
+  const int64_t results = ResultBytes(problem, lse);
+  stats->scratch_bytes = std::max<int64_t>(allocated_bytes - InputBytes(problem) - results, 0);
+  stats->peak_memory_bytes = stats->scratch_bytes + results;
+}
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int index, const cudaDeviceProp& properties, int64_t budget, int64_t max_naive_bytes,
-              std::vector<Slot> slots)
+              int max_shared_bytes, std::vector<Slot> slots)
       : index_(index),
         memory_bytes_(static_cast<int64_t>(properties.totalGlobalMem)),
         max_naive_bytes_(max_naive_bytes),
+        max_shared_bytes_(max_shared_bytes),
         device_(absl::StrFormat("%s (cuda:%d, sm_%d%d, %.1f GiB, %d SMs)", properties.name, index,
                                 properties.major, properties.minor,
                                 static_cast<double>(properties.totalGlobalMem) / (1 << 30),
@@ -158,7 +183,8 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
   std::string device() const override { return device_; }
   int64_t memory_bytes() const override { return memory_bytes_; }
-  int default_block_k() const override { return 64; }
+  // The fused Tiled kernels' tile; any other block_k runs Tiled's slower row kernel.
+  int default_block_k() const override { return kFusedBlockK; }
   int64_t max_naive_bytes() const override { return max_naive_bytes_; }
   bool healthy() const override { return !lost_.load(); }
   int concurrency() const override { return static_cast<int>(slots_.size()); }
@@ -210,9 +236,10 @@ class CudaBackend final : public Backend {
   }
 
   // Copies the problem's inputs to the device in one dtype, rows padded with zeros to `pitch`,
-  // through the slot's staging memory.
-  absl::StatusOr<DeviceProblem> Upload(const Problem& problem, int pitch, Allocations& memory,
-                                       Slot& slot);
+  // through the slot's staging memory, which it first grows to hold the inputs or the results
+  // (with lse when `lse`; StagingBytes), whichever is larger.
+  absl::StatusOr<DeviceProblem> Upload(const Problem& problem, int pitch, bool lse,
+                                       Allocations& memory, Slot& slot);
   // Queues the copy of fp32 `result` [count] to the host in `host.dtype` (converted on the
   // device if needed) into staging memory at *staging_offset; Finish moves it to `host`.
   absl::Status Download(const float* result, int64_t count, const MutableTensorView& host,
@@ -230,6 +257,7 @@ class CudaBackend final : public Backend {
   const int index_;
   const int64_t memory_bytes_;
   const int64_t max_naive_bytes_;
+  const int max_shared_bytes_;  // Dynamic shared memory one block may opt in to, bytes.
   const std::string device_;
   MemoryBudget budget_;
   std::vector<Slot> slots_;
@@ -239,8 +267,9 @@ class CudaBackend final : public Backend {
   std::atomic<bool> lost_{false};
 };
 
-absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pitch,
+absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pitch, bool lse,
                                                   Allocations& memory, Slot& slot) {
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, lse)));
   const Shape& s = problem.shape;
   DeviceProblem device;
   device.shape = s;
@@ -259,7 +288,7 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
   } inputs[] = {{problem.query, s.batch * s.heads * s.query_len, s.head_dim, &device.query},
                 {problem.key, s.batch * s.kv_heads * s.key_len, s.head_dim, &device.key},
                 {problem.value, s.batch * s.kv_heads * s.key_len, s.value_dim, &device.value}};
-  char* staged = slot.staging;  // Reserved by the caller (StagingBytes).
+  char* staged = slot.staging;
   for (const Input& input : inputs) {
     const int64_t dense_bytes = input.rows * input.width * element;
     if (input.view.dtype == device.dtype) {
@@ -344,15 +373,9 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   if (absl::Status status = outputs.CheckInterrupt(); !status.ok()) return status;
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
-  const int64_t storage_bytes = problem.NaiveStorageBytes();
-  if (storage_bytes > max_naive_bytes_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("Naive needs ", storage_bytes,
-                     " bytes of device memory for its fp32 score and weight "
-                     "matrices (2 × ",
-                     s.batch, "·", s.heads, "·", s.query_len, "·", s.key_len,
-                     " × 4), over this server's --max-naive-bytes=", max_naive_bytes_,
-                     "; use Tiled, which never stores a query_len × key_len matrix"));
+  if (absl::Status budget = CheckNaiveBudget(problem, max_naive_bytes_, "device memory");
+      !budget.ok()) {
+    return budget;
   }
   const int64_t group = s.heads / s.kv_heads;
   const int64_t rows_per_kv_head = group * s.query_len;  // The GEMMs' M.
@@ -367,9 +390,8 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   Lease lease(*this);
   Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
-  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, outputs.lse != nullptr)));
-  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot));
-  int64_t scratch_bytes = storage_bytes;  // The two matrices, and fp32 values if converted.
+  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device,
+                        Upload(problem, pitch, outputs.lse != nullptr, memory, slot));
   ATTN_ASSIGN_OR_RETURN(float* scores, memory.Allocate<float>(matrix_elements * 4));
   ATTN_ASSIGN_OR_RETURN(float* weights, memory.Allocate<float>(matrix_elements * 4));
   ATTN_ASSIGN_OR_RETURN(float* out, memory.Allocate<float>(problem.OutputElements() * 4));
@@ -382,7 +404,6 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   if (device.dtype != DType::kFloat32) {  // cuBLAS multiplies fp32 weights by fp32 values.
     const int64_t value_rows = s.batch * s.kv_heads * s.key_len;
     ATTN_ASSIGN_OR_RETURN(float* value32, memory.Allocate<float>(value_rows * s.value_dim * 4));
-    scratch_bytes += value_rows * s.value_dim * 4;
     ATTN_RETURN_IF_ERROR(Check(LaunchToFloat(device.value, device.dtype, pitch, value_rows,
                                              s.value_dim, value32, slot.stream),
                                "LaunchToFloat"));
@@ -426,8 +447,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
   stats.flops = problem.Flops();
   stats.intermediate_bytes = problem.NaiveIntermediateBytes();
-  stats.scratch_bytes = scratch_bytes;
-  stats.peak_memory_bytes = memory.bytes();
+  SetMemoryStats(problem, lse != nullptr, memory.bytes(), &stats);
   return stats;
 }
 
@@ -443,26 +463,31 @@ absl::StatusOr<Stats> CudaBackend::Tiled(const Problem& problem, const Outputs& 
   Lease lease(*this);
   Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
-  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, outputs.lse != nullptr)));
-  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot));
+  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device,
+                        Upload(problem, pitch, outputs.lse != nullptr, memory, slot));
   ATTN_ASSIGN_OR_RETURN(float* out, memory.Allocate<float>(problem.OutputElements() * 4));
   float* lse = nullptr;
   if (outputs.lse != nullptr) {
     ATTN_ASSIGN_OR_RETURN(lse, memory.Allocate<float>(problem.LseElements() * 4));
   }
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.start, slot.stream), "cudaEventRecord"));
-  ATTN_RETURN_IF_ERROR(Check(LaunchTiled(device, out, lse, slot.stream), "LaunchTiled"));
+  const TiledPlan plan = PlanTiled(device, problem.block_k, max_shared_bytes_);
+  if (const cudaError_t error = LaunchTiled(device, plan, out, lse, slot.stream);
+      error == cudaErrorInvalidValue) {
+    return absl::InternalError(absl::StrCat("CUDA Tiled: no kernel for ", DTypeName(device.dtype),
+                                            " rows padded to ", device.pitch));
+  } else {
+    ATTN_RETURN_IF_ERROR(Check(error, "LaunchTiled"));
+  }
   ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.stop, slot.stream), "cudaEventRecord"));
   ATTN_RETURN_IF_ERROR(
       DeliverResults(problem, out, lse, outputs, memory, slot, "Tiled on the device"));
 
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
-  stats.block_k = TiledBlockK(device);
+  stats.block_k = static_cast<int>(plan.block_k);
   stats.flops = problem.Flops();
-  // On chip per block: the query block and two key/value tiles in shared memory.
-  stats.scratch_bytes = TiledSharedBytes(device);
-  stats.peak_memory_bytes = memory.bytes();
+  SetMemoryStats(problem, lse != nullptr, memory.bytes(), &stats);
   return stats;
 }
 
@@ -511,10 +536,7 @@ class RecordedTraceCursor final : public TraceCursor {
     done.row = r.rows[row_];
     done.output.assign(r.output.begin() + row_ * dv, r.output.begin() + (row_ + 1) * dv);
     done.reference.assign(r.reference.begin() + row_ * dv, r.reference.begin() + (row_ + 1) * dv);
-    for (int64_t c = 0; c < dv; ++c) {
-      done.max_abs_error =
-          std::max(done.max_abs_error, std::abs(done.output[c] - done.reference[c]));
-    }
+    done.max_abs_error = MaxAbsError(done.output, done.reference);
     done.lse = r.lse[row_];
     *item = std::move(done);
     ++row_;
@@ -558,8 +580,7 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
   Slot& slot = lease.slot();
   Allocations memory(budget_, slot.stream);
   const int pitch = static_cast<int>(std::max(s.head_dim, s.value_dim));
-  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(StagingBytes(problem, false)));
-  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, memory, slot));
+  ATTN_ASSIGN_OR_RETURN(const DeviceProblem device, Upload(problem, pitch, false, memory, slot));
 
   TraceRecords device_records;
   device_records.rows = static_cast<int>(n_rows);
@@ -608,12 +629,11 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
   stats.block_k = problem.block_k;
-  for (size_t i = 0; i < records.rows.size(); ++i) {
-    stats.flops += 2.0 * static_cast<double>(problem.VisibleKeys(records.rows[i].row)) *
-                   static_cast<double>(s.head_dim + s.value_dim);
-  }
-  stats.scratch_bytes = memory.bytes();
-  stats.peak_memory_bytes = memory.bytes();
+  for (const RowRef& row : records.rows) stats.flops += problem.TraceRowFlops(row.row);
+  // A trace returns no output tensor: all it allocated beyond its inputs (the records included)
+  // is scratch, and the peak (as on the CPU).
+  stats.scratch_bytes = std::max<int64_t>(memory.bytes() - InputBytes(problem), 0);
+  stats.peak_memory_bytes = stats.scratch_bytes;
   return std::make_unique<RecordedTraceCursor>(std::move(records), stats);
 }
 
@@ -630,7 +650,8 @@ int DeviceCount(std::string* error) {
   return count;
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int index, int64_t max_naive_bytes) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int index, int64_t max_naive_bytes,
+                                                         int max_shared_bytes) {
   std::string error;
   const int count = DeviceCount(&error);
   if (count == 0) {
@@ -643,6 +664,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int index, int64_t max_
   cudaDeviceProp properties;
   ATTN_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
   ATTN_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&properties, index));
+  // What one block may opt in to: an sm_80 binary also runs on sm_86/89, whose limit (99 KB) is
+  // far below the A100's 163 KB, so tile sizes follow the device, not the architecture.
+  int optin_shared_bytes = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin_shared_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, index));
+  if (max_shared_bytes <= 0 || max_shared_bytes > optin_shared_bytes) {
+    max_shared_bytes = optin_shared_bytes;
+  }
   size_t free_bytes = 0, total_bytes = 0;
   ATTN_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   // Keep freed memory in the stream-ordered pool instead of returning it to the driver.
@@ -662,7 +691,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int index, int64_t max_
   }
   const int64_t budget = static_cast<int64_t>(static_cast<double>(free_bytes) * 0.9);
   if (max_naive_bytes <= 0) max_naive_bytes = static_cast<int64_t>(total_bytes / 4);
-  return std::make_unique<CudaBackend>(index, properties, budget, max_naive_bytes,
+  return std::make_unique<CudaBackend>(index, properties, budget, max_naive_bytes, max_shared_bytes,
                                        std::move(slots));
 }
 

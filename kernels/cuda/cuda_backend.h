@@ -22,7 +22,12 @@ int DeviceCount(std::string* error = nullptr);
 
 // Opens device `index`. max_naive_bytes: Naive's budget for its score and weight matrices (0 =
 // a quarter of the device's memory); the budget for all requests together is 90% of the
-// memory free at start-up. UNAVAILABLE when the device cannot be used.
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int index, int64_t max_naive_bytes);
+// memory free at start-up. max_shared_bytes: the dynamic shared memory per block Tiled may
+// plan with (0 = the device's opt-in limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, read
+// once here; a larger value is cut to it; tests pass less to reach the fallback): a fused
+// kernel that needs more is replaced by the row kernel (launch.h, PlanTiled). UNAVAILABLE
+// when the device cannot be used.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int index, int64_t max_naive_bytes,
+                                                         int max_shared_bytes = 0);
 
 }  // namespace attn::cuda

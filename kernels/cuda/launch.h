@@ -40,15 +40,39 @@ struct DeviceProblem {
 
 // --- Tiled (tiled.cu) -----------------------------------------------------------------------
 
-// Keys per tile the fused kernel uses for this problem.
-int TiledBlockK(const DeviceProblem& problem);
+// Keys per tile of the fused kernels: the CUDA backend's default block_k.
+constexpr int kFusedBlockK = 32;
 
-// Dynamic shared memory per block the fused kernel needs for this problem, bytes.
-int TiledSharedBytes(const DeviceProblem& problem);
+enum class TiledKernel {
+  kMma,   // fp16/bf16, fused, tensor cores: tiles of kFusedBlockK keys.
+  kFp32,  // fp32, fused: tiles of kFusedBlockK keys.
+  kRows,  // Any dtype and block_k: one warp per query row, no shared memory (slower).
+};
 
-// The fused online-softmax kernel: out [batch, heads, query_len, value_dim] fp32 and, when
-// lse is not null, lse [batch, heads, query_len].
-cudaError_t LaunchTiled(const DeviceProblem& problem, float* out, float* lse, cudaStream_t stream);
+// How Tiled runs one problem.
+struct TiledPlan {
+  TiledKernel kernel = TiledKernel::kRows;
+  int64_t block_k = kFusedBlockK;  // Keys per tile: always the request's.
+  int shared_bytes = 0;            // Dynamic shared memory per block.
+};
+
+// Dynamic shared memory per block, bytes, of the fused kernel for `dtype` at `pitch`; −1 for a
+// pitch that is not one of kCompiledDims.
+int FusedSharedBytes(DType dtype, int pitch);
+
+// The plan for tiles of block_k keys: the fused kernel when its tiles are the same (block_k is
+// kFusedBlockK, or both hold every key) and its shared memory fits max_shared_bytes (the
+// device's opt-in limit per block); else the row kernel, which honours any block_k and needs no
+// shared memory.
+TiledPlan PlanTiled(const DeviceProblem& problem, int64_t block_k, int max_shared_bytes);
+
+const char* TiledKernelName(TiledKernel kernel);
+
+// Online-softmax attention as planned: out [batch, heads, query_len, value_dim] fp32 and, when
+// lse is not null, lse [batch, heads, query_len]. cudaErrorInvalidValue for a pitch that is not
+// one of kCompiledDims.
+cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, float* out, float* lse,
+                        cudaStream_t stream);
 
 // --- Naive's pieces (naive.cu); the two matrix products are cuBLAS calls --------------------
 

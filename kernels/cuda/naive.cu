@@ -1,66 +1,35 @@
 // Naive attention's own kernels on the GPU. The two matrix products are cuBLAS strided-batched
 // GEMMs (cuda_backend.cc), as in a framework's eager path:
 //   S = scale · Q Kᵀ      cuBLAS, fp32 [B·H·Nq, Nk] in device memory
-//   W = softmax(S)        SoftmaxKernel below, fp32 [B·H·Nq, Nk] beside S (causal mask here)
+//   W = softmax(S)        SoftmaxKernel below (SoftmaxRow, online_softmax.h), fp32 [B·H·Nq, Nk]
+//                         beside S (causal mask here)
 //   O = W V               cuBLAS, fp32
 // plus the conversions around them (ToFloatKernel for V, StoreKernel for the output dtype).
 // Measured: not yet on a GPU (see docs/perf.md).
 #include <cmath>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/reduce.h"
 #include "kernels/dtype.h"
+#include "kernels/online_softmax.h"
 
 namespace attn::cuda {
 namespace {
 
 constexpr int kSoftmaxThreads = 256;
 
-// Block-wide reduction of one float per thread; every thread gets the result.
-template <class Op>
-__device__ float BlockReduce(float value, Op op, float* shared) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  }
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read from a previous reduction.
-  if (lane == 0) shared[warp] = value;
-  __syncthreads();
-  value = shared[0];
-  for (int w = 1; w < kSoftmaxThreads / 32; ++w) value = op(value, shared[w]);
-  return value;
-}
-
-// One block per score row: mask, max, exp-sum, normalize. A row that sees no key gets zero
-// weights and lse −inf.
+// One block per score row: the causal mask, then the full-row stable softmax (SoftmaxRow,
+// online_softmax.h) shared by the block's threads. A row that sees no key gets zero weights and
+// lse −inf.
 __global__ void __launch_bounds__(kSoftmaxThreads)
     SoftmaxKernel(const float* scores, float* weights, float* lse, int64_t query_len,
                   int64_t key_len, bool causal) {
-  __shared__ float partial[kSoftmaxThreads / 32];
   const int64_t row = blockIdx.x;
-  const int64_t query = row % query_len;
-  const int64_t visible =
-      causal ? min(max(query + key_len - query_len + 1, int64_t{0}), key_len) : key_len;
-  const float* s = scores + row * key_len;
-  float* w = weights + row * key_len;
-
-  float max_score = -INFINITY;
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) max_score = fmaxf(max_score, s[j]);
-  max_score = BlockReduce(
-      max_score, [](float a, float b) { return fmaxf(a, b); }, partial);
-
-  float sum = 0.f;
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) sum += expf(s[j] - max_score);
-  sum = BlockReduce(
-      sum, [](float a, float b) { return a + b; }, partial);
-
-  const float inverse = visible > 0 ? 1.f / sum : 0.f;
-  for (int64_t j = threadIdx.x; j < key_len; j += blockDim.x) {
-    w[j] = j < visible ? expf(s[j] - max_score) * inverse : 0.f;
-  }
-  if (lse != nullptr && threadIdx.x == 0) {
-    lse[row] = visible > 0 ? max_score + logf(sum) : -INFINITY;
-  }
+  const int64_t visible = VisibleKeysOf(row % query_len, query_len, key_len, causal);
+  const OnlineSoftmax<BlockReduce<kSoftmaxThreads>> softmax =
+      SoftmaxRow<BlockReduce<kSoftmaxThreads>>(scores + row * key_len, weights + row * key_len,
+                                               key_len, visible, threadIdx.x, kSoftmaxThreads);
+  if (lse != nullptr && threadIdx.x == 0) lse[row] = softmax.LogSumExp();
 }
 
 __global__ void ToFloatKernel(const void* input, DType dtype, int64_t pitch, int64_t rows,

@@ -1,29 +1,40 @@
-// Tiled attention on the GPU: one fused FlashAttention-2-style forward kernel.
+// Tiled attention on the GPU: FlashAttention-2-style fused forward kernels, and a row kernel
+// for what they do not cover.
 //
-// Computes out[b, h, i, :] = Σ_j softmax_j(scale · q_i·k_j) v_j for a block of query rows per
-// thread block, streaming key/value tiles through shared memory with double-buffered
-// asynchronous copies (cp.async); scores and the online-softmax state (OnlineSoftmaxRow, the
-// same update the CPU and the trace use) stay in registers; each output row is written once.
-// Inputs: query [B, H, Nq, P], key/value [B, Hkv, Nk, P] in one dtype, rows zero-padded to P
-// (32, 64, 128 or 256). Outputs: out [B, H, Nq, dv] fp32, lse [B, H, Nq] fp32.
+// Computes out[b, h, i, :] = Σ_j softmax_j(scale · q_i·k_j) v_j over key tiles of block_k keys,
+// with the online-softmax state of each row (OnlineSoftmax, the same update the CPU and the trace
+// use; online_softmax.h) in registers; each output row is written once. Inputs: query
+// [B, H, Nq, P], key/value [B, Hkv, Nk, P] in one dtype, rows zero-padded to P (32, 64, 128 or
+// 256). Outputs: out [B, H, Nq, dv] fp32, lse [B, H, Nq] fp32.
 //
-// Two kernels:
-//   MmaKernel<T, P>  fp16/bf16: tensor cores (mma.sync m16n8k16, fp32 accumulation); 4 warps ×
-//                    16 query rows; the probabilities stay in registers as the A operand of the
-//                    P·V product (FlashAttention-2's register reuse).
-//   Fp32Kernel<P>    fp32: exact fp32 FMA (no TF32); 4 warps × 4 query rows; lane j scores key j
-//                    of a 32-key tile, then every lane accumulates its P/32 output columns.
-// Causal: tiles past a block's last visible key are never loaded. GQA: query head h reads key
-// head h / (H / Hkv) in place.
+// Three kernels (PlanTiled chooses):
+//   MmaKernel<T, P>  fp16/bf16, fused: tensor cores (mma.sync m16n8k16, fp32 accumulation);
+//                    4 warps × 16 query rows; tiles of kFusedBlockK keys stream through shared
+//                    memory, double-buffered with asynchronous copies (cp.async, Pipeline); the
+//                    probabilities stay in registers as the A operand of the P·V product
+//                    (FlashAttention-2's register reuse). A row's scores are spread over the
+//                    four lanes of a quad (QuadReduce).
+//   Fp32Kernel<P>    fp32, fused: exact fp32 FMA (no TF32); 4 warps × 4 query rows; lane j scores
+//                    key j of a kFusedBlockK-key tile (WarpReduce), then every lane accumulates
+//                    its P/32 output columns; the same pipeline.
+//   RowKernel        any dtype and any block_k: one warp per query row, inputs read from global
+//                    memory (no shared memory), each tile visited twice (its max, then its
+//                    weights: scores are recomputed rather than stored). Runs when the request's
+//                    block_k is not the fused kernels' or their shared memory passes the
+//                    device's opt-in limit; far slower.
+// Causal: tiles past a block's (or row's) last visible key are never loaded. GQA: query head h
+// reads key head h / (H / Hkv) in place (KvHeadOf).
 // Measured: not yet on a GPU (see docs/perf.md); the static checks
-// (tests/static/cuda_static_check.sh) hold it to no spills and no stack frame.
+// (tests/static/cuda_static_check.sh) hold the fused kernels to no spills and no stack frame.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/device_rows.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/reduce.h"
 #include "kernels/online_softmax.h"
 
 namespace attn::cuda {
@@ -36,12 +47,12 @@ constexpr int kMmaRows = kWarps * 16;  // Query rows per block, tensor-core kern
 constexpr int kSmemPad = 8;            // Elements appended to each shared row (16 bytes): banks.
 constexpr int kFp32RowsPerWarp = 4;
 constexpr int kFp32Rows = kWarps * kFp32RowsPerWarp;  // Query rows per block, fp32 kernel.
-constexpr int kFp32Keys = 32;                         // Keys per tile, fp32 kernel: one per lane.
-
-// Keys per tile of the tensor-core kernel: fewer for the widest heads to keep the output
-// accumulators (P/2 floats per thread) and the scores in registers together.
-template <int kDim>
-constexpr int kMmaKeys = kDim >= 256 ? 32 : 64;
+// Keys per tile of both fused kernels (kFusedBlockK, launch.h): one per lane in the fp32 kernel;
+// in the tensor-core kernel few enough that the output accumulators (P/2 floats per thread) and
+// the scores stay in registers together at P = 256.
+constexpr int kKeys = kFusedBlockK;
+static_assert(kKeys == 32, "the fp32 kernel scores one key per lane");
+constexpr int kRowWarps = 4;  // Query rows (one per warp) per block, row kernel.
 
 struct Params {
   const void* query;
@@ -55,27 +66,26 @@ struct Params {
   bool causal;
 };
 
-// Keys that query row `row` sees: j < VisibleKeys(row) (bottom-right causal alignment).
+// Keys that query row `row` sees: j < VisibleKeys(row) (VisibleKeysOf, problem.h).
 __device__ __forceinline__ int64_t VisibleKeys(const Params& p, int64_t row) {
-  if (!p.causal) return p.key_len;
-  const int64_t visible = row + p.key_len - p.query_len + 1;
-  return visible < 0 ? 0 : (visible > p.key_len ? p.key_len : visible);
+  return VisibleKeysOf(row, p.query_len, p.key_len, p.causal);
 }
 
-// The block's (batch·head, first row) and the key tiles its rows see.
+// The block's rows and the key tiles they see. batch_head and batch_kv_head are flattened
+// indices (batch · heads + head, batch · kv_heads + kv_head): the first matrix of each.
 struct BlockWork {
-  int64_t batch_head, head, kv_head, row0, tiles;
+  int64_t batch_head, batch_kv_head, row0, tiles;
 };
 
-__device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows, int keys) {
+__device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
   BlockWork work;
   work.batch_head = blockIdx.x / p.row_blocks;
   work.row0 = (blockIdx.x % p.row_blocks) * rows;
-  work.head = work.batch_head % p.heads;
+  const int64_t head = work.batch_head % p.heads;
   const int64_t batch = work.batch_head / p.heads;
-  work.kv_head = batch * p.kv_heads + work.head / (p.heads / p.kv_heads);
+  work.batch_kv_head = batch * p.kv_heads + KvHeadOf(head, p.heads, p.kv_heads);
   const int64_t last_row = min(work.row0 + rows, p.query_len) - 1;
-  work.tiles = (VisibleKeys(p, last_row) + keys - 1) / keys;
+  work.tiles = (VisibleKeys(p, last_row) + kKeys - 1) / kKeys;
   return work;
 }
 
@@ -117,6 +127,30 @@ __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t fir
     const T* source = global + (valid ? row : 0) * kDim + part * kPerCopy;
     CopyAsync<kBytes>(shared + r * kPitch + part * kPerCopy, source, valid);
   }
+}
+
+// The double-buffered key/value pipeline of both fused kernels: tile t + 1's copies are in
+// flight while tile t is computed. load(buffer, tile) issues the copies of key tile `tile` into
+// buffer 0 or 1; compute(buffer, tile) then uses that buffer. The caller has issued its query
+// tile's copies, which are committed (and waited for) with tile 0's.
+template <class Load, class Compute>
+__device__ __forceinline__ void Pipeline(int64_t tiles, Load&& load, Compute&& compute) {
+  if (tiles > 0) load(0, 0);
+  CommitCopies();
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int buffer = tile % 2;
+    if (tile + 1 < tiles) {
+      load(1 - buffer, tile + 1);
+      CommitCopies();
+      WaitCopies<1>();
+    } else {
+      WaitCopies<0>();
+    }
+    __syncthreads();
+    compute(buffer, tile);
+    __syncthreads();  // Every warp is done with this buffer before it is refilled.
+  }
+  WaitCopies<0>();
 }
 
 // --- Tensor cores -----------------------------------------------------------------------------
@@ -178,7 +212,7 @@ __device__ __forceinline__ uint32_t ColumnPairAt(const T* shared, int first, int
 // {group, group + 8} × columns {2·quad, 2·quad + 1}.
 template <class T, int kDim>
 __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
-  constexpr int kKeys = kMmaKeys<kDim>;
+  using Softmax = OnlineSoftmax<QuadReduce>;  // A row's scores are spread over a quad.
   constexpr int kPitch = kDim + kSmemPad;
   constexpr int kKeyBlocks = kKeys / 8;  // n-blocks of the score tile
   constexpr int kDimBlocks = kDim / 8;   // n-blocks of the output
@@ -187,14 +221,14 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
   T* k_tiles = q_tile + kMmaRows * kPitch;         // [2][kKeys][kPitch]
   T* v_tiles = k_tiles + 2 * kKeys * kPitch;       // [2][kKeys][kPitch]
 
-  const BlockWork work = WorkOf(p, kMmaRows, kKeys);
+  const BlockWork work = WorkOf(p, kMmaRows);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group = lane / 4;
   const int quad = lane % 4;
   const T* query = static_cast<const T*>(p.query) + work.batch_head * p.query_len * kDim;
-  const T* key = static_cast<const T*>(p.key) + work.kv_head * p.key_len * kDim;
-  const T* value = static_cast<const T*>(p.value) + work.kv_head * p.key_len * kDim;
+  const T* key = static_cast<const T*>(p.key) + work.batch_kv_head * p.key_len * kDim;
+  const T* value = static_cast<const T*>(p.value) + work.batch_kv_head * p.key_len * kDim;
 
   // This thread's two query rows and the keys each sees.
   const int local_row[2] = {warp * 16 + group, warp * 16 + group + 8};
@@ -202,28 +236,15 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
   for (int r = 0; r < 2; ++r) visible[r] = VisibleKeys(p, work.row0 + local_row[r]);
 
   LoadTile<T, kDim, kPitch, kMmaRows, 16>(q_tile, query, work.row0, p.query_len);
-  if (work.tiles > 0) {
-    LoadTile<T, kDim, kPitch, kKeys, 16>(k_tiles, key, 0, p.key_len);
-    LoadTile<T, kDim, kPitch, kKeys, 16>(v_tiles, value, 0, p.key_len);
-  }
-  CommitCopies();
-
-  OnlineSoftmaxRow state[2];
+  Softmax state[2];
   float out[kDimBlocks][4] = {};
-  for (int64_t tile = 0; tile < work.tiles; ++tile) {
-    const int buffer = tile % 2;
-    if (tile + 1 < work.tiles) {
-      const int next = 1 - buffer;
-      LoadTile<T, kDim, kPitch, kKeys, 16>(k_tiles + next * kKeys * kPitch, key, (tile + 1) * kKeys,
-                                           p.key_len);
-      LoadTile<T, kDim, kPitch, kKeys, 16>(v_tiles + next * kKeys * kPitch, value,
-                                           (tile + 1) * kKeys, p.key_len);
-      CommitCopies();
-      WaitCopies<1>();
-    } else {
-      WaitCopies<0>();
-    }
-    __syncthreads();
+  auto load = [&](int buffer, int64_t tile) {
+    LoadTile<T, kDim, kPitch, kKeys, 16>(k_tiles + buffer * kKeys * kPitch, key, tile * kKeys,
+                                         p.key_len);
+    LoadTile<T, kDim, kPitch, kKeys, 16>(v_tiles + buffer * kKeys * kPitch, value, tile * kKeys,
+                                         p.key_len);
+  };
+  auto compute = [&](int buffer, int64_t tile) {
     const T* k_tile = k_tiles + buffer * kKeys * kPitch;
     const T* v_tile = v_tiles + buffer * kKeys * kPitch;
 
@@ -246,9 +267,9 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       }
     }
 
-    // Scale and mask; the tile's max per row (the four lanes of a group share a row).
+    // Scale and mask; this thread's largest score of each of its rows.
     const int64_t key0 = tile * kKeys;
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    float thread_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nb = 0; nb < kKeyBlocks; ++nb) {
 #pragma unroll
@@ -257,32 +278,21 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
         const int64_t key_index = key0 + nb * 8 + quad * 2 + e % 2;
         const float score = key_index < visible[r] ? scores[nb][e] * p.scale : -INFINITY;
         scores[nb][e] = score;
-        tile_max[r] = fmaxf(tile_max[r], score);
+        thread_max[r] = fmaxf(thread_max[r], score);
       }
     }
+
+    // The online-softmax step: the row's new max, the accumulators rescaled, the weights.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-    }
-
-    // The online-softmax update: new max, rescale the running sums, weights of this tile.
-    const float rescale[2] = {state[0].Rescale(tile_max[0]), state[1].Rescale(tile_max[1])};
-#pragma unroll
-    for (int nd = 0; nd < kDimBlocks; ++nd) {
-      out[nd][0] *= rescale[0];
-      out[nd][1] *= rescale[0];
-      out[nd][2] *= rescale[1];
-      out[nd][3] *= rescale[1];
+      const float rescale = state[r].Rescale(thread_max[r]);
+      Softmax::RescaleAccumulator(rescale, 2 * kDimBlocks,
+                                  [&](int i) -> float& { return out[i / 2][2 * r + i % 2]; });
     }
 #pragma unroll
     for (int nb = 0; nb < kKeyBlocks; ++nb) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float weight = state[e / 2].Weight(scores[nb][e]);
-        state[e / 2].denominator += weight;  // This lane's share; the group sums at the end.
-        scores[nb][e] = weight;
-      }
+      for (int e = 0; e < 4; ++e) scores[nb][e] = state[e / 2].AddScore(scores[nb][e]);
     }
 
     // out += weights · V: the weights are already laid out as A fragments.
@@ -302,16 +312,11 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
         Mma<T>(out[nd], a, b);
       }
     }
-    __syncthreads();  // Every warp is done with this buffer before it is refilled.
-  }
-  WaitCopies<0>();
+  };
+  Pipeline(work.tiles, load, compute);
 
-  // Sum the group's shares of each denominator, normalize, write.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    state[r].denominator += __shfl_xor_sync(0xffffffffu, state[r].denominator, 1);
-    state[r].denominator += __shfl_xor_sync(0xffffffffu, state[r].denominator, 2);
-  }
+  // The quad's shares of each denominator summed; normalize, write.
+  for (int r = 0; r < 2; ++r) state[r].Finish();
   float* out_rows = p.out + work.batch_head * p.query_len * p.value_dim;
 #pragma unroll
   for (int nd = 0; nd < kDimBlocks; ++nd) {
@@ -334,19 +339,20 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
 
 template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
-  constexpr int kColumns = kDim / 32;  // Output columns per lane: lane + 32·c.
+  using Softmax = OnlineSoftmax<WarpReduce>;  // A row's scores are spread over the warp.
+  constexpr int kColumns = kDim / 32;         // Output columns per lane: lane + 32·c.
   constexpr int kKeyPitch = kDim + 1;  // Lane j reads key row j: odd pitch, no bank conflicts.
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   float* q_tile = reinterpret_cast<float*>(shared_bytes);  // [kFp32Rows][kDim]
-  float* k_tiles = q_tile + kFp32Rows * kDim;              // [2][kFp32Keys][kKeyPitch]
-  float* v_tiles = k_tiles + 2 * kFp32Keys * kKeyPitch;    // [2][kFp32Keys][kDim]
+  float* k_tiles = q_tile + kFp32Rows * kDim;              // [2][kKeys][kKeyPitch]
+  float* v_tiles = k_tiles + 2 * kKeys * kKeyPitch;        // [2][kKeys][kDim]
 
-  const BlockWork work = WorkOf(p, kFp32Rows, kFp32Keys);
+  const BlockWork work = WorkOf(p, kFp32Rows);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const float* query = static_cast<const float*>(p.query) + work.batch_head * p.query_len * kDim;
-  const float* key = static_cast<const float*>(p.key) + work.kv_head * p.key_len * kDim;
-  const float* value = static_cast<const float*>(p.value) + work.kv_head * p.key_len * kDim;
+  const float* key = static_cast<const float*>(p.key) + work.batch_kv_head * p.key_len * kDim;
+  const float* value = static_cast<const float*>(p.value) + work.batch_kv_head * p.key_len * kDim;
 
   int64_t visible[kFp32RowsPerWarp];
   for (int r = 0; r < kFp32RowsPerWarp; ++r) {
@@ -354,30 +360,17 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
   }
 
   LoadTile<float, kDim, kDim, kFp32Rows, 16>(q_tile, query, work.row0, p.query_len);
-  if (work.tiles > 0) {
-    LoadTile<float, kDim, kKeyPitch, kFp32Keys, 4>(k_tiles, key, 0, p.key_len);
-    LoadTile<float, kDim, kDim, kFp32Keys, 16>(v_tiles, value, 0, p.key_len);
-  }
-  CommitCopies();
-
-  OnlineSoftmaxRow state[kFp32RowsPerWarp];
+  Softmax state[kFp32RowsPerWarp];
   float out[kFp32RowsPerWarp][kColumns] = {};
-  for (int64_t tile = 0; tile < work.tiles; ++tile) {
-    const int buffer = tile % 2;
-    if (tile + 1 < work.tiles) {
-      const int next = 1 - buffer;
-      LoadTile<float, kDim, kKeyPitch, kFp32Keys, 4>(k_tiles + next * kFp32Keys * kKeyPitch, key,
-                                                     (tile + 1) * kFp32Keys, p.key_len);
-      LoadTile<float, kDim, kDim, kFp32Keys, 16>(v_tiles + next * kFp32Keys * kDim, value,
-                                                 (tile + 1) * kFp32Keys, p.key_len);
-      CommitCopies();
-      WaitCopies<1>();
-    } else {
-      WaitCopies<0>();
-    }
-    __syncthreads();
-    const float* k_row = k_tiles + buffer * kFp32Keys * kKeyPitch + lane * kKeyPitch;
-    const float* v_tile = v_tiles + buffer * kFp32Keys * kDim;
+  auto load = [&](int buffer, int64_t tile) {
+    LoadTile<float, kDim, kKeyPitch, kKeys, 4>(k_tiles + buffer * kKeys * kKeyPitch, key,
+                                               tile * kKeys, p.key_len);
+    LoadTile<float, kDim, kDim, kKeys, 16>(v_tiles + buffer * kKeys * kDim, value, tile * kKeys,
+                                           p.key_len);
+  };
+  auto compute = [&](int buffer, int64_t tile) {
+    const float* k_row = k_tiles + buffer * kKeys * kKeyPitch + lane * kKeyPitch;
+    const float* v_tile = v_tiles + buffer * kKeys * kDim;
 
     // Lane j scores key j of the tile against the warp's rows.
     float score[kFp32RowsPerWarp] = {};
@@ -388,22 +381,17 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
         score[r] += q_tile[(warp * kFp32RowsPerWarp + r) * kDim + d] * k;
       }
     }
-    const int64_t key_index = tile * kFp32Keys + lane;
+    // The online-softmax step per row: the warp's max, the accumulators rescaled, the weight.
+    const int64_t key_index = tile * kKeys + lane;
     float weight[kFp32RowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
       const float s = key_index < visible[r] ? score[r] * p.scale : -INFINITY;
-      float tile_max = s;
-      for (int offset = 16; offset > 0; offset /= 2) {
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
-      }
-      const float rescale = state[r].Rescale(tile_max);
-      weight[r] = state[r].Weight(s);
-      state[r].denominator += weight[r];  // This lane's share; the warp sums at the end.
-#pragma unroll
-      for (int c = 0; c < kColumns; ++c) out[r][c] *= rescale;
+      const float rescale = state[r].Rescale(s);
+      Softmax::RescaleAccumulator(rescale, kColumns, [&](int c) -> float& { return out[r][c]; });
+      weight[r] = state[r].AddScore(s);
     }
-    for (int j = 0; j < kFp32Keys; ++j) {
+    for (int j = 0; j < kKeys; ++j) {
 #pragma unroll
       for (int r = 0; r < kFp32RowsPerWarp; ++r) {
         const float w = __shfl_sync(0xffffffffu, weight[r], j);
@@ -411,16 +399,13 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
         for (int c = 0; c < kColumns; ++c) out[r][c] += w * v_tile[j * kDim + lane + 32 * c];
       }
     }
-    __syncthreads();  // Every warp is done with this buffer before it is refilled.
-  }
-  WaitCopies<0>();
+  };
+  Pipeline(work.tiles, load, compute);
 
   float* out_rows = p.out + work.batch_head * p.query_len * p.value_dim;
 #pragma unroll
   for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-    for (int offset = 16; offset > 0; offset /= 2) {
-      state[r].denominator += __shfl_xor_sync(0xffffffffu, state[r].denominator, offset);
-    }
+    state[r].Finish();  // The warp's shares of the denominator summed.
     const int64_t row = work.row0 + warp * kFp32RowsPerWarp + r;
     if (row >= p.query_len) continue;
 #pragma unroll
@@ -435,23 +420,88 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
   }
 }
 
-template <class T, int kDim>
-constexpr int MmaSharedBytes() {
-  return (kMmaRows + 4 * kMmaKeys<kDim>)*(kDim + kSmemPad) * static_cast<int>(sizeof(T));
+// --- The row kernel -----------------------------------------------------------------------------
+constexpr int kRowColumnsPerLane = kMaxHeadDim / 32;  // Output columns per lane: lane + 32·m.
+
+struct RowParams {
+  DeviceProblem problem;
+  float* out;
+  float* lse;
+  int64_t block_k;
+};
+
+// One warp per query row, tiles of any block_k. Per tile: each lane scores keys lane, lane + 32,
+// … of the tile for the row's max (WarpReduce); the accumulators are rescaled; then 32 keys at
+// a time each lane scores its key again, turns it into a weight, and the warp adds every weight
+// (shuffled from its lane) times that key's value columns to the lanes' accumulators.
+__global__ void __launch_bounds__(kRowWarps * 32) RowKernel(const RowParams params) {
+  using Softmax = OnlineSoftmax<WarpReduce>;
+  const DeviceProblem& p = params.problem;
+  const Shape& s = p.shape;
+  const int lane = threadIdx.x % 32;
+  const int64_t global_row = int64_t{blockIdx.x} * kRowWarps + threadIdx.x / 32;
+  if (global_row >= s.batch * s.heads * s.query_len) return;  // The whole warp: no shuffles left.
+  const int64_t row = global_row % s.query_len;
+  const int64_t batch_head = global_row / s.query_len;
+  const int64_t batch = batch_head / s.heads, head = batch_head % s.heads;
+  const int64_t query_offset = QueryRowOffset(p, batch, head, row);
+  const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
+  const int64_t visible = VisibleKeysOf(row, s.query_len, s.key_len, p.causal);
+  auto score = [&](int64_t key) {
+    return p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
+  };
+
+  Softmax state;
+  float acc[kRowColumnsPerLane] = {};
+  for (int64_t begin = 0; begin < visible; begin += params.block_k) {
+    const int64_t end = min(begin + params.block_k, visible);  // Keys past `visible`: weight 0.
+    float thread_max = -INFINITY;
+    for (int64_t key = begin + lane; key < end; key += 32)
+      thread_max = fmaxf(thread_max, score(key));
+    const float rescale = state.Rescale(thread_max);
+    Softmax::RescaleAccumulator(rescale, kRowColumnsPerLane,
+                                [&](int m) -> float& { return acc[m]; });
+    for (int64_t chunk = begin; chunk < end; chunk += 32) {
+      const float weight = chunk + lane < end ? state.AddScore(score(chunk + lane)) : 0.f;
+      const int count = static_cast<int>(min(int64_t{32}, end - chunk));
+      for (int i = 0; i < count; ++i) {
+        const float w = __shfl_sync(0xffffffffu, weight, i);
+#pragma unroll
+        for (int m = 0; m < kRowColumnsPerLane; ++m) {
+          const int64_t column = lane + 32 * m;
+          if (column < s.value_dim) acc[m] += w * ValueAt(p, kv_offset, chunk + i, column);
+        }
+      }
+    }
+  }
+  state.Finish();
+  float* out_row = params.out + global_row * s.value_dim;
+#pragma unroll
+  for (int m = 0; m < kRowColumnsPerLane; ++m) {
+    const int64_t column = lane + 32 * m;
+    if (column < s.value_dim) out_row[column] = state.Normalize(acc[m]);
+  }
+  if (params.lse != nullptr && lane == 0) params.lse[global_row] = state.LogSumExp();
+}
+
+// --- Footprints and launch ----------------------------------------------------------------------
+template <int kDim>
+constexpr int MmaSharedBytes() {  // fp16 and bf16 alike.
+  return (kMmaRows + 4 * kKeys) * (kDim + kSmemPad) * static_cast<int>(sizeof(__half));
 }
 
 template <int kDim>
 constexpr int Fp32SharedBytes() {
-  return (kFp32Rows * kDim + 2 * kFp32Keys * (kDim + 1) + 2 * kFp32Keys * kDim) *
+  return (kFp32Rows * kDim + 2 * kKeys * (kDim + 1) + 2 * kKeys * kDim) *
          static_cast<int>(sizeof(float));
 }
 
 template <int kDim>
 using Dim = std::integral_constant<int, kDim>;
 
-// Calls f(Dim<P>{}) for the problem's padded size P.
-template <class F>
-auto ForPitch(int pitch, F&& f) {
+// f(Dim<P>{}) for a compiled pitch P (kCompiledDims); `unexpected` for any other pitch.
+template <class R, class F>
+R ForPitch(int pitch, R unexpected, F&& f) {
   switch (pitch) {
     case 32:
       return f(Dim<32>{});
@@ -459,29 +509,63 @@ auto ForPitch(int pitch, F&& f) {
       return f(Dim<64>{});
     case 128:
       return f(Dim<128>{});
-    default:
+    case 256:
       return f(Dim<256>{});
+    default:
+      return unexpected;
   }
 }
 
 }  // namespace
 
-int TiledBlockK(const DeviceProblem& problem) {
-  if (problem.dtype == DType::kFloat32) return kFp32Keys;
-  return ForPitch(problem.pitch, [](auto dim) { return kMmaKeys<decltype(dim)::value>; });
-}
-
-int TiledSharedBytes(const DeviceProblem& problem) {
-  return ForPitch(problem.pitch, [&](auto dim) {
+int FusedSharedBytes(DType dtype, int pitch) {
+  return ForPitch(pitch, -1, [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    if (problem.dtype == DType::kFloat32) return Fp32SharedBytes<kDim>();
-    return MmaSharedBytes<__half, kDim>();  // bf16 has the same size.
+    return dtype == DType::kFloat32 ? Fp32SharedBytes<kDim>() : MmaSharedBytes<kDim>();
   });
 }
 
-cudaError_t LaunchTiled(const DeviceProblem& problem, float* out, float* lse, cudaStream_t stream) {
+TiledPlan PlanTiled(const DeviceProblem& problem, int64_t block_k, int max_shared_bytes) {
+  TiledPlan plan;
+  plan.block_k = block_k;
+  const int64_t key_len = problem.shape.key_len;
+  // Same tiles: the fused kernels' kKeys, or one tile holding every key either way.
+  const bool same_tiles = block_k == kKeys || (block_k >= key_len && kKeys >= key_len);
+  const int fused_bytes = FusedSharedBytes(problem.dtype, problem.pitch);
+  if (same_tiles && fused_bytes >= 0 && fused_bytes <= max_shared_bytes) {
+    plan.kernel = problem.dtype == DType::kFloat32 ? TiledKernel::kFp32 : TiledKernel::kMma;
+    plan.shared_bytes = fused_bytes;
+  } else {
+    plan.kernel = TiledKernel::kRows;
+    plan.shared_bytes = 0;
+  }
+  return plan;
+}
+
+const char* TiledKernelName(TiledKernel kernel) {
+  switch (kernel) {
+    case TiledKernel::kMma:
+      return "fused tensor-core kernel";
+    case TiledKernel::kFp32:
+      return "fused fp32 kernel";
+    case TiledKernel::kRows:
+      return "row kernel";
+  }
+  return "?";
+}
+
+cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, float* out, float* lse,
+                        cudaStream_t stream) {
   const Shape& s = problem.shape;
-  const int rows = problem.dtype == DType::kFloat32 ? kFp32Rows : kMmaRows;
+  if (FusedSharedBytes(problem.dtype, problem.pitch) < 0) return cudaErrorInvalidValue;
+  if (plan.kernel == TiledKernel::kRows) {
+    const int64_t blocks = (s.batch * s.heads * s.query_len + kRowWarps - 1) / kRowWarps;
+    if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+    RowKernel<<<static_cast<unsigned>(blocks), kRowWarps * 32, 0, stream>>>(
+        RowParams{problem, out, lse, plan.block_k});
+    return cudaGetLastError();
+  }
+  const int rows = plan.kernel == TiledKernel::kFp32 ? kFp32Rows : kMmaRows;
   Params params{problem.query,
                 problem.key,
                 problem.value,
@@ -497,14 +581,13 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, float* out, float* lse, cu
                 problem.causal};
   const int64_t blocks = s.batch * s.heads * params.row_blocks;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const int shared_bytes = TiledSharedBytes(problem);
-  return ForPitch(problem.pitch, [&](auto dim) -> cudaError_t {
+  return ForPitch(problem.pitch, cudaErrorInvalidValue, [&](auto dim) -> cudaError_t {
     constexpr int kDim = decltype(dim)::value;
     auto run = [&](auto kernel) {
-      cudaError_t error =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+      cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               plan.shared_bytes);
       if (error != cudaSuccess) return error;
-      kernel<<<static_cast<unsigned>(blocks), kThreads, shared_bytes, stream>>>(params);
+      kernel<<<static_cast<unsigned>(blocks), kThreads, plan.shared_bytes, stream>>>(params);
       return cudaGetLastError();
     };
     switch (problem.dtype) {

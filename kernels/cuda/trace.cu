@@ -3,14 +3,17 @@
 // One warp per traced row. For each key tile: the lanes compute the tile's scaled, masked scores
 // into the record; lane 0 runs OnlineSoftmaxRow::VisitTile on them — the very function the CPU
 // Tiled path and trace call — writing the weights and the running max, rescale and denominator
-// into the record; every lane then rescales and accumulates its value columns and records the
-// accumulator and the estimate. After the last tile the warp computes the row the Naive way
-// (all scores, stable softmax, weighted sum) as the reference.
+// into the record; every lane then rescales (OnlineSoftmaxRow::RescaleAccumulator) and
+// accumulates its value columns and records the accumulator and the estimate. After the last
+// tile the warp computes the row the Naive way (all scores, the full-row SoftmaxRow of
+// online_softmax.h shared by the warp, weighted sum) as the reference.
 // Inputs as in tiled.cu (rows padded to `pitch`); records as in launch.h (TraceRecords).
 // Tracing is for inspection, not speed: one warp per row, scores one lane per key.
 #include <cstdint>
 
+#include "kernels/cuda/device_rows.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/reduce.h"
 #include "kernels/dtype.h"
 #include "kernels/online_softmax.h"
 
@@ -24,15 +27,6 @@ struct TraceParams {
   TraceRecords records;
 };
 
-__device__ float Dot(const DeviceProblem& p, int64_t query_offset, int64_t key_offset) {
-  float dot = 0.f;
-  for (int64_t c = 0; c < p.shape.head_dim; ++c) {
-    dot += LoadElement(p.query, p.dtype, query_offset + c) *
-           LoadElement(p.key, p.dtype, key_offset + c);
-  }
-  return dot;
-}
-
 __global__ void TraceKernel(const TraceParams params) {
   const DeviceProblem& p = params.problem;
   const TraceRecords& rec = params.records;
@@ -42,11 +36,9 @@ __global__ void TraceKernel(const TraceParams params) {
   const int64_t batch = rec.row_refs[3 * r];
   const int64_t head = rec.row_refs[3 * r + 1];
   const int64_t row = rec.row_refs[3 * r + 2];
-  const int64_t kv_head = batch * s.kv_heads + head / (s.heads / s.kv_heads);
-  const int64_t query_offset = ((batch * s.heads + head) * s.query_len + row) * p.pitch;
-  const int64_t kv_offset = kv_head * s.key_len * p.pitch;
-  const int64_t visible =
-      p.causal ? min(max(row + s.key_len - s.query_len + 1, int64_t{0}), s.key_len) : s.key_len;
+  const int64_t query_offset = QueryRowOffset(p, batch, head, row);
+  const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
+  const int64_t visible = VisibleKeysOf(row, s.query_len, s.key_len, p.causal);
   const int64_t tiles = (visible + rec.block_k - 1) / rec.block_k;
 
   OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.
@@ -76,15 +68,14 @@ __global__ void TraceKernel(const TraceParams params) {
     state.max = __shfl_sync(0xffffffffu, state.max, 0);
     state.denominator = __shfl_sync(0xffffffffu, state.denominator, 0);
     __syncwarp();  // The weights lane 0 wrote are visible to every lane.
+    OnlineSoftmaxRow::RescaleAccumulator(rescale, kMaxColumnsPerLane,
+                                         [&](int m) -> float& { return acc[m]; });
 #pragma unroll
     for (int m = 0; m < kMaxColumnsPerLane; ++m) {
       const int64_t column = lane + 32 * m;
       if (column >= s.value_dim) break;
-      float a = acc[m] * rescale;
-      for (int j = 0; j < n; ++j) {
-        a += weights[j] *
-             LoadElement(p.value, p.dtype, kv_offset + (key_begin + j) * p.pitch + column);
-      }
+      float a = acc[m];
+      for (int j = 0; j < n; ++j) a += weights[j] * ValueAt(p, kv_offset, key_begin + j, column);
       acc[m] = a;
       rec.accumulator[step * s.value_dim + column] = a;
       rec.estimate[step * s.value_dim + column] = state.Normalize(a);
@@ -99,30 +90,17 @@ __global__ void TraceKernel(const TraceParams params) {
 
   // The reference: the whole score row, then its softmax, then the weighted sum.
   float* full = rec.reference_scores + r * s.key_len;
-  float max_score = -INFINITY;
   for (int64_t j = lane; j < s.key_len; j += 32) {
     full[j] = j < visible ? p.scale * Dot(p, query_offset, kv_offset + j * p.pitch) : -INFINITY;
-    max_score = fmaxf(max_score, full[j]);
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    max_score = fmaxf(max_score, __shfl_xor_sync(0xffffffffu, max_score, offset));
-  }
-  float sum = 0.f;
-  for (int64_t j = lane; j < s.key_len; j += 32) {
-    full[j] = j < visible ? expf(full[j] - max_score) : 0.f;
-    sum += full[j];
-  }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  __syncwarp();
-  const float inverse = visible > 0 ? 1.f / sum : 0.f;
+  SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);
+  __syncwarp();  // Every lane's weights are visible to every lane.
 #pragma unroll
   for (int m = 0; m < kMaxColumnsPerLane; ++m) {
     const int64_t column = lane + 32 * m;
     if (column >= s.value_dim) break;
     float out = 0.f;
-    for (int64_t j = 0; j < visible; ++j) {
-      out += full[j] * inverse * LoadElement(p.value, p.dtype, kv_offset + j * p.pitch + column);
-    }
+    for (int64_t j = 0; j < visible; ++j) out += full[j] * ValueAt(p, kv_offset, j, column);
     rec.reference[r * s.value_dim + column] = out;
   }
 }

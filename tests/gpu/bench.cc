@@ -509,7 +509,7 @@ int main(int argc, char** argv) {
             p.value = {value.data(), dtype};
             p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
             p.causal = causal != 0;
-            p.block_k = 64;
+            p.block_k = (*backend)->default_block_k();  // The fused kernels.
             p.return_lse = false;
             p.output_dtype = dtype;
             const double flops = 4.0 * static_cast<double>(bh) * static_cast<double>(seq) *

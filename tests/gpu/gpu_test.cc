@@ -1,7 +1,9 @@
 // The CUDA backend against the float64 reference (tests/reference.h): every case of the CPU
 // suites (tests/kernels_test.cc, tests/trace_test.cc) ported to the device, plus what only the
-// device has: its fp16/bf16 tensor-core Tiled kernel, its head-size limit and its pool of
-// streams serving concurrent requests.
+// device has: its fused Tiled kernels (fp16/bf16 tensor cores, fp32) at their own block_k beside
+// the row kernel at any other, the fallback under a device's shared-memory limit, its head-size
+// limit and its pool of streams serving concurrent requests. Tiled's plan (TiledPlanTest) is host
+// code and runs without a device.
 //
 // Each suite opens the backend once (cuda::MakeCudaBackend(0, 0)). Without a CUDA device every
 // test reports SKIPPED with the reason; with a device that the backend cannot open, or with
@@ -11,7 +13,7 @@
 // As on the CPU: outputs are poisoned with NaN before each run (the backend copies its results
 // into those host buffers, so an element it never writes fails the comparison), inputs are fresh
 // uniform(-1, 1) values with a seed per case, and sizes are odd, not multiples of the kernels'
-// tiles (16 or 64 query rows, 32 or 64 keys) nor of their padded head sizes (32 … 256).
+// tiles (16 or 64 query rows, 32 keys) nor of their padded head sizes (32 … 256).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -33,6 +35,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/problem.h"
 #include "tests/checks.h"
 #include "tests/reference.h"
@@ -424,7 +427,7 @@ struct RandomCase {
   std::string name;
   Shape shape;
   bool causal = false;
-  int block_k = 16;  // Passed to the kernels as is (the CUDA Tiled kernels choose their own).
+  int block_k = 16;  // Passed to the kernels as is: Tiled's row kernel unless it is 32.
 };
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
@@ -442,8 +445,17 @@ TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
     SCOPED_TRACE(KernelName(kernel));
     const KernelRun run = RunKernel(gpu(), kernel, host, problem);
     ExpectMatchesReference(run, ref, 1e-5);
+    if (kernel == Kernel::kTiled) {
+      EXPECT_EQ(run.stats.block_k, c.block_k);
+    }
     if (c.causal && c.shape.query_len > c.shape.key_len) ExpectUnseeingRowsZero(run, host);
   }
+  // Tiled again at the fused kernels' own tiles (the backend's default block_k).
+  problem.block_k = gpu().default_block_k();
+  const KernelRun fused = RunKernel(gpu(), Kernel::kTiled, host, problem);
+  ExpectMatchesReference(fused, ref, 1e-5);
+  EXPECT_EQ(fused.stats.block_k, problem.block_k);
+  if (c.causal && c.shape.query_len > c.shape.key_len) ExpectUnseeingRowsZero(fused, host);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -528,6 +540,17 @@ TEST_P(CudaLowPrecisionTest, ErrorWithinTwiceTheSamePrecisionBaseline) {
     ExpectLseMatches(run, ref, 1e-5);
     if (c.causal && c.shape.query_len > c.shape.key_len) ExpectUnseeingRowsZero(run, host);
   }
+  // Tiled at the tensor-core kernel's own tiles too (above: c.block_k, the row kernel unless
+  // it is 32); the row kernel rounds no probability, so one bound serves both.
+  Problem fused_problem = host.View();
+  fused_problem.block_k = gpu().default_block_k();
+  const KernelRun fused = RunKernel(gpu(), Kernel::kTiled, host, fused_problem);
+  const double fused_error = MaxAbsError(fused.output, ref.output);
+  EXPECT_LE(fused_error,
+            2 * baseline_error + store_rounding + ProbabilityRoundingBound(host) + 1e-5)
+      << "fused kernel; baseline error " << baseline_error;
+  ExpectLseMatches(fused, ref, 1e-5);
+  if (c.causal && c.shape.query_len > c.shape.key_len) ExpectUnseeingRowsZero(fused, host);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -828,6 +851,34 @@ TEST_F(CudaLimitsTest, TiledRejectsHeadsWiderThan256) {
   EXPECT_TRUE(gpu().healthy());
 }
 
+// A device whose opt-in shared memory per block is below what a fused kernel needs (an sm_86
+// has 99 KB; fp32 at head_dim 256 needs 147712 bytes) gets the row kernel instead, with the same
+// block_k and results that meet the same bounds. The backend is opened with a limit below every
+// fused kernel's footprint to stand in for such a device.
+TEST_F(CudaLimitsTest, TiledFitsTheDevicesSharedMemoryLimit) {
+  absl::StatusOr<std::unique_ptr<Backend>> small =
+      cuda::MakeCudaBackend(0, 0, /*max_shared_bytes=*/1024);
+  ASSERT_TRUE(small.ok()) << small.status();
+  for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+    for (int64_t head_dim : {int64_t{256}, int64_t{40}}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " head_dim " << head_dim);
+      HostProblem host = RandomProblem(MakeShape(1, 2, 1, 37, 75, head_dim, head_dim), dtype,
+                                       /*causal=*/true, (*small)->default_block_k(),
+                                       118 + head_dim + static_cast<int>(dtype));
+      host.output_dtype = DType::kFloat32;
+      const Reference ref = ReferenceAttention(host);
+      for (Backend* backend : {small->get(), &gpu()}) {
+        const KernelRun run = RunKernel(*backend, Kernel::kTiled, host);
+        EXPECT_EQ(run.stats.block_k, (*small)->default_block_k());
+        EXPECT_LE(MaxAbsError(run.output, ref.output),
+                  1e-5 * std::max(1.0, MaxAbs(ref.output)) + ProbabilityRoundingBound(host));
+        ExpectLseMatches(run, ref, 1e-5);
+      }
+    }
+  }
+  EXPECT_TRUE((*small)->healthy());
+}
+
 TEST_F(CudaLimitsTest, DescribesTheDevice) {
   EXPECT_STREQ(gpu().name(), "cuda");
   EXPECT_NE(gpu().device().find("cuda:0"), std::string::npos) << gpu().device();
@@ -1005,6 +1056,69 @@ TEST_F(CudaTraceTest, SeedExampleHugeScores) {
   const TraceRowDone& done = std::get<TraceRowDone>(items.back());
   constexpr float kExpected[] = {-0.5f, 0.5f, -3.f, -2.f};
   for (int c = 0; c < 4; ++c) EXPECT_NEAR(done.output[c], kExpected[c], 1e-6) << "c=" << c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled's plan (kernels/cuda/launch.h): pure host code, so these run without a device too.
+
+cuda::DeviceProblem PlanProblem(DType dtype, int pitch, int64_t key_len) {
+  cuda::DeviceProblem problem;
+  problem.dtype = dtype;
+  problem.pitch = pitch;
+  problem.shape = MakeShape(1, 1, 1, 5, key_len, pitch, pitch);
+  return problem;
+}
+
+TEST(TiledPlanTest, FusedOnlyForItsOwnTilesWithinTheSharedMemoryLimit) {
+  constexpr int kLots = 1 << 30;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (int pitch : cuda::kCompiledDims) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " pitch " << pitch);
+      const cuda::TiledKernel fused =
+          dtype == DType::kFloat32 ? cuda::TiledKernel::kFp32 : cuda::TiledKernel::kMma;
+      const int bytes = cuda::FusedSharedBytes(dtype, pitch);
+      ASSERT_GT(bytes, 0);
+      const cuda::DeviceProblem problem = PlanProblem(dtype, pitch, 1000);
+      cuda::TiledPlan plan = cuda::PlanTiled(problem, cuda::kFusedBlockK, kLots);
+      EXPECT_EQ(plan.kernel, fused);
+      EXPECT_EQ(plan.block_k, cuda::kFusedBlockK);
+      EXPECT_EQ(plan.shared_bytes, bytes);
+      EXPECT_EQ(cuda::PlanTiled(problem, cuda::kFusedBlockK, bytes).kernel, fused);
+      // One byte short of the footprint: the row kernel, which needs none.
+      plan = cuda::PlanTiled(problem, cuda::kFusedBlockK, bytes - 1);
+      EXPECT_EQ(plan.kernel, cuda::TiledKernel::kRows);
+      EXPECT_EQ(plan.shared_bytes, 0);
+      EXPECT_EQ(plan.block_k, cuda::kFusedBlockK);
+      // Another block_k: the row kernel, honouring it.
+      for (int64_t block_k : {1, 16, 31, 33, 64, 999}) {
+        plan = cuda::PlanTiled(problem, block_k, kLots);
+        EXPECT_EQ(plan.kernel, cuda::TiledKernel::kRows) << "block_k " << block_k;
+        EXPECT_EQ(plan.block_k, block_k);
+      }
+      // Unless one tile holds every key either way.
+      const cuda::DeviceProblem short_keys = PlanProblem(dtype, pitch, 20);
+      EXPECT_EQ(cuda::PlanTiled(short_keys, 20, kLots).kernel, fused);
+      EXPECT_EQ(cuda::PlanTiled(short_keys, 100, kLots).kernel, fused);
+      EXPECT_EQ(cuda::PlanTiled(short_keys, 19, kLots).kernel, cuda::TiledKernel::kRows);
+    }
+  }
+  // The figure the issue named: fp32 at head_dim 256 does not fit an sm_86's 99 KB.
+  EXPECT_GT(cuda::FusedSharedBytes(DType::kFloat32, 256), 101376);
+}
+
+// A pitch the kernels are not compiled for is an error, never silently another size.
+TEST(TiledPlanTest, UnexpectedPitchIsAnError) {
+  for (int pitch : {0, 16, 48, 96, 200, 512}) {
+    SCOPED_TRACE(::testing::Message() << "pitch " << pitch);
+    for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+      EXPECT_EQ(cuda::FusedSharedBytes(dtype, pitch), -1);
+      const cuda::DeviceProblem problem = PlanProblem(dtype, pitch, 64);
+      const cuda::TiledPlan plan = cuda::PlanTiled(problem, cuda::kFusedBlockK, 1 << 30);
+      EXPECT_EQ(plan.kernel, cuda::TiledKernel::kRows);
+      // Refused before anything reaches a device.
+      EXPECT_EQ(cuda::LaunchTiled(problem, plan, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+    }
+  }
 }
 
 }  // namespace

@@ -10,11 +10,12 @@
 #   ptxas  MmaKernel<T, P> and Fp32Kernel<P>: "0 bytes stack frame, 0 bytes spill stores,
 #          0 bytes spill loads"; and exactly 12 such entries (3 dtypes × 4 pitches), each one
 #          that tiled_shared_bytes lists, so that a rename cannot make the check vacuous.
+#          RowKernel (Tiled's unfused fallback): the same, reported once, and no mma in its PTX.
 #   ptx    MmaKernel<__half, P>: mma.sync.aligned.m16n8k16 ….f16.f16… and no other mma;
 #          MmaKernel<__nv_bfloat16, P>: the same in bf16; Fp32Kernel<P>: no mma of any kind and
 #          no tf32 (the exact fp32 path). Read per .entry body; mma in a .func (outside every
 #          entry body) fails too, since no entry could be credited or blamed for it.
-#   smem   the dynamic shared memory tiled_shared_bytes reports (TiledSharedBytes) plus the
+#   smem   the dynamic shared memory tiled_shared_bytes reports (FusedSharedBytes) plus the
 #          static shared memory ptxas reports fits the architecture's opt-in maximum per block.
 # One PASS/FAIL line per check, then `cuda-static: N passed, M failed`; exit status 1 on any
 # failure, 2 on bad arguments.
@@ -248,6 +249,27 @@ for arch in "${archs[@]}"; do
     pass "$tag ptx: no mma outside the entry bodies"
   else
     fail "$tag ptx: mma in device functions outside every entry body: $stray"
+  fi
+
+  # The row kernel (Tiled at any block_k, or where a fused kernel's shared memory does not fit
+  # the device): no stack frame and no spills either, and no mma.
+  row_entries=$(awk 'index($1, "9RowKernel") { n++ } END { print n + 0 }' "$dir/ptxas.txt")
+  if [[ $row_entries -ne 1 ]]; then
+    fail "$tag ptxas RowKernel: reported $row_entries times (expected once)"
+  else
+    read -r _ stack spill_st spill_ld regs _ < <(awk 'index($1, "9RowKernel")' "$dir/ptxas.txt")
+    report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
+    if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
+      pass "$tag ptxas RowKernel: $report ($regs registers)"
+    else
+      fail "$tag ptxas RowKernel: $report ($regs registers); expected 0, 0, 0"
+    fi
+    row_mma=$(awk '$1 == "entry" && index($2, "9RowKernel") { print $3 }' "$dir/ptx.txt")
+    if [[ $row_mma == 0 ]]; then
+      pass "$tag ptx RowKernel: no mma"
+    else
+      fail "$tag ptx RowKernel: ${row_mma:-no entry} mma instructions (expected 0)"
+    fi
   fi
 
   limit=$(optin_limit "${arch%[a-z]}")

@@ -1,0 +1,110 @@
+#include "server/value_scan.h"
+
+#include <cstring>
+
+namespace attn {
+namespace {
+
+// The largest magnitude bits (bits & mask) of n elements of Bits: four 32-byte vector maxes per
+// step (one AVX2 register each: a wider vector type would live on the stack), then the lanes,
+// then the tail.
+template <class Bits>
+[[gnu::always_inline]] inline Bits MaxMagnitudeBody(const unsigned char* data, int64_t n,
+                                                    Bits mask) {
+  typedef Bits Lanes __attribute__((vector_size(32)));
+  constexpr int64_t kLanes = sizeof(Lanes) / sizeof(Bits);
+  Lanes max0{}, max1{}, max2{}, max3{}, bits0, bits1, bits2, bits3;
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    std::memcpy(&bits0, data + i * sizeof(Bits), sizeof(Lanes));
+    std::memcpy(&bits1, data + (i + kLanes) * sizeof(Bits), sizeof(Lanes));
+    std::memcpy(&bits2, data + (i + 2 * kLanes) * sizeof(Bits), sizeof(Lanes));
+    std::memcpy(&bits3, data + (i + 3 * kLanes) * sizeof(Bits), sizeof(Lanes));
+    bits0 &= mask;
+    bits1 &= mask;
+    bits2 &= mask;
+    bits3 &= mask;
+    max0 = bits0 > max0 ? bits0 : max0;
+    max1 = bits1 > max1 ? bits1 : max1;
+    max2 = bits2 > max2 ? bits2 : max2;
+    max3 = bits3 > max3 ? bits3 : max3;
+  }
+  max0 = max1 > max0 ? max1 : max0;
+  max2 = max3 > max2 ? max3 : max2;
+  const Lanes max = max2 > max0 ? max2 : max0;
+  Bits result = 0;
+  for (int64_t l = 0; l < kLanes; ++l) result = max[l] > result ? max[l] : result;
+  for (; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, data + i * sizeof(Bits), sizeof bits);
+    bits &= mask;
+    result = bits > result ? bits : result;
+  }
+  return result;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <class Bits>
+__attribute__((target("avx2"))) Bits MaxMagnitudeAvx2(const unsigned char* data, int64_t n,
+                                                      Bits mask) {
+  return MaxMagnitudeBody(data, n, mask);
+}
+bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+template <class Bits>
+Bits MaxMagnitudePortable(const unsigned char* data, int64_t n, Bits mask) {
+  return MaxMagnitudeBody(data, n, mask);
+}
+
+template <class Bits>
+Bits MaxMagnitude(const void* data, int64_t n, Bits mask) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (HasAvx2()) return MaxMagnitudeAvx2(bytes, n, mask);
+#endif
+  return MaxMagnitudePortable(bytes, n, mask);
+}
+
+// The index of the first element whose magnitude bits reach `infinity`'s (one exists).
+template <class Bits>
+int64_t FirstNonFinite(const void* data, int64_t n, Bits mask, Bits infinity) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (int64_t i = 0; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, bytes + i * sizeof(Bits), sizeof bits);
+    if ((bits & mask) >= infinity) return i;
+  }
+  return -1;
+}
+
+template <class Bits>
+ValueScan Scan(const void* data, DType dtype, int64_t n, Bits mask, Bits infinity) {
+  ValueScan scan;
+  const Bits largest = MaxMagnitude<Bits>(data, n, mask);
+  scan.max_abs = LoadElement(&largest, dtype, 0);
+  if (largest >= infinity) {
+    scan.first_non_finite = FirstNonFinite<Bits>(data, n, mask, infinity);
+    scan.non_finite_value = LoadElement(data, dtype, scan.first_non_finite);
+  }
+  return scan;
+}
+
+}  // namespace
+
+ValueScan ScanValues(const void* data, DType dtype, int64_t elements) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return Scan<uint32_t>(data, dtype, elements, 0x7fffffffu, 0x7f800000u);
+    case DType::kFloat16:
+      return Scan<uint16_t>(data, dtype, elements, 0x7fffu, 0x7c00u);
+    case DType::kBFloat16:
+      return Scan<uint16_t>(data, dtype, elements, 0x7fffu, 0x7f80u);
+  }
+  return ValueScan{};
+}
+
+}  // namespace attn
