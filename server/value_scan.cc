@@ -88,7 +88,11 @@ ValueScan Scan(const void* data, DType dtype, int64_t n, Bits mask, Bits infinit
   scan.max_abs = LoadElement(&largest, dtype, 0);
   if (largest >= infinity) {
     scan.first_non_finite = FirstNonFinite<Bits>(data, n, mask, infinity);
-    scan.non_finite_value = LoadElement(data, dtype, scan.first_non_finite);
+    Bits bits;  // Copied out: the data need not be aligned.
+    std::memcpy(&bits,
+                static_cast<const unsigned char*>(data) + scan.first_non_finite * sizeof(Bits),
+                sizeof bits);
+    scan.non_finite_value = LoadElement(&bits, dtype, 0);
   }
   return scan;
 }

@@ -17,15 +17,26 @@ namespace {
 constexpr DType kDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 
 // n random elements of dtype (normal, times a random power of two), at byte offset `offset` of
-// the returned buffer.
+// the returned buffer (made aligned, then copied there: LoadElement and StoreElement need
+// alignment, ScanValues does not).
 std::vector<unsigned char> RandomElements(DType dtype, int64_t n, int offset, std::mt19937& rng) {
-  std::vector<unsigned char> bytes(offset + n * ElementSize(dtype) + 1, 0xAB);
+  std::vector<float> aligned(n);  // Room for n elements of any dtype.
   std::normal_distribution<float> normal;
   std::uniform_int_distribution<int> power(-8, 8);
   for (int64_t i = 0; i < n; ++i) {
-    StoreElement(bytes.data() + offset, dtype, i, std::ldexp(normal(rng), power(rng)));
+    StoreElement(aligned.data(), dtype, i, std::ldexp(normal(rng), power(rng)));
   }
+  std::vector<unsigned char> bytes(offset + n * ElementSize(dtype) + 1, 0xAB);
+  std::memcpy(bytes.data() + offset, aligned.data(), n * ElementSize(dtype));
   return bytes;
+}
+
+// Element i of a buffer at any alignment.
+float ElementAt(const void* data, DType dtype, int64_t i) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, static_cast<const unsigned char*>(data) + i * ElementSize(dtype),
+              ElementSize(dtype));
+  return LoadElement(&bits, dtype, 0);
 }
 
 void SetElementBits(void* data, DType dtype, int64_t i, uint32_t bits) {
@@ -46,7 +57,7 @@ TEST(ValueScanTest, LargestMagnitudeMatchesAScalarScan) {
         const void* data = bytes.data() + offset;
         double expected = 0;
         for (int64_t i = 0; i < n; ++i) {
-          expected = std::max(expected, std::abs(double{LoadElement(data, dtype, i)}));
+          expected = std::max(expected, std::abs(double{ElementAt(data, dtype, i)}));
         }
         const ValueScan scan = ScanValues(data, dtype, n);
         EXPECT_EQ(scan.max_abs, expected) << DTypeName(dtype) << " n=" << n << " offset=" << offset;
@@ -74,7 +85,7 @@ TEST(ValueScanTest, FindsTheFirstInfOrNanAnywhere) {
           if (at + 1 < n) SetElementBits(data, dtype, n - 1, specials[0]);  // A later one too.
           const ValueScan scan = ScanValues(data, dtype, n);
           EXPECT_EQ(scan.first_non_finite, at) << DTypeName(dtype) << " n=" << n;
-          const float value = LoadElement(data, dtype, at);
+          const float value = ElementAt(data, dtype, at);
           if (std::isnan(value)) {
             EXPECT_TRUE(std::isnan(scan.non_finite_value));
           } else {
