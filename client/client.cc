@@ -206,4 +206,94 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Hea
   return response->status();
 }
 
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CreateCacheRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::CreateCache, request);
+}
+
+absl::StatusOr<v1::CacheInfo> Client::AppendCache(const v1::AppendCacheRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::AppendCache, request);
+}
+
+absl::StatusOr<v1::CacheInfo> Client::GetCacheInfo(const std::string& cache_id) {
+  v1::GetCacheInfoRequest request;
+  request.set_cache_id(cache_id);
+  return Unary(*stub_, &v1::AttentionService::Stub::GetCacheInfo, request);
+}
+
+absl::Status Client::DeleteCache(const std::string& cache_id) {
+  v1::DeleteCacheRequest request;
+  request.set_cache_id(cache_id);
+  return Unary(*stub_, &v1::AttentionService::Stub::DeleteCache, request).status();
+}
+
+absl::StatusOr<v1::ListCachesResponse> Client::ListCaches() {
+  return Unary(*stub_, &v1::AttentionService::Stub::ListCaches, v1::ListCachesRequest());
+}
+
+absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::Decode, request);
+}
+
+v1::AttentionRequest CacheRequest(const std::string& cache_id, const v1::Tensor& query,
+                                  const v1::AttentionOptions& options) {
+  v1::AttentionRequest request;
+  request.set_cache_id(cache_id);
+  *request.mutable_query() = query;
+  *request.mutable_options() = options;
+  return request;
+}
+
+absl::StatusOr<Cache> Cache::Create(Client& client, const v1::CreateCacheRequest& request) {
+  absl::StatusOr<v1::CacheInfo> info = client.CreateCache(request);
+  if (!info.ok()) return info.status();
+  return Cache(client, *std::move(info));
+}
+
+absl::StatusOr<v1::CacheInfo> Cache::Append(const v1::Tensor& key, const v1::Tensor& value) {
+  v1::AppendCacheRequest request;
+  request.set_cache_id(id());
+  *request.mutable_key() = key;
+  *request.mutable_value() = value;
+  request.set_expected_length(length());
+  absl::StatusOr<v1::CacheInfo> info = client_->AppendCache(request);
+  if (info.ok()) info_ = *info;
+  return info;
+}
+
+v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key,
+                           const v1::Tensor* value) const {
+  v1::DecodeItem item;
+  item.set_cache_id(id());
+  *item.mutable_query() = query;
+  if (key != nullptr) *item.mutable_key() = *key;
+  if (value != nullptr) *item.mutable_value() = *value;
+  item.set_expected_length(length());
+  return item;
+}
+
+absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const v1::Tensor* key,
+                                                 const v1::Tensor* value,
+                                                 const v1::AttentionOptions& options) {
+  v1::DecodeRequest request;
+  *request.add_items() = Item(query, key, value);
+  *request.mutable_options() = options;
+  absl::StatusOr<v1::DecodeResponse> response = client_->Decode(request);
+  if (!response.ok()) return response;
+  if (response->caches_size() != 1 || response->outputs_size() != 1) {
+    return absl::InternalError(absl::StrCat("Decode of one item answered ",
+                                            response->outputs_size(), " outputs and ",
+                                            response->caches_size(), " cache infos"));
+  }
+  info_ = response->caches(0);
+  return response;
+}
+
+absl::StatusOr<v1::CacheInfo> Cache::Refresh() {
+  absl::StatusOr<v1::CacheInfo> info = client_->GetCacheInfo(id());
+  if (info.ok()) info_ = *info;
+  return info;
+}
+
+absl::Status Cache::Delete() { return client_->DeleteCache(id()); }
+
 }  // namespace attn::client

@@ -4,6 +4,12 @@
 // message limits to the server's default, and reports every failure as an absl::Status whose
 // code is the RPC's and whose message is the server's. A Client is thread-safe (the channel
 // and stub are); each call may carry a deadline.
+//
+// Server-resident KV caches: Client has one method per cache RPC (CreateCache, AppendCache,
+// GetCacheInfo, DeleteCache, ListCaches, Decode); Naive, Tiled and Trace attend over a cache
+// when their request names one (AttentionRequest.cache_id, see CacheRequest). `Cache` keeps a
+// cache's id and the length the client believes it has, sending it as expected_length on every
+// append and decode and taking the server's answer as the new length.
 #pragma once
 
 #include <chrono>
@@ -12,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -92,6 +99,18 @@ class Client {
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service = "");
 
+  // KV caches (attention.proto documents each RPC's errors: NOT_FOUND for an unknown, deleted
+  // or expired cache, FAILED_PRECONDITION for a stale expected_length, RESOURCE_EXHAUSTED over
+  // the server's --cache-bytes).
+  absl::StatusOr<attention::v1::CacheInfo> CreateCache(
+      const attention::v1::CreateCacheRequest& request);
+  absl::StatusOr<attention::v1::CacheInfo> AppendCache(
+      const attention::v1::AppendCacheRequest& request);
+  absl::StatusOr<attention::v1::CacheInfo> GetCacheInfo(const std::string& cache_id);
+  absl::Status DeleteCache(const std::string& cache_id);
+  absl::StatusOr<attention::v1::ListCachesResponse> ListCaches();
+  absl::StatusOr<attention::v1::DecodeResponse> Decode(const attention::v1::DecodeRequest& request);
+
  private:
   void Prepare(grpc::ClientContext* context) const;
   // One unary call of `method` on `stub`, prepared as above (deadline, token).
@@ -105,6 +124,56 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+// A Naive/Tiled request (or a TraceRequest's attention) over a cache's keys: `query`
+// [heads, query_len, head_dim] (rank 2 or 3), no inline key or value.
+attention::v1::AttentionRequest CacheRequest(const std::string& cache_id,
+                                             const attention::v1::Tensor& query,
+                                             const attention::v1::AttentionOptions& options = {});
+
+// One cache as this client sees it: its id and the length it believes the cache has. Append and
+// Decode send that length as expected_length and take the length of the server's answer, so a
+// retried call is refused (FAILED_PRECONDITION) rather than storing tokens twice; after such a
+// refusal, Refresh() re-reads the length. Not thread-safe (one sequence, one writer); the Client
+// must outlive it. Copyable: copies share nothing but the Client.
+class Cache {
+ public:
+  // A new, empty cache on `client`.
+  static absl::StatusOr<Cache> Create(Client& client,
+                                      const attention::v1::CreateCacheRequest& request);
+  // An existing cache (e.g. from ListCaches or GetCacheInfo), believed to have info.length().
+  Cache(Client& client, attention::v1::CacheInfo info) : client_(&client), info_(std::move(info)) {}
+
+  const std::string& id() const { return info_.cache_id(); }
+  int64_t length() const { return info_.length(); }
+  // The last CacheInfo the server sent for this cache.
+  const attention::v1::CacheInfo& info() const { return info_; }
+
+  // Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] at length().
+  absl::StatusOr<attention::v1::CacheInfo> Append(const attention::v1::Tensor& key,
+                                                  const attention::v1::Tensor& value);
+  // One Decode of this cache alone: appends key/value when given (nullptr: none), then attends
+  // `query` [heads, nq, head_dim] over the whole cache.
+  absl::StatusOr<attention::v1::DecodeResponse> Decode(
+      const attention::v1::Tensor& query, const attention::v1::Tensor* key = nullptr,
+      const attention::v1::Tensor* value = nullptr,
+      const attention::v1::AttentionOptions& options = {});
+  // The DecodeItem for this cache in a batched Client::Decode, with expected_length = length().
+  // After the call succeeds, pass Update the response's caches[i] for this item.
+  attention::v1::DecodeItem Item(const attention::v1::Tensor& query,
+                                 const attention::v1::Tensor* key = nullptr,
+                                 const attention::v1::Tensor* value = nullptr) const;
+  // Takes `info` (the server's answer naming this cache) as what the cache now holds.
+  void Update(const attention::v1::CacheInfo& info) { info_ = info; }
+  // Re-reads the cache's info (and so its length) from the server.
+  absl::StatusOr<attention::v1::CacheInfo> Refresh();
+  // Deletes the cache on the server.
+  absl::Status Delete();
+
+ private:
+  Client* client_;
+  attention::v1::CacheInfo info_;
 };
 
 }  // namespace attn::client

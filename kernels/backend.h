@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "kernels/kv_store.h"
 #include "kernels/problem.h"
 
 namespace attn {
@@ -141,6 +142,32 @@ class Backend {
   // A cursor over the trace of the given rows (validated: in range, at least one).
   virtual absl::StatusOr<std::unique_ptr<TraceCursor>> Trace(const Problem& problem,
                                                              std::vector<RowRef> rows) = 0;
+
+  // Server-resident KV caches (kv_store.h). A new, empty store in this backend's memory, its
+  // pages of kv_page_tokens() tokens. Default: UNIMPLEMENTED (a backend without caches).
+  virtual absl::StatusOr<std::unique_ptr<KvStore>> CreateKvStore(const KvLayout& layout) {
+    return absl::UnimplementedError(
+        absl::StrCat("the ", name(), " backend of this attnd keeps no KV caches"));
+  }
+  virtual int64_t kv_page_tokens() const { return 256; }
+  // One decode step of a batch: Tiled attention for each problem (usually over a store's pages,
+  // with few query rows) into outputs[i], in one call so that the backend can spread the whole
+  // batch's work over its device. problems.size() == outputs.size(). Default: Tiled on each in
+  // turn, the stats added up.
+  virtual absl::StatusOr<Stats> Decode(const std::vector<Problem>& problems,
+                                       const std::vector<Outputs>& outputs) {
+    Stats total;
+    for (size_t i = 0; i < problems.size(); ++i) {
+      absl::StatusOr<Stats> stats = Tiled(problems[i], outputs[i]);
+      if (!stats.ok()) return stats.status();
+      total.block_k = stats->block_k;
+      total.compute_ns += stats->compute_ns;
+      total.flops += stats->flops;
+      total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
+      total.peak_memory_bytes = std::max(total.peak_memory_bytes, stats->peak_memory_bytes);
+    }
+    return total;
+  }
 };
 
 struct BackendConfig {

@@ -146,6 +146,19 @@ struct OnlineSoftmax {
 #endif
   }
 
+  // Merges the state of the same row over other keys (another key range, worker or server)
+  // into this one — the same rule as a tile's: m = max(m₁, m₂), each side rescaled by
+  // exp(mᵢ − m) (0 for a side that saw no key), the denominators added. Both states whole (one
+  // thread's, or after Finish). Returns the factors for the accumulators:
+  // acc = acc · *mine + other_acc · *theirs.
+  ATTN_HOST_DEVICE void Merge(const OnlineSoftmax& other, float* mine, float* theirs) {
+    const float new_max = max > other.max ? max : other.max;
+    *mine = max == -INFINITY ? 0.f : Exp(max - new_max);
+    *theirs = other.max == -INFINITY ? 0.f : Exp(other.max - new_max);
+    denominator = denominator * *mine + other.denominator * *theirs;
+    max = new_max;
+  }
+
   // Adds the shares of the row's threads: after the last tile, once, by every thread of the row.
   ATTN_HOST_DEVICE void Finish() { denominator = Reduce::Sum(denominator); }
 

@@ -5,7 +5,9 @@
 //   - batch, heads, kv_heads, query_len, key_len, head_dim, value_dim ≥ 1;
 //   - heads % kv_heads == 0; block_k ≥ 1; scale finite;
 //   - query, key and value point at dense row-major [batch, heads|kv_heads, len, dim] data
-//     that outlives every call using the Problem; all element counts fit in int64.
+//     that outlives every call using the Problem; all element counts fit in int64;
+//   - or, for attention over a cache, `pages` is set: batch is 1, key and value are unset, and
+//     the first key_len tokens of the pages are the keys and values (pages->dtype is theirs).
 // A Problem does not own its tensors. Thread-safe to share read-only.
 #pragma once
 
@@ -50,6 +52,29 @@ struct MutableTensorView {
   void Store(int64_t i, float value) const { StoreElement(data, dtype, i, value); }
 };
 
+// The keys and values of a server-resident cache, as fixed-size pages of page_tokens tokens in
+// one dtype (kernels/kv_store.h owns them). Page p holds tokens [p·page_tokens, (p+1)·page_tokens)
+// of every kv head: its key block is [kv_heads, page_tokens, head_dim] and its value block
+// [kv_heads, page_tokens, value_dim], row-major. The tables and the pages live in the backend's
+// memory (device memory on a GPU) and stay unchanged while a Problem uses them.
+struct PagedKv {
+  const void* const* key_pages = nullptr;    // [pages] → key block
+  const void* const* value_pages = nullptr;  // [pages] → value block
+  int64_t page_tokens = 1;
+  DType dtype = DType::kFloat32;
+
+  // Where token `token` of kv head `kv_head` starts in its page's key or value block (elements).
+  ATTN_HOST_DEVICE int64_t RowInPage(int64_t kv_head, int64_t token, int64_t width) const {
+    return (kv_head * page_tokens + token % page_tokens) * width;
+  }
+  ATTN_HOST_DEVICE const void* KeyPage(int64_t token) const {
+    return key_pages[token / page_tokens];
+  }
+  ATTN_HOST_DEVICE const void* ValuePage(int64_t token) const {
+    return value_pages[token / page_tokens];
+  }
+};
+
 struct Shape {
   int64_t batch = 1;
   int64_t heads = 1;     // Query heads.
@@ -72,6 +97,8 @@ struct Problem {
   TensorView query;  // [batch, heads, query_len, head_dim]
   TensorView key;    // [batch, kv_heads, key_len, head_dim]
   TensorView value;  // [batch, kv_heads, key_len, value_dim]
+  // Set instead of key and value when they come from a cache (server-resident, paged).
+  const PagedKv* pages = nullptr;
   float scale = 1.f;
   bool causal = false;
   int block_k = 1;  // Keys per tile for Tiled and Trace.

@@ -18,9 +18,19 @@
 namespace attn {
 namespace {
 
+using attention::v1::AppendCacheRequest;
 using attention::v1::AttentionRequest;
 using attention::v1::AttentionResponse;
+using attention::v1::CacheInfo;
+using attention::v1::CreateCacheRequest;
+using attention::v1::DecodeRequest;
+using attention::v1::DecodeResponse;
+using attention::v1::DeleteCacheRequest;
+using attention::v1::DeleteCacheResponse;
+using attention::v1::GetCacheInfoRequest;
 using attention::v1::GetServerInfoRequest;
+using attention::v1::ListCachesRequest;
+using attention::v1::ListCachesResponse;
 using attention::v1::ServerInfo;
 using attention::v1::TraceEvent;
 using attention::v1::TraceRequest;
@@ -108,6 +118,20 @@ bool ParseBody(const std::string& body, google::protobuf::Message& message,
              absl::StrCat("the body is not a ", message.GetDescriptor()->name(), " in JSON: ",
                           absl::string_view(status.message().data(), status.message().size())));
   return false;
+}
+
+// A parse step for Gateway::Unary: the request body as `Message`'s JSON.
+template <typename Message>
+std::function<bool(Message&, httplib::Response&)> JsonBody(const httplib::Request& request) {
+  return [&request](Message& message, httplib::Response& response) {
+    return ParseBody(request.body, message, response);
+  };
+}
+
+// A parse step for a route whose request message is empty (GET): the body is ignored.
+template <typename Message>
+bool NoBody(Message&, httplib::Response&) {
+  return true;
 }
 
 // The call's deadline from an optional "X-Timeout-Ms" header; false (400 written) when malformed.
@@ -294,12 +318,84 @@ void Gateway::AddRoutes(httplib::Server& server) {
     Trace(request, response);
   });
   server.Get("/v1/info", [this](const httplib::Request& request, httplib::Response& response) {
-    Info(request, response);
+    Unary<GetServerInfoRequest, ServerInfo>(
+        "GetServerInfo", request, response, NoBody<GetServerInfoRequest>,
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->GetServerInfo(context, call_request, call_response, std::move(done));
+        });
+  });
+
+  // KV caches. The id in a path is passed as it is: the service answers NOT_FOUND for any id it
+  // does not hold.
+  constexpr char kCachePath[] = R"(/v1/caches/([^/]+))";
+  server.Post("/v1/caches", [this](const httplib::Request& request, httplib::Response& response) {
+    Unary<CreateCacheRequest, CacheInfo>(
+        "CreateCache", request, response, JsonBody<CreateCacheRequest>(request),
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->CreateCache(context, call_request, call_response, std::move(done));
+        });
+  });
+  server.Get("/v1/caches", [this](const httplib::Request& request, httplib::Response& response) {
+    Unary<ListCachesRequest, ListCachesResponse>(
+        "ListCaches", request, response, NoBody<ListCachesRequest>,
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->ListCaches(context, call_request, call_response, std::move(done));
+        });
+  });
+  server.Get(kCachePath, [this](const httplib::Request& request, httplib::Response& response) {
+    Unary<GetCacheInfoRequest, CacheInfo>(
+        "GetCacheInfo", request, response,
+        [&request](GetCacheInfoRequest& call_request, httplib::Response&) {
+          call_request.set_cache_id(request.matches[1]);
+          return true;
+        },
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->GetCacheInfo(context, call_request, call_response, std::move(done));
+        });
+  });
+  server.Delete(kCachePath, [this](const httplib::Request& request, httplib::Response& response) {
+    Unary<DeleteCacheRequest, DeleteCacheResponse>(
+        "DeleteCache", request, response,
+        [&request](DeleteCacheRequest& call_request, httplib::Response&) {
+          call_request.set_cache_id(request.matches[1]);
+          return true;
+        },
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->DeleteCache(context, call_request, call_response, std::move(done));
+        });
+  });
+  server.Post(absl::StrCat(kCachePath, "/append"), [this](const httplib::Request& request,
+                                                          httplib::Response& response) {
+    Unary<AppendCacheRequest, CacheInfo>(
+        "AppendCache", request, response,
+        [&request](AppendCacheRequest& call_request, httplib::Response& answer) {
+          if (!ParseBody(request.body, call_request, answer)) return false;
+          const std::string id = request.matches[1];
+          if (!call_request.cache_id().empty() && call_request.cache_id() != id) {
+            WriteError(
+                answer, grpc::StatusCode::INVALID_ARGUMENT,
+                absl::StrCat("cacheId \"", call_request.cache_id(),
+                             "\" in the body is not the path's \"", id, "\" (it may be left out)"));
+            return false;
+          }
+          call_request.set_cache_id(id);
+          return true;
+        },
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->AppendCache(context, call_request, call_response, std::move(done));
+        });
+  });
+  server.Post("/v1/decode", [this](const httplib::Request& request, httplib::Response& response) {
+    Unary<DecodeRequest, DecodeResponse>(
+        "Decode", request, response, JsonBody<DecodeRequest>(request),
+        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+          stub.async()->Decode(context, call_request, call_response, std::move(done));
+        });
   });
   if (!config_.cors_origin.empty()) {
     server.Options(R"(/v1/.*)", [this](const httplib::Request&, httplib::Response& response) {
       AllowOrigin(response);
-      response.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      response.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS");
       response.set_header("Access-Control-Allow-Headers",
                           "Authorization, Content-Type, X-Timeout-Ms");
       response.set_header("Access-Control-Max-Age", "600");
@@ -319,25 +415,22 @@ void Gateway::AddRoutes(httplib::Server& server) {
   }
 }
 
-void Gateway::Compute(Method method, const httplib::Request& request,
-                      httplib::Response& response) const {
-  if (!Admit(request, method == Method::kNaive ? "Naive" : "Tiled", response)) return;
+template <typename CallRequest, typename CallResponse>
+void Gateway::Unary(
+    absl::string_view method, const httplib::Request& request, httplib::Response& response,
+    const std::function<bool(CallRequest&, httplib::Response&)>& parse,
+    const std::function<void(Stub&, grpc::ClientContext*, const CallRequest*, CallResponse*,
+                             std::function<void(grpc::Status)>)>& start) const {
+  if (!Admit(request, method, response)) return;
   grpc::ClientContext context;  // The deadline counts from here, parsing included.
   if (!SetDeadline(request, context, response)) return;
-  AttentionRequest call_request;
-  if (!ParseBody(request.body, call_request, response) || Expired(context, response)) return;
-  AttentionResponse call_response;
+  CallRequest call_request;
+  if (!parse(call_request, response) || Expired(context, response)) return;
+  CallResponse call_response;
   std::promise<grpc::Status> finished;
   const auto done = [&finished](grpc::Status status) { finished.set_value(std::move(status)); };
   const bool started = StartCall(
-      [&](Stub& stub) {
-        if (method == Method::kNaive) {
-          stub.async()->Naive(&context, &call_request, &call_response, done);
-        } else {
-          stub.async()->Tiled(&context, &call_request, &call_response, done);
-        }
-      },
-      response);
+      [&](Stub& stub) { start(stub, &context, &call_request, &call_response, done); }, response);
   if (!started) return;
   const grpc::Status status = finished.get_future().get();
   CallFinished();
@@ -345,25 +438,18 @@ void Gateway::Compute(Method method, const httplib::Request& request,
   WriteJson(response, call_response);
 }
 
-void Gateway::Info(const httplib::Request& request, httplib::Response& response) const {
-  if (!Admit(request, "GetServerInfo", response)) return;
-  grpc::ClientContext context;
-  if (!SetDeadline(request, context, response)) return;
-  const GetServerInfoRequest call_request;
-  ServerInfo info;
-  std::promise<grpc::Status> finished;
-  const bool started = StartCall(
-      [&](Stub& stub) {
-        stub.async()->GetServerInfo(&context, &call_request, &info, [&finished](grpc::Status s) {
-          finished.set_value(std::move(s));
-        });
-      },
-      response);
-  if (!started) return;
-  const grpc::Status status = finished.get_future().get();
-  CallFinished();
-  if (!status.ok()) return WriteError(response, status);
-  WriteJson(response, info);
+void Gateway::Compute(Method method, const httplib::Request& request,
+                      httplib::Response& response) const {
+  Unary<AttentionRequest, AttentionResponse>(
+      method == Method::kNaive ? "Naive" : "Tiled", request, response,
+      JsonBody<AttentionRequest>(request),
+      [method](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+        if (method == Method::kNaive) {
+          stub.async()->Naive(context, call_request, call_response, std::move(done));
+        } else {
+          stub.async()->Tiled(context, call_request, call_response, std::move(done));
+        }
+      });
 }
 
 void Gateway::Trace(const httplib::Request& request, httplib::Response& response) const {

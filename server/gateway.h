@@ -5,6 +5,17 @@
 //   POST /v1/trace   TraceRequest JSON → text/event-stream, one "data: <TraceEvent JSON>" event
 //                    per TraceEvent, written as the server produces them
 //   GET  /v1/info    ServerInfo JSON
+//   KV caches (one route per cache RPC; ID is the cache_id, 32 hex digits):
+//   POST   /v1/caches            CreateCacheRequest JSON → CacheInfo JSON
+//   GET    /v1/caches            ListCachesResponse JSON (the caller's caches)
+//   GET    /v1/caches/ID         CacheInfo JSON (GetCacheInfo)
+//   DELETE /v1/caches/ID         DeleteCacheResponse JSON ({})
+//   POST   /v1/caches/ID/append  AppendCacheRequest JSON (its cacheId may be left out; if given it
+//                                must be ID) → CacheInfo JSON
+//   POST   /v1/decode            DecodeRequest JSON → DecodeResponse JSON
+//   (Naive, Tiled and Trace take AttentionRequest.cacheId like any other field.) Caches made
+//   through the gateway belong to the server's token identity (CallerIdentity: the gateway's
+//   in-process calls carry no client certificate), the same as a gRPC caller's without mTLS.
 //   GET  /           the viewer's index.html; GET /<file> its other files (ViewerFiles())
 //
 // Bodies and answers use protobuf's JSON mapping (google::protobuf::util): lowerCamelCase field
@@ -111,9 +122,19 @@ class Gateway {
   bool Admit(const httplib::Request& request, absl::string_view method,
              httplib::Response& response) const;
 
+  // One unary call: admits `request` for `method`, sets its deadline, fills the call's request
+  // with `parse` (false: it wrote the error), starts it with `start` (which calls the stub's
+  // async method with the context, request, response and callback given) and answers the
+  // response as JSON.
+  template <typename CallRequest, typename CallResponse>
+  void Unary(
+      absl::string_view method, const httplib::Request& request, httplib::Response& response,
+      const std::function<bool(CallRequest&, httplib::Response&)>& parse,
+      const std::function<void(Stub&, grpc::ClientContext*, const CallRequest*, CallResponse*,
+                               std::function<void(grpc::Status)>)>& start) const;
+
   void Compute(Method method, const httplib::Request& request, httplib::Response& response) const;
   void Trace(const httplib::Request& request, httplib::Response& response) const;
-  void Info(const httplib::Request& request, httplib::Response& response) const;
 
   const GatewayConfig config_;
   mutable std::mutex mutex_;

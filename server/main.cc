@@ -57,6 +57,11 @@ ABSL_FLAG(int, max_inflight, attn::AdmissionLimits::kDefaultMaxInflight,
 ABSL_FLAG(int, max_queue, attn::AdmissionLimits::kDefaultMaxQueue,
           "Accepted computations that may wait for a worker; one more is refused at once with "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, cache_bytes, 0,
+          "Memory all KV caches' pages may take together, bytes; 0 = half the device's memory "
+          "(physical memory on the CPU). An append past it is RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, cache_idle_seconds, 3600,
+          "A KV cache unused this long is dropped (later calls: NOT_FOUND, expired); 0 = never.");
 ABSL_FLAG(int, shutdown_grace, 30,
           "Seconds in-flight calls get to finish after SIGTERM/SIGINT (a second signal exits at "
           "once).");
@@ -126,6 +131,10 @@ int main(int argc, char** argv) {
   config.admission.max_queue = absl::GetFlag(FLAGS_max_queue);
   if (config.admission.max_inflight < 0) Die("--max-inflight must be ≥ 0");
   if (config.admission.max_queue < 0) Die("--max-queue must be ≥ 0");
+  config.caches.budget_bytes = absl::GetFlag(FLAGS_cache_bytes);
+  config.caches.idle_seconds = absl::GetFlag(FLAGS_cache_idle_seconds);
+  if (config.caches.budget_bytes < 0) Die("--cache-bytes must be ≥ 0");
+  if (config.caches.idle_seconds < 0) Die("--cache-idle-seconds must be ≥ 0");
   const int shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   if (shutdown_grace < 0) Die("--shutdown-grace must be ≥ 0");
   absl::StatusOr<attn::ServerSecurity> security =
@@ -200,15 +209,16 @@ int main(int argc, char** argv) {
   std::printf(
       "attnd %s serving attention.v1 on %s (port %d)\n  device: %s [%s]\n  limits: "
       "max-message-bytes=%lld max-naive-bytes=%lld max-trace-rows=%lld max-trace-steps=%lld "
-      "default-block-k=%d max-inflight=%d max-queue=%d max-traces=%lld "
-      "shutdown-grace=%ds\n",
+      "default-block-k=%d max-inflight=%d max-queue=%d max-traces=%lld cache-bytes=%lld "
+      "cache-idle-seconds=%lld shutdown-grace=%ds\n",
       ATTN_VERSION, listen.c_str(), port, (*backend)->device().c_str(),
       std::string((*backend)->name()).c_str(), static_cast<long long>(max_message_bytes),
       static_cast<long long>((*backend)->max_naive_bytes()),
       static_cast<long long>(config.trace.max_rows), static_cast<long long>(config.trace.max_steps),
       (*backend)->default_block_k(), service.admission().max_inflight,
       service.admission().max_queue, static_cast<long long>(config.trace.max_streams),
-      shutdown_grace);
+      static_cast<long long>(service.caches().limits().budget_bytes),
+      static_cast<long long>(service.caches().limits().idle_seconds), shutdown_grace);
   std::printf("  security: %s\n", security->summary.c_str());
   const std::string http_banner =
       http.port() != 0 ? absl::StrCat("http://", http.address(),

@@ -280,6 +280,13 @@ void AddServerGauges(MetricsRegistry& registry, const AttentionService& service,
   registry.AddGaugeCallback("attnd_compute_queued",
                             "Naive and Tiled requests waiting for a compute worker.",
                             [&service] { return static_cast<double>(service.queued()); });
+  registry.AddGaugeCallback("attnd_caches", "Server-resident KV caches alive now.",
+                            [&service] { return static_cast<double>(service.caches().caches()); });
+  registry.AddGaugeCallback("attnd_cache_tokens", "Tokens held by all KV caches.",
+                            [&service] { return static_cast<double>(service.caches().tokens()); });
+  registry.AddGaugeCallback("attnd_cache_bytes",
+                            "Memory the KV caches' pages take (of --cache-bytes), bytes.",
+                            [&service] { return static_cast<double>(service.caches().bytes()); });
   registry.AddGaugeCallback("attnd_host_memory_rss_bytes",
                             "Resident memory of the attnd process (/proc/self/statm), bytes.",
                             [] { return static_cast<double>(ProcessResidentBytes()); });

@@ -139,7 +139,8 @@ class MetricsRegistry {
 int64_t ProcessResidentBytes();
 
 // attnd's process and compute gauges, read at each scrape: attnd_compute_inflight,
-// attnd_compute_queued (service), attnd_host_memory_rss_bytes, attnd_device_memory_total_bytes
+// attnd_compute_queued, attnd_caches, attnd_cache_tokens, attnd_cache_bytes (service),
+// attnd_host_memory_rss_bytes, attnd_device_memory_total_bytes
 // (GPU backends only) and attnd_build_info. The service and backend must outlive every Render.
 void AddServerGauges(MetricsRegistry& registry, const AttentionService& service,
                      const Backend& backend);

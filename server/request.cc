@@ -104,6 +104,65 @@ absl::Status Mismatch(absl::string_view field, absl::string_view what, int64_t g
                                      "; they must match"));
 }
 
+float DefaultScale(int64_t head_dim) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+// The options every attention call shares, into *problem: scale (when given; else the caller
+// sets 1/sqrt(head_dim)), causal, block_k (the default for 0; the caller caps it at key_len),
+// return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
+absl::Status ParseOptions(const v1::AttentionOptions& options, DType query_dtype,
+                          int default_block_k, Problem* problem) {
+  if (options.has_scale() && !std::isfinite(options.scale())) {
+    return Invalid("options.scale", absl::StrCat("is ", options.scale(), "; it must be finite"));
+  }
+  if (options.block_k() < 0) {
+    return Invalid("options.block_k",
+                   absl::StrCat("is ", options.block_k(), "; expected ≥ 0 (0 = server default)"));
+  }
+  problem->output_dtype = query_dtype;
+  if (options.output_dtype() != v1::DTYPE_UNSPECIFIED) {
+    const std::optional<DType> parsed = FromProtoDType(options.output_dtype());
+    if (!parsed) {
+      return Invalid("options.output_dtype",
+                     absl::StrCat("is ", options.output_dtype(),
+                                  ", not a known DType; expected DTYPE_UNSPECIFIED (the query's "
+                                  "dtype), DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
+    }
+    problem->output_dtype = *parsed;
+  }
+  if (options.has_scale()) problem->scale = options.scale();
+  problem->causal = options.causal();
+  problem->block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
+  problem->return_lse = options.return_lse();
+  return absl::OkStatus();
+}
+
+// Every score and partial sum of q·k (scaled or not) is at most head_dim·max|q|·max|k|·
+// max(1, |scale|), and every weighted sum of values at most key_len·max|v|: both must stay
+// within fp32, or the kernels would meet inf − inf and answer NaN. `query`, `key` and `value`
+// name the fields whose elements are meant.
+absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, double max_v,
+                         absl::string_view query, absl::string_view key, absl::string_view value) {
+  const Shape& s = problem.shape;
+  constexpr double kFloatMax = std::numeric_limits<float>::max();
+  const double score_bound = static_cast<double>(s.head_dim) * max_q * max_k *
+                             std::max(1.0, std::abs(static_cast<double>(problem.scale)));
+  if (score_bound > kFloatMax) {
+    return Invalid(
+        absl::StrCat(query, "/", key),
+        absl::StrCat("max |query| = ", max_q, " and max |key| = ", max_k, " with head_dim ",
+                     s.head_dim, " and scale ", problem.scale, " allow scores up to ", score_bound,
+                     ", past fp32's largest value ", kFloatMax, "; scale the inputs down"));
+  }
+  if (static_cast<double>(s.key_len) * max_v > kFloatMax) {
+    return Invalid(value, absl::StrCat("max |value| = ", max_v, " over key_len ", s.key_len,
+                                       " keys can sum past fp32's largest value ", kFloatMax,
+                                       "; scale the values down"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
@@ -160,26 +219,11 @@ absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
                    "batch·heads·query_len·key_len is too large to account for in int64 bytes");
   }
 
-  const v1::AttentionOptions& options = request.options();
-  if (options.has_scale() && !std::isfinite(options.scale())) {
-    return Invalid("options.scale", absl::StrCat("is ", options.scale(), "; it must be finite"));
+  if (absl::Status options =
+          ParseOptions(request.options(), query_dtype, default_block_k, &problem);
+      !options.ok()) {
+    return options;
   }
-  if (options.block_k() < 0) {
-    return Invalid("options.block_k",
-                   absl::StrCat("is ", options.block_k(), "; expected ≥ 0 (0 = server default)"));
-  }
-  DType output_dtype = query_dtype;
-  if (options.output_dtype() != v1::DTYPE_UNSPECIFIED) {
-    const std::optional<DType> parsed = FromProtoDType(options.output_dtype());
-    if (!parsed) {
-      return Invalid("options.output_dtype",
-                     absl::StrCat("is ", options.output_dtype(),
-                                  ", not a known DType; expected DTYPE_UNSPECIFIED (the query's "
-                                  "dtype), DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
-    }
-    output_dtype = *parsed;
-  }
-
   problem.shape = Shape{.batch = q->batch,
                         .heads = q->heads,
                         .kv_heads = k->heads,
@@ -190,13 +234,8 @@ absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
   problem.query = TensorView{request.query().data().data(), query_dtype};
   problem.key = TensorView{request.key().data().data(), key_dtype};
   problem.value = TensorView{request.value().data().data(), value_dtype};
-  problem.scale =
-      options.has_scale() ? options.scale() : static_cast<float>(1.0 / std::sqrt(double(q->dim)));
-  problem.causal = options.causal();
-  const int64_t block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
-  problem.block_k = static_cast<int>(std::min<int64_t>(block_k, k->len));
-  problem.return_lse = options.return_lse();
-  problem.output_dtype = output_dtype;
+  if (!request.options().has_scale()) problem.scale = DefaultScale(q->dim);
+  problem.block_k = static_cast<int>(std::min<int64_t>(problem.block_k, k->len));
   return problem;
 }
 
@@ -211,25 +250,7 @@ absl::Status CheckAttentionValues(const Problem& problem) {
   const absl::StatusOr<double> v =
       CheckValues("value", problem.value, s.batch * s.kv_heads * s.key_len * s.value_dim);
   if (!v.ok()) return v.status();
-  // Every score and partial sum of q·k (scaled or not) is at most head_dim·max|q|·max|k|·
-  // max(1, |scale|), and every weighted sum of values at most key_len·max|v|: both must stay
-  // within fp32, or the kernels would meet inf − inf and answer NaN.
-  constexpr double kFloatMax = std::numeric_limits<float>::max();
-  const double score_bound = static_cast<double>(s.head_dim) * *q * *k *
-                             std::max(1.0, std::abs(static_cast<double>(problem.scale)));
-  if (score_bound > kFloatMax) {
-    return Invalid(
-        "query.data/key.data",
-        absl::StrCat("max |query| = ", *q, " and max |key| = ", *k, " with head_dim ", s.head_dim,
-                     " and scale ", problem.scale, " allow scores up to ", score_bound,
-                     ", past fp32's largest value ", kFloatMax, "; scale the inputs down"));
-  }
-  if (static_cast<double>(s.key_len) * *v > kFloatMax) {
-    return Invalid("value.data", absl::StrCat("max |value| = ", *v, " over key_len ", s.key_len,
-                                              " keys can sum past fp32's largest value ", kFloatMax,
-                                              "; scale the values down"));
-  }
-  return absl::OkStatus();
+  return CheckBounds(problem, *q, *k, *v, "query.data", "key.data", "value.data");
 }
 
 absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& request,
@@ -238,6 +259,173 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
   if (!problem.ok()) return problem;
   if (absl::Status values = CheckAttentionValues(*problem); !values.ok()) return values;
   return problem;
+}
+
+absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request) {
+  constexpr int64_t kMaxDim = 1 << 16;
+  KvLayout layout;
+  const std::pair<absl::string_view, int64_t> dims[] = {{"kv_heads", request.kv_heads()},
+                                                        {"head_dim", request.head_dim()},
+                                                        {"value_dim", request.value_dim()}};
+  for (const auto& [field, value] : dims) {
+    const int64_t low = field == "value_dim" ? 0 : 1;
+    if (value < low || value > kMaxDim) {
+      return Invalid(field, absl::StrCat("is ", value, "; expected ", low, " ≤ ", field, " ≤ ",
+                                         kMaxDim, field == "value_dim" ? " (0 = head_dim)" : ""));
+    }
+  }
+  layout.kv_heads = request.kv_heads();
+  layout.head_dim = request.head_dim();
+  layout.value_dim = request.value_dim() > 0 ? request.value_dim() : request.head_dim();
+  const std::optional<DType> dtype = FromProtoDType(request.dtype());
+  if (!dtype) {
+    return Invalid("dtype",
+                   absl::StrCat(request.dtype() == v1::DTYPE_UNSPECIFIED
+                                    ? "is unspecified"
+                                    : absl::StrCat("is ", request.dtype(), ", not a known DType"),
+                                "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or "
+                                "DTYPE_BFLOAT16"));
+  }
+  layout.dtype = *dtype;
+  return layout;
+}
+
+namespace {
+
+// A cache-side tensor (query or new tokens): one sequence, so batch 1.
+absl::StatusOr<TensorDims> CheckCacheTensor(const std::string& name, const v1::Tensor* tensor,
+                                            DType* dtype) {
+  absl::StatusOr<TensorDims> dims =
+      CheckTensor(name, tensor != nullptr, tensor != nullptr ? *tensor : v1::Tensor(), dtype);
+  if (dims.ok() && dims->batch != 1) {
+    return Invalid(absl::StrCat(name, ".shape[0]"),
+                   absl::StrCat("is ", dims->batch, "; a cache holds one sequence: batch 1"));
+  }
+  return dims;
+}
+
+}  // namespace
+
+absl::StatusOr<NewTokens> ParseNewTokens(absl::string_view prefix, const v1::Tensor* key,
+                                         const v1::Tensor* value, const KvLayout& layout,
+                                         bool optional) {
+  NewTokens tokens;
+  if (optional && key == nullptr && value == nullptr) return tokens;
+  const std::string key_name = absl::StrCat(prefix, "key"),
+                    value_name = absl::StrCat(prefix, "value");
+  DType key_dtype, value_dtype;
+  const absl::StatusOr<TensorDims> k = CheckCacheTensor(key_name, key, &key_dtype);
+  if (!k.ok()) return k.status();
+  const absl::StatusOr<TensorDims> v = CheckCacheTensor(value_name, value, &value_dtype);
+  if (!v.ok()) return v.status();
+  const int key_rank = key->shape_size(), value_rank = value->shape_size();
+  const struct {
+    const std::string& name;
+    int rank;
+    const TensorDims& dims;
+    int64_t width;
+    const char* width_name;
+  } checks[] = {{key_name, key_rank, *k, layout.head_dim, "head_dim"},
+                {value_name, value_rank, *v, layout.value_dim, "value_dim"}};
+  for (const auto& check : checks) {
+    const DType dtype = &check.name == &key_name ? key_dtype : value_dtype;
+    if (dtype != layout.dtype) {
+      return Invalid(absl::StrCat(check.name, ".dtype"),
+                     absl::StrCat("is ", DTypeName(dtype), " but the cache stores ",
+                                  DTypeName(layout.dtype), "; send tokens in the cache's dtype"));
+    }
+    if (check.dims.heads != layout.kv_heads) {
+      return Invalid(absl::StrCat(check.name, ".shape"),
+                     absl::StrCat("has ", check.dims.heads, " heads but the cache has ",
+                                  layout.kv_heads, " kv_heads; they must match"));
+    }
+    if (check.dims.dim != check.width) {
+      return Mismatch(absl::StrCat(check.name, ".shape[", check.rank - 1, "]"), check.width_name,
+                      check.dims.dim, "the cache's", check.width);
+    }
+  }
+  if (v->len != k->len) {
+    return Mismatch(absl::StrCat(value_name, ".shape[", value_rank - 2, "]"), "tokens", v->len,
+                    absl::StrCat(key_name, "'s"), k->len);
+  }
+  tokens.key = TensorView{key->data().data(), key_dtype};
+  tokens.value = TensorView{value->data().data(), value_dtype};
+  tokens.n = k->len;
+  return tokens;
+}
+
+absl::Status CheckNewTokenValues(absl::string_view prefix, const NewTokens& tokens,
+                                 const KvLayout& layout, double* max_abs_key,
+                                 double* max_abs_value) {
+  *max_abs_key = *max_abs_value = 0;
+  if (tokens.n == 0) return absl::OkStatus();
+  const absl::StatusOr<double> k = CheckValues(absl::StrCat(prefix, "key"), tokens.key,
+                                               layout.kv_heads * tokens.n * layout.head_dim);
+  if (!k.ok()) return k.status();
+  const absl::StatusOr<double> v = CheckValues(absl::StrCat(prefix, "value"), tokens.value,
+                                               layout.kv_heads * tokens.n * layout.value_dim);
+  if (!v.ok()) return v.status();
+  *max_abs_key = *k;
+  *max_abs_value = *v;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Problem> ParseCacheQuery(absl::string_view prefix, const v1::Tensor* query,
+                                        const v1::AttentionOptions& options, const KvLayout& layout,
+                                        int default_block_k) {
+  const std::string name = absl::StrCat(prefix, "query");
+  DType query_dtype;
+  const absl::StatusOr<TensorDims> q = CheckCacheTensor(name, query, &query_dtype);
+  if (!q.ok()) return q.status();
+  const int rank = query->shape_size();
+  if (q->heads % layout.kv_heads != 0) {
+    return Invalid(absl::StrCat(name, ".shape"),
+                   absl::StrCat("has ", q->heads, " heads, not a multiple of the cache's ",
+                                layout.kv_heads, " kv_heads (grouped-query attention)"));
+  }
+  if (q->dim != layout.head_dim) {
+    return Mismatch(absl::StrCat(name, ".shape[", rank - 1, "]"), "head_dim", q->dim, "the cache's",
+                    layout.head_dim);
+  }
+  Problem problem;
+  if (absl::Status parsed = ParseOptions(options, query_dtype, default_block_k, &problem);
+      !parsed.ok()) {
+    return parsed;
+  }
+  problem.shape = Shape{.batch = 1,
+                        .heads = q->heads,
+                        .kv_heads = layout.kv_heads,
+                        .query_len = q->len,
+                        .key_len = 1,  // BindCache: the cache's length.
+                        .head_dim = layout.head_dim,
+                        .value_dim = layout.value_dim};
+  problem.query = TensorView{query->data().data(), query_dtype};
+  if (!options.has_scale()) problem.scale = DefaultScale(layout.head_dim);
+  return problem;
+}
+
+absl::Status BindCache(absl::string_view prefix, const PagedKv& pages, int64_t length,
+                       double max_abs_key, double max_abs_value, Problem* problem) {
+  if (length < 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        prefix, "cache_id: the cache holds no tokens yet; append some before attending"));
+  }
+  Shape& s = problem->shape;
+  // Naive's accounting, 16·heads·query_len·key_len, must be countable.
+  std::optional<int64_t> pairs = CheckedMul(s.heads * s.query_len, length);
+  if (pairs) pairs = CheckedMul(*pairs, 16);
+  if (!pairs) {
+    return Invalid(absl::StrCat(prefix, "query.shape"),
+                   "heads·query_len·cache length is too large to account for in int64 bytes");
+  }
+  s.key_len = length;
+  problem->pages = &pages;
+  problem->block_k = static_cast<int>(std::min<int64_t>(problem->block_k, length));
+  const absl::StatusOr<double> q = CheckValues(absl::StrCat(prefix, "query"), problem->query,
+                                               s.heads * s.query_len * s.head_dim);
+  if (!q.ok()) return q.status();
+  return CheckBounds(*problem, *q, max_abs_key, max_abs_value, absl::StrCat(prefix, "query.data"),
+                     "the cache's keys", "the cache's values");
 }
 
 absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& request,
@@ -279,17 +467,21 @@ absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& reque
 
 Outputs PrepareOutputs(const Problem& problem, const v1::AttentionRequest& request,
                        v1::AttentionResponse* response) {
+  return PrepareOutputs(problem, request.query(), response->mutable_output(),
+                        problem.return_lse ? response->mutable_lse() : nullptr);
+}
+
+Outputs PrepareOutputs(const Problem& problem, const v1::Tensor& query, v1::Tensor* output,
+                       v1::Tensor* lse) {
   Outputs outputs;
-  v1::Tensor* output = response->mutable_output();
-  *output->mutable_shape() = request.query().shape();
+  *output->mutable_shape() = query.shape();
   output->set_shape(output->shape_size() - 1, problem.shape.value_dim);
   output->set_dtype(ToProtoDType(problem.output_dtype));
   std::string* data = output->mutable_data();
   data->resize(problem.OutputElements() * ElementSize(problem.output_dtype));
   outputs.output = MutableTensorView{data->data(), problem.output_dtype};
-  if (problem.return_lse) {
-    v1::Tensor* lse = response->mutable_lse();
-    *lse->mutable_shape() = request.query().shape();
+  if (problem.return_lse && lse != nullptr) {
+    *lse->mutable_shape() = query.shape();
     lse->mutable_shape()->RemoveLast();
     lse->set_dtype(v1::DTYPE_FLOAT32);
     std::string* lse_data = lse->mutable_data();
@@ -297,6 +489,17 @@ Outputs PrepareOutputs(const Problem& problem, const v1::AttentionRequest& reque
     outputs.lse = reinterpret_cast<float*>(lse_data->data());
   }
   return outputs;
+}
+
+void EncodeCacheInfo(const CacheDescription& cache, v1::CacheInfo* message) {
+  message->set_cache_id(cache.id);
+  message->set_kv_heads(cache.layout.kv_heads);
+  message->set_head_dim(cache.layout.head_dim);
+  message->set_value_dim(cache.layout.value_dim);
+  message->set_dtype(ToProtoDType(cache.layout.dtype));
+  message->set_length(cache.length);
+  message->set_bytes(cache.bytes);
+  message->set_page_tokens(cache.page_tokens);
 }
 
 void EncodeStats(const Stats& stats, v1::ExecutionStats* message) {

@@ -9,9 +9,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
+#include "kernels/kv_store.h"
 #include "kernels/problem.h"
+#include "server/caches.h"
 
 namespace attn {
 
@@ -42,6 +45,44 @@ absl::Status CheckAttentionValues(const Problem& problem);
 absl::StatusOr<Problem> ParseAttentionRequest(const attention::v1::AttentionRequest& request,
                                               int default_block_k);
 
+// --- KV caches ----------------------------------------------------------------------------
+// The same rules for a cache's queries and tokens; `prefix` starts every field name ("" or
+// "items[2]."), and a null tensor is an absent one.
+
+// A new cache's layout: kv_heads, head_dim and value_dim (0 = head_dim) in [1, 65536], a known
+// dtype.
+absl::StatusOr<KvLayout> ParseCreateCache(const attention::v1::CreateCacheRequest& request);
+
+// Tokens to append to a cache of `layout`: key [kv_heads, n, head_dim] and value
+// [kv_heads, n, value_dim] (rank 2 when kv_heads is 1, rank 4 with batch 1), in the cache's
+// dtype. Both
+// absent is n = 0 when `optional`, else INVALID_ARGUMENT.
+struct NewTokens {
+  TensorView key, value;
+  int64_t n = 0;
+};
+absl::StatusOr<NewTokens> ParseNewTokens(absl::string_view prefix, const attention::v1::Tensor* key,
+                                         const attention::v1::Tensor* value, const KvLayout& layout,
+                                         bool optional);
+// Their elements, in one pass: finite. Sets their largest magnitudes.
+absl::Status CheckNewTokenValues(absl::string_view prefix, const NewTokens& tokens,
+                                 const KvLayout& layout, double* max_abs_key,
+                                 double* max_abs_value);
+
+// A query [heads, nq, head_dim] (rank 2 when heads is 1, rank 4 with batch 1) over a cache of
+// `layout`, with the request's options: every check that needs none of the cache's contents.
+// The Problem is complete only after BindCache.
+absl::StatusOr<Problem> ParseCacheQuery(absl::string_view prefix,
+                                        const attention::v1::Tensor* query,
+                                        const attention::v1::AttentionOptions& options,
+                                        const KvLayout& layout, int default_block_k);
+// Completes it under the cache's lease: its keys are the cache's first `length` tokens
+// (FAILED_PRECONDITION for an empty cache), block_k capped at length; then the value checks:
+// the query's elements finite, and scores and sums within fp32 given the cache's largest |key|
+// and |value|.
+absl::Status BindCache(absl::string_view prefix, const PagedKv& pages, int64_t length,
+                       double max_abs_key, double max_abs_value, Problem* problem);
+
 // Validates a TraceRequest's rows against its (already parsed) problem and the limits; no rows
 // means row 0 of batch 0, head 0. INVALID_ARGUMENT naming the row or the limit.
 absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const attention::v1::TraceRequest& request,
@@ -52,6 +93,13 @@ absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const attention::v1::TraceReq
 // Outputs that point into that data for a kernel to fill.
 Outputs PrepareOutputs(const Problem& problem, const attention::v1::AttentionRequest& request,
                        attention::v1::AttentionResponse* response);
+// The same for any query tensor: output [.., heads, query_len, value_dim] in the query's rank,
+// and lse [.., heads, query_len] when lse is not null and the problem asks for it.
+Outputs PrepareOutputs(const Problem& problem, const attention::v1::Tensor& query,
+                       attention::v1::Tensor* output, attention::v1::Tensor* lse);
+
+// A cache as the client sees it.
+void EncodeCacheInfo(const CacheDescription& cache, attention::v1::CacheInfo* message);
 
 // Copies a backend's Stats into the message (backend, device and server_ns are the caller's).
 void EncodeStats(const Stats& stats, attention::v1::ExecutionStats* message);

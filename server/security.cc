@@ -136,6 +136,15 @@ absl::Status CheckBearerToken(absl::string_view expected_token, absl::string_vie
   return absl::OkStatus();
 }
 
+std::string CallerIdentity(const grpc::ServerContextBase& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr) return "";
+  const std::vector<grpc::string_ref> subject =
+      auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME);
+  if (subject.empty()) return "";
+  return absl::StrCat("x509:", absl::string_view(subject.front().data(), subject.front().size()));
+}
+
 bool IsLoopbackAddress(absl::string_view listen) {
   if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) {
     return true;

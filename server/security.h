@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_context.h"
 
 namespace attn {
 
@@ -50,6 +51,11 @@ struct ServerSecurity {
 // given — a token alone does not suffice, since over plaintext anyone on the path could read it.
 absl::StatusOr<ServerSecurity> MakeServerSecurity(const SecurityConfig& config,
                                                   absl::string_view listen);
+
+// Who a call is, for owning server-resident state (KV caches): "x509:" and the subject of the
+// client's certificate under mutual TLS; otherwise "", the whole server (every caller holding
+// the one bearer token, or any caller of an open server, is the same identity).
+std::string CallerIdentity(const grpc::ServerContextBase& context);
 
 // Whether a gRPC listen address ("host:port", "[v6]:port", "unix:path") only accepts
 // connections from this machine: 127.0.0.0/8, ::1 (or IPv4-mapped 127/8), "localhost", or a

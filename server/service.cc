@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/security.h"
 
 namespace attn {
 namespace {
@@ -55,6 +58,10 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
 
   void Fail(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
 
+  // Memory the stream's problem may view and that lives as long as the stream: a copy of a
+  // cache's tokens, so the trace holds no lease on the cache while a reader takes its time.
+  std::vector<char>& snapshot() { return snapshot_; }
+
   void OnWriteDone(bool ok) override {
     if (!ok) {  // The client cancelled or went away: stop computing.
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "trace stream closed by the client"));
@@ -89,6 +96,7 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   int64_t rows_ = 0;
   int64_t steps_ = 0;
   TraceSlot slot_;
+  std::vector<char> snapshot_;
 };
 
 // A stream that fails before its first event.
@@ -110,6 +118,11 @@ namespace {
 AdmissionLimits ResolveLimits(const Backend& backend, AdmissionLimits limits) {
   if (limits.max_inflight <= 0) limits.max_inflight = backend.concurrency();
   if (limits.memory_bytes <= 0) limits.memory_bytes = backend.max_naive_bytes();
+  return limits;
+}
+
+CacheLimits ResolveCacheLimits(const Backend& backend, CacheLimits limits) {
+  if (limits.budget_bytes <= 0) limits.budget_bytes = backend.memory_bytes() / 2;
   return limits;
 }
 
@@ -135,6 +148,7 @@ absl::Status Interruption(grpc::CallbackServerContext* context) {
 AttentionService::AttentionService(Backend& backend, ServiceConfig config)
     : backend_(backend),
       config_(std::move(config)),
+      caches_(backend, ResolveCacheLimits(backend, config_.caches)),
       queue_(ResolveLimits(backend, config_.admission)) {}
 
 absl::Status AttentionService::CheckAccepting() const {
@@ -162,6 +176,23 @@ grpc::ServerUnaryReactor* AttentionService::Tiled(grpc::CallbackServerContext* c
   return Compute(Method::kTiled, context, request, response);
 }
 
+void AttentionService::Answer(bool naive, const Problem& problem,
+                              grpc::CallbackServerContext* context,
+                              const v1::AttentionRequest* request, v1::AttentionResponse* response,
+                              Clock::time_point start, grpc::ServerUnaryReactor* reactor) {
+  Outputs outputs = PrepareOutputs(problem, *request, response);
+  outputs.interrupt = [context] { return Interruption(context); };
+  absl::StatusOr<Stats> stats =
+      naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
+  if (!stats.ok()) {
+    response->Clear();
+    reactor->Finish(ToGrpcStatus(stats.status()));
+    return;
+  }
+  FillStats(backend_, *stats, start, response->mutable_stats());
+  reactor->Finish(grpc::Status::OK);
+}
+
 grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
                                                     grpc::CallbackServerContext* context,
                                                     const v1::AttentionRequest* request,
@@ -170,6 +201,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // Failures are logged, with the rest of the call, by the request log (request_log.h).
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
+  if (!request->cache_id().empty()) return ComputeOverCache(method, context, request, response);
 
   // On gRPC's callback thread only what takes no time whatever the payload: the shape checks.
   absl::StatusOr<Problem> problem = ParseAttentionShape(*request, backend_.default_block_k());
@@ -197,17 +229,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
       fail(values);
       return;
     }
-    Outputs outputs = PrepareOutputs(problem, *request, response);
-    outputs.interrupt = [context] { return Interruption(context); };
-    absl::StatusOr<Stats> stats =
-        naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
-    if (!stats.ok()) {
-      response->Clear();
-      fail(stats.status());
-      return;
-    }
-    FillStats(backend_, *stats, start, response->mutable_stats());
-    reactor->Finish(grpc::Status::OK);
+    Answer(naive, problem, context, request, response, start, reactor);
   };
   // A call too small to matter runs here: the hand-off to a worker and back would cost more.
   if (backend_.RunsInline(*problem)) {
@@ -237,6 +259,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
   if (!request->has_attention()) {
     return fail(absl::InvalidArgumentError("attention: is required"));
   }
+  if (!request->attention().cache_id().empty()) return TraceOverCache(context, request, start);
   absl::StatusOr<Problem> problem =
       ParseAttentionShape(request->attention(), backend_.default_block_k());
   if (!problem.ok()) return fail(InAttention(problem.status()));
@@ -293,8 +316,441 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_max_trace_rows(config_.trace.max_rows);
   response->set_max_trace_steps(config_.trace.max_steps);
   response->set_max_traces(config_.trace.max_streams);
+  response->set_cache_bytes(caches_.limits().budget_bytes);
+  response->set_cache_page_tokens(backend_.kv_page_tokens());
+  response->set_cache_idle_seconds(caches_.limits().idle_seconds);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+namespace {
+
+// A unary reactor's failure, as every handler below reports it.
+grpc::ServerUnaryReactor* Failed(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+const v1::Tensor* Present(bool has, const v1::Tensor& tensor) { return has ? &tensor : nullptr; }
+
+// A cache problem's key and value fields must be absent: its keys are the cache's.
+absl::Status CheckNoInlineKeys(const v1::AttentionRequest& request) {
+  if (request.has_key() || request.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        request.has_key() ? "key" : "value",
+        ": must be absent when cache_id names a cache (its keys and values are the cache's)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
+                                                             grpc::CallbackServerContext* context,
+                                                             const v1::AttentionRequest* request,
+                                                             v1::AttentionResponse* response) {
+  const Clock::time_point start = Clock::now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
+  if (absl::Status inline_keys = CheckNoInlineKeys(*request); !inline_keys.ok()) {
+    fail(inline_keys);
+    return reactor;
+  }
+  for (const absl::Status& status : {CheckDevice(), CheckAccepting()}) {
+    if (!status.ok()) {
+      fail(status);
+      return reactor;
+    }
+  }
+  const std::string owner = CallerIdentity(*context);
+  const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
+  if (!layout.ok()) {
+    fail(layout.status());
+    return reactor;
+  }
+  absl::StatusOr<Problem> problem =
+      ParseCacheQuery("", Present(request->has_query(), request->query()), request->options(),
+                      *layout, backend_.default_block_k());
+  if (!problem.ok()) {
+    fail(problem.status());
+    return reactor;
+  }
+  const bool naive = method == Method::kNaive;
+  // Admission counts Naive's matrices at the cache's length now (appends may still grow it).
+  Problem estimate = *problem;
+  if (absl::StatusOr<CacheDescription> now = caches_.Describe(owner, request->cache_id());
+      now.ok()) {
+    estimate.shape.key_len = std::max<int64_t>(now->length, 1);
+  }
+  absl::Status accepted = queue_.Submit(
+      HeldBytes(naive, estimate, queue_.limits().memory_bytes),
+      [this, naive, context, request, response, owner, problem = *problem, start, fail,
+       reactor]() mutable {
+        if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+          fail(interrupted);
+          return;
+        }
+        absl::StatusOr<CacheRegistry::Lease> lease =
+            caches_.Acquire(owner, request->cache_id(), "cache_id");
+        if (!lease.ok()) {
+          fail(lease.status());
+          return;
+        }
+        if (absl::Status bound = BindCache("", lease->pages(), lease->length(),
+                                           lease->max_abs_key(), lease->max_abs_value(), &problem);
+            !bound.ok()) {
+          fail(bound);
+          return;
+        }
+        Answer(naive, problem, context, request, response, start, reactor);
+      });
+  if (!accepted.ok()) fail(accepted);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
+    grpc::CallbackServerContext* context, const v1::TraceRequest* request,
+    Clock::time_point start) {
+  auto fail = [](const absl::Status& status) { return new FailedWriter(ToGrpcStatus(status)); };
+  const v1::AttentionRequest& attention = request->attention();
+  if (absl::Status inline_keys = CheckNoInlineKeys(attention); !inline_keys.ok()) {
+    return fail(InAttention(inline_keys));
+  }
+  if (absl::Status device = CheckDevice(); !device.ok()) return fail(device);
+  const std::string owner = CallerIdentity(*context);
+  const absl::StatusOr<KvLayout> layout =
+      caches_.LayoutOf(owner, attention.cache_id(), "attention.cache_id");
+  if (!layout.ok()) return fail(layout.status());
+  absl::StatusOr<Problem> problem =
+      ParseCacheQuery("attention.", Present(attention.has_query(), attention.query()),
+                      attention.options(), *layout, backend_.default_block_k());
+  if (!problem.ok()) return fail(problem.status());
+  TraceSlot slot(open_traces_);
+  if (const int64_t open = open_traces_.fetch_add(1); open >= config_.trace.max_streams) {
+    return fail(absl::ResourceExhaustedError(absl::StrCat(
+        "server busy: ", open, " trace streams open (--max-traces=", config_.trace.max_streams,
+        "); retry later")));
+  }
+  auto* writer = new TraceWriter(backend_, start, std::move(slot));
+  auto open = [this, writer, context, request, owner, layout = *layout,
+               problem = *problem]() mutable {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      writer->Fail(interrupted);
+      return;
+    }
+    absl::StatusOr<std::vector<RowRef>> rows;
+    {
+      absl::StatusOr<CacheRegistry::Lease> lease =
+          caches_.Acquire(owner, request->attention().cache_id(), "attention.cache_id");
+      if (!lease.ok()) {
+        writer->Fail(lease.status());
+        return;
+      }
+      if (absl::Status bound = BindCache("attention.", lease->pages(), lease->length(),
+                                         lease->max_abs_key(), lease->max_abs_value(), &problem);
+          !bound.ok()) {
+        writer->Fail(bound);
+        return;
+      }
+      rows = ParseTraceRows(*request, problem, config_.trace);
+      if (!rows.ok()) {
+        writer->Fail(rows.status());
+        return;
+      }
+      // The stream reads a copy of the tokens, taken now: the lease ends before the first
+      // write, so appends to the cache never wait for a slow reader.
+      const Shape& s = problem.shape;
+      const int64_t element = ElementSize(layout.dtype);
+      const int64_t key_bytes = s.kv_heads * s.key_len * s.head_dim * element;
+      const int64_t value_bytes = s.kv_heads * s.key_len * s.value_dim * element;
+      if (key_bytes + value_bytes > backend_.max_naive_bytes()) {
+        writer->Fail(absl::ResourceExhaustedError(absl::StrCat(
+            "attention.cache_id: tracing copies the cache's ", s.key_len, " tokens (",
+            key_bytes + value_bytes,
+            " bytes), over this server's --max-naive-bytes=", backend_.max_naive_bytes())));
+        return;
+      }
+      std::vector<char>& snapshot = writer->snapshot();
+      snapshot.resize(key_bytes + value_bytes);
+      lease->CopyOut(snapshot.data(), snapshot.data() + key_bytes);
+      problem.pages = nullptr;
+      problem.key = TensorView{snapshot.data(), layout.dtype};
+      problem.value = TensorView{snapshot.data() + key_bytes, layout.dtype};
+    }
+    absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(problem, *std::move(rows));
+    if (!cursor.ok()) {
+      writer->Fail(cursor.status());
+      return;
+    }
+    writer->Begin(problem, *std::move(cursor));
+  };
+  if (absl::Status accepted = queue_.Submit(0, std::move(open)); !accepted.ok()) {
+    writer->Fail(accepted);
+  }
+  return writer;
+}
+
+grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerContext* context,
+                                                        const v1::CreateCacheRequest* request,
+                                                        v1::CacheInfo* response) {
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  const absl::StatusOr<KvLayout> layout = ParseCreateCache(*request);
+  if (!layout.ok()) return Failed(context, layout.status());
+  const absl::StatusOr<CacheDescription> cache = caches_.Create(CallerIdentity(*context), *layout);
+  if (!cache.ok()) return Failed(context, cache.status());
+  EncodeCacheInfo(*cache, response);
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerContext* context,
+                                                        const v1::AppendCacheRequest* request,
+                                                        v1::CacheInfo* response) {
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  const std::string owner = CallerIdentity(*context);
+  const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
+  if (!layout.ok()) return Failed(context, layout.status());
+  const absl::StatusOr<NewTokens> tokens =
+      ParseNewTokens("", Present(request->has_key(), request->key()),
+                     Present(request->has_value(), request->value()), *layout, false);
+  if (!tokens.ok()) return Failed(context, tokens.status());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
+  // The copy into the cache's pages (and the pass over the tokens) is compute-queue work.
+  absl::Status accepted = queue_.Submit(0, [this, context, request, response, owner,
+                                            layout = *layout, tokens = *tokens, fail, reactor] {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    double max_key, max_value;
+    if (absl::Status values = CheckNewTokenValues("", tokens, layout, &max_key, &max_value);
+        !values.ok()) {
+      fail(values);
+      return;
+    }
+    absl::StatusOr<CacheRegistry::Lease> lease =
+        caches_.Acquire(owner, request->cache_id(), "cache_id");
+    if (!lease.ok()) {
+      fail(lease.status());
+      return;
+    }
+    if (lease->length() != request->expected_length()) {
+      fail(absl::FailedPreconditionError(
+          absl::StrCat("expected_length: is ", request->expected_length(), " but cache ",
+                       request->cache_id(), " holds ", lease->length(),
+                       " tokens; nothing was appended (a retried append is "
+                       "detected this way)")));
+      return;
+    }
+    if (absl::Status appended =
+            lease->Append(tokens.key, tokens.value, tokens.n, max_key, max_value);
+        !appended.ok()) {
+      fail(appended);
+      return;
+    }
+    EncodeCacheInfo(lease->Describe(), response);
+    reactor->Finish(grpc::Status::OK);
+  });
+  if (!accepted.ok()) fail(accepted);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetCacheInfo(grpc::CallbackServerContext* context,
+                                                         const v1::GetCacheInfoRequest* request,
+                                                         v1::CacheInfo* response) {
+  const absl::StatusOr<CacheDescription> cache =
+      caches_.Describe(CallerIdentity(*context), request->cache_id());
+  if (!cache.ok()) return Failed(context, cache.status());
+  EncodeCacheInfo(*cache, response);
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::DeleteCache(grpc::CallbackServerContext* context,
+                                                        const v1::DeleteCacheRequest* request,
+                                                        v1::DeleteCacheResponse* /*response*/) {
+  const absl::Status deleted = caches_.Delete(CallerIdentity(*context), request->cache_id());
+  if (!deleted.ok()) return Failed(context, deleted);
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ListCaches(grpc::CallbackServerContext* context,
+                                                       const v1::ListCachesRequest* /*request*/,
+                                                       v1::ListCachesResponse* response) {
+  for (const CacheDescription& cache : caches_.List(CallerIdentity(*context))) {
+    EncodeCacheInfo(cache, response->add_caches());
+  }
+  return Finished(context);
+}
+
+namespace {
+
+constexpr int kMaxDecodeItems = 4096;
+
+// One item of a Decode batch, checked as to shape.
+struct DecodeWork {
+  std::string prefix;  // "items[i]."
+  Problem problem;
+  NewTokens tokens;
+  KvLayout layout;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
+                                                   const v1::DecodeRequest* request,
+                                                   v1::DecodeResponse* response) {
+  const Clock::time_point start = Clock::now();
+  if (request->items_size() == 0) {
+    return Failed(context, absl::InvalidArgumentError(
+                               "items: is empty; a Decode call needs at least one DecodeItem"));
+  }
+  if (request->items_size() > kMaxDecodeItems) {
+    return Failed(context, absl::InvalidArgumentError(absl::StrCat(
+                               "items: has ", request->items_size(), " entries; at most ",
+                               kMaxDecodeItems, " sequences per Decode call")));
+  }
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  const std::string owner = CallerIdentity(*context);
+  std::vector<DecodeWork> work;
+  std::map<std::string, int> item_of_cache;
+  for (int i = 0; i < request->items_size(); ++i) {
+    const v1::DecodeItem& item = request->items(i);
+    DecodeWork w;
+    w.prefix = absl::StrCat("items[", i, "].");
+    if (item.cache_id().empty()) {
+      return Failed(context,
+                    absl::InvalidArgumentError(absl::StrCat(w.prefix, "cache_id: is required")));
+    }
+    if (const auto [at, fresh] = item_of_cache.emplace(item.cache_id(), i); !fresh) {
+      return Failed(context, absl::InvalidArgumentError(absl::StrCat(
+                                 w.prefix, "cache_id: names the same cache as items[", at->second,
+                                 "]; a Decode call takes at most one item per cache")));
+    }
+    if (item.expected_length() < 0) {
+      return Failed(context, absl::InvalidArgumentError(absl::StrCat(
+                                 w.prefix, "expected_length: is ", item.expected_length(),
+                                 "; expected the cache's length (≥ 0)")));
+    }
+    absl::StatusOr<KvLayout> layout =
+        caches_.LayoutOf(owner, item.cache_id(), absl::StrCat(w.prefix, "cache_id"));
+    if (!layout.ok()) return Failed(context, layout.status());
+    w.layout = *layout;
+    absl::StatusOr<Problem> problem =
+        ParseCacheQuery(w.prefix, Present(item.has_query(), item.query()), request->options(),
+                        w.layout, backend_.default_block_k());
+    if (!problem.ok()) return Failed(context, problem.status());
+    w.problem = *problem;
+    absl::StatusOr<NewTokens> tokens =
+        ParseNewTokens(w.prefix, Present(item.has_key(), item.key()),
+                       Present(item.has_value(), item.value()), w.layout, true);
+    if (!tokens.ok()) return Failed(context, tokens.status());
+    w.tokens = *tokens;
+    work.push_back(std::move(w));
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor, response](const absl::Status& status) {
+    response->Clear();
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  absl::Status accepted = queue_.Submit(0, [this, context, request, response, owner,
+                                            work = std::move(work), start, fail,
+                                            reactor]() mutable {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    // Every input's elements before any cache is held or changed.
+    std::vector<std::pair<double, double>> maxima(work.size());
+    for (size_t i = 0; i < work.size(); ++i) {
+      if (absl::Status values = CheckNewTokenValues(work[i].prefix, work[i].tokens, work[i].layout,
+                                                    &maxima[i].first, &maxima[i].second);
+          !values.ok()) {
+        fail(values);
+        return;
+      }
+    }
+    // Hold the caches in id order, so batches naming the same caches cannot deadlock.
+    std::vector<size_t> order(work.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return request->items(a).cache_id() < request->items(b).cache_id();
+    });
+    std::vector<std::optional<CacheRegistry::Lease>> leases(work.size());
+    for (size_t i : order) {
+      absl::StatusOr<CacheRegistry::Lease> lease = caches_.Acquire(
+          owner, request->items(i).cache_id(), absl::StrCat(work[i].prefix, "cache_id"));
+      if (!lease.ok()) {
+        fail(lease.status());
+        return;
+      }
+      leases[i].emplace(*std::move(lease));
+    }
+    for (size_t i = 0; i < work.size(); ++i) {
+      if (leases[i]->length() != request->items(i).expected_length()) {
+        fail(absl::FailedPreconditionError(absl::StrCat(
+            work[i].prefix, "expected_length: is ", request->items(i).expected_length(),
+            " but cache ", request->items(i).cache_id(), " holds ", leases[i]->length(),
+            " tokens; no item of this call was applied")));
+        return;
+      }
+    }
+    // From here on a failure takes back every item's tokens: all items or none.
+    auto undo = [&](const absl::Status& status) {
+      for (std::optional<CacheRegistry::Lease>& lease : leases) lease->Rollback();
+      fail(status);
+    };
+    std::vector<Problem> problems;
+    std::vector<Outputs> outputs;
+    for (size_t i = 0; i < work.size(); ++i) {
+      DecodeWork& w = work[i];
+      CacheRegistry::Lease& lease = *leases[i];
+      if (w.tokens.n > 0) {
+        if (absl::Status appended = lease.Append(w.tokens.key, w.tokens.value, w.tokens.n,
+                                                 maxima[i].first, maxima[i].second);
+            !appended.ok()) {
+          undo(appended);
+          return;
+        }
+      }
+    }
+    for (size_t i = 0; i < work.size(); ++i) {
+      DecodeWork& w = work[i];
+      CacheRegistry::Lease& lease = *leases[i];
+      if (absl::Status bound = BindCache(w.prefix, lease.pages(), lease.length(),
+                                         lease.max_abs_key(), lease.max_abs_value(), &w.problem);
+          !bound.ok()) {
+        undo(bound);
+        return;
+      }
+      problems.push_back(w.problem);
+      Outputs out = PrepareOutputs(w.problem, request->items(i).query(), response->add_outputs(),
+                                   w.problem.return_lse ? response->add_lse() : nullptr);
+      out.interrupt = [context] { return Interruption(context); };
+      outputs.push_back(std::move(out));
+    }
+    absl::StatusOr<Stats> stats = backend_.Decode(problems, outputs);
+    if (!stats.ok()) {
+      undo(stats.status());
+      return;
+    }
+    for (const std::optional<CacheRegistry::Lease>& lease : leases) {
+      EncodeCacheInfo(lease->Describe(), response->add_caches());
+    }
+    FillStats(backend_, *stats, start, response->mutable_stats());
+    reactor->Finish(grpc::Status::OK);
+  });
+  if (!accepted.ok()) fail(accepted);
   return reactor;
 }
 

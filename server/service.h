@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -22,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kernels/backend.h"
 #include "server/builder_options.h"
+#include "server/caches.h"
 #include "server/compute_queue.h"
 #include "server/request.h"
 
@@ -29,6 +31,8 @@ namespace attn {
 
 struct ServiceConfig {
   TraceLimits trace;
+  // budget_bytes 0 = half the backend's memory_bytes().
+  CacheLimits caches{.budget_bytes = 0, .idle_seconds = 0};
   // max_inflight 0 = the backend's concurrency(); memory_bytes 0 = its max_naive_bytes(): the
   // Naive score and weight matrices of every running computation share that budget.
   AdmissionLimits admission{.memory_bytes = 0};
@@ -56,6 +60,24 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const attention::v1::GetServerInfoRequest* request,
                                           attention::v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* CreateCache(grpc::CallbackServerContext* context,
+                                        const attention::v1::CreateCacheRequest* request,
+                                        attention::v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* AppendCache(grpc::CallbackServerContext* context,
+                                        const attention::v1::AppendCacheRequest* request,
+                                        attention::v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* GetCacheInfo(grpc::CallbackServerContext* context,
+                                         const attention::v1::GetCacheInfoRequest* request,
+                                         attention::v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
+                                        const attention::v1::DeleteCacheRequest* request,
+                                        attention::v1::DeleteCacheResponse* response) override;
+  grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
+                                       const attention::v1::ListCachesRequest* request,
+                                       attention::v1::ListCachesResponse* response) override;
+  grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
+                                   const attention::v1::DecodeRequest* request,
+                                   attention::v1::DecodeResponse* response) override;
 
   // From now on every new Naive, Tiled and Trace call is refused with UNAVAILABLE (the server
   // is shutting down); calls already accepted run to the end. Thread-safe.
@@ -65,12 +87,27 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // Naive and Tiled calls waiting for a compute worker, and computing now (for metrics).
   int64_t queued() const { return queue_.queued(); }
   int64_t computing() const { return queue_.running(); }
+  const CacheRegistry& caches() const { return caches_; }
 
  private:
   enum class Method { kNaive, kTiled };
   grpc::ServerUnaryReactor* Compute(Method method, grpc::CallbackServerContext* context,
                                     const attention::v1::AttentionRequest* request,
                                     attention::v1::AttentionResponse* response);
+  // Runs a valid problem through Naive or Tiled and finishes the call with its answer.
+  void Answer(bool naive, const Problem& problem, grpc::CallbackServerContext* context,
+              const attention::v1::AttentionRequest* request,
+              attention::v1::AttentionResponse* response,
+              std::chrono::steady_clock::time_point start, grpc::ServerUnaryReactor* reactor);
+  // Naive or Tiled over a cache (request->cache_id set).
+  grpc::ServerUnaryReactor* ComputeOverCache(Method method, grpc::CallbackServerContext* context,
+                                             const attention::v1::AttentionRequest* request,
+                                             attention::v1::AttentionResponse* response);
+
+  // Trace over a cache (request->attention().cache_id set).
+  grpc::ServerWriteReactor<attention::v1::TraceEvent>* TraceOverCache(
+      grpc::CallbackServerContext* context, const attention::v1::TraceRequest* request,
+      std::chrono::steady_clock::time_point start);
 
   // UNAVAILABLE once the backend's device is lost (reporting the loss the first time).
   absl::Status CheckDevice();
@@ -83,7 +120,8 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   std::atomic<bool> loss_reported_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> open_traces_{0};
-  ComputeQueue queue_;  // Last: destroyed first, finishing queued work while the rest lives.
+  CacheRegistry caches_;  // Before queue_: queued work holds leases on its caches.
+  ComputeQueue queue_;    // Last: destroyed first, finishing queued work while the rest lives.
 };
 
 }  // namespace attn

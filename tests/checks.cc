@@ -91,4 +91,66 @@ void ExpectUnseeingRowsZero(const KernelRun& run, const HostProblem& host) {
   EXPECT_GT(checked, 0) << "the case was meant to have rows that see no key";
 }
 
+absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
+                                    const std::vector<int64_t>& pieces, const DType* input_dtype) {
+  const Shape& s = host.shape;
+  if (s.batch != 1) return absl::InvalidArgumentError("a cache holds one sequence (batch 1)");
+  absl::StatusOr<std::unique_ptr<KvStore>> store =
+      backend.CreateKvStore(KvLayout{.kv_heads = s.kv_heads,
+                                     .head_dim = s.head_dim,
+                                     .value_dim = s.value_dim,
+                                     .dtype = host.dtype});
+  if (!store.ok()) return store.status();
+  const DType dtype = input_dtype != nullptr ? *input_dtype : host.dtype;
+  std::vector<int64_t> sizes;
+  int64_t used = 0;
+  for (int64_t piece : pieces) {
+    if (used + piece > s.key_len) break;
+    sizes.push_back(piece);
+    used += piece;
+  }
+  if (used < s.key_len) sizes.push_back(s.key_len - used);
+  int64_t begin = 0;
+  for (int64_t n : sizes) {
+    // Tokens [begin, begin + n) of every kv head, as dense [kv_heads, n, width] in `dtype`.
+    auto slice = [&](const std::vector<float>& values, int64_t width) {
+      std::vector<uint8_t> bytes(s.kv_heads * n * width * ElementSize(dtype));
+      int64_t out = 0;
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        for (int64_t i = (h * s.key_len + begin) * width; i < (h * s.key_len + begin + n) * width;
+             ++i) {
+          StoreElement(bytes.data(), dtype, out++, values[i]);
+        }
+      }
+      return bytes;
+    };
+    const std::vector<uint8_t> key = slice(host.key, s.head_dim);
+    const std::vector<uint8_t> value = slice(host.value, s.value_dim);
+    if (absl::Status status =
+            (*store)->Append(TensorView{key.data(), dtype}, TensorView{value.data(), dtype}, n);
+        !status.ok()) {
+      return status;
+    }
+    begin += n;
+  }
+  PagedCopy copy;
+  copy.store = *std::move(store);
+  copy.problem = host.View();
+  copy.problem.key = TensorView{};
+  copy.problem.value = TensorView{};
+  copy.problem.pages = &copy.store->pages();
+  return copy;
+}
+
+void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host,
+                               const Reference& ref) {
+  const double baseline_error =
+      MaxAbsError(LowPrecisionBaseline(host, host.output_dtype), ref.output);
+  ASSERT_TRUE(std::isfinite(baseline_error));
+  const double atol = host.output_dtype == DType::kFloat16 ? 1e-3 : 1e-2;
+  const double error = MaxAbsError(run.output, ref.output);
+  EXPECT_LE(error, 2 * baseline_error + atol) << "baseline error " << baseline_error;
+  ExpectLseMatches(run, ref, 1e-5);
+}
+
 }  // namespace attn::testing

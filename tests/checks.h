@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,5 +45,23 @@ void ExpectMatchesReference(const KernelRun& run, const Reference& ref, double r
 // Output rows of query rows that see no key must be exactly zero (and their lse −inf, which
 // ExpectLseMatches checks).
 void ExpectUnseeingRowsZero(const KernelRun& run, const HostProblem& host);
+
+// A problem's keys and values in a KV store of `backend` (server-resident, paged), and the
+// problem over its pages.
+struct PagedCopy {
+  std::unique_ptr<KvStore> store;
+  Problem problem;  // host.View() with key/value unset and pages = &store->pages().
+};
+
+// Appends host's keys and values (batch 1) to a new store of the backend in appends of the
+// given token counts (the rest in a last one), in `input_dtype` (the host's dtype: default),
+// stored in the host's dtype.
+absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
+                                    const std::vector<int64_t>& pieces = {},
+                                    const DType* input_dtype = nullptr);
+
+// The rule for low-precision outputs (LowPrecisionTest): error against float64 at most twice
+// a same-precision naive baseline's, plus an atol of a couple of output ulps.
+void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host, const Reference& ref);
 
 }  // namespace attn::testing

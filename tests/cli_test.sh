@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The attn CLI against a real attnd: every subcommand, the seed example's numbers, and clear
-# errors for bad flags and bad requests. Usage: cli_test.sh ATTND ATTN
+# The attn CLI against a real attnd: every subcommand (KV caches and decode too, and caches kept
+# on their server through a --target list), the seed example's numbers, and clear errors for
+# bad flags and bad requests. Usage: cli_test.sh ATTND ATTN
 set -euo pipefail
 source "$(dirname "$0")/attnd_lib.sh"
 attnd=$1
@@ -53,6 +54,70 @@ check bad-row 1 'INVALID_ARGUMENT: rows\[0\]\.row' -- \
 check bad-command 2 'unknown command' -- "$attn" "${target[@]}" frobnicate
 check unreachable 1 'UNAVAILABLE' -- "$attn" --target 127.0.0.1:1 --timeout-ms 2000 info
 
+# KV caches: create, append (a stale --expected-length refused, the cache unchanged), info, list,
+# delete, NOT_FOUND afterwards; then attn decode, whose every step is checked against a float64
+# reference over the tokens it sent (the CLI keeps them) — its worst relative error must be
+# within the fp32 rule, or bf16's output rounding.
+cache=("$attn" "${target[@]}" cache)
+created=$("${cache[@]}" create --kv-heads 2 --head-dim 16 --value-dim 12 --dtype bf16 2>&1) || true
+cache_id=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$created")
+check cache-create 0 '^cache [0-9a-f]{32}$' -- echo "$created"
+check cache-create-shape 0 'kv_heads 2, head_dim 16, value_dim 12, DTYPE_BFLOAT16' -- \
+  echo "$created"
+check cache-create-empty 0 'length 0 tokens' -- echo "$created"
+check cache-append 0 'length 100 tokens' -- "${cache[@]}" append "$cache_id" --tokens 100
+check cache-append-expected 0 'length 130 tokens' -- \
+  "${cache[@]}" append "$cache_id" --tokens 30 --expected-length 100 --seed 2
+check cache-append-stale 1 'FAILED_PRECONDITION: .*130' -- \
+  "${cache[@]}" append "$cache_id" --tokens 5 --expected-length 100
+check cache-info 0 'length 130 tokens, [0-9.]+ (B|KiB) in pages of [0-9]+ tokens' -- \
+  "${cache[@]}" info "$cache_id"
+check cache-info-json 0 "^\\{\"cacheId\":\"$cache_id\".*\"length\":\"130\"" -- \
+  "${cache[@]}" info "$cache_id" --json
+check cache-list 0 "^$cache_id +2 +16 +12 +DTYPE_BFLOAT16 +130 " -- "${cache[@]}" list
+# naive|tiled|trace --cache: the query alone, over the cache's keys: the trace's last tile ends at
+# the length attn cache info reports.
+cache_length=$("${cache[@]}" info "$cache_id" | sed -n 's/^  length \([0-9]*\) tokens.*/\1/p')
+check cache-tiled 0 'output \[1, 4, 3, 12\] DTYPE_BFLOAT16' -- \
+  "$attn" "${target[@]}" tiled --cache "$cache_id" --random 1,4,3,16 --dtype bf16 --causal
+check cache-trace 0 "tile [0-9]+, keys \\[[0-9]+, ${cache_length:-?}\\)\$" -- \
+  "$attn" "${target[@]}" trace --cache "$cache_id" --random 1,4,3,16 --block-k 64
+check cache-naive-batch 1 'INVALID_ARGUMENT: query.shape\[0\]: is 2; a cache holds one sequence' -- \
+  "$attn" "${target[@]}" naive --cache "$cache_id" --random 2,4,3,16
+check cache-delete 0 "^deleted cache $cache_id$" -- "${cache[@]}" delete "$cache_id"
+check cache-info-deleted 1 'NOT_FOUND' -- "${cache[@]}" info "$cache_id"
+check cache-append-deleted 1 'NOT_FOUND' -- "${cache[@]}" append "$cache_id" --tokens 1
+check cache-delete-deleted 1 'NOT_FOUND' -- "${cache[@]}" delete "$cache_id"
+check cache-list-empty 0 '^no caches$' -- "${cache[@]}" list
+check cache-bad-command 1 'unknown cache command "frob"' -- "${cache[@]}" frob
+check cache-no-id 1 'usage: attn cache info CACHE_ID' -- "${cache[@]}" info
+check cache-round-robin 1 'a cache lives on one server' -- "${cache[@]}" list --lb round_robin
+check cache-bad-create 1 'INVALID_ARGUMENT' -- "${cache[@]}" create --head-dim 0
+
+decode_run() {  # decode_run DTYPE MAX_ERROR ARGS...: attn decode, its error at most MAX_ERROR
+  local dtype=$1 max=$2
+  shift 2
+  local out rc=0
+  out=$("$attn" "${target[@]}" decode --dtype "$dtype" "$@" 2>&1) || rc=$?
+  check "decode-$dtype-runs" 0 '^deleted cache [0-9a-f]{32}$' -- \
+    bash -c 'printf "%s\n" "$1"; exit "$2"' _ "$out" "$rc"
+  check "decode-$dtype-steps" 0 '^ +3 +303 +[0-9.]+ ms +[0-9.]+ ms +[0-9.]+ (B|KiB) +[0-9.]+ (KiB|MiB) ' \
+    -- echo "$out"
+  check "decode-$dtype-summary" 0 \
+    'per step \(median of 3\): wall [0-9.]+ ms, compute [0-9.]+ ms; sent .* vs .* for stateless' \
+    -- echo "$out"
+  local error
+  error=$(sed -n 's/^max |decode - float64 reference| \/ max |reference| = \([0-9.e+-]*\) over 3 steps$/\1/p' \
+    <<<"$out")
+  check "decode-$dtype-error" 0 '^ok$' -- \
+    awk -v e="${error:-nan}" -v max="$max" 'BEGIN { if (e != "nan" && e + 0 <= max) print "ok"; else print "error " e " over " max }'
+}
+decode_run f32 1e-5 --heads 4 --kv-heads 2 --head-dim 16 --value-dim 12 --tokens 300 --steps 3
+decode_run bf16 1e-2 --heads 4 --kv-heads 1 --head-dim 32 --tokens 300 --steps 3 --seed 5
+check decode-leaves-no-cache 0 '^no caches$' -- "${cache[@]}" list
+check decode-bad-heads 1 '--kv-heads must divide --heads' -- \
+  "$attn" "${target[@]}" decode --heads 4 --kv-heads 3
+
 # attn bench: a tiny sweep, its table, CSV and SVG.
 csv_header='^method,n,batch,heads,kv_heads,dim,dtype,causal,block_k,repeats,status,wall_s,compute_s,'
 csv_header+='server_s,rpc_overhead_s,flops,gflops,intermediate_bytes,scratch_bytes,peak_memory_bytes,'
@@ -79,6 +144,20 @@ check bench-bad-methods 1 '--methods expects naive, tiled' -- \
 check bench-bad-path 1 'cannot write' -- "$attn" "${target[@]}" bench --ns 16 --repeats 1 \
   --csv "$bench/missing/a.csv" --svg ""
 
+# attn bench --decode: a tiny run has its table row per (batch, length) and the targets' lines
+# (their figures are the benchmark's business, not a test's).
+decode_bench_rc=0
+decode_bench=$("$attn" "${target[@]}" bench --decode --lengths 64,100 --batches 1,2 --steps 2 \
+  --repeats 1 --heads 4 --kv-heads 2 --head-dim 16 2>&1) || decode_bench_rc=$?
+check bench-decode 0 '^ +2 +100 +[0-9.]+ ms +[0-9.]+ ms .* [0-9.]+ GB/s +[0-9.]+ %$' -- \
+  bash -c 'printf "%s\n" "$1"; exit "$2"' _ "$decode_bench" "$decode_bench_rc"
+check bench-decode-bytes 0 '^ +1 +64 .* [0-9.]+ (B|KiB) +[0-9.]+ KiB +[0-9.]+ %' -- echo "$decode_bench"
+check bench-decode-targets 0 '^  \(c\) wall ≤ compute \+ 2 ms, every row: worst .*: (met|MISSED)' \
+  -- echo "$decode_bench"
+check bench-decode-leaves-no-cache 0 '^no caches$' -- "${cache[@]}" list
+check bench-decode-bad-lengths 1 '--lengths expects positive integers' -- \
+  "$attn" "${target[@]}" bench --decode --lengths 1,x
+
 # A server whose Naive budget (200 000 bytes) holds N=64 (2·2·64²·4 = 65 536 bytes of scores
 # and weights) but not N=128 (262 144): the Naive point is refused and the sweep goes on.
 "$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 --max-naive-bytes 200000 >"$log2" 2>&1 &
@@ -91,6 +170,35 @@ check bench-refused-goes-on 0 '^tiled +128 +[0-9.]+ (µs|ms|s) ' -- "${refused_r
 check bench-refused-csv 0 '^naive,128,1,2,2,16,f32,0,0,1,refused,,.*max-naive-bytes' -- \
   cat "$bench/b.csv"
 check bench-refused-svg 0 'Naive refused from N = 128' -- cat "$bench/b.svg"
+
+# Caches over a --target list of the two servers: each cache is on exactly one of them, later
+# commands naming it find it there (a fresh attn process each time), list shows both servers',
+# and decode works through the list.
+both=(--target "127.0.0.1:$port,127.0.0.1:$port2")
+shard_ids=()
+for _ in 1 2 3 4; do
+  made=$("$attn" "${both[@]}" cache create --kv-heads 1 --head-dim 8 2>&1) || true
+  shard_ids+=("$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$made")")
+done
+for id in "${shard_ids[@]}"; do
+  where=""
+  "$attn" --target "127.0.0.1:$port" cache info "$id" >/dev/null 2>&1 && where+=a
+  "$attn" --target "127.0.0.1:$port2" cache info "$id" >/dev/null 2>&1 && where+=b
+  check "shard-cache-on-one-server-$id" 0 '^(a|b)$' -- echo "${where:-none}"
+  check "shard-cache-append-$id" 0 'length 9 tokens' -- \
+    "$attn" "${both[@]}" cache append "$id" --tokens 9
+done
+check shard-cache-list 0 "^${shard_ids[3]} +1 +8 +8 +DTYPE_FLOAT32 +9 " -- \
+  "$attn" "${both[@]}" cache list
+check shard-cache-list-all 0 '^4$' -- \
+  bash -c '"$@" | grep -cE "^[0-9a-f]{32} "' _ "$attn" "${both[@]}" cache list
+for id in "${shard_ids[@]}"; do
+  check "shard-cache-delete-$id" 0 "^deleted cache $id$" -- "$attn" "${both[@]}" cache delete "$id"
+done
+check shard-cache-unknown 1 'NOT_FOUND: cache "0{32}" is on none of the 2 endpoints' -- \
+  "$attn" "${both[@]}" cache info 00000000000000000000000000000000
+check shard-decode 0 '^deleted cache [0-9a-f]{32}$' -- \
+  "$attn" "${both[@]}" decode --heads 2 --head-dim 8 --tokens 40 --steps 2
 
 # The README's table of limits states attnd's defaults, which the flags take from TraceLimits
 # (server/request.h) and AdmissionLimits (server/compute_queue.h).

@@ -7,10 +7,13 @@
 #     with gRPC's INVALID_ARGUMENT message (Naive and Trace); a client that leaves a long trace
 #     stream cancels it; /metrics counts the gateway's calls with gRPC's; X-Timeout-Ms: 1 on a
 #     long call is 504; GET / and the viewer files are served as embedded, with their content
-#     types; no CORS header anywhere.
+#     types; no CORS header anywhere. The KV-cache routes (/v1/caches..., /v1/decode): create,
+#     append, info and list equal to gRPC's, decode and tiled/trace over a cache against a float64
+#     reference on the tokens sent, FAILED_PRECONDITION 400, NOT_FOUND 404 after delete.
 #  2. attnd with --http-cors-origin and --auth-token-file: a missing or wrong token is 401 with
 #     the message gRPC gives; the right token works (and the answer carries the origin); the
-#     OPTIONS preflight allows Authorization and Content-Type; the page loads without a token.
+#     OPTIONS preflight allows Authorization and Content-Type (and DELETE); the page loads
+#     without a token; the cache routes need the token too.
 #  3. SIGTERM while a trace streams and a body is half sent: /v1 answers 503, the stream goes on
 #     through the grace, and attnd exits 0.
 # Usage: gateway_test.sh ATTND PYTHON_STUBS_DIR SOURCE_DIR
@@ -337,6 +340,139 @@ def main_checks():
     check("no CORS preflight without the flag", "Access-Control-Allow-Origin" not in headers)
 
 
+def reference(q, k, v, causal=False):
+    """float64 softmax(q kᵀ / sqrt(d)) v, q [H, nq, d] over k [K, L, d], v [K, L, dv] (GQA)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[0] // k.shape[0]
+    k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        nq, length = q.shape[1], k.shape[1]
+        visible = np.arange(length)[None, :] <= np.arange(nq)[:, None] + length - nq
+        scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights @ v) / weights.sum(axis=-1, keepdims=True)
+
+
+def close_to(got, want, rtol=1e-5):
+    return got.shape == want.shape and float(np.max(np.abs(got - want))) <= rtol * float(
+        np.max(np.abs(want)))
+
+
+def cache_checks():
+    """The KV-cache routes: each against gRPC's answer or a float64 reference on the tokens sent
+    (kept here), the errors as gRPC's codes, and a cache shared with gRPC callers (one identity)."""
+    rng = np.random.default_rng(5)
+    status, _, body = http_call("POST", "/v1/caches", json.dumps(
+        {"kvHeads": 2, "headDim": 8, "valueDim": 6, "dtype": "DTYPE_FLOAT32"}))
+    check("cache create: 200", status == 200, "%d %s" % (status, body[:300]))
+    if status != 200:
+        return
+    info = json_format.Parse(body, pb.CacheInfo())
+    cache_id = info.cache_id
+    check("cache create: a 32-hex id, empty, the shape asked",
+          len(cache_id) == 32 and all(c in "0123456789abcdef" for c in cache_id) and
+          (info.length, info.kv_heads, info.head_dim, info.value_dim) == (0, 2, 8, 6), str(info))
+    keys = rng.standard_normal((2, 11, 8)).astype(np.float32)
+    values = rng.standard_normal((2, 11, 6)).astype(np.float32)
+    append = pb.AppendCacheRequest(key=fp32(keys), value=fp32(values), expected_length=0)
+    status, _, body = post_message("/v1/caches/%s/append" % cache_id, append)
+    check("cache append: 200, length 11",
+          status == 200 and json_format.Parse(body, pb.CacheInfo()).length == 11,
+          "%d %s" % (status, body[:300]))
+    status, _, body = post_message("/v1/caches/%s/append" % cache_id, append)
+    error = error_of(body)
+    check("cache append, stale expectedLength: 400 FAILED_PRECONDITION naming 11",
+          status == 400 and error.get("code") == "FAILED_PRECONDITION" and
+          "11" in error.get("message", ""), "%d %s" % (status, body[:300]))
+    append.cache_id = "f" * 32
+    status, _, body = post_message("/v1/caches/%s/append" % cache_id, append)
+    check("cache append, another cacheId in the body: 400",
+          status == 400 and error_of(body).get("code") == "INVALID_ARGUMENT",
+          "%d %s" % (status, body[:300]))
+    status, _, body = http_call("GET", "/v1/caches/%s" % cache_id)
+    expected = stub.GetCacheInfo(pb.GetCacheInfoRequest(cache_id=cache_id), timeout=30)
+    check("cache info: equals gRPC's GetCacheInfo (one identity)",
+          status == 200 and json_format.Parse(body, pb.CacheInfo()) == expected,
+          "%d %s" % (status, body[:300]))
+    status, _, body = http_call("GET", "/v1/caches")
+    listed = json_format.Parse(body, pb.ListCachesResponse()) if status == 200 else None
+    check("cache list: equals gRPC's ListCaches and holds the cache",
+          listed is not None and listed == stub.ListCaches(pb.ListCachesRequest(), timeout=30) and
+          cache_id in [c.cache_id for c in listed.caches], "%d %s" % (status, body[:300]))
+
+    # Decode: one new token, then the query over all 12, against the float64 reference.
+    query = rng.standard_normal((4, 1, 8)).astype(np.float32)
+    new_key = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    new_value = rng.standard_normal((2, 1, 6)).astype(np.float32)
+    decode = pb.DecodeRequest(items=[pb.DecodeItem(
+        cache_id=cache_id, query=fp32(query), key=fp32(new_key), value=fp32(new_value),
+        expected_length=11)], options=pb.AttentionOptions(return_lse=True))
+    status, _, body = post_message("/v1/decode", decode)
+    check("decode: 200", status == 200, "%d %s" % (status, body[:300]))
+    keys = np.concatenate([keys, new_key], axis=1)
+    values = np.concatenate([values, new_value], axis=1)
+    want = reference(query, keys, values)
+    if status == 200:
+        got = json_format.Parse(body, pb.DecodeResponse())
+        out = np.frombuffer(got.outputs[0].data, "<f4").reshape(tuple(got.outputs[0].shape))
+        check("decode: output equals the float64 reference", close_to(out, want),
+              "%s vs %s" % (out.ravel()[:4], want.ravel()[:4]))
+        check("decode: the cache after it has 12 tokens, one lse per item",
+              [c.length for c in got.caches] == [12] and len(got.lse) == 1, str(got.caches))
+
+    # Tiled and Trace over the cache (cacheId in the AttentionRequest), causal with 3 rows.
+    query3 = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    want3 = reference(query3, keys, values, causal=True)
+    over_cache = pb.AttentionRequest(cache_id=cache_id, query=fp32(query3),
+                                     options=pb.AttentionOptions(causal=True, block_k=5))
+    status, _, body = post_message("/v1/tiled", over_cache)
+    if status == 200:
+        got = json_format.Parse(body, pb.AttentionResponse())
+        out = np.frombuffer(got.output.data, "<f4").reshape(tuple(got.output.shape))
+        check("tiled over a cache: the float64 reference", close_to(out, want3))
+    else:
+        check("tiled over a cache: 200", False, "%d %s" % (status, body[:300]))
+    status, _, body = post_message("/v1/trace", pb.TraceRequest(attention=over_cache,
+                                                                rows=[pb.RowRef(head=1, row=2)]))
+    events = [json_format.Parse(data, pb.TraceEvent()) for _, data in sse_events(body)] \
+        if status == 200 else []
+    done = [e.row_done for e in events if e.WhichOneof("event") == "row_done"]
+    check("trace over a cache: its row's output is the float64 reference",
+          len(done) == 1 and close_to(np.array(done[0].output), want3[1, 2]),
+          "%d %s" % (status, body[:300]))
+
+    # Delete: {} then NOT_FOUND (404) for every route naming it.
+    status, _, body = http_call("DELETE", "/v1/caches/%s" % cache_id)
+    check("cache delete: 200 {}", status == 200 and json.loads(body) == {},
+          "%d %s" % (status, body[:300]))
+    for method, path, payload in (
+            ("GET", "/v1/caches/%s" % cache_id, None),
+            ("DELETE", "/v1/caches/%s" % cache_id, None),
+            ("POST", "/v1/caches/%s/append" % cache_id, json_format.MessageToJson(
+                pb.AppendCacheRequest(key=fp32(new_key), value=fp32(new_value),
+                                      expected_length=12))),
+            ("POST", "/v1/decode", json_format.MessageToJson(decode))):
+        status, _, body = http_call(method, path, payload)
+        check("after delete: %s %s is 404 NOT_FOUND" % (method, path.replace(cache_id, "ID")),
+              status == 404 and error_of(body).get("code") == "NOT_FOUND",
+              "%d %s" % (status, body[:300]))
+
+    # A cache created over gRPC is the gateway's too (no client certificates: one identity).
+    made = stub.CreateCache(pb.CreateCacheRequest(kv_heads=1, head_dim=4, value_dim=4,
+                                                  dtype=pb.DTYPE_BFLOAT16), timeout=30)
+    status, _, body = http_call("GET", "/v1/caches/%s" % made.cache_id)
+    check("a gRPC-made cache through the gateway",
+          status == 200 and json_format.Parse(body, pb.CacheInfo()) == made,
+          "%d %s" % (status, body[:300]))
+    status, _, _ = http_call("DELETE", "/v1/caches/%s" % made.cache_id)
+    check("deleting it through the gateway", status == 200)
+    status, _, body = http_call("POST", "/v1/caches", "{\"kvHeads\": 0, \"headDim\": 4}")
+    check("cache create, bad shape: 400 INVALID_ARGUMENT",
+          status == 400 and error_of(body).get("code") == "INVALID_ARGUMENT",
+          "%d %s" % (status, body[:300]))
+
+
 def auth_checks():
     origin = "https://viewer.example"
     no_token = grpc_metadata[:0]
@@ -372,6 +508,26 @@ def auth_checks():
           "%d %s" % (status, dict(headers)))
     status, _, _ = http_call("GET", "/")
     check("the page loads without a token", status == 200)
+    # The cache routes check the token as the others do.
+    for method, path, payload in (("GET", "/v1/caches", None),
+                                  ("POST", "/v1/caches", "{\"kvHeads\": 1, \"headDim\": 4}"),
+                                  ("GET", "/v1/caches/%s" % ("0" * 32), None),
+                                  ("DELETE", "/v1/caches/%s" % ("0" * 32), None),
+                                  ("POST", "/v1/decode", "{}")):
+        status, _, body = http_call(method, path, payload)
+        check("%s %s without a token: 401" % (method, path), status == 401,
+              "%d %s" % (status, body[:200]))
+    status, _, body = http_call("POST", "/v1/caches", "{\"kvHeads\": 1, \"headDim\": 4, "
+                                "\"valueDim\": 4, \"dtype\": \"DTYPE_FLOAT32\"}", http_auth)
+    check("cache create with the token: 200", status == 200, "%d %s" % (status, body[:200]))
+    if status == 200:
+        made = json.loads(body)["cacheId"]
+        status, _, _ = http_call("DELETE", "/v1/caches/" + made, headers=http_auth)
+        check("cache delete with the token: 200", status == 200)
+    _, headers, _ = http_call("OPTIONS", "/v1/caches/" + "0" * 32, headers={
+        "Origin": origin, "Access-Control-Request-Method": "DELETE"})
+    check("preflight allows DELETE", "DELETE" in headers.get("Access-Control-Allow-Methods", ""),
+          str(dict(headers)))
 
 
 def drain_checks(pid):
@@ -418,6 +574,8 @@ if mode == "drain":
     print("%s: %d passed, %d failed" % (mode, passed, len(failures)))
     sys.exit(1 if failures else 0)
 main_checks()
+if mode == "plain":
+    cache_checks()
 if mode == "auth":
     auth_checks()
 print("%s: %d passed, %d failed" % (mode, passed, len(failures)))

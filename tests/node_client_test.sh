@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Node client (client/node, @grpc/grpc-js) against a real attnd: client/node/test.js calls
 # all four RPCs and checks the seed example's out[0] and a random problem against a float64
-# reference, the trace's last estimate against Tiled's row, fp16/bf16 tensors, INVALID_ARGUMENT
+# reference, the trace's last estimate against Tiled's row, KV caches (a batched decode and Tiled
+# over a cache against float64, stale expectedLength, NOT_FOUND), fp16/bf16 tensors, INVALID_ARGUMENT
 # naming the field, and TLS with a bearer token (a second attnd with certificates made here by
 # openssl); then client/node/example.js must print the seed's out[0] and its trace.
 # Exits 77 (ctest: skipped) when node is absent; fails when client/node/node_modules is missing.

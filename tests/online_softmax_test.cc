@@ -179,5 +179,87 @@ TEST(SoftmaxRowTest, MatchesFloat64AndTheScalarShare) {
   }
 }
 
+// Merge (the rule that combines key ranges, workers and servers): a row split anywhere and its
+// two halves' states merged gives the whole row's max, denominator, accumulator and lse.
+TEST(MergeTest, SplitAnywhereEqualsTheWholeRow) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.f, 6.f);
+  const int n = 61;
+  std::vector<float> scores(n), values(n);
+  for (float& s : scores) s = normal(rng);
+  for (float& v : values) v = normal(rng);
+  for (int j = 5; j < n; j += 9) scores[j] = -kInf;
+  // A row's state and Σ w·v over scores [begin, end), in tiles of 8.
+  auto visit = [&](int begin, int end, float* acc) {
+    OnlineSoftmaxRow row;
+    *acc = 0.f;
+    std::vector<float> weights(n);
+    for (int t = begin; t < end; t += 8) {
+      const int width = std::min(8, end - t);
+      const float rescale = row.VisitTile(scores.data() + t, width, weights.data() + t);
+      *acc *= rescale;
+      for (int j = t; j < t + width; ++j) *acc += weights[j] * values[j];
+    }
+    return row;
+  };
+  float whole_acc;
+  const OnlineSoftmaxRow whole = visit(0, n, &whole_acc);
+  for (int split = 0; split <= n; ++split) {
+    float left_acc, right_acc;
+    OnlineSoftmaxRow merged = visit(0, split, &left_acc);
+    const OnlineSoftmaxRow right = visit(split, n, &right_acc);
+    float mine, theirs;
+    merged.Merge(right, &mine, &theirs);
+    const float acc = left_acc * mine + right_acc * theirs;
+    EXPECT_EQ(merged.max, whole.max) << "split " << split;
+    EXPECT_NEAR(merged.denominator / whole.denominator, 1.0, 1e-6) << "split " << split;
+    EXPECT_NEAR(merged.LogSumExp(), whole.LogSumExp(), 1e-6) << "split " << split;
+    EXPECT_NEAR(merged.Normalize(acc), whole.Normalize(whole_acc),
+                1e-5 * std::max(1.f, std::abs(whole.Normalize(whole_acc))))
+        << "split " << split;
+    if (split == 0 || split == n) {  // One side empty: the other comes back exactly.
+      EXPECT_EQ(merged.denominator, whole.denominator);
+      EXPECT_EQ(acc, whole_acc);
+    }
+  }
+}
+
+// A side that saw no key (max −inf) contributes a factor of exactly 0 and leaves the other
+// side's state bit for bit, on either side of the merge.
+TEST(MergeTest, ASideWithNoKeyLeavesTheOtherExactly) {
+  OnlineSoftmaxRow seen;
+  seen.max = 3.25f;
+  seen.denominator = 1.75f;
+  const OnlineSoftmaxRow empty;
+  float mine, theirs;
+  OnlineSoftmaxRow left = seen;
+  left.Merge(empty, &mine, &theirs);
+  EXPECT_EQ(mine, 1.f);
+  EXPECT_EQ(theirs, 0.f);
+  EXPECT_EQ(left.max, seen.max);
+  EXPECT_EQ(left.denominator, seen.denominator);
+  OnlineSoftmaxRow right = empty;
+  right.Merge(seen, &mine, &theirs);
+  EXPECT_EQ(mine, 0.f);
+  EXPECT_EQ(theirs, 1.f);
+  EXPECT_EQ(right.max, seen.max);
+  EXPECT_EQ(right.denominator, seen.denominator);
+  EXPECT_FALSE(std::isnan(0.f * mine + 5.f * theirs));
+}
+
+// Two empty sides: still empty — max −inf, denominator 0, both factors 0 (never −inf − −inf),
+// output 0, lse −inf.
+TEST(MergeTest, BothSidesEmptyStayEmpty) {
+  OnlineSoftmaxRow row;
+  float mine = 7.f, theirs = 7.f;
+  row.Merge(OnlineSoftmaxRow{}, &mine, &theirs);
+  EXPECT_EQ(mine, 0.f);
+  EXPECT_EQ(theirs, 0.f);
+  EXPECT_EQ(row.max, -kInf);
+  EXPECT_EQ(row.denominator, 0.f);
+  EXPECT_EQ(row.Normalize(0.f * mine), 0.f);
+  EXPECT_EQ(row.LogSumExp(), -kInf);
+}
+
 }  // namespace
 }  // namespace attn

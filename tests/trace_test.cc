@@ -14,6 +14,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/problem.h"
+#include "tests/checks.h"
 #include "tests/reference.h"
 
 namespace {
@@ -305,6 +306,49 @@ TEST(TraceTest, LowPrecisionInputs) {
                                      105 + static_cast<int>(dtype));
     host.output_dtype = DType::kFloat32;
     CheckTrace(host, 5, {{0, 0, 14}, {0, 3, 2}});
+  }
+}
+
+// A trace over a KV store's pages records exactly what the same trace over contiguous keys does
+// (every step's scores, weights, state and estimate; the row's output and reference), for odd
+// page sizes and a block_k that is not a multiple of the page, in every dtype.
+TEST(TraceTest, PagedKeysGiveTheContiguousTraceBitForBit) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (int64_t page_tokens : {1, 5, 7}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " page " << page_tokens);
+      HostProblem host = RandomProblem(MakeShape(1, 6, 2, 9, 31, 11, 7), dtype, /*causal=*/true, 4,
+                                       110 + page_tokens + 10 * static_cast<int>(dtype));
+      host.output_dtype = DType::kFloat32;
+      CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, page_tokens);
+      absl::StatusOr<PagedCopy> paged = MakePaged(backend, host, {3, 8});
+      ASSERT_TRUE(paged.ok()) << paged.status();
+      const std::vector<RowRef> rows = {{0, 0, 0}, {0, 5, 8}, {0, 3, 4}};
+      const std::vector<TraceItem> contiguous = CollectTrace(backend, host.View(), rows);
+      const std::vector<TraceItem> items = CollectTrace(backend, paged->problem, rows);
+      ASSERT_EQ(items.size(), contiguous.size());
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (const auto* step = std::get_if<TraceStep>(&items[i])) {
+          const auto& expected = std::get<TraceStep>(contiguous[i]);
+          EXPECT_EQ(step->scores, expected.scores) << "item " << i;
+          EXPECT_EQ(step->weights, expected.weights) << "item " << i;
+          EXPECT_EQ(step->max_after, expected.max_after) << "item " << i;
+          EXPECT_EQ(step->rescale, expected.rescale) << "item " << i;
+          EXPECT_EQ(step->denominator, expected.denominator) << "item " << i;
+          EXPECT_EQ(step->accumulator, expected.accumulator) << "item " << i;
+          EXPECT_EQ(step->estimate, expected.estimate) << "item " << i;
+        } else {
+          const auto& done = std::get<TraceRowDone>(items[i]);
+          const auto& expected = std::get<TraceRowDone>(contiguous[i]);
+          EXPECT_EQ(done.output, expected.output) << "item " << i;
+          EXPECT_EQ(done.reference, expected.reference) << "item " << i;
+          EXPECT_EQ(done.lse, expected.lse) << "item " << i;
+        }
+      }
+      // And it is a correct trace: the recurrence, the reference and Tiled.
+      if (dtype == DType::kFloat32) {
+        CheckTrace(host, 4, rows);
+      }
+    }
   }
 }
 

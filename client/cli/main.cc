@@ -5,14 +5,25 @@
 //                      [--dtype f32|f16|bf16] [--kv-heads K]) [--causal] [--block-k K] [--lse]
 //                     [--shard-heads] [--output-file PATH]
 //   (any command)     [--target h1:p1,h2:p2,... | dns:///name:port] [--lb round_robin]
+//   attn naive|tiled|trace --cache ID (--random 1,H,N,D | --example seed)   over a cache's keys
 //   attn trace        (same inputs) [--rows b:h:r,...] [--follow [--follow-ms MS] | --json]
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
+//   attn bench --decode [--lengths 1k,...,32k] [--batches 1,16] [--steps M] [--repeats R]
+//                     [--heads H --kv-heads K --head-dim D --value-dim V --dtype T]
+//                     (client/cli/decode_bench.h)
+//   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16] [--json]
+//   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
+//   attn cache info ID | attn cache list | attn cache delete ID
+//   attn decode       [--heads H] [--kv-heads K] [--head-dim D] [--value-dim V] [--dtype ...]
+//                     [--tokens N] [--steps M] [--block-k K]   (client/cli/cache.h)
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -24,6 +35,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/bench.h"
+#include "client/cli/cache.h"
+#include "client/cli/decode_bench.h"
 #include "client/cli/inputs.h"
 #include "client/cli/render.h"
 #include "client/client.h"
@@ -49,7 +62,9 @@ ABSL_FLAG(std::string, example, "", "Use a built-in example: seed (the explainer
 ABSL_FLAG(float, query_multiplier, 1.f, "Multiplies the seed example's queries (and scores).");
 ABSL_FLAG(std::string, random, "", "Random inputs of shape B,H,N,D (uniform in [-1, 1)).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed for --random.");
-ABSL_FLAG(int64_t, kv_heads, 0, "Key/value heads for --random (divides H; 0 = H).");
+ABSL_FLAG(int64_t, kv_heads, 0,
+          "Key/value heads for --random, bench, cache create and decode (divides H; 0 = H, "
+          "--heads for cache create and decode).");
 ABSL_FLAG(std::string, dtype, "f32", "Input dtype: f32, f16 or bf16.");
 ABSL_FLAG(bool, causal, false, "Apply the causal mask (bottom-right aligned).");
 ABSL_FLAG(int32_t, block_k, 0, "Keys per tile for tiled/trace; 0 = the server's default.");
@@ -59,7 +74,8 @@ ABSL_FLAG(bool, follow, false,
           "trace: animate the steps in the terminal as they arrive (--follow-ms between steps).");
 ABSL_FLAG(int32_t, follow_ms, 250, "trace --follow: pause between steps, milliseconds.");
 ABSL_FLAG(bool, json, false,
-          "trace: print each event as one line of JSON (protobuf's JSON mapping), for scripts.");
+          "trace: print each event as one line of JSON (protobuf's JSON mapping), for scripts; "
+          "cache create|append|info|list: the CacheInfo (ListCachesResponse) as JSON.");
 ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
 ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
 ABSL_FLAG(std::string, tls_ca, "",
@@ -69,15 +85,42 @@ ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: PEM private key of --tls-cert."
 ABSL_FLAG(std::string, token_file, "",
           "File holding the bearer token to send (attnd --auth-token-file); trailing whitespace "
           "is ignored.");
+ABSL_FLAG(int64_t, head_dim, 64, "cache create, decode, bench --decode: the key width.");
+ABSL_FLAG(int64_t, value_dim, 0,
+          "cache create, decode, bench --decode: the value width (0 = --head-dim).");
+ABSL_FLAG(int64_t, tokens, 4096,
+          "cache append: random tokens to append; decode: random tokens to fill the cache with.");
+ABSL_FLAG(int64_t, steps, 16,
+          "decode: decode steps, each sending one new token's q, k and v; bench --decode: timed "
+          "steps per row (20 when not given).");
+ABSL_FLAG(int64_t, expected_length, -1,
+          "cache append: the cache length to send as expected_length (-1 = the cache's current "
+          "length, read first); a wrong one is refused with FAILED_PRECONDITION.");
 ABSL_FLAG(std::string, ns, "256,512,1024,2048,4096", "bench: sequence lengths N to sweep.");
 ABSL_FLAG(int64_t, batch, 1, "bench: batch size B.");
-ABSL_FLAG(int64_t, heads, 8, "bench: query heads H (--kv-heads sets key/value heads).");
+ABSL_FLAG(int64_t, heads, 8, "bench, decode: query heads H (--kv-heads sets key/value heads).");
 ABSL_FLAG(int64_t, dim, 64, "bench: head_dim D (= value_dim).");
 ABSL_FLAG(std::string, methods, "naive,tiled", "bench: methods to sweep: naive, tiled or both.");
-ABSL_FLAG(int32_t, repeats, 3, "bench: calls per point; the median is reported.");
+ABSL_FLAG(int32_t, repeats, 3,
+          "bench: calls per point, the median reported; bench --decode: stateless Tiled calls "
+          "per row (0 = none).");
 ABSL_FLAG(std::string, csv, "bench.csv", "bench: CSV output file (\"\" = none).");
 ABSL_FLAG(std::string, svg, "bench.svg",
           "bench: SVG chart of time and memory against N (\"\" = none).");
+ABSL_FLAG(
+    bool, decode, false,
+    "bench: the decode benchmark instead: per-step wall and compute of Decode over "
+    "server-resident caches (--lengths, --batches, --steps), bytes sent beside stateless "
+    "Tiled calls (--repeats of them), cache read bandwidth against this machine's memory "
+    "read. Its defaults where those flags are not given: --heads 32 --kv-heads 8 --head-dim 128 "
+    "--dtype bf16 --steps 20.");
+ABSL_FLAG(std::string, lengths, "1k,2k,4k,8k,16k,32k",
+          "bench --decode: cache lengths (tokens cached before the timed steps; k = ×1024).");
+ABSL_FLAG(std::string, batches, "1,16",
+          "bench --decode: sequences per Decode call (one cache each).");
+ABSL_FLAG(std::string, cache, "",
+          "naive/tiled/trace: attend over this KV cache's keys and values (attn cache create) "
+          "instead of inline ones; only the query of --random 1,H,N,D or --example is sent.");
 
 namespace {
 
@@ -122,6 +165,29 @@ v1::AttentionOptions ReadOptions() {
   return options;
 }
 
+// The naive/tiled/trace request: the inputs inline or, with --cache, their query alone over
+// that cache's keys and values.
+absl::StatusOr<v1::AttentionRequest> ReadRequest() {
+  absl::StatusOr<Inputs> inputs = ReadInputs();
+  if (!inputs.ok()) return inputs.status();
+  const std::string cache_id = absl::GetFlag(FLAGS_cache);
+  if (cache_id.empty()) return attn::cli::MakeRequest(*inputs, ReadOptions());
+  return attn::client::CacheRequest(cache_id, attn::client::ToTensor(inputs->query, inputs->dtype),
+                                    ReadOptions());
+}
+
+// The server to call: `client`, or with --cache the --target endpoint holding that cache (a
+// list's endpoints are asked in turn, as attn cache does); `sharded` keeps that endpoint's
+// Client alive.
+absl::StatusOr<attn::client::Client*> ServerFor(
+    attn::client::Client& client, const attn::client::ClientOptions& options,
+    std::optional<attn::client::ShardedClient>& sharded) {
+  const std::string cache_id = absl::GetFlag(FLAGS_cache);
+  if (cache_id.empty()) return &client;
+  sharded.emplace(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
+  return sharded->ClientFor(cache_id);
+}
+
 absl::StatusOr<std::vector<v1::RowRef>> ReadRows() {
   std::vector<v1::RowRef> rows;
   const std::string spec = absl::GetFlag(FLAGS_rows);
@@ -142,11 +208,16 @@ absl::StatusOr<std::vector<v1::RowRef>> ReadRows() {
   return rows;
 }
 
-int RunCompute(attn::client::Client& client, const std::string& method,
+int RunCompute(attn::client::Client& default_client, const std::string& method,
                const attn::client::ClientOptions& options) {
-  absl::StatusOr<Inputs> inputs = ReadInputs();
-  if (!inputs.ok()) return Fail(inputs.status());
-  const v1::AttentionRequest request = attn::cli::MakeRequest(*inputs, ReadOptions());
+  absl::StatusOr<v1::AttentionRequest> read = ReadRequest();
+  if (!read.ok()) return Fail(read.status());
+  const v1::AttentionRequest& request = *read;
+  std::optional<attn::client::ShardedClient> cache_endpoints;
+  absl::StatusOr<attn::client::Client*> server =
+      ServerFor(default_client, options, cache_endpoints);
+  if (!server.ok()) return Fail(server.status());
+  attn::client::Client& client = **server;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<v1::AttentionResponse> response;
   if (absl::GetFlag(FLAGS_shard_heads)) {
@@ -183,13 +254,18 @@ int RunCompute(attn::client::Client& client, const std::string& method,
   return 0;
 }
 
-int RunTrace(attn::client::Client& client) {
-  absl::StatusOr<Inputs> inputs = ReadInputs();
-  if (!inputs.ok()) return Fail(inputs.status());
+int RunTrace(attn::client::Client& default_client, const attn::client::ClientOptions& options) {
+  absl::StatusOr<v1::AttentionRequest> attention = ReadRequest();
+  if (!attention.ok()) return Fail(attention.status());
   absl::StatusOr<std::vector<v1::RowRef>> rows = ReadRows();
   if (!rows.ok()) return Fail(rows.status());
+  std::optional<attn::client::ShardedClient> cache_endpoints;
+  absl::StatusOr<attn::client::Client*> server =
+      ServerFor(default_client, options, cache_endpoints);
+  if (!server.ok()) return Fail(server.status());
+  attn::client::Client& client = **server;
   v1::TraceRequest request;
-  *request.mutable_attention() = attn::cli::MakeRequest(*inputs, ReadOptions());
+  *request.mutable_attention() = *std::move(attention);
   for (const v1::RowRef& row : *rows) *request.add_rows() = row;
   if (absl::GetFlag(FLAGS_follow) && absl::GetFlag(FLAGS_json)) {
     return Fail(absl::InvalidArgumentError("--follow and --json: choose one"));
@@ -221,7 +297,61 @@ int RunTrace(attn::client::Client& client) {
   return status.ok() ? 0 : Fail(status);
 }
 
+// Names of the flags given on the command line (underscored, as Abseil spells them): bench
+// --decode's shape flags have defaults of their own when absent.
+std::set<std::string>& GivenFlags() {
+  static std::set<std::string> given;
+  return given;
+}
+
+void NoteGivenFlags(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 2 || arg[0] != '-') continue;
+    const std::string name = arg.substr(arg.find_first_not_of('-'));
+    GivenFlags().insert(name.substr(0, name.find('=')));
+  }
+}
+
+// The flag's value when given on the command line, else `fallback`.
+template <typename T>
+T FlagOr(const absl::Flag<T>& flag, const char* name, T fallback) {
+  return GivenFlags().count(name) > 0 ? absl::GetFlag(flag) : fallback;
+}
+
+int RunDecodeBench(attn::client::Client& client) {
+  attn::cli::DecodeBenchConfig config;
+  absl::StatusOr<std::vector<int64_t>> lengths =
+      attn::cli::ParseCounts("lengths", absl::GetFlag(FLAGS_lengths));
+  if (!lengths.ok()) return Fail(lengths.status());
+  absl::StatusOr<std::vector<int64_t>> batches =
+      attn::cli::ParseCounts("batches", absl::GetFlag(FLAGS_batches));
+  if (!batches.ok()) return Fail(batches.status());
+  absl::StatusOr<v1::DType> dtype =
+      attn::cli::ParseDType(FlagOr(FLAGS_dtype, "dtype", std::string("bf16")));
+  if (!dtype.ok()) return Fail(dtype.status());
+  config.lengths = *std::move(lengths);
+  config.batches = *std::move(batches);
+  config.dtype = *dtype;
+  config.heads = FlagOr(FLAGS_heads, "heads", int64_t{32});
+  config.kv_heads = FlagOr(FLAGS_kv_heads, "kv_heads", int64_t{8});
+  if (config.kv_heads == 0) config.kv_heads = config.heads;
+  config.head_dim = FlagOr(FLAGS_head_dim, "head_dim", FlagOr(FLAGS_dim, "dim", int64_t{128}));
+  config.value_dim =
+      absl::GetFlag(FLAGS_value_dim) > 0 ? absl::GetFlag(FLAGS_value_dim) : config.head_dim;
+  config.steps = FlagOr(FLAGS_steps, "steps", int64_t{20});
+  config.stateless_repeats = absl::GetFlag(FLAGS_repeats);
+  config.seed = absl::GetFlag(FLAGS_seed);
+  config.options = ReadOptions();
+  config.options.set_return_lse(false);
+  config.target = absl::GetFlag(FLAGS_target);
+  const absl::Status status = attn::cli::RunDecodeBench(client, config, stdout, stderr);
+  return status.ok() ? 0 : Fail(status);
+}
+
 int RunBench(attn::client::Client& client) {
+  if (absl::GetFlag(FLAGS_decode)) return RunDecodeBench(client);
   if (!absl::GetFlag(FLAGS_example).empty() || !absl::GetFlag(FLAGS_random).empty()) {
     return Fail(absl::InvalidArgumentError(
         "bench makes its own inputs: set them with --ns, --batch, --heads and --dim"));
@@ -276,7 +406,13 @@ int RunInfo(attn::client::Client& client) {
   std::printf("  max naive storage   %lld bytes\n  default block_k     %d\n  dtypes             ",
               static_cast<long long>(info->max_naive_bytes()), info->default_block_k());
   for (int dtype : info->dtypes()) std::printf(" %s", v1::DType_Name(dtype).c_str());
-  std::printf("\n");
+  std::printf("\n  cache budget        %lld bytes, pages of %lld tokens\n",
+              static_cast<long long>(info->cache_bytes()),
+              static_cast<long long>(info->cache_page_tokens()));
+  std::printf("  cache idle expiry   %s\n",
+              info->cache_idle_seconds() > 0
+                  ? absl::StrCat(info->cache_idle_seconds(), " s").c_str()
+                  : "never");
   return 0;
 }
 
@@ -285,6 +421,35 @@ int RunHealth(attn::client::Client& client) {
   if (!status.ok()) return Fail(status.status());
   std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*status).c_str());
   return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+int RunCaches(const std::vector<std::string>& words, const attn::client::ClientOptions& options) {
+  if (options.load_balancing == attn::client::LoadBalancing::kRoundRobin) {
+    return Fail(absl::InvalidArgumentError(
+        "a cache lives on one server: --lb round_robin would spread its calls over several; give "
+        "the servers as a --target list instead (each cache stays where it was created)"));
+  }
+  absl::StatusOr<v1::DType> dtype = attn::cli::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Fail(dtype.status());
+  attn::cli::CacheFlags flags;
+  flags.heads = absl::GetFlag(FLAGS_heads);
+  flags.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  flags.head_dim = absl::GetFlag(FLAGS_head_dim);
+  flags.value_dim = absl::GetFlag(FLAGS_value_dim);
+  flags.dtype = *dtype;
+  flags.tokens = absl::GetFlag(FLAGS_tokens);
+  flags.steps = absl::GetFlag(FLAGS_steps);
+  flags.expected_length = absl::GetFlag(FLAGS_expected_length);
+  flags.seed = absl::GetFlag(FLAGS_seed);
+  flags.json = absl::GetFlag(FLAGS_json);
+  flags.options = ReadOptions();
+  attn::client::ShardedClient client(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
+                                     options);
+  const absl::Status status =
+      words[0] == "decode"
+          ? attn::cli::RunDecodeDemo(client, flags, stdout)
+          : attn::cli::RunCacheCommand(client, {words.begin() + 1, words.end()}, flags, stdout);
+  return status.ok() ? 0 : Fail(status);
 }
 
 // Fills the TLS and token fields of `options` from --tls-ca, --tls-cert, --tls-key and
@@ -320,19 +485,33 @@ absl::Status ReadSecurityFlags(attn::client::ClientOptions& options) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "attn <info|health|naive|tiled|trace|bench> [flags]: call an attnd server.\n"
+      "attn <info|health|naive|tiled|trace|bench|cache ...|decode> [flags]: call an attnd "
+      "server.\n"
       "  attn tiled --example seed            the explainer's 8×4 example\n"
       "  attn naive --random 1,8,2048,64      a random problem [batch, heads, seq, dim]\n"
       "  attn trace --example seed --block-k 2   every online-softmax step of row 0\n"
-      "  attn bench --ns 256,512,1024,2048,4096   Naive vs Tiled against N: table, CSV, SVG");
+      "  attn bench --ns 256,512,1024,2048,4096   Naive vs Tiled against N: table, CSV, SVG\n"
+      "  attn bench --decode                  decode steps over server-resident caches vs "
+      "stateless calls\n"
+      "  attn cache create --kv-heads 8 --head-dim 128 --dtype bf16   a server-resident KV cache\n"
+      "  attn cache append ID --tokens 1000   1000 random tokens; also: cache info|delete ID, "
+      "cache list\n"
+      "  attn decode --heads 32 --kv-heads 8 --head-dim 128 --tokens 4096 --steps 16   a decode "
+      "loop:\n"
+      "      per-step latency and bytes sent, beside a stateless Tiled call's\n"
+      "  attn tiled --cache ID --random 1,32,1,128   attend over a cache's keys (also naive, "
+      "trace)");
   attn::DashedFlags flags(argc, argv);
+  NoteGivenFlags(flags.argc(), flags.argv());
   const std::vector<char*> args = absl::ParseCommandLine(flags.argc(), flags.argv());
-  if (args.size() != 2) {
+  const std::vector<std::string> words(args.begin() + 1, args.end());
+  if (words.empty() || (words.size() != 1 && words[0] != "cache")) {
     std::fprintf(stderr,
-                 "attn: give one command: info, health, naive, tiled, trace or bench (--help)\n");
+                 "attn: give one command: info, health, naive, tiled, trace, bench, cache "
+                 "create|append|info|list|delete or decode (--help)\n");
     return 2;
   }
-  const std::string command = args[1];
+  const std::string command = words[0];
   attn::client::ClientOptions options;
   if (absl::GetFlag(FLAGS_timeout_ms) > 0) {
     options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
@@ -344,23 +523,36 @@ int main(int argc, char** argv) {
       attn::client::ParseLoadBalancing(absl::GetFlag(FLAGS_lb));
   if (!lb.ok()) return Fail(lb.status());
   options.load_balancing = *lb;
-  // --shard-heads dials each endpoint on its own channel, so its list may hold host names.
+  // --shard-heads, --cache, cache and decode dial each endpoint on its own channel, so their
+  // list may hold host names.
+  const bool per_endpoint = absl::GetFlag(FLAGS_shard_heads) ||
+                            !absl::GetFlag(FLAGS_cache).empty() || command == "cache" ||
+                            command == "decode";
   if (const absl::StatusOr<std::string> target =
           attn::client::ChannelTarget(absl::GetFlag(FLAGS_target));
-      !target.ok() && !absl::GetFlag(FLAGS_shard_heads)) {
+      !target.ok() && !per_endpoint) {
     return Fail(target.status());
   }
   if (absl::GetFlag(FLAGS_shard_heads) && command != "naive" && command != "tiled") {
     return Fail(absl::InvalidArgumentError("--shard-heads applies to naive and tiled"));
   }
+  if (!absl::GetFlag(FLAGS_cache).empty() &&
+      (absl::GetFlag(FLAGS_shard_heads) ||
+       (command != "naive" && command != "tiled" && command != "trace"))) {
+    return Fail(absl::InvalidArgumentError(
+        "--cache applies to naive, tiled and trace, without --shard-heads (a cache lives on one "
+        "server)"));
+  }
+  if (command == "cache" || command == "decode") return RunCaches(words, options);
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);
   if (command == "naive" || command == "tiled") return RunCompute(client, command, options);
-  if (command == "trace") return RunTrace(client);
+  if (command == "trace") return RunTrace(client, options);
   if (command == "bench") return RunBench(client);
   if (command == "info") return RunInfo(client);
   if (command == "health") return RunHealth(client);
   std::fprintf(stderr,
-               "attn: unknown command \"%s\": use info, health, naive, tiled, trace or bench\n",
+               "attn: unknown command \"%s\": use info, health, naive, tiled, trace, bench, cache "
+               "or decode\n",
                command.c_str());
   return 2;
 }

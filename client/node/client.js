@@ -24,6 +24,18 @@
 //                                   options: {blockK: 2}});
 //   const out = toFloat32Array(res.output);           // Float32Array, row-major
 //   for await (const ev of client.trace({attention: req, rows: [{row: 0}]})) { ... }
+//
+// Server-resident KV caches: one method per RPC, taking and returning the messages
+// (createCache, appendCache, getCacheInfo, deleteCache, listCaches, decode), and a Cache that
+// tracks the length it believes the cache has and sends it as expectedLength on every append
+// and decode (a retried call is then refused with FAILED_PRECONDITION, never stored twice):
+//   const cache = await client.openCache({kvHeads: 8, headDim: 128, dtype: 'bf16'});
+//   await cache.append(tensor(k, [8, n, 128], 'bf16'), tensor(v, [8, n, 128], 'bf16'));
+//   const step = await cache.decode(tensor(q, [32, 1, 128]), {key: k1, value: v1});
+//   toFloat32Array(step.output); cache.length;           // n + 1
+//   await client.decode({items: [cacheA.item(qa, ka, va), cacheB.item(qb)]});  // a batch
+//   await client.tiled({query, cacheId: cache.id});      // naive / tiled / trace over a cache
+//   await cache.delete();
 //   client.close();
 
 const fs = require('node:fs');
@@ -269,7 +281,101 @@ class Client {
     }
   }
 
+  // --- KV caches (attention.proto documents each RPC's errors) ---
+  // CreateCacheRequest ({kvHeads, headDim, valueDim, dtype}) → CacheInfo.
+  createCache(request, options) {
+    return this.unary_('CreateCache', {...request, dtype: dtypeName(request.dtype ?? 'float32')},
+                       options);
+  }
+
+  // AppendCacheRequest ({cacheId, key, value, expectedLength}) → CacheInfo.
+  appendCache(request, options) { return this.unary_('AppendCache', request, options); }
+
+  // cacheId → CacheInfo ({cacheId, kvHeads, headDim, valueDim, dtype, length, bytes, pageTokens}).
+  getCacheInfo(cacheId, options) { return this.unary_('GetCacheInfo', {cacheId}, options); }
+
+  // cacheId → {} (later calls naming it reject with NOT_FOUND).
+  deleteCache(cacheId, options) { return this.unary_('DeleteCache', {cacheId}, options); }
+
+  // → ListCachesResponse ({caches: [CacheInfo, ...]}), the caller's, oldest first.
+  listCaches(options) { return this.unary_('ListCaches', {}, options); }
+
+  // DecodeRequest ({items: [{cacheId, query, key?, value?, expectedLength}], options}) →
+  // DecodeResponse ({outputs, lse, stats, caches}), outputs[i] item i's [heads, nq, valueDim].
+  // Atomic: if any item fails, no item's tokens are kept. Cache.item() builds an item; after the
+  // call resolves, Cache.update(response.caches[i]) takes its new length (decodeBatch does both).
+  decode(request, options) { return this.unary_('Decode', request, options); }
+
+  // decode() over Cache objects: items [{cache, query, key?, value?}] → DecodeResponse, each
+  // Cache's length updated from the answer.
+  async decodeBatch(items, attentionOptions = {}, options) {
+    const response = await this.decode(
+        {items: items.map(({cache, query, key, value}) => cache.item(query, key, value)),
+         options: attentionOptions},
+        options);
+    if (response.caches.length !== items.length) {
+      throw new Error(`Decode answered ${response.caches.length} caches for ${items.length} items`);
+    }
+    items.forEach(({cache}, i) => cache.update(response.caches[i]));
+    return response;
+  }
+
+  // A new cache (CreateCacheRequest) as a Cache; or, given a cache id string, the existing
+  // cache with its length read now (GetCacheInfo).
+  async openCache(requestOrId, options) {
+    const info = typeof requestOrId === 'string' ? await this.getCacheInfo(requestOrId, options)
+                                                 : await this.createCache(requestOrId, options);
+    return new Cache(this, info);
+  }
+
   close() { this.stub.close(); }
+}
+
+// One server-resident cache as the client believes it: id, length (sent as expectedLength) and
+// info, the last CacheInfo the server sent. One sequence, one writer: do not share a Cache
+// between concurrent calls.
+class Cache {
+  constructor(client, info) {
+    this.client = client;
+    this.info = info;
+  }
+
+  get id() { return this.info.cacheId; }
+  get length() { return Number(this.info.length); }
+
+  // Takes a CacheInfo the server sent for this cache.
+  update(info) { this.info = info; }
+
+  // Appends key [kvHeads, n, headDim] and value [kvHeads, n, valueDim] (Tensors) at length.
+  async append(key, value, options) {
+    this.info = await this.client.appendCache(
+        {cacheId: this.id, key, value, expectedLength: this.length}, options);
+    return this.info;
+  }
+
+  // The DecodeItem for this cache with expectedLength = length; key/value optional new tokens.
+  item(query, key, value) {
+    const item = {cacheId: this.id, query, expectedLength: this.length};
+    if (key !== undefined && key !== null) item.key = key;
+    if (value !== undefined && value !== null) item.value = value;
+    return item;
+  }
+
+  // One Decode of this cache alone → {output, lse, stats, cache}.
+  async decode(query, {key, value, options: attentionOptions = {}} = {}, options) {
+    const response = await this.client.decodeBatch([{cache: this, query, key, value}],
+                                                   attentionOptions, options);
+    return {output: response.outputs[0], lse: response.lse[0] ?? null, stats: response.stats,
+            cache: response.caches[0]};
+  }
+
+  // Re-reads the info (and so the length) from the server.
+  async refresh(options) {
+    this.info = await this.client.getCacheInfo(this.id, options);
+    return this.info;
+  }
+
+  delete(options) { return this.client.deleteCache(this.id, options); }
 }
 
 // The explainer's 8×4 example (n × d in general): q[i][j] = (i + j) % 5 − 2,
@@ -289,6 +395,7 @@ function seedExample(n = 8, d = 4) {
 
 module.exports = {
   Client,
+  Cache,
   seedExample,
   AttndError,
   tensor,

@@ -1,5 +1,7 @@
 'use strict';
 // The Node client against a running attnd (tests/node_client_test.sh starts it): all four RPCs,
+// KV caches (create, append, a batched decode and tiled over a cache against float64, a stale
+// expectedLength, NOT_FOUND after delete),
 // the seed example's out[0] and a random grouped-query causal problem against a float64
 // reference computed here, the trace's final estimate against Tiled's row, fp16/bf16 tensors,
 // error paths (INVALID_ARGUMENT naming the field, for a unary call and for a stream) and, when
@@ -312,6 +314,103 @@ test('errors: bad shape and bad trace row are INVALID_ARGUMENT naming the field'
     assert.match(err.details, /rows\[0\]\.row/);
     return true;
   });
+});
+
+// A cache's tokens kept client-side, per kv head, as the server stores them (fp32 here).
+class HeldTokens {
+  constructor(kvHeads, headDim, valueDim) {
+    Object.assign(this, {kvHeads, headDim, valueDim, keys: [], values: []});
+    for (let h = 0; h < kvHeads; ++h) this.keys.push([]), this.values.push([]);
+  }
+  // n random tokens as [key, value] Tensors [kvHeads, n, dim], added to the held copy.
+  tokens(n, random) {
+    const {kvHeads, headDim, valueDim} = this;
+    const k = randomNormal(kvHeads * n * headDim, random);
+    const v = randomNormal(kvHeads * n * valueDim, random);
+    for (let h = 0; h < kvHeads; ++h) {
+      this.keys[h].push(...k.subarray(h * n * headDim, (h + 1) * n * headDim));
+      this.values[h].push(...v.subarray(h * n * valueDim, (h + 1) * n * valueDim));
+    }
+    return [tensor(k, [kvHeads, n, headDim]), tensor(v, [kvHeads, n, valueDim])];
+  }
+  get length() { return this.keys[0].length / this.headDim; }
+  // The float64 reference for q [heads, nq, headDim] over every held token.
+  reference(q, heads, nq, causal) {
+    const {kvHeads, headDim, valueDim} = this;
+    const dims = {batch: 1, heads, kvHeads, queryLen: nq, keyLen: this.length, headDim, valueDim};
+    return referenceAttention({q, k: Float32Array.from(this.keys.flat()),
+                               v: Float32Array.from(this.values.flat()), dims},
+                              1 / Math.sqrt(headDim), causal);
+  }
+}
+
+test('KV caches: create, append, batched decode and tiled over a cache vs float64', async () => {
+  const rnd = mulberry32(77);
+  const specs = [{kvHeads: 2, headDim: 16, valueDim: 12, heads: 4, nq: 1, fill: 45},
+                 {kvHeads: 1, headDim: 8, valueDim: 8, heads: 3, nq: 2, fill: 19}];
+  const caches = [], held = [];
+  for (const spec of specs) {
+    const cache = await client.openCache({kvHeads: spec.kvHeads, headDim: spec.headDim,
+                                          valueDim: spec.valueDim, dtype: 'f32'});
+    assert.match(cache.id, /^[0-9a-f]{32}$/);
+    assert.equal(cache.length, 0);
+    assert.equal(cache.info.dtype, 'DTYPE_FLOAT32');
+    const tokens = new HeldTokens(spec.kvHeads, spec.headDim, spec.valueDim);
+    const info = await cache.append(...tokens.tokens(spec.fill, rnd));
+    assert.equal(info.length, spec.fill);
+    assert.equal(cache.length, spec.fill);
+    assert.ok(info.bytes > 0 && info.pageTokens > 0);
+    caches.push(cache);
+    held.push(tokens);
+  }
+  const listed = (await client.listCaches()).caches.map((c) => c.cacheId);
+  for (const cache of caches) assert.ok(listed.includes(cache.id), `${cache.id} listed`);
+  assert.equal((await client.getCacheInfo(caches[1].id)).length, 19);
+
+  // One Decode over both: cache 0 gets one new token, cache 1 none; causal, with lse.
+  const queries = specs.map((s) => randomNormal(s.heads * s.nq * s.headDim, rnd));
+  const [k0, v0] = held[0].tokens(1, rnd);
+  const response = await client.decodeBatch(
+      [{cache: caches[0], query: tensor(queries[0], [4, 1, 16]), key: k0, value: v0},
+       {cache: caches[1], query: tensor(queries[1], [3, 2, 8])}],
+      {causal: true, returnLse: true});
+  assert.deepEqual(response.caches.map((c) => c.length), [46, 19]);
+  assert.deepEqual(caches.map((c) => c.length), [46, 19]);
+  for (const [i, spec] of specs.entries()) {
+    const ref = held[i].reference(queries[i], spec.heads, spec.nq, true);
+    assert.deepEqual(response.outputs[i].shape, [spec.heads, spec.nq, spec.valueDim]);
+    assertClose(toFloat32Array(response.outputs[i]), ref.out, 1e-5, `decode item ${i}`);
+    assertClose(toFloat32Array(response.lse[i]), ref.lse, 1e-5, `decode item ${i} lse`);
+    // Tiled over the cache's keys gives the same answer.
+    const tiled = await client.tiled({query: tensor(queries[i], [spec.heads, spec.nq,
+                                                                 spec.headDim]),
+                                      cacheId: caches[i].id, options: {causal: true, blockK: 5}});
+    assertClose(toFloat32Array(tiled.output), ref.out, 1e-5, `tiled over cache ${i}`);
+  }
+
+  // Cache.decode: a single step.
+  const q = randomNormal(4 * 16, rnd);
+  const [k1, v1] = held[0].tokens(1, rnd);
+  const step = await caches[0].decode(tensor(q, [4, 1, 16]), {key: k1, value: v1});
+  assert.equal(caches[0].length, 47);
+  assertClose(toFloat32Array(step.output), held[0].reference(q, 4, 1, false).out, 1e-5,
+              'Cache.decode');
+
+  // A stale expectedLength (a retried append) is FAILED_PRECONDITION naming the length.
+  const [k2, v2] = new HeldTokens(1, 8, 8).tokens(2, rnd);
+  await assert.rejects(
+      client.appendCache({cacheId: caches[1].id, key: k2, value: v2, expectedLength: 3}),
+      (err) => err.code === status.FAILED_PRECONDITION && /19/.test(err.details));
+  assert.equal((await caches[1].refresh()).length, 19);
+
+  // Delete: NOT_FOUND afterwards, for info, append and decode.
+  for (const cache of caches) await cache.delete();
+  await assert.rejects(client.getCacheInfo(caches[0].id), (e) => e.code === status.NOT_FOUND);
+  await assert.rejects(caches[1].append(k2, v2), (e) => e.code === status.NOT_FOUND);
+  await assert.rejects(caches[0].decode(tensor(q, [4, 1, 16])),
+                       (e) => e.code === status.NOT_FOUND);
+  const after = (await client.listCaches()).caches.map((c) => c.cacheId);
+  for (const cache of caches) assert.ok(!after.includes(cache.id), `${cache.id} gone`);
 });
 
 test('TLS with a bearer token', {skip: !args.secureTarget && 'no --secure-target'}, async () => {

@@ -44,6 +44,26 @@ weights, accumulator, estimate, output, reference) are float32 NumPy arrays, a R
 (batch, head, row) tuple and ExecutionStats a dict. `event["message"]` keeps the protobuf
 message for anything else.
 
+Server-resident KV caches keep one sequence's keys and values on attnd, so a decode step sends
+only the new token's q, k and v:
+
+    cache = client.create_cache(kv_heads=8, head_dim=128, dtype="bf16")   # a Cache
+    cache.append(k, v)                     # k [8, n, 128], v [8, n, 128]; cache.length += n
+    step = cache.decode(q, k1, v1)         # append one token, attend q [32, 1, 128] over all
+    step.output                            # [32, 1, 128]
+    batch = client.decode([(cache_a, qa, ka, va), (cache_b, qb, kb, vb)])   # one call, a batch
+    batch.outputs[1], batch.caches[1]["length"]
+    client.tiled(q, cache=cache)           # naive / tiled / trace over the cache's keys
+    client.list_caches(); client.cache_info(cache); client.delete_cache(cache)
+
+A `Cache` tracks the length it believes the cache has and sends it as expected_length on every
+append and decode (a retried call is then refused with FAILED_PRECONDITION instead of storing
+tokens twice; `refresh()` re-reads the length). Cache ids (str) work everywhere a Cache does,
+with expected_length passed explicitly. Keys and values for a Cache are sent in its dtype unless
+`dtype=` says otherwise. Caches live in the server's memory: NOT_FOUND after a restart, a
+delete, or --cache-idle-seconds unused. Cache infos are dicts of CacheInfo's fields (cache_id,
+kv_heads, head_dim, value_dim, dtype as a name, length, bytes, page_tokens).
+
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
 check itself (rank, element type, option types) raise ValueError or TypeError before any RPC.
@@ -61,8 +81,8 @@ import numpy as np
 from attention.v1 import attention_pb2 as pb
 from attention.v1 import attention_pb2_grpc as pb_grpc
 
-__all__ = ["Client", "Result", "AttnError", "bf16_to_float32", "float32_to_bf16",
-           "seed_example", "MAX_MESSAGE_BYTES"]
+__all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_float32",
+           "float32_to_bf16", "seed_example", "MAX_MESSAGE_BYTES"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -253,14 +273,117 @@ class Result:
 
     def output_float32(self):
         """The output as float32 values whatever its dtype (bf16 bits widened exactly)."""
-        if self.output_dtype == "bf16":
-            return bf16_to_float32(self.output)
-        return self.output.astype(np.float32)
+        return _widen(self.output, self.output_dtype)
 
     def __repr__(self):
         return "Result(output=%s %s, lse=%s, backend=%r)" % (
             self.output_dtype, self.output.shape,
             None if self.lse is None else self.lse.shape, self.stats.get("backend"))
+
+
+def _widen(array, dtype_name):
+    """A decoded output as float32 values whatever its dtype (bf16 bits widened exactly)."""
+    if dtype_name == "bf16":
+        return bf16_to_float32(array)
+    return array.astype(np.float32)
+
+
+def _cache_dict(info):
+    """A CacheInfo → {field name: value}, the dtype as a name ("fp32", ...)."""
+    result = _message_dict(info)
+    result["dtype"] = _DTYPE_NAMES.get(result["dtype"], str(result["dtype"]))
+    return result
+
+
+class DecodeResult:
+    """The answer of decode(): per item, in the order of the items,
+
+    outputs: arrays [heads, nq, value_dim] (the query's rank), dtypes as in Result.output;
+    lse:     float32 arrays [heads, nq] when return_lse=True, else None;
+    caches:  CacheInfo dicts of each item's cache after its append;
+    and stats (ExecutionStats of the whole batch, a dict), output_dtype, response."""
+
+    __slots__ = ("outputs", "lse", "caches", "stats", "output_dtype", "response")
+
+    def __init__(self, response):
+        self.response = response
+        self.outputs = [_decode(t) for t in response.outputs]
+        dtypes = {t.dtype for t in response.outputs}
+        self.output_dtype = _DTYPE_NAMES.get(dtypes.pop(), "?") if len(dtypes) == 1 else None
+        self.lse = [_decode(t) for t in response.lse] if len(response.lse) else None
+        self.caches = [_cache_dict(c) for c in response.caches]
+        self.stats = _message_dict(response.stats)
+
+    def outputs_float32(self):
+        """The outputs as float32 values whatever their dtype."""
+        return [_widen(o, _DTYPE_NAMES.get(t.dtype))
+                for o, t in zip(self.outputs, self.response.outputs)]
+
+    def __repr__(self):
+        return "DecodeResult(%d outputs %s, backend=%r)" % (
+            len(self.outputs), [o.shape for o in self.outputs], self.stats.get("backend"))
+
+
+class Cache:
+    """A server-resident KV cache as this client believes it (made by Client.create_cache, or
+    Client.open_cache for an existing id). Not thread-safe: one sequence, one writer.
+
+    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), info (the last
+    CacheInfo dict the server sent). `length` is what append() and decode() send as
+    expected_length; each successful call sets it from the server's answer."""
+
+    def __init__(self, client, info):
+        self.client = client
+        self._set(info)
+
+    def _set(self, info):
+        self.info = info if isinstance(info, dict) else _cache_dict(info)
+
+    id = property(lambda self: self.info["cache_id"])
+    length = property(lambda self: self.info["length"])
+    kv_heads = property(lambda self: self.info["kv_heads"])
+    head_dim = property(lambda self: self.info["head_dim"])
+    value_dim = property(lambda self: self.info["value_dim"])
+    dtype = property(lambda self: self.info["dtype"])
+
+    def append(self, key, value, *, dtype=None):
+        """Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] (rank 2 when
+        kv_heads is 1) at `length` → the new CacheInfo dict. dtype None: the cache's."""
+        return self.client.append(self, key, value, dtype=dtype)
+
+    def decode(self, query, key=None, value=None, **options):
+        """One decode step of this cache alone: appends key/value when given, then attends
+        query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
+        value_dim]). options: causal, scale, block_k, return_lse, dtype, output_dtype."""
+        result = self.client.decode([(self, query, key, value)], **options)
+        return _ItemResult(result)
+
+    def refresh(self):
+        """Re-reads the cache's info (and so `length`) from the server → the CacheInfo dict."""
+        return self.client.cache_info(self)
+
+    def delete(self):
+        """Deletes the cache on the server; later calls naming it get NOT_FOUND."""
+        self.client.delete_cache(self)
+
+    def __repr__(self):
+        return "Cache(%s, length=%d, kv_heads=%d, head_dim=%d, value_dim=%d, %s)" % (
+            self.id, self.length, self.kv_heads, self.head_dim, self.value_dim, self.dtype)
+
+
+class _ItemResult(Result):
+    """Result of a one-item decode: output, lse, stats and output_dtype as Result's, plus
+    `cache`, the item's CacheInfo dict."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, decoded):
+        self.response = decoded.response
+        self.output = decoded.outputs[0]
+        self.output_dtype = decoded.output_dtype
+        self.lse = decoded.lse[0] if decoded.lse is not None else None
+        self.stats = decoded.stats
+        self.cache = decoded.caches[0]
 
 
 # --- The client ---------------------------------------------------------------------------------
@@ -328,8 +451,7 @@ class Client:
     # Requests.
 
     @staticmethod
-    def _request(q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype):
-        input_dtype = _dtype_enum(dtype, "dtype")
+    def _options(causal, scale, block_k, return_lse, output_dtype):
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError("causal must be a bool, not %s" % type(causal).__name__)
@@ -349,36 +471,54 @@ class Client:
             options.scale = float(scale)
         if out_dtype is not None:
             options.output_dtype = out_dtype
+        return options
+
+    @classmethod
+    def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
+                 cache=None):
+        input_dtype = _dtype_enum(dtype, "dtype")
+        options = cls._options(causal, scale, block_k, return_lse, output_dtype)
+        if cache is not None:
+            if k is not None or v is not None:
+                raise ValueError("give key and value, or cache=, not both")
+            return pb.AttentionRequest(query=_encode("query", q, input_dtype),
+                                       cache_id=_cache_id(cache), options=options)
+        if k is None or v is None:
+            raise ValueError("key and value are needed (or cache= to attend over a KV cache)")
         return pb.AttentionRequest(query=_encode("query", q, input_dtype),
                                    key=_encode("key", k, input_dtype),
                                    value=_encode("value", v, input_dtype), options=options)
 
     # RPCs.
 
-    def naive(self, q, k, v, *, causal=False, scale=None, block_k=0, return_lse=False,
-              dtype=None, output_dtype=None):
+    def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
+              return_lse=False, dtype=None, output_dtype=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
+        cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
+        query_len, head_dim]; causal is bottom-right against the cache's length).
         scale None: 1/sqrt(head_dim). output_dtype None: the query's dtype. block_k is ignored."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
-                                output_dtype)
+                                output_dtype, cache)
         return Result(self._call("Naive", self._stub.Naive, request))
 
-    def tiled(self, q, k, v, *, causal=False, scale=None, block_k=0, return_lse=False,
-              dtype=None, output_dtype=None):
+    def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
+              return_lse=False, dtype=None, output_dtype=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
-        → Result. Other arguments as for naive()."""
+        → Result. Other arguments (cache= too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
-                                output_dtype)
+                                output_dtype, cache)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
-    def trace(self, q, k, v, rows=None, *, block_k=0, causal=False, scale=None, dtype=None):
+    def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
+              scale=None, dtype=None):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
+        cache: a Cache or cache id to trace over instead of k and v (as for naive()).
         Arguments are checked now; the RPC starts on the first next(). Closing the iterator
         early (break, close()) cancels the stream. A failure mid-stream raises AttnError."""
         request = pb.TraceRequest(
-            attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None))
+            attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -433,3 +573,156 @@ class Client:
                 if not byte & 0x80:
                     break
         return _HEALTH_STATUS.get(status, str(status))
+
+    # KV caches.
+
+    def create_cache(self, kv_heads, head_dim, value_dim=None, dtype="fp32"):
+        """CreateCache → a new, empty Cache. value_dim None: head_dim. dtype: the storage type
+        of its keys and values ("fp32", "fp16", "bf16"); appended tokens are converted to it.
+        RESOURCE_EXHAUSTED when the server's --cache-bytes cannot hold its first page."""
+        for name, number in (("kv_heads", kv_heads), ("head_dim", head_dim),
+                             ("value_dim", head_dim if value_dim is None else value_dim)):
+            if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+                raise TypeError("%s must be an int, not %s" % (name, type(number).__name__))
+        request = pb.CreateCacheRequest(
+            kv_heads=int(kv_heads), head_dim=int(head_dim),
+            value_dim=int(head_dim if value_dim is None else value_dim),
+            dtype=_dtype_enum(dtype, "dtype"))
+        return Cache(self, self._call("CreateCache", self._stub.CreateCache, request))
+
+    def open_cache(self, cache_id):
+        """A Cache for an existing cache id (GetCacheInfo: its length is read now)."""
+        return Cache(self, self._cache_info(_cache_id(cache_id)))
+
+    def append(self, cache, key, value, *, expected_length=None, dtype=None):
+        """AppendCache: key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] at the end
+        of `cache` (a Cache, or an id with expected_length) → the new CacheInfo dict.
+        expected_length: the length the cache has before these tokens; None: a Cache's
+        `length` (an id needs it given). FAILED_PRECONDITION, naming the actual length, when it
+        is wrong; the cache is then unchanged. dtype None: a Cache's dtype (an id's arrays are
+        sent as they are, see the module docstring)."""
+        cache_id = _cache_id(cache)
+        expected = _expected_length(cache, expected_length)
+        input_dtype = _dtype_enum(dtype if dtype is not None or not isinstance(cache, Cache)
+                                  else cache.dtype, "dtype")
+        request = pb.AppendCacheRequest(cache_id=cache_id, key=_encode_tokens("key", key,
+                                                                            input_dtype),
+                                        value=_encode_tokens("value", value, input_dtype),
+                                        expected_length=expected)
+        info = _cache_dict(self._call("AppendCache", self._stub.AppendCache, request))
+        if isinstance(cache, Cache):
+            cache._set(info)
+        return info
+
+    def _cache_info(self, cache_id):
+        return self._call("GetCacheInfo", self._stub.GetCacheInfo,
+                          pb.GetCacheInfoRequest(cache_id=cache_id))
+
+    def cache_info(self, cache):
+        """GetCacheInfo of a Cache or id → its CacheInfo dict (a Cache takes its length)."""
+        info = _cache_dict(self._cache_info(_cache_id(cache)))
+        if isinstance(cache, Cache):
+            cache._set(info)
+        return info
+
+    def list_caches(self):
+        """ListCaches → the caller's caches as CacheInfo dicts, oldest first."""
+        response = self._call("ListCaches", self._stub.ListCaches, pb.ListCachesRequest())
+        return [_cache_dict(info) for info in response.caches]
+
+    def delete_cache(self, cache):
+        """DeleteCache of a Cache or id: frees its memory; later calls naming it get
+        NOT_FOUND (and so does deleting it again)."""
+        self._call("DeleteCache", self._stub.DeleteCache,
+                   pb.DeleteCacheRequest(cache_id=_cache_id(cache)))
+
+    def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
+               dtype=None, output_dtype=None):
+        """Decode: one step of a batch of sequences in one call → DecodeResult.
+
+        items: a list, one per sequence (at most one per cache), each a tuple
+        (cache, query) or (cache, query, key, value), or a dict with "cache", "query" and
+        optionally "key", "value" and "expected_length". cache: a Cache or an id; query
+        [heads, nq, head_dim] with heads a multiple of the cache's kv_heads; key/value (both
+        or neither) new tokens appended first, as for append(); expected_length as for
+        append(). The appends and the attention are one atomic step: if any item fails, no
+        item's tokens are kept (and no Cache's length moves). Item i's output is
+        [heads, nq, value_dim]; causal is bottom-right against each cache's length after its
+        append. dtype converts every query, key and value (None: queries as they are, keys
+        and values of a Cache in its dtype); other options as for naive()."""
+        if isinstance(items, (dict, tuple)) or not hasattr(items, "__iter__"):
+            raise TypeError("items must be a list of (cache, query[, key, value]) tuples or dicts")
+        input_dtype = _dtype_enum(dtype, "dtype")
+        request = pb.DecodeRequest(
+            options=self._options(causal, scale, block_k, return_lse, output_dtype))
+        caches = []
+        for index, item in enumerate(items):
+            if isinstance(item, dict):
+                unknown = set(item) - {"cache", "query", "key", "value", "expected_length"}
+                if unknown or "cache" not in item or "query" not in item:
+                    raise TypeError("items[%d]: a dict with 'cache' and 'query' (and optionally "
+                                    "'key', 'value', 'expected_length'), got keys %s"
+                                    % (index, sorted(item)))
+                cache, query = item["cache"], item["query"]
+                key, value = item.get("key"), item.get("value")
+                expected = item.get("expected_length")
+            elif isinstance(item, (tuple, list)) and len(item) in (2, 4):
+                cache, query = item[0], item[1]
+                key, value = (item[2], item[3]) if len(item) == 4 else (None, None)
+                expected = None
+            else:
+                raise TypeError("items[%d] must be (cache, query), (cache, query, key, value) or "
+                                "a dict, not %r" % (index, type(item).__name__))
+            if (key is None) != (value is None):
+                raise ValueError("items[%d]: give key and value together, or neither" % index)
+            name = "items[%d]." % index
+            message = request.items.add(cache_id=_cache_id(cache),
+                                        expected_length=_expected_length(cache, expected),
+                                        query=_encode(name + "query", query, input_dtype))
+            if key is not None:
+                token_dtype = input_dtype
+                if token_dtype is None and isinstance(cache, Cache):
+                    token_dtype = _dtype_enum(cache.dtype, "dtype")
+                message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype))
+                message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype))
+            caches.append(cache)
+        result = DecodeResult(self._call("Decode", self._stub.Decode, request))
+        if len(result.caches) != len(caches) or len(result.outputs) != len(caches):
+            raise AttnError("Decode", grpc.StatusCode.INTERNAL,
+                            "%d outputs and %d cache infos for %d items"
+                            % (len(result.outputs), len(result.caches), len(caches)))
+        for cache, info in zip(caches, result.caches):
+            if isinstance(cache, Cache):
+                cache._set(info)
+        return result
+
+
+def _cache_id(cache):
+    """A Cache or a cache id → the id."""
+    if isinstance(cache, Cache):
+        return cache.id
+    if isinstance(cache, str) and cache:
+        return cache
+    raise TypeError("a cache must be a Cache or a non-empty cache id string, not %r"
+                    % type(cache).__name__)
+
+
+def _expected_length(cache, expected_length):
+    """The expected_length to send: the one given, else a Cache's believed length."""
+    if expected_length is None:
+        if isinstance(cache, Cache):
+            return int(cache.length)
+        raise ValueError("expected_length is needed with a cache id (a Cache object tracks it)")
+    if isinstance(expected_length, bool) or not isinstance(expected_length, numbers.Integral):
+        raise TypeError("expected_length must be an int, not %s" % type(expected_length).__name__)
+    if expected_length < 0:
+        raise ValueError("expected_length must be ≥ 0, got %d" % expected_length)
+    return int(expected_length)
+
+
+def _encode_tokens(name, array, dtype):
+    """Cache tokens [kv_heads, n, dim] (rank 2 [n, dim] when kv_heads is 1) as a Tensor."""
+    if isinstance(array, np.ndarray) and array.ndim == 4:
+        raise ValueError("%s has rank 4 (shape %s); cache tokens are [kv_heads, n, dim] or "
+                         "[n, dim]" % (name, array.shape))
+    return _encode(name, array, dtype)

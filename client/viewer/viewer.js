@@ -2,7 +2,9 @@
 //
 // Inputs are built here (the seed example's formulas or a seeded random problem) in float32 and
 // sent as AttentionRequest JSON (protobuf's JSON mapping) to the gateway's /v1/naive, /v1/tiled
-// and /v1/trace. The trace answers text/event-stream, one TraceEvent JSON per `data:` line; it is
+// and /v1/trace (with "keys in a KV cache", the keys and values go once into a server-resident
+// cache, /v1/caches, and the three calls send only the queries and its id). The trace answers
+// text/event-stream, one TraceEvent JSON per `data:` line; it is
 // read with fetch() and a stream reader (EventSource cannot POST). Every event is kept in an
 // array and only the current step is drawn, so thousands of steps stay cheap.
 'use strict';
@@ -174,11 +176,11 @@
     return new ServerError(path, `HTTP ${response.status} ${detail}`);
   }
 
-  async function request(path, body, signal) {
+  async function request(path, body, signal, method) {
     let response;
     try {
       response = await fetch(serverBase() + path, {
-        method: body === undefined ? 'GET' : 'POST',
+        method: method || (body === undefined ? 'GET' : 'POST'),
         headers: headers(body !== undefined),
         body: body === undefined ? undefined : JSON.stringify(body),
         signal,
@@ -190,6 +192,24 @@
     }
     if (!response.ok) throw await httpError(path, response);
     return response;
+  }
+
+  // "keys in a KV cache": a server-resident cache holding the problem's keys and values
+  // (POST /v1/caches, then one append), and the request over it: only the queries and its id.
+  // The causal mask stays bottom-right against the cache's length, N, so the answers are the
+  // stateless request's.
+  async function cacheRequest(body, problem, signal) {
+    const created = await (await request('/v1/caches', {
+      kvHeads: 1, headDim: problem.d, valueDim: problem.d, dtype: 'DTYPE_FLOAT32'}, signal)).json();
+    const cacheId = created.cacheId;
+    try {
+      await request(`/v1/caches/${cacheId}/append`,
+                    {key: body.key, value: body.value, expectedLength: 0}, signal);
+    } catch (e) {
+      request(`/v1/caches/${cacheId}`, undefined, undefined, 'DELETE').catch(() => {});
+      throw e;
+    }
+    return {cacheId, body: {query: body.query, cacheId, options: body.options}};
   }
 
   // Reads a text/event-stream body, calling onEvent(parsed JSON) for each event's data.
@@ -275,6 +295,7 @@
       causal: $('causal').checked,
       row: int('row'),
       randomSeed: int('random-seed'),
+      useCache: $('use-cache').checked,
     };
   }
 
@@ -733,8 +754,20 @@
     drawBytes(cfg, null);
     scheduleDraw();
     setStatus('Running…');
-    const body = attentionRequest(state.problem, cfg);
     const signal = abort.signal;
+    let body = attentionRequest(state.problem, cfg);
+    let cacheId = null;
+    if (cfg.useCache) {
+      try {
+        ({cacheId, body} = await cacheRequest(body, state.problem, signal));
+      } catch (e) {
+        if (e.name === 'AbortError' || state.abort !== abort) return;
+        state.abort = null;
+        showError(e.message);
+        setStatus('Could not store the keys in a KV cache.');
+        return;
+      }
+    }
     const unary = async (path) => {
       const response = await request(path, body, signal);
       const json = await response.json();
@@ -766,6 +799,10 @@
     });
     const tiled = guard(unary('/v1/tiled')).then((r) => { if (r && state.abort === abort) state.tiled = r; });
     await Promise.all([naive, tiled, trace]);
+    if (cacheId) {
+      // The cache was this run's alone; a failure to delete it only leaves it to expire.
+      await guard(request(`/v1/caches/${cacheId}`, undefined, undefined, 'DELETE'));
+    }
     if (state.abort !== abort) return;  // a newer run took over
     state.streamDone = true;
     state.abort = null;

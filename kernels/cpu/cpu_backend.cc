@@ -10,6 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "kernels/cpu/decode.h"
+#include "kernels/cpu/kv_store.h"
 #include "kernels/cpu/naive.h"
 #include "kernels/cpu/tiled.h"
 #include "kernels/cpu/trace.h"
@@ -60,11 +62,13 @@ int ThreadsOrAll(int threads) {
 
 }  // namespace
 
-CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes, int64_t max_packed_head_bytes)
+CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes, int64_t max_packed_head_bytes,
+                       int64_t kv_page_tokens)
     : pool_(ThreadsOrAll(threads)),
       memory_bytes_(PhysicalMemoryBytes()),
       max_naive_bytes_(max_naive_bytes > 0 ? max_naive_bytes : memory_bytes_ / 4),
       max_packed_head_bytes_(max_packed_head_bytes),
+      kv_page_tokens_(std::max<int64_t>(kv_page_tokens, 1)),
       device_(absl::StrCat(CpuModel(), ", ", pool_.threads(), " threads")) {
   // Parallelism comes from the pool; BLAS threads inside it would only oversubscribe.
   openblas_set_num_threads(1);
@@ -74,9 +78,11 @@ bool CpuBackend::RunsInline(const Problem& problem) const {
   const Shape& s = problem.shape;
   const int64_t query_bytes =
       s.batch * s.heads * s.query_len * s.head_dim * ElementSize(problem.query.dtype);
-  const int64_t key_value_bytes = s.batch * s.kv_heads * s.key_len *
-                                  (s.head_dim * ElementSize(problem.key.dtype) +
-                                   s.value_dim * ElementSize(problem.value.dtype));
+  const DType key_dtype = problem.pages != nullptr ? problem.pages->dtype : problem.key.dtype;
+  const DType value_dtype = problem.pages != nullptr ? problem.pages->dtype : problem.value.dtype;
+  const int64_t key_value_bytes =
+      s.batch * s.kv_heads * s.key_len *
+      (s.head_dim * ElementSize(key_dtype) + s.value_dim * ElementSize(value_dtype));
   return problem.Flops() <= kInlineFlops && query_bytes + key_value_bytes <= kInlineInputBytes;
 }
 
@@ -102,6 +108,45 @@ absl::StatusOr<Stats> CpuBackend::Tiled(const Problem& problem, const Outputs& o
 absl::StatusOr<std::unique_ptr<TraceCursor>> CpuBackend::Trace(const Problem& problem,
                                                                std::vector<RowRef> rows) {
   return MakeCpuTraceCursor(problem, std::move(rows));
+}
+
+absl::StatusOr<std::unique_ptr<KvStore>> CpuBackend::CreateKvStore(const KvLayout& layout) {
+  return std::make_unique<CpuKvStore>(layout, kv_page_tokens_);
+}
+
+absl::StatusOr<Stats> CpuBackend::Decode(const std::vector<Problem>& problems,
+                                         const std::vector<Outputs>& outputs) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<const Problem*> decode_problems;
+  std::vector<const Outputs*> decode_outputs;
+  Stats total;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    if (DecodeRowsOf(problems[i]) <= kDecodeMaxRows) {
+      decode_problems.push_back(&problems[i]);
+      decode_outputs.push_back(&outputs[i]);
+      continue;
+    }
+    absl::StatusOr<Stats> stats = Tiled(problems[i], outputs[i]);
+    if (!stats.ok()) return stats.status();
+    total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
+  }
+  if (!decode_problems.empty()) {
+    absl::StatusOr<Stats> stats = DecodeAttention(decode_problems, decode_outputs, pool_);
+    if (!stats.ok()) return stats.status();
+    total.block_k = stats->block_k;
+    total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
+  }
+  int64_t output_bytes = 0;
+  for (const Problem& problem : problems) {
+    total.flops += problem.Flops();
+    output_bytes += problem.OutputElements() * ElementSize(problem.output_dtype) +
+                    (problem.return_lse ? problem.LseElements() * 4 : 0);
+  }
+  total.peak_memory_bytes = total.scratch_bytes + output_bytes;
+  total.compute_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
+  return total;
 }
 
 }  // namespace attn

@@ -1,7 +1,8 @@
-// CpuBackend: serves Naive, Tiled and Trace from the CPU kernels in this directory.
+// CpuBackend: serves Naive, Tiled, Trace and Decode from the CPU kernels in this directory, and
+// keeps KV caches in host memory (CpuKvStore).
 //
-// Thread-safe. Each Naive or Tiled call spreads its work over the backend's pool of `threads`
-// workers (calls take turns on it); BLAS runs single-threaded inside each worker.
+// Thread-safe. Each Naive, Tiled or Decode call spreads its work over the backend's pool of
+// `threads` workers (calls take turns on it); BLAS runs single-threaded inside each worker.
 #pragma once
 
 #include <cstdint>
@@ -17,13 +18,18 @@ namespace attn {
 class CpuBackend final : public Backend {
  public:
   static constexpr int64_t kDefaultMaxPackedHeadBytes = 16 << 20;  // docs/perf.md
+  // Tokens per KV cache page: 256 tokens of 8 kv heads × 128 × bf16 keys are 512 KiB a block,
+  // so page-table walks are rare and a cache wastes at most one page per sequence.
+  static constexpr int64_t kDefaultKvPageTokens = 256;
 
   // threads: workers per call (0 = hardware concurrency). max_naive_bytes: Naive's budget for
   // score and weight storage (0 = a quarter of physical memory). max_packed_head_bytes: the
   // packed key tiles each Tiled worker keeps per head (TiledAttention in tiled.h; tests lower it
-  // to reach the path that packs again for every block).
+  // to reach the path that packs again for every block). kv_page_tokens: tokens per page of the
+  // KV caches it creates (tests use small odd ones).
   CpuBackend(int threads, int64_t max_naive_bytes,
-             int64_t max_packed_head_bytes = kDefaultMaxPackedHeadBytes);
+             int64_t max_packed_head_bytes = kDefaultMaxPackedHeadBytes,
+             int64_t kv_page_tokens = kDefaultKvPageTokens);
 
   const char* name() const override { return "cpu"; }
   std::string device() const override { return device_; }
@@ -37,6 +43,13 @@ class CpuBackend final : public Backend {
   absl::StatusOr<Stats> Tiled(const Problem& problem, const Outputs& outputs) override;
   absl::StatusOr<std::unique_ptr<TraceCursor>> Trace(const Problem& problem,
                                                      std::vector<RowRef> rows) override;
+
+  absl::StatusOr<std::unique_ptr<KvStore>> CreateKvStore(const KvLayout& layout) override;
+  int64_t kv_page_tokens() const override { return kv_page_tokens_; }
+  // Decode-shaped problems (DecodeRowsOf ≤ kDecodeMaxRows, decode.h) through the decode kernel,
+  // all in one pool run; any others through Tiled.
+  absl::StatusOr<Stats> Decode(const std::vector<Problem>& problems,
+                               const std::vector<Outputs>& outputs) override;
 
  private:
   // Keys per tile when a request asks for 0 (measured: docs/perf.md).
@@ -53,6 +66,7 @@ class CpuBackend final : public Backend {
   int64_t memory_bytes_;
   int64_t max_naive_bytes_;
   int64_t max_packed_head_bytes_;
+  int64_t kv_page_tokens_;
   std::string device_;
 };
 

@@ -3,8 +3,15 @@
 // fp32 input is used in place; fp16/bf16 rows are converted into a buffer this object owns and
 // reuses (a tile or a head at a time). The returned pointer is valid until the next Load on the
 // same object. Not thread-safe: one per worker.
+//
+// LoadKeys/LoadValues are the one view of a problem's keys and values for the kernels that work
+// in fp32 (Naive, Tiled, Trace): rows [begin, begin + count) of one kv head, from dense tensors
+// or from a cache's pages (Problem::pages). Paged rows in one page of an fp32 cache are used in
+// place; otherwise the page segments are gathered (and converted) into the buffer. The values
+// are the same floats either way, so a kernel computes the same bits on both layouts.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -66,10 +73,52 @@ class Fp32Rows {
     return buffer_.data();
   }
 
+  // Keys [begin, begin + count) of kv head `kv_head` of batch `batch`, [count, head_dim] fp32.
+  const float* LoadKeys(const Problem& problem, int64_t batch, int64_t kv_head, int64_t begin,
+                        int64_t count) {
+    if (problem.pages == nullptr) {
+      return Load(problem.key, problem.KeyOffset(batch, kv_head, begin),
+                  count * problem.shape.head_dim);
+    }
+    return LoadPaged(*problem.pages, problem.pages->key_pages, kv_head, begin, count,
+                     problem.shape.head_dim);
+  }
+  // Values [begin, begin + count) of kv head `kv_head` of batch `batch`, [count, value_dim] fp32.
+  const float* LoadValues(const Problem& problem, int64_t batch, int64_t kv_head, int64_t begin,
+                          int64_t count) {
+    if (problem.pages == nullptr) {
+      return Load(problem.value, problem.ValueOffset(batch, kv_head, begin),
+                  count * problem.shape.value_dim);
+    }
+    return LoadPaged(*problem.pages, problem.pages->value_pages, kv_head, begin, count,
+                     problem.shape.value_dim);
+  }
+
   // Bytes this object allocated for conversions.
   int64_t scratch_bytes() const { return static_cast<int64_t>(buffer_.capacity() * sizeof(float)); }
 
  private:
+  // Rows of `width` elements from the pages of `table` (PagedKv's layout).
+  const float* LoadPaged(const PagedKv& pages, const void* const* table, int64_t kv_head,
+                         int64_t begin, int64_t count, int64_t width) {
+    const int64_t element = ElementSize(pages.dtype);
+    const int64_t in_page = pages.page_tokens - begin % pages.page_tokens;
+    if (pages.dtype == DType::kFloat32 && count <= in_page) {  // One page: in place.
+      return static_cast<const float*>(table[begin / pages.page_tokens]) +
+             pages.RowInPage(kv_head, begin, width);
+    }
+    if (static_cast<int64_t>(buffer_.size()) < count * width) buffer_.resize(count * width);
+    for (int64_t token = begin; token < begin + count;) {
+      const int64_t rows =
+          std::min(pages.page_tokens - token % pages.page_tokens, begin + count - token);
+      const char* page = static_cast<const char*>(table[token / pages.page_tokens]);
+      ConvertToFloat(page + pages.RowInPage(kv_head, token, width) * element, pages.dtype,
+                     rows * width, buffer_.data() + (token - begin) * width);
+      token += rows;
+    }
+    return buffer_.data();
+  }
+
   std::vector<float> buffer_;
 };
 

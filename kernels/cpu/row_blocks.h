@@ -1,8 +1,9 @@
 // Row blocks: how the CPU kernels split a problem into tasks, and load each task's inputs.
 //
 // A task is a block of up to kRowsPerBlock query rows of one (batch, head). BlockLoader gives
-// Naive a block's query rows and its whole key/value head as fp32: used in place when the input
-// is fp32, converted once per block into buffers the loader owns otherwise (fp16/bf16). Tiled
+// Naive a block's query rows and its whole key/value head as fp32 (dense or paged, through
+// Fp32Rows::LoadKeys/LoadValues): used in place when the input is fp32 and contiguous, converted
+// or gathered once per block into buffers the loader owns otherwise. Tiled
 // loads its keys and values a tile at a time instead (tiled.cc).
 #pragma once
 
@@ -61,10 +62,8 @@ class BlockLoader {
     inputs.query =
         query_.Load(problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin),
                     (block.row_end - block.row_begin) * s.head_dim);
-    inputs.key = key_.Load(problem.key, problem.KeyOffset(block.batch, block.kv_head, 0),
-                           s.key_len * s.head_dim);
-    inputs.value = value_.Load(problem.value, problem.ValueOffset(block.batch, block.kv_head, 0),
-                               s.key_len * s.value_dim);
+    inputs.key = key_.LoadKeys(problem, block.batch, block.kv_head, 0, s.key_len);
+    inputs.value = value_.LoadValues(problem, block.batch, block.kv_head, 0, s.key_len);
     return inputs;
   }
 

@@ -85,11 +85,8 @@ struct Worker {
     if (tiles.size() <= slot) tiles.resize(slot + 1);
     if (tile >= packed_tiles) {
       const int64_t key_begin = tile * problem.block_k;
-      const float* k = key.Load(
-          problem.key, problem.KeyOffset(block.batch, block.kv_head, key_begin), int64_t{n} * d);
-      const float* v =
-          value.Load(problem.value, problem.ValueOffset(block.batch, block.kv_head, key_begin),
-                     int64_t{n} * dv);
+      const float* k = key.LoadKeys(problem, block.batch, block.kv_head, key_begin, n);
+      const float* v = value.LoadValues(problem, block.batch, block.kv_head, key_begin, n);
       tiles[slot].Load(k, v, n, d, dv, problem.scale);
       packed_tiles = tile + 1;
     }

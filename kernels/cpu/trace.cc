@@ -54,10 +54,8 @@ class CpuTraceCursor final : public TraceCursor {
     const int64_t kv_head = problem_.KvHead(ref.head);  // Grouped-query attention.
     q_row_ =
         query_.Load(problem_.query, problem_.QueryOffset(ref.batch, ref.head, ref.row), s.head_dim);
-    key_rows_ =
-        key_.Load(problem_.key, problem_.KeyOffset(ref.batch, kv_head, 0), s.key_len * s.head_dim);
-    value_rows_ = value_.Load(problem_.value, problem_.ValueOffset(ref.batch, kv_head, 0),
-                              s.key_len * s.value_dim);
+    key_rows_ = key_.LoadKeys(problem_, ref.batch, kv_head, 0, s.key_len);
+    value_rows_ = value_.LoadValues(problem_, ref.batch, kv_head, 0, s.key_len);
     state_ = OnlineSoftmaxRow{};
     scores_.assign(problem_.block_k, 0.f);
     acc_.assign(AccStride(static_cast<int>(s.value_dim)), 0.f);

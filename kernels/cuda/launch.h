@@ -1,4 +1,5 @@
-// Launchers of the CUDA kernels (naive.cu, tiled.cu, trace.cu), callable from host code.
+// Launchers of the CUDA kernels (naive.cu, tiled.cu, trace.cu, decode.cu, pages.cu), callable
+// from host code.
 //
 // Every launcher enqueues work on `stream` and returns the launch's error (cudaSuccess when it
 // was queued); errors during execution surface at the next synchronizing call. Inputs are a
@@ -113,5 +114,74 @@ constexpr int kTraceScalars = 4;
 
 cudaError_t LaunchTrace(const DeviceProblem& problem, const TraceRecords& records,
                         cudaStream_t stream);
+
+// --- KV cache pages (pages.cu) ----------------------------------------------------------------
+
+// Dense [kv_heads, key_len, pitch] in out_dtype (rows zero-padded past `width`) of the first
+// key_len tokens of a cache: `table` is pages.key_pages (width head_dim) or pages.value_pages
+// (width value_dim), a device array; the pages hold pages.dtype. How Naive, Tiled and Trace read
+// a cache: they run on the gathered copy.
+cudaError_t LaunchGather(const PagedKv& pages, const void* const* table, int64_t kv_heads,
+                         int64_t key_len, int64_t width, void* out, DType out_dtype, int64_t pitch,
+                         cudaStream_t stream);
+
+// Writes dense tokens [kv_heads, n, width] (element_size bytes each, 2 or 4, already in the
+// pages' dtype; device memory) as tokens first … first + n − 1 of the pages in `table` (a device
+// array of blocks [kv_heads, page_tokens, width]). How a KV store appends.
+cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64_t width,
+                          int element_size, void* const* table, int64_t page_tokens, int64_t first,
+                          cudaStream_t stream);
+
+// --- Decode (decode.cu): split-KV attention over the pages of a batch of caches --------------
+
+constexpr int kDecodeKeys = 32;  // Keys per tile (one per lane while scoring).
+constexpr int kDecodeRows = 16;  // Query rows of one GQA group per block (4 per warp).
+
+// Dynamic shared memory of the decode kernel at `pitch`, bytes: the block's query rows, one key
+// tile (rows padded by one float: no bank conflicts) and one value tile, fp32.
+constexpr int DecodeSharedBytes(int pitch) {
+  return 4 * (kDecodeRows * pitch + kDecodeKeys * (pitch + 1) + kDecodeKeys * pitch);
+}
+
+// One sequence of the batch (device memory, read by both kernels). Its rows are
+// flat = head · query_len + row; its keys split into `chunks` of chunk_keys (a multiple of
+// kDecodeKeys), chunk c holding keys [c · chunk_keys, (c + 1) · chunk_keys) ∩ [0, key_len).
+struct DecodeItem {
+  PagedKv pages;       // Tables and pages in device memory, pages.dtype the batch's dtype.
+  const float* query;  // [heads, query_len, head_dim] fp32
+  void* output;        // [heads, query_len, value_dim] in output_dtype
+  DType output_dtype;
+  float* lse;  // [heads, query_len], or null
+  int64_t heads, kv_heads, query_len, key_len, head_dim, value_dim;
+  float scale;
+  bool causal;  // Bottom-right (VisibleKeysOf).
+  int64_t chunk_keys, chunks;
+  int64_t partial_acc;    // Offset in DecodeBatch::partial_acc of its [rows, chunks, value_dim].
+  int64_t partial_state;  // Offset in DecodeBatch::partial_state of its [rows, chunks, 2].
+};
+
+// One block of the split kernel: item, kv head, group of kDecodeRows query rows of that kv
+// head (row r of the group is flat row (kv_head · group + r / query_len) · query_len +
+// r % query_len, group = heads / kv_heads), key chunk.
+struct DecodeUnit {
+  int32_t item, kv_head, row_group, chunk;
+};
+
+struct DecodeBatch {
+  DType dtype = DType::kFloat32;  // Of every item's pages.
+  int pitch = 32;                 // One of kCompiledDims ≥ every item's head_dim and value_dim.
+  const DecodeItem* items = nullptr;
+  int items_count = 0;
+  const DecodeUnit* units = nullptr;
+  int64_t units_count = 0;
+  int64_t max_rows = 0;            // The largest heads · query_len.
+  float* partial_acc = nullptr;    // Unnormalized accumulators of every (row, chunk).
+  float* partial_state = nullptr;  // (max, denominator) of every (row, chunk).
+};
+
+// The split kernel over every unit, then the merge of every row's chunks into its output and
+// lse. cudaErrorInvalidValue for a pitch that is not one of kCompiledDims;
+// cudaErrorInvalidConfiguration for a grid the device cannot launch.
+cudaError_t LaunchDecode(const DecodeBatch& batch, cudaStream_t stream);
 
 }  // namespace attn::cuda

@@ -7,6 +7,13 @@
 // Rows, in this order:
 //   sgemm/N:<n>/at:begin                      an n×n×n cblas_sgemm (2·n³ FLOP) on `threads` threads
 //   <method>/<dtype>/causal:<0|1>/N:<n>/H:<h>/d:<d>   for d, dtype, causal, N (ascending), method
+//   memread/MiB:<m>/at:begin                 (decode methods only) a read of an m MiB buffer on
+//                                             `threads` threads: the memory-read ceiling, once at
+//                                             --memread_mib and once at the decode cache's size
+//   <decode method>/<dtype>/B:<b>/N:<n>/H:<h>/KV:<kv>/d:<d>   one decode step of a batch of b
+//                                             sequences of n cached tokens (server-resident, paged
+//                                             stores), 1 query row each; for dtype, shape
+//   memread/MiB:<m>/at:end                    the memory ceiling again
 //   sgemm/N:<n>/at:end                        the same sgemm again, to show drift during the run
 // Counters of an attention row: GFLOP/s = 4·B·H·N²·d (halved when causal) / time; peak_bytes =
 // the backend's Stats::peak_memory_bytes (the peak extra memory of the call: scratch + output);
@@ -18,6 +25,11 @@
 // uniform(−1, 1) in the row's dtype, output in the same dtype, no lse. Heads default to 8 for
 // N ≤ 4096 and to max(1, 8·4096²/N²) above, so the big-N rows stay a few seconds each on two
 // cores (N = 32768 has H = 1, the shape of the memory target).
+//
+// Decode rows (methods decode, decode_tiled): `decode` is Backend::Decode (the CPU decode kernel,
+// kernels/cpu/decode.h), `decode_tiled` the same step as Tiled calls, one per sequence (the
+// Backend default). Counter GB/s = cache bytes read per step, b·kv·n·(d + dv)·element size, per
+// second: compare it with the memread rows' GB/s.
 //
 // Naive runs up to --naive_max_n; above it a Naive row is registered only when its score and
 // weight matrices pass the budget (--naive_budget_gib, default 4 GiB), so the backend refuses it
@@ -38,6 +50,11 @@
 //   --deadline_s=S     attention rows that would start after S seconds report "timeout" (default
 //                      0: none); the sgemm rows always run
 //   --no_refusal       do not add the explicit refusal row
+//   --decode_shapes=BxN,...   decode batches × cache lengths (default 1x32768,16x4096; --quick
+//                      1x4096,4x1024); rows only when --methods names decode or decode_tiled
+//   --decode_heads=HxKV  query heads × kv heads of the decode rows (default 32x8)
+//   --decode_d=D       head_dim = value_dim of the decode rows (default 128)
+//   --memread_mib=M    the memory ceiling's buffer (default 1024, well past the L3 cache)
 #include <cblas.h>
 
 #include <algorithm>
@@ -62,7 +79,10 @@
 #include "benchmark/benchmark.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/cpu_dispatch.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/dtype.h"
+#include "kernels/lanes.h"
 #include "kernels/problem.h"
 #include "tests/reference.h"
 
@@ -92,6 +112,9 @@ struct Options {
   double min_time = 0.5;
   double deadline_s = 0;
   bool refusal = true;
+  std::vector<std::pair<int64_t, int64_t>> decode_shapes = {{1, 32768}, {16, 4096}};
+  int64_t decode_heads = 32, decode_kv_heads = 8, decode_d = 128;
+  int64_t memread_mib = 1024;
 };
 
 struct Cell {
@@ -127,8 +150,10 @@ bool DeadlinePassed() {
   std::fprintf(stderr,
                "attention_bench: %s\n"
                "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
-               "       --methods=tiled,naive --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+               "       --methods=tiled,naive,decode,decode_tiled --heads=H --naive_max_n=N "
+               "--naive_budget_gib=G\n"
                "       --sgemm_n=N --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+               "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
                "       and Google Benchmark's --benchmark_* flags\n",
                problem.c_str());
   std::exit(2);
@@ -174,6 +199,8 @@ Options ParseOptions(int* argc, char** argv) {
       options.naive_max_n = 1024;
       options.sgemm_n = 1024;
       options.min_time = 0.05;
+      options.decode_shapes = {{1, 4096}, {4, 1024}};
+      options.memread_mib = 256;
     }
   }
   int kept = 1;
@@ -221,11 +248,40 @@ Options ParseOptions(int* argc, char** argv) {
         }
       }
       if (options.dtypes.empty()) Usage("--dtype needs at least one value");
+    } else if (flag == "--decode_shapes") {
+      need_value();
+      options.decode_shapes.clear();
+      for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        const std::vector<absl::string_view> parts = absl::StrSplit(item, 'x');
+        if (parts.size() != 2) Usage("--decode_shapes takes BxN,...");
+        const int64_t b = ParseInt(flag, parts[0]), n = ParseInt(flag, parts[1]);
+        if (b == 0 || n == 0) Usage("--decode_shapes values must be positive");
+        options.decode_shapes.emplace_back(b, n);
+      }
+    } else if (flag == "--decode_heads") {
+      need_value();
+      const std::vector<absl::string_view> parts = absl::StrSplit(value, 'x');
+      if (parts.size() != 2) Usage("--decode_heads takes HxKV");
+      options.decode_heads = ParseInt(flag, parts[0]);
+      options.decode_kv_heads = ParseInt(flag, parts[1]);
+      if (options.decode_kv_heads == 0 || options.decode_heads % options.decode_kv_heads != 0) {
+        Usage("--decode_heads: kv heads must divide heads");
+      }
+    } else if (flag == "--decode_d") {
+      need_value();
+      options.decode_d = ParseInt(flag, value);
+      if (options.decode_d == 0) Usage("--decode_d must be positive");
+    } else if (flag == "--memread_mib") {
+      need_value();
+      options.memread_mib = ParseInt(flag, value);
+      if (options.memread_mib == 0) Usage("--memread_mib must be positive");
     } else if (flag == "--methods") {
       need_value();
       options.methods.clear();
       for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
-        if (item != "tiled" && item != "naive") Usage(absl::StrCat("unknown method ", item));
+        if (item != "tiled" && item != "naive" && item != "decode" && item != "decode_tiled") {
+          Usage(absl::StrCat("unknown method ", item));
+        }
         options.methods.emplace_back(item);
       }
     } else if (flag == "--heads") {
@@ -254,6 +310,7 @@ Options ParseOptions(int* argc, char** argv) {
           "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
           "  --causal=0,1 --methods=tiled,naive --heads=H --naive_max_n=N --naive_budget_gib=G\n"
           "  --sgemm_n=N --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+          "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
           "  (see tests/bench/attention_bench.cc); Google Benchmark's own flags follow.\n\n");
       argv[kept++] = argv[i];
     } else if (flag.rfind("--benchmark_", 0) == 0) {
@@ -339,6 +396,152 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
   state.counters["block_k"] = problem.block_k;
 }
 
+struct DecodeCell {
+  std::string method;  // "decode" or "decode_tiled".
+  DType dtype = DType::kBFloat16;
+  int64_t batch = 1, n = 0, heads = 32, kv_heads = 8, d = 128;
+
+  std::string Name() const {
+    return absl::StrCat(method, "/", Cell::DTypeLabel(dtype), "/B:", batch, "/N:", n, "/H:", heads,
+                        "/KV:", kv_heads, "/d:", d);
+  }
+  // Cache bytes one step reads: every sequence's keys and values once.
+  double CacheBytes() const {
+    return static_cast<double>(batch) * kv_heads * n * 2 * d * attn::ElementSize(dtype);
+  }
+};
+
+void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell& cell) {
+  if (DeadlinePassed()) return Skip(state, "timeout: --deadline_s passed before this row ran");
+  std::mt19937 rng(0xdec0de + cell.n);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  // Each sequence's cache, filled by appends of up to 4096 fp32 tokens (converted on append).
+  std::vector<std::unique_ptr<attn::KvStore>> stores;
+  constexpr int64_t kPiece = 4096;
+  std::vector<float> key, value;
+  for (int64_t b = 0; b < cell.batch; ++b) {
+    absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
+        backend->CreateKvStore(attn::KvLayout{cell.kv_heads, cell.d, cell.d, cell.dtype});
+    if (!store.ok()) return Skip(state, StatusText(store.status()));
+    for (int64_t done = 0; done < cell.n; done += kPiece) {
+      const int64_t n = std::min(kPiece, cell.n - done);
+      key.resize(cell.kv_heads * n * cell.d);
+      value.resize(key.size());
+      for (float& x : key) x = uniform(rng);
+      for (float& x : value) x = uniform(rng);
+      const absl::Status appended =
+          (*store)->Append(attn::TensorView{key.data(), DType::kFloat32},
+                           attn::TensorView{value.data(), DType::kFloat32}, n);
+      if (!appended.ok()) return Skip(state, StatusText(appended));
+    }
+    stores.push_back(*std::move(store));
+  }
+  const int64_t esize = attn::ElementSize(cell.dtype);
+  std::vector<uint8_t> queries(cell.batch * cell.heads * cell.d * esize);
+  for (int64_t i = 0; i < cell.batch * cell.heads * cell.d; ++i) {
+    attn::StoreElement(queries.data(), cell.dtype, i, uniform(rng));
+  }
+  std::vector<std::vector<uint8_t>> output_bytes(cell.batch);
+  std::vector<std::vector<float>> lse(cell.batch);
+  std::vector<attn::Problem> problems(cell.batch);
+  std::vector<attn::Outputs> outputs(cell.batch);
+  for (int64_t b = 0; b < cell.batch; ++b) {
+    attn::Problem& p = problems[b];
+    p.shape = attn::testing::MakeShape(1, cell.heads, cell.kv_heads, 1, cell.n, cell.d, cell.d);
+    p.query = attn::TensorView{queries.data() + b * cell.heads * cell.d * esize, cell.dtype};
+    p.pages = &stores[b]->pages();
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cell.d)));
+    p.block_k = backend->default_block_k();
+    p.return_lse = true;
+    p.output_dtype = cell.dtype;
+    output_bytes[b].resize(p.OutputElements() * esize);
+    for (int64_t i = 0; i < p.OutputElements(); ++i) {
+      attn::StoreElement(output_bytes[b].data(), cell.dtype, i,
+                         std::numeric_limits<float>::quiet_NaN());
+    }
+    lse[b].resize(p.LseElements());
+    outputs[b].output = attn::MutableTensorView{output_bytes[b].data(), cell.dtype};
+    outputs[b].lse = lse[b].data();
+  }
+  auto call = [&] {
+    return cell.method == "decode" ? backend->Decode(problems, outputs)
+                                   : backend->attn::Backend::Decode(problems, outputs);
+  };
+  absl::StatusOr<attn::Stats> stats = call();  // Warm-up.
+  if (!stats.ok()) return Skip(state, StatusText(stats.status()));
+  double compute_s = 0;
+  for (auto _ : state) {
+    stats = call();
+    if (!stats.ok()) {
+      Skip(state, StatusText(stats.status()));
+      break;
+    }
+    compute_s += stats->compute_ns * 1e-9;
+  }
+  if (!stats.ok()) return;
+  for (int64_t b = 0; b < cell.batch; ++b) {
+    for (int64_t i = 0; i < problems[b].OutputElements(); ++i) {
+      if (!std::isfinite(attn::LoadElement(output_bytes[b].data(), cell.dtype, i))) {
+        return Skip(state, absl::StrCat("bad: output ", b, " element ", i, " is not finite"));
+      }
+    }
+  }
+  using benchmark::Counter;
+  state.counters["GB/s"] = Counter(cell.CacheBytes() / 1e9, Counter::kIsIterationInvariantRate);
+  state.counters["compute_ms"] = compute_s * 1e3 / static_cast<double>(state.iterations());
+  state.counters["cache_bytes"] = Counter(cell.CacheBytes(), Counter::kDefaults, Counter::kIs1024);
+  state.counters["scratch_bytes"] =
+      Counter(static_cast<double>(stats->scratch_bytes), Counter::kDefaults, Counter::kIs1024);
+}
+
+// Σ of `count` floats in 8 lanes × 4 independent sums: a read that the vector units keep up
+// with, so that its rate is the memory's.
+ATTN_CPU_FAST float SumFloatsAvx2(const float* p, int64_t count) {
+  using attn::lanes::Floats;
+  Floats a{}, b{}, c{}, d{};
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    a += attn::lanes::Load(p + i);
+    b += attn::lanes::Load(p + i + 8);
+    c += attn::lanes::Load(p + i + 16);
+    d += attn::lanes::Load(p + i + 24);
+  }
+  const Floats sum = (a + b) + (c + d);
+  float total = 0;
+  for (int k = 0; k < 8; ++k) total += sum[k];
+  for (; i < count; ++i) total += p[i];
+  return total;
+}
+
+// The memory-read ceiling: the whole buffer read once per iteration, in 1 MiB slices handed to
+// `threads` workers of a pool like the backend's.
+void RunMemread(benchmark::State& state, int64_t mib, int threads) {
+  const int64_t count = mib * (1 << 20) / 4;
+  std::vector<float> buffer(count);
+  for (int64_t i = 0; i < count; ++i) buffer[i] = static_cast<float>(i & 1023);
+  attn::ThreadPool pool(threads);
+  constexpr int64_t kSlice = (1 << 20) / 4;
+  const int64_t slices = (count + kSlice - 1) / kSlice;
+  std::vector<double> sums(threads);
+  auto read = [&] {
+    std::fill(sums.begin(), sums.end(), 0.0);
+    pool.Run(slices, [&](int64_t slice, int worker) {
+      const int64_t begin = slice * kSlice;
+      sums[worker] += SumFloatsAvx2(buffer.data() + begin, std::min(kSlice, count - begin));
+    });
+  };
+  read();
+  for (auto _ : state) {
+    read();
+    benchmark::DoNotOptimize(sums.data());
+  }
+  double total = 0;
+  for (double x : sums) total += x;
+  if (!std::isfinite(total)) return Skip(state, "bad: memread sum");
+  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(count) * 4 / 1e9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // Runs even past --deadline_s: the table needs the ceiling.
 void RunSgemm(benchmark::State& state, int64_t n, int threads) {
   std::vector<float> a(n * n), b(n * n), c(n * n);
@@ -420,7 +623,47 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond);
   };
 
+  std::vector<DecodeCell> decode_cells;
+  for (const std::string& method : options.methods) {
+    if (method != "decode" && method != "decode_tiled") continue;
+    for (DType dtype : options.dtypes) {
+      for (const auto& [batch, n] : options.decode_shapes) {
+        decode_cells.push_back(DecodeCell{method, dtype, batch, n, options.decode_heads,
+                                          options.decode_kv_heads, options.decode_d});
+      }
+    }
+  }
+  // The memory ceiling at --memread_mib and at the largest decode cache's size.
+  std::set<int64_t> memread_sizes;
+  if (!decode_cells.empty()) {
+    memread_sizes.insert(options.memread_mib);
+    double largest = 0;
+    for (const DecodeCell& cell : decode_cells) largest = std::max(largest, cell.CacheBytes());
+    memread_sizes.insert(std::max<int64_t>(1, static_cast<int64_t>(largest / (1 << 20))));
+  }
+  auto add_memread = [&](const char* at) {
+    for (int64_t mib : memread_sizes) {
+      benchmark::RegisterBenchmark(absl::StrCat("memread/MiB:", mib, "/at:", at).c_str(),
+                                   [mib, threads = options.threads](benchmark::State& state) {
+                                     RunMemread(state, mib, threads);
+                                   })
+          ->UseRealTime()
+          ->MinTime(options.min_time)
+          ->Unit(benchmark::kMillisecond);
+    }
+  };
+
   add_sgemm("begin");
+  add_memread("begin");
+  for (const DecodeCell& cell : decode_cells) {
+    benchmark::RegisterBenchmark(
+        cell.Name().c_str(),
+        [&backend, cell](benchmark::State& state) { RunDecode(state, &backend, cell); })
+        ->UseRealTime()
+        ->MinTime(options.min_time)
+        ->Unit(benchmark::kMillisecond);
+  }
+  add_memread("end");
   std::vector<int64_t> seqs = options.seqs;
   std::sort(seqs.begin(), seqs.end());
   for (int64_t d : options.dims) {
@@ -428,6 +671,7 @@ int main(int argc, char** argv) {
       for (int64_t causal : options.causal) {
         for (int64_t n : seqs) {
           for (const std::string& method : options.methods) {
+            if (method != "tiled" && method != "naive") continue;
             const Cell cell{method, dtype, causal != 0, n, HeadsFor(options, n), d};
             // Past --naive_max_n, Naive only where the backend refuses it before allocating.
             if (method == "naive" && n > options.naive_max_n &&

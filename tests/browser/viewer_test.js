@@ -3,7 +3,9 @@
 // Loads the page from a running attnd, runs the seed example's trace of row 0 with block_k 2,
 // steps to the end and checks: the displayed final output equals the seed's out[0] (computed here
 // in float64, independently of the server) to 4 decimals; the byte accounting shows 1024 bytes
-// for Naive at N = 8; the tied scores of row 0 are highlighted; no console errors. Then checks
+// for Naive at N = 8; the tied scores of row 0 are highlighted; no console errors; the same run
+// with "keys in a KV cache" (the keys stored in a server-resident cache first) gives the same
+// out[0] and leaves no cache behind. Then checks
 // that a bad request's error is shown on the page. Saves a screenshot.
 // Usage: node viewer_test.js URL SCREENSHOT.png
 'use strict';
@@ -92,14 +94,18 @@ async function main() {
 
     // Step to the end with the next button, waiting for each step to be drawn.
     const at = async () => Number(((await page.textContent('#step-pos')).match(/step (\d+) \//) || [])[1]);
-    let clicks = 0;
-    while (await page.isEnabled('#step-next') && clicks < 100) {
-      const before = await at();
-      await page.click('#step-next');
-      ++clicks;
-      await page.waitForFunction((n) => !new RegExp(`step ${n} /`).test(
-          document.getElementById('step-pos').textContent), before);
-    }
+    const stepToEnd = async () => {
+      let clicks = 0;
+      while (await page.isEnabled('#step-next') && clicks < 100) {
+        const before = await at();
+        await page.click('#step-next');
+        ++clicks;
+        await page.waitForFunction((n) => !new RegExp(`step ${n} /`).test(
+            document.getElementById('step-pos').textContent), before);
+      }
+      return clicks;
+    };
+    const clicks = await stepToEnd();
     const position = await page.textContent('#step-pos');
     check('four tiles of two keys, stepped to the last', clicks === 3 && /step 4 \/ 4/.test(position),
           `${clicks} clicks, "${position}"`);
@@ -126,6 +132,30 @@ async function main() {
     console.log(`screenshot: ${path.resolve(screenshot)}`);
 
     check('no console errors', consoleErrors.length === 0, consoleErrors.join(' | '));
+
+    // The same trace over a server-resident KV cache: the page stores the keys first, the calls
+    // send only the queries and the cache id, and the answer is the same; the cache is deleted.
+    await page.setChecked('#use-cache', true);
+    await page.click('#run');
+    await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    const cacheError = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
+    check('the KV-cache run shows no error', cacheError === '', cacheError);
+    const cacheClicks = await stepToEnd();
+    const cacheShown = numbersIn(await page.textContent('#final-output'));
+    check('over a KV cache: four steps and the seed\'s out[0] again',
+          cacheClicks === 3 && cacheShown.length === expected.length &&
+              cacheShown.every((x, i) => Math.abs(x - expected[i]) <= 5e-5),
+          `${cacheClicks} clicks, page shows "${cacheShown.join(', ')}"`);
+    const left = await page.evaluate(async () => (await (await fetch('/v1/caches')).json()).caches);
+    check('the page deleted its cache', Array.isArray(left) && left.length === 0, JSON.stringify(left));
+    const metrics = await page.evaluate(async () => (await fetch('/metrics')).text());
+    for (const method of ['CreateCache', 'AppendCache', 'DeleteCache']) {
+      check(`the page made one ${method} call`,
+            new RegExp(`method="${method}",code="OK"\\} 1$`, 'm').test(metrics),
+            metrics.split('\n').filter((l) => l.includes(method)).join(' | ') || 'no such line');
+    }
+    check('no console errors over a KV cache', consoleErrors.length === 0, consoleErrors.join(' | '));
+    await page.setChecked('#use-cache', false);
 
     // A row out of range: the server's INVALID_ARGUMENT is shown on the page.
     allowHttpErrors = true;

@@ -32,6 +32,7 @@
 #include "absl/strings/str_format.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/problem.h"
 #include "server/request.h"
 
@@ -301,6 +302,31 @@ void RunAndCheck(bool naive, const Problem& p, const v1::AttentionRequest& reque
   }
 }
 
+// The same problem with its keys and values in a KV cache of the backend's (pages of 7 tokens,
+// so most problems span several and end inside one): Naive and Tiled over the pages must give
+// the same rows. A cache holds one sequence in one dtype, so only such problems qualify.
+void FuzzOverCache(const Problem& p, const v1::AttentionRequest& request,
+                   const std::vector<RowReference>& refs) {
+  const Shape& s = p.shape;
+  if (s.batch != 1 || p.key.dtype != p.value.dtype) return;
+  static CpuBackend backend(kThreads, kMaxNaiveBytes, CpuBackend::kDefaultMaxPackedHeadBytes,
+                            /*kv_page_tokens=*/7);
+  absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore({.kv_heads = s.kv_heads,
+                                                                          .head_dim = s.head_dim,
+                                                                          .value_dim = s.value_dim,
+                                                                          .dtype = p.key.dtype});
+  if (!store.ok()) Fail(absl::StrCat("CreateKvStore: ", store.status().ToString()));
+  if (absl::Status appended = (*store)->Append(p.key, p.value, s.key_len); !appended.ok()) {
+    Fail(absl::StrCat("KvStore::Append: ", appended.ToString(), " for ", Describe(p)));
+  }
+  Problem paged = p;
+  paged.key = TensorView{};
+  paged.value = TensorView{};
+  paged.pages = &(*store)->pages();
+  RunAndCheck(/*naive=*/true, paged, request, refs);
+  RunAndCheck(/*naive=*/false, paged, request, refs);
+}
+
 void FuzzAttention(const v1::AttentionRequest& request) {
   const absl::StatusOr<Problem> problem = ParseAttentionRequest(request, Cpu().default_block_k());
   if (!problem.ok()) {
@@ -315,6 +341,7 @@ void FuzzAttention(const v1::AttentionRequest& request) {
   for (const RowRef& row : AllRows(s)) refs.push_back(ReferenceRow(*problem, row));
   RunAndCheck(/*naive=*/true, *problem, request, refs);
   RunAndCheck(/*naive=*/false, *problem, request, refs);
+  FuzzOverCache(*problem, request, refs);
 }
 
 // Checks one TileStep of a row against the contract in attention.proto.

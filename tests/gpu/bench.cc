@@ -13,6 +13,12 @@
 //       (see CheckRows); status: ok, oom
 //       (RESOURCE_EXHAUSTED: the Naive budget or the device memory), bad (an unwritten or
 //       wrong output), error, or timeout (the --deadline_s passed before this cell ran).
+//   decode,<dtype>,<batch>,<key_len>,<heads>,<kv_heads>,<d>,<reps>,<ms_median>,<cache_gb_s>,
+//       <rel_err>,<status>
+//       (--method decode) Backend::Decode of one query row per sequence over server-resident
+//       KV caches (the split-KV kernels, kernels/cuda/decode.cu): ms as above; cache_gb_s =
+//       bytes of cache read (batch · key_len · kv_heads · 2d · element size) / median time, to
+//       be read against copy_d2d of the same run; rel_err against Tiled over the same pages.
 // Lines starting with '#' are comments (the header lines among them).
 //
 // Shapes: batch·heads = tokens / seq with a fixed token count (default 256k), so every launch
@@ -31,15 +37,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/dtype.h"
+#include "kernels/kv_store.h"
 #include "kernels/problem.h"
 
 namespace {
@@ -78,7 +87,7 @@ std::vector<std::string> SplitList(const std::string& text) {
 [[noreturn]] void Usage(const char* problem) {
   std::fprintf(stderr,
                "gpu_bench: %s\n"
-               "usage: gpu_bench [--method tiled,naive] [--dtype bf16,fp16] [--dim 64,128]\n"
+               "usage: gpu_bench [--method tiled,naive,decode] [--dtype bf16,fp16] [--dim 64,128]\n"
                "  [--seq 1024,4096,16384] [--causal 0,1] [--tokens 262144 | --bh N]\n"
                "  [--reps 7] [--warmup 2] [--deadline_s S] [--cell_budget_s 4]\n"
                "  [--naive_gib 64] [--ceilings 0|1] [--check 0|1] [--backend cuda|cpu]\n"
@@ -157,7 +166,7 @@ Options ParseOptions(int argc, char** argv) {
     }
   }
   for (const std::string& m : o.methods) {
-    if (m != "tiled" && m != "naive") Usage(("unknown method " + m).c_str());
+    if (m != "tiled" && m != "naive" && m != "decode") Usage(("unknown method " + m).c_str());
   }
   for (const std::string& d : o.dtypes) {
     if (d != "bf16" && d != "fp16" && d != "fp32") Usage(("unknown dtype " + d).c_str());
@@ -444,6 +453,110 @@ double CheckRows(const attn::Problem& p, const void* output, attn::DType dtype, 
   return *nans > 0 ? INFINITY : worst / std::max(largest, 1e-30);
 }
 
+// The decode sweep (--method decode): 32 query heads over 8 kv heads, d = 128, one query row
+// per sequence; 1 sequence of 1k … 32k cached tokens and 16 sequences of 4k. Returns false when
+// a cell failed.
+bool RunDecode(attn::Backend& backend, const Options& o, double deadline_s,
+               const std::function<double()>& elapsed_s) {
+  Line("#decode,dtype,batch,key_len,heads,kv_heads,d,reps,ms_median,cache_gb_s,rel_err,status");
+  constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
+  const std::pair<int64_t, int64_t> shapes[] = {
+      {1, 1024}, {1, 4096}, {1, 16384}, {1, 32768}, {16, 4096}};
+  bool ok = true;
+  for (const std::string& dtype_name : o.dtypes) {
+    const attn::DType dtype = ParseDType(dtype_name);
+    const int64_t element = attn::ElementSize(dtype);
+    for (const auto& [batch, key_len] : shapes) {
+      const std::string cell = Format(
+          "decode,%s,%lld,%lld,%lld,%lld,%lld", dtype_name.c_str(), static_cast<long long>(batch),
+          static_cast<long long>(key_len), static_cast<long long>(kHeads),
+          static_cast<long long>(kKvHeads), static_cast<long long>(kDim));
+      if (deadline_s > 0 && elapsed_s() > deadline_s) {
+        Line(cell + ",0,,,,timeout");
+        continue;
+      }
+      // One random cache content, appended to every sequence's store (values never zeros).
+      const int64_t cache_elements = kKvHeads * key_len * kDim;
+      HostBuffer key(cache_elements * element), value(cache_elements * element);
+      FillRandom(key.data(), dtype, cache_elements, 11 + key_len);
+      FillRandom(value.data(), dtype, cache_elements, 12 + key_len);
+      HostBuffer query(batch * kHeads * kDim * element);
+      FillRandom(query.data(), dtype, batch * kHeads * kDim, 13 + key_len);
+      const int64_t out_elements = kHeads * kDim;
+      HostBuffer out(batch * out_elements * element), check(out_elements * element);
+      std::vector<std::unique_ptr<attn::KvStore>> stores;
+      std::vector<attn::Problem> problems;
+      std::vector<attn::Outputs> outputs;
+      absl::Status status;
+      for (int64_t b = 0; b < batch && status.ok(); ++b) {
+        absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
+            backend.CreateKvStore(attn::KvLayout{kKvHeads, kDim, kDim, dtype});
+        if (!store.ok()) {
+          status = store.status();
+          break;
+        }
+        status = (*store)->Append({key.data(), dtype}, {value.data(), dtype}, key_len);
+        stores.push_back(*std::move(store));
+      }
+      for (int64_t b = 0; b < batch && status.ok(); ++b) {
+        attn::Problem p;
+        p.shape = attn::Shape{1, kHeads, kKvHeads, 1, key_len, kDim, kDim};
+        p.query = {static_cast<const uint8_t*>(query.data()) + b * kHeads * kDim * element, dtype};
+        p.pages = &stores[b]->pages();
+        p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)));
+        p.block_k = backend.default_block_k();
+        p.output_dtype = dtype;
+        problems.push_back(p);
+        attn::Outputs output;
+        output.output = {static_cast<uint8_t*>(out.data()) + b * out_elements * element, dtype};
+        outputs.push_back(output);
+      }
+      std::vector<double> times_ms;
+      for (int i = 0; i < o.warmup + o.reps && status.ok(); ++i) {
+        absl::StatusOr<attn::Stats> stats = backend.Decode(problems, outputs);
+        if (!stats.ok()) {
+          status = stats.status();
+        } else if (i >= o.warmup) {
+          times_ms.push_back(static_cast<double>(stats->compute_ns) * 1e-6);
+        }
+      }
+      if (!status.ok()) {
+        Line(cell + ",0,,,," + Clean(status.ToString()));
+        ok = false;
+        continue;
+      }
+      // Item 0 against Tiled over the same pages (the gathered copy, the fused kernel).
+      double rel_err = 0;
+      attn::Outputs tiled_output;
+      tiled_output.output = {check.data(), dtype};
+      absl::StatusOr<attn::Stats> tiled = backend.Tiled(problems[0], tiled_output);
+      std::string verdict = "ok";
+      if (!tiled.ok()) {
+        verdict = "tiled_failed";
+      } else {
+        double worst = 0, largest = 0;
+        for (int64_t i = 0; i < out_elements; ++i) {
+          const double expected = attn::LoadElement(check.data(), dtype, i);
+          const double actual = attn::LoadElement(out.data(), dtype, i);
+          worst = std::max(worst, std::isnan(actual) ? INFINITY : std::abs(actual - expected));
+          largest = std::max(largest, std::abs(expected));
+        }
+        rel_err = worst / std::max(largest, 1e-30);
+        const double tolerance = dtype == attn::DType::kBFloat16  ? 3e-2
+                                 : dtype == attn::DType::kFloat16 ? 5e-3
+                                                                  : 1e-4;
+        if (!(rel_err <= tolerance)) verdict = "bad";
+      }
+      if (verdict != "ok") ok = false;
+      const double median = Median(times_ms);
+      const double bytes = static_cast<double>(batch * key_len * kKvHeads * 2 * kDim * element);
+      Line(cell + Format(",%zu,%.4f,%.1f,%.2e,%s", times_ms.size(), median,
+                         bytes / (median * 1e-3) / 1e9, rel_err, verdict.c_str()));
+    }
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -473,6 +586,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   Line("# device: " + Clean((*backend)->device()));
+  if (std::find(o.methods.begin(), o.methods.end(), "decode") != o.methods.end() &&
+      !RunDecode(**backend, o, o.deadline_s, elapsed_s)) {
+    failed = true;
+  }
+  if (std::all_of(o.methods.begin(), o.methods.end(),
+                  [](const std::string& m) { return m == "decode"; })) {
+    Line(Format("# gpu_bench done in %.1f s%s", elapsed_s(), failed ? " (with failures)" : ""));
+    return failed ? 1 : 0;
+  }
   Line("#attn,method,dtype,d,seq,bh,causal,reps,ms_median,ms_min,tflops,rel_err,status,note");
 
   for (const std::string& dtype_name : o.dtypes) {
@@ -496,6 +618,7 @@ int main(int argc, char** argv) {
         const int64_t heads = bh % 16 == 0 ? 16 : bh;
         for (int64_t causal : o.causal) {
           for (const std::string& method : o.methods) {
+            if (method == "decode") continue;  // RunDecode above.
             attn::Problem p;
             p.shape = attn::Shape{.batch = bh / heads,
                                   .heads = heads,

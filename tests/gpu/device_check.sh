@@ -9,7 +9,9 @@
 #    project of its own: kernels + tests, no gRPC or protobuf; abseil and GoogleTest headers and
 #    static libraries come from build/gpu-carry). Without either, only the SDPA column runs.
 # 2. gpu_test (its summary);
-# 3. gpu_bench: the device's ceilings (copy GB/s, cuBLAS GEMM TFLOP/s), then Tiled;
+# 3. gpu_bench: the device's ceilings (copy GB/s, cuBLAS GEMM TFLOP/s), then Tiled; then
+#    Decode over KV caches (bf16, 32 query heads over 8 kv heads, d 128, 1 × 1k…32k and
+#    16 × 4k tokens): cache bytes read per second beside the copy bandwidth of this run;
 # 4. sdpa_bench.py: torch SDPA on the same shapes (skipped without torch or CUDA);
 # 5. gpu_bench: Naive (last: the least important and the heaviest on memory);
 # 6. one table: TFLOP/s of Naive, Tiled and SDPA, ratios to SDPA and Tiled / GEMM peak.
@@ -211,7 +213,7 @@ add_library(attn_test_support STATIC \${REPO}/tests/reference.cc)
 target_link_libraries(attn_test_support PUBLIC attn_kernels)
 add_executable(gpu_bench \${REPO}/tests/gpu/bench.cc)
 target_link_libraries(gpu_bench PRIVATE attn_test_support)
-add_executable(gpu_test \${REPO}/tests/gpu/gpu_test.cc)
+add_executable(gpu_test \${REPO}/tests/gpu/gpu_test.cc \${REPO}/tests/gpu/kv_cache_test.cc)
 target_link_libraries(gpu_test PRIVATE attn_test_support \${CARRY}/static/libgtest_main.a
   \${CARRY}/static/libgtest.a Threads::Threads)
 EOF
@@ -327,6 +329,10 @@ if [ -n "$BIN" ] && [ -x "$BIN/gpu_bench" ]; then
   stage "gpu_bench: ceilings, then Tiled"
   run_bench 150 150 --method tiled
   grep -q '^SKIPPED' "$RESULTS/bench.csv" 2> /dev/null && note "gpu_bench: $(grep -m1 '^SKIPPED' "$RESULTS/bench.csv")"
+  if ! grep -q '^SKIPPED' "$RESULTS/bench.csv" 2> /dev/null; then
+    stage "gpu_bench: Decode over KV caches"
+    run_bench 60 200 --method decode --dtype bf16 --ceilings 0
+  fi
   run_sdpa 60
   if ! grep -q '^SKIPPED' "$RESULTS/bench.csv" 2> /dev/null; then
     stage "gpu_bench: Naive"
@@ -417,6 +423,18 @@ if table:
     lines.extend(fmt(row) for row in table)
 else:
     lines.append("(no benchmark rows: nothing ran on a GPU)")
+# Decode: cache bytes read per second against the copy bandwidth measured in this run.
+decodes = [r for r in rows("bench.csv") if r[0] == "decode" and len(r) >= 12]
+if decodes:
+    lines.append("")
+    lines.append("decode over KV caches: cache GB/s = batch·key_len·kv_heads·2d·bytes / median "
+                 "kernel time; vs copy = that / copy_d2d (read + write) of this run")
+    lines.append("dtype  batch  key_len  heads/kv   d       ms  cache_GB/s  vs_copy  rel_err  status")
+    for r in decodes:
+        gbs = float(r[9]) if r[11] == "ok" and r[9] else None
+        lines.append(f"{r[1]:5}  {r[2]:>5}  {r[3]:>7}  {r[4]:>5}/{r[5]:<2}  {r[6]:>3}  "
+                     f"{r[8] or '-':>7}  {r[9] or '-':>10}  {ratio(gbs, copy):>7}  "
+                     f"{r[10] or '-':>7}  {r[11]}")
 text = "\n".join(lines)
 open(os.path.join(results, "table.txt"), "w").write(text + "\n")
 with open(os.path.join(results, "table.csv"), "w", newline="") as f:

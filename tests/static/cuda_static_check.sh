@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Static checks of the fused Tiled kernels (kernels/cuda/tiled.cu) that need no GPU; ctest label
-# cuda-static (tests/static/CMakeLists.txt).
+# Static checks of the fused Tiled kernels (kernels/cuda/tiled.cu) and the split-KV decode
+# kernels (kernels/cuda/decode.cu) that need no GPU; ctest label cuda-static
+# (tests/static/CMakeLists.txt).
 #
 #   cuda_static_check.sh <nvcc> <source dir> <tiled_shared_bytes> "<architectures, e.g. 80;90>"
 #
@@ -17,6 +18,10 @@
 #          entry body) fails too, since no entry could be credited or blamed for it.
 #   smem   the dynamic shared memory tiled_shared_bytes reports (FusedSharedBytes) plus the
 #          static shared memory ptxas reports fits the architecture's opt-in maximum per block.
+#   decode decode.cu compiled the same way: DecodeKernel<T, P> (3 dtypes × 4 pitches, exactly
+#          12 entries) and MergeKernel (once): 0 bytes stack frame, 0 spill stores, 0 spill
+#          loads each, and no mma in either. (Their shared memory is held to the smallest
+#          opt-in limit by a static_assert in decode.cu.)
 # One PASS/FAIL line per check, then `cuda-static: N passed, M failed`; exit status 1 on any
 # failure, 2 on bad arguments.
 set -euo pipefail
@@ -30,10 +35,13 @@ src=$2
 footprint=$3
 arch_list=$4
 source_file=$src/kernels/cuda/tiled.cu
+decode_file=$src/kernels/cuda/decode.cu
 for path in "$nvcc" "$footprint"; do
   [[ -x $path ]] || { echo "$0: not an executable: $path" >&2; exit 2; }
 done
-[[ -f $source_file ]] || { echo "$0: no such file: $source_file" >&2; exit 2; }
+for path in "$source_file" "$decode_file"; do
+  [[ -f $path ]] || { echo "$0: no such file: $path" >&2; exit 2; }
+done
 
 # Opt-in maximum dynamic shared memory per block (cudaFuncAttributeMaxDynamicSharedMemorySize,
 # = cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes. The SM's shared memory less the 1 KB the
@@ -108,13 +116,18 @@ if [[ ${#archs[@]} -eq 0 ]]; then
 fi
 
 # --- Compile tiled.cu once per architecture, all in parallel ---------------------------------
-declare -A compile_pid
+declare -A compile_pid decode_pid
 for arch in "${archs[@]}"; do
   mkdir -p "$work/sm_$arch"
   "$nvcc" -std=c++20 -O3 -DNDEBUG -DATTN_HAVE_CUDA=1 -I"$src" \
     -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v -keep -keep-dir "$work/sm_$arch" \
     -c "$source_file" -o "$work/sm_$arch/tiled.o" >"$work/sm_$arch/compile.log" 2>&1 &
   compile_pid[$arch]=$!
+  mkdir -p "$work/sm_$arch/decode"
+  "$nvcc" -std=c++20 -O3 -DNDEBUG -DATTN_HAVE_CUDA=1 -I"$src" \
+    -gencode "arch=compute_$arch,code=sm_$arch" -Xptxas -v -keep -keep-dir "$work/sm_$arch/decode" \
+    -c "$decode_file" -o "$work/sm_$arch/decode/decode.o" >"$work/sm_$arch/decode/compile.log" 2>&1 &
+  decode_pid[$arch]=$!
 done
 
 # --- The launch footprint: `dtype pitch shared_bytes block_k` per kernel --------------------
@@ -214,7 +227,57 @@ parse_ptx() {
   ' "$1"
 }
 
+# decode.cu for one architecture: every DecodeKernel<T, P> and the MergeKernel without stack
+# frame, spills or mma.
+check_decode() {
+  local arch=$1 dir=$work/sm_$1/decode tag="sm_$1"
+  if ! wait "${decode_pid[$arch]}"; then
+    fail "$tag compile: nvcc failed on kernels/cuda/decode.cu; its output ends:"
+    tail -n 15 "$dir/compile.log" | sed 's/^/    /'
+    return
+  fi
+  local ptx_files
+  shopt -s nullglob
+  ptx_files=("$dir"/*.ptx)
+  shopt -u nullglob
+  if [[ ${#ptx_files[@]} -ne 1 ]]; then
+    fail "$tag compile: expected one kept PTX file for decode.cu, found ${#ptx_files[@]}"
+    return
+  fi
+  pass "$tag compile: kernels/cuda/decode.cu (ptxas -v, PTX for compute_$arch)"
+  parse_ptxas "$dir/compile.log" >"$dir/ptxas.txt"
+  parse_ptx "${ptx_files[0]}" >"$dir/ptx.txt"
+  local kernels=0 fragment label want entries line name stack spill_st spill_ld regs mma
+  for fragment in 12DecodeKernel 11MergeKernel; do
+    label=${fragment#??}
+    [[ $fragment == 12DecodeKernel ]] && want=12 || want=1
+    entries=$(awk -v f="$fragment" 'index($1, f) { n++ } END { print n + 0 }' "$dir/ptxas.txt")
+    if [[ $entries -ne $want ]]; then
+      fail "$tag ptxas $label: reported $entries times (expected $want)"
+      continue
+    fi
+    while read -r name stack spill_st spill_ld regs _; do
+      report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
+      short=$(sed -E 's/.*(DecodeKernel|MergeKernel)/\1/; s/EEEvNS0_11DecodeBatchE$//; s/ENS0_11DecodeBatchE$//' <<<"$name")
+      if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
+        pass "$tag ptxas $short: $report ($regs registers)"
+      else
+        fail "$tag ptxas $short: $report ($regs registers); expected 0, 0, 0"
+      fi
+      kernels=$((kernels + 1))
+    done < <(awk -v f="$fragment" 'index($1, f)' "$dir/ptxas.txt")
+    mma=$(awk -v f="$fragment" '$1 == "entry" && index($2, f) { n += $3 } END { print n + 0 }' \
+      "$dir/ptx.txt")
+    if [[ $mma -eq 0 ]]; then
+      pass "$tag ptx $label: no mma (fp32 FMA)"
+    else
+      fail "$tag ptx $label: $mma mma instructions (expected none)"
+    fi
+  done
+}
+
 for arch in "${archs[@]}"; do
+  check_decode "$arch"
   dir=$work/sm_$arch
   tag="sm_$arch"
   if ! wait "${compile_pid[$arch]}"; then

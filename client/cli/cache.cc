@@ -1,0 +1,382 @@
+#include "client/cli/cache.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/cli/render.h"
+#include "client/client.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/util/json_util.h"
+#include "kernels/dtype.h"
+#include "proto/dtype_mapping.h"
+
+namespace attn::cli {
+namespace {
+
+namespace v1 = attention::v1;
+
+// Random tensor data as sent and, beside it, the values the server stores (rounded to dtype).
+struct Tokens {
+  v1::Tensor tensor;
+  std::vector<float> stored;
+};
+
+Tokens RandomTokens(std::mt19937_64& rng, std::vector<int64_t> shape, v1::DType dtype) {
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  client::Array array;
+  int64_t elements = 1;
+  for (int64_t dim : shape) elements *= dim;
+  array.shape = std::move(shape);
+  array.values.resize(elements);
+  for (float& x : array.values) x = uniform(rng);
+  Tokens tokens;
+  tokens.tensor = client::ToTensor(array, dtype);
+  tokens.stored = client::FromTensor(tokens.tensor)->values;  // Well-formed: made just above.
+  return tokens;
+}
+
+int64_t ElementBytes(v1::DType dtype) {
+  return ElementSize(FromProtoDType(dtype).value_or(DType::kFloat32));
+}
+
+std::string Millis(int64_t ns) { return absl::StrFormat("%.3f ms", static_cast<double>(ns) / 1e6); }
+
+std::string Json(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = false;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  return json;
+}
+
+void PrintInfo(std::FILE* out, const v1::CacheInfo& info, bool json) {
+  if (json) {
+    absl::FPrintF(out, "%s\n", Json(info));
+    return;
+  }
+  absl::FPrintF(out, "cache %s\n", info.cache_id());
+  absl::FPrintF(out, "  kv_heads %d, head_dim %d, value_dim %d, %s\n", info.kv_heads(),
+                info.head_dim(), info.value_dim(), v1::DType_Name(info.dtype()));
+  absl::FPrintF(out, "  length %d tokens, %s in pages of %d tokens\n", info.length(),
+                Bytes(info.bytes()), info.page_tokens());
+}
+
+// Appends `count` random tokens to `cache` in appends of at most kFillChunkBytes; `stored_keys`
+// and `stored_values` (one vector per kv head, null = not kept) receive them as stored.
+absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
+                  std::vector<std::vector<float>>* stored_keys,
+                  std::vector<std::vector<float>>* stored_values, int* appends) {
+  const v1::CacheInfo& info = cache.info();
+  const int64_t kv_heads = info.kv_heads(), head_dim = info.head_dim();
+  const int64_t value_dim = info.value_dim();
+  const int64_t token_bytes = kv_heads * (head_dim + value_dim) * ElementBytes(info.dtype());
+  const int64_t chunk = std::max<int64_t>(1, kFillChunkBytes / std::max<int64_t>(1, token_bytes));
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(chunk, count - done);
+    Tokens key = RandomTokens(rng, {kv_heads, n, head_dim}, info.dtype());
+    Tokens value = RandomTokens(rng, {kv_heads, n, value_dim}, info.dtype());
+    const absl::StatusOr<v1::CacheInfo> appended = cache.Append(key.tensor, value.tensor);
+    if (!appended.ok()) {
+      return absl::Status(appended.status().code(),
+                          absl::StrCat("appending tokens [", done, ", ", done + n, ") at length ",
+                                       cache.length(), ": ", appended.status().message()));
+    }
+    for (int64_t h = 0; stored_keys != nullptr && h < kv_heads; ++h) {
+      (*stored_keys)[h].insert((*stored_keys)[h].end(), key.stored.begin() + h * n * head_dim,
+                               key.stored.begin() + (h + 1) * n * head_dim);
+      (*stored_values)[h].insert((*stored_values)[h].end(),
+                                 value.stored.begin() + h * n * value_dim,
+                                 value.stored.begin() + (h + 1) * n * value_dim);
+    }
+    done += n;
+    if (appends != nullptr) ++*appends;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<client::Cache> OpenCache(client::ShardedClient& client, const std::string& id) {
+  absl::StatusOr<v1::CacheInfo> info = client.GetCacheInfo(id);
+  if (!info.ok()) return info.status();
+  absl::StatusOr<client::Client*> owner = client.ClientFor(id);
+  if (!owner.ok()) return owner.status();
+  return client::Cache(**owner, *std::move(info));
+}
+
+// Bytes of a serialized length-delimited field (tag < 16) holding `payload` bytes.
+int64_t FieldBytes(int64_t payload) {
+  return 1 + google::protobuf::io::CodedOutputStream::VarintSize64(payload) + payload;
+}
+
+// The size of the stateless AttentionRequest of one decode step: `query` and options, with the
+// whole cache (`length` tokens) inline as key [kv_heads, length, head_dim] and value.
+int64_t StatelessRequestBytes(const v1::Tensor& query, const v1::AttentionOptions& options,
+                              const v1::CacheInfo& info, int64_t length) {
+  v1::AttentionRequest request;
+  *request.mutable_query() = query;
+  *request.mutable_options() = options;
+  int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
+  for (const int64_t dim : {info.head_dim(), info.value_dim()}) {
+    v1::Tensor tensor;  // Shape and dtype; the data's field is added by size.
+    for (const int64_t extent : {info.kv_heads(), length, dim}) tensor.add_shape(extent);
+    tensor.set_dtype(info.dtype());
+    const int64_t data = info.kv_heads() * length * dim * ElementBytes(info.dtype());
+    bytes += FieldBytes(static_cast<int64_t>(tensor.ByteSizeLong()) + FieldBytes(data));
+  }
+  return bytes;
+}
+
+// max |out − ref| / max |ref| for one decode step: softmax(scale · q Kᵀ) V in float64, over the
+// stored keys and values, for query [heads, 1, head_dim] (every key visible to the last row).
+double StepError(const std::vector<float>& query, const std::vector<float>& output,
+                 const std::vector<std::vector<float>>& keys,
+                 const std::vector<std::vector<float>>& values, int64_t heads, int64_t head_dim,
+                 int64_t value_dim, double scale) {
+  const int64_t kv_heads = static_cast<int64_t>(keys.size());
+  const int64_t group = heads / kv_heads;
+  double worst = 0, largest = 0;
+  std::vector<double> scores, row(value_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    const std::vector<float>& k = keys[h / group];
+    const std::vector<float>& v = values[h / group];
+    const int64_t length = static_cast<int64_t>(k.size()) / head_dim;
+    scores.assign(length, 0);
+    double max = -INFINITY;
+    for (int64_t j = 0; j < length; ++j) {
+      double s = 0;
+      for (int64_t c = 0; c < head_dim; ++c)
+        s += double(query[h * head_dim + c]) * k[j * head_dim + c];
+      scores[j] = s * scale;
+      max = std::max(max, scores[j]);
+    }
+    double sum = 0;
+    std::fill(row.begin(), row.end(), 0.0);
+    for (int64_t j = 0; j < length; ++j) {
+      const double w = std::exp(scores[j] - max);
+      sum += w;
+      for (int64_t c = 0; c < value_dim; ++c) row[c] += w * v[j * value_dim + c];
+    }
+    for (int64_t c = 0; c < value_dim; ++c) {
+      const double ref = row[c] / sum;
+      largest = std::max(largest, std::abs(ref));
+      const double out = output[h * value_dim + c];
+      worst = std::isnan(out) ? INFINITY : std::max(worst, std::abs(out - ref));
+    }
+  }
+  return largest > 0 ? worst / largest : worst;
+}
+
+int64_t Median(std::vector<int64_t> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0 : values[values.size() / 2];
+}
+
+absl::Status NeedId(const std::vector<std::string>& args, const char* command) {
+  if (args.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("usage: attn cache ", command, " CACHE_ID"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunCacheCommand(client::ShardedClient& client, const std::vector<std::string>& args,
+                             const CacheFlags& flags, std::FILE* out) {
+  if (args.empty()) {
+    return absl::InvalidArgumentError(
+        "give a cache command: create, append, info, list or delete (attn --help)");
+  }
+  const std::string& command = args[0];
+  if (command == "create") {
+    if (args.size() != 1) return absl::InvalidArgumentError("usage: attn cache create [flags]");
+    v1::CreateCacheRequest request;
+    request.set_kv_heads(flags.kv_heads > 0 ? flags.kv_heads : flags.heads);
+    request.set_head_dim(flags.head_dim);
+    request.set_value_dim(flags.value_dim > 0 ? flags.value_dim : flags.head_dim);
+    request.set_dtype(flags.dtype);
+    absl::StatusOr<v1::CacheInfo> info = client.CreateCache(request);
+    if (!info.ok()) return info.status();
+    PrintInfo(out, *info, flags.json);
+    return absl::OkStatus();
+  }
+  if (command == "append") {
+    if (absl::Status usage = NeedId(args, "append ... --tokens N"); !usage.ok()) return usage;
+    if (flags.tokens < 1) return absl::InvalidArgumentError("--tokens must be positive");
+    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1]);
+    if (!cache.ok()) return cache.status();
+    if (flags.expected_length >= 0) {
+      v1::CacheInfo believed = cache->info();
+      believed.set_length(flags.expected_length);
+      cache->Update(believed);
+    }
+    std::mt19937_64 rng(flags.seed);
+    if (absl::Status filled = Fill(*cache, flags.tokens, rng, nullptr, nullptr, nullptr);
+        !filled.ok()) {
+      return filled;
+    }
+    PrintInfo(out, cache->info(), flags.json);
+    return absl::OkStatus();
+  }
+  if (command == "info") {
+    if (absl::Status usage = NeedId(args, "info"); !usage.ok()) return usage;
+    absl::StatusOr<v1::CacheInfo> info = client.GetCacheInfo(args[1]);
+    if (!info.ok()) return info.status();
+    PrintInfo(out, *info, flags.json);
+    return absl::OkStatus();
+  }
+  if (command == "list") {
+    if (args.size() != 1) return absl::InvalidArgumentError("usage: attn cache list");
+    absl::StatusOr<v1::ListCachesResponse> list = client.ListCaches();
+    if (!list.ok()) return list.status();
+    if (flags.json) {
+      absl::FPrintF(out, "%s\n", Json(*list));
+      return absl::OkStatus();
+    }
+    if (list->caches().empty()) {
+      absl::FPrintF(out, "no caches\n");
+      return absl::OkStatus();
+    }
+    absl::FPrintF(out, "%-32s  %8s  %8s  %9s  %-14s  %8s  %10s\n", "cache_id", "kv_heads",
+                  "head_dim", "value_dim", "dtype", "length", "bytes");
+    for (const v1::CacheInfo& info : list->caches()) {
+      absl::FPrintF(out, "%-32s  %8d  %8d  %9d  %-14s  %8d  %10s\n", info.cache_id(),
+                    info.kv_heads(), info.head_dim(), info.value_dim(),
+                    v1::DType_Name(info.dtype()), info.length(), Bytes(info.bytes()));
+    }
+    return absl::OkStatus();
+  }
+  if (command == "delete") {
+    if (absl::Status usage = NeedId(args, "delete"); !usage.ok()) return usage;
+    if (absl::Status deleted = client.DeleteCache(args[1]); !deleted.ok()) return deleted;
+    absl::FPrintF(out, "deleted cache %s\n", args[1]);
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown cache command \"", command,
+                                                 "\": use create, append, info, list or delete"));
+}
+
+absl::Status RunDecodeDemo(client::ShardedClient& client, const CacheFlags& flags, std::FILE* out) {
+  const int64_t heads = flags.heads;
+  const int64_t kv_heads = flags.kv_heads > 0 ? flags.kv_heads : heads;
+  const int64_t head_dim = flags.head_dim;
+  const int64_t value_dim = flags.value_dim > 0 ? flags.value_dim : head_dim;
+  if (heads < 1 || head_dim < 1 || heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode: --heads and --head-dim must be positive and --kv-heads must divide --heads (",
+        heads, " heads, ", kv_heads, " kv heads, head_dim ", head_dim, ")"));
+  }
+  if (flags.tokens < 0 || flags.steps < 1) {
+    return absl::InvalidArgumentError("decode: --tokens must be ≥ 0 and --steps positive");
+  }
+  v1::CreateCacheRequest create;
+  create.set_kv_heads(kv_heads);
+  create.set_head_dim(head_dim);
+  create.set_value_dim(value_dim);
+  create.set_dtype(flags.dtype);
+  absl::StatusOr<v1::CacheInfo> created = client.CreateCache(create);
+  if (!created.ok()) return created.status();
+  const std::string id = created->cache_id();
+  absl::StatusOr<client::Client*> owner = client.ClientFor(id);
+  if (!owner.ok()) return owner.status();
+  client::Cache cache(**owner, *created);
+  absl::StatusOr<std::string> endpoint = client.EndpointOf(id);
+  absl::FPrintF(out, "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s\n", heads,
+                kv_heads, head_dim, value_dim, v1::DType_Name(flags.dtype));
+  absl::FPrintF(out, "cache %s on %s\n", id, endpoint.ok() ? *endpoint : "?");
+
+  // Everything after the create deletes the cache, also on failure.
+  const absl::Status status = [&]() -> absl::Status {
+    std::mt19937_64 rng(flags.seed);
+    std::vector<std::vector<float>> keys(kv_heads), values(kv_heads);
+    int appends = 0;
+    const auto fill_start = std::chrono::steady_clock::now();
+    if (absl::Status filled = Fill(cache, flags.tokens, rng, &keys, &values, &appends);
+        !filled.ok()) {
+      return filled;
+    }
+    const int64_t fill_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - fill_start)
+                                .count();
+    absl::FPrintF(out, "filled with %d random tokens in %d append%s (%s of pages, %s)\n\n",
+                  cache.length(), appends, appends == 1 ? "" : "s", Bytes(cache.info().bytes()),
+                  Millis(fill_ns));
+    absl::FPrintF(out, "%5s  %8s  %11s  %11s  %10s  %10s  %8s  %11s\n", "step", "length", "wall",
+                  "compute", "sent", "stateless", "ratio", "max rel err");
+    const double scale =
+        flags.options.has_scale() ? flags.options.scale() : 1.0 / std::sqrt(double(head_dim));
+    std::vector<int64_t> walls, computes;
+    int64_t sent_total = 0, stateless_total = 0;
+    double worst = 0;
+    for (int64_t step = 1; step <= flags.steps; ++step) {
+      const Tokens query = RandomTokens(rng, {heads, 1, head_dim}, flags.dtype);
+      const Tokens key = RandomTokens(rng, {kv_heads, 1, head_dim}, flags.dtype);
+      const Tokens value = RandomTokens(rng, {kv_heads, 1, value_dim}, flags.dtype);
+      v1::DecodeRequest request;
+      *request.add_items() = cache.Item(query.tensor, &key.tensor, &value.tensor);
+      *request.mutable_options() = flags.options;
+      const int64_t sent = static_cast<int64_t>(request.ByteSizeLong());
+      const auto start = std::chrono::steady_clock::now();
+      absl::StatusOr<v1::DecodeResponse> response = (*owner)->Decode(request);
+      const int64_t wall_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - start)
+                                  .count();
+      if (!response.ok()) {
+        return absl::Status(response.status().code(),
+                            absl::StrCat("decode step ", step, " at length ", cache.length(), ": ",
+                                         response.status().message()));
+      }
+      if (response->outputs_size() != 1 || response->caches_size() != 1) {
+        return absl::InternalError(absl::StrCat("decode step ", step, ": ",
+                                                response->outputs_size(), " outputs for 1 item"));
+      }
+      cache.Update(response->caches(0));
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        keys[h].insert(keys[h].end(), key.stored.begin() + h * head_dim,
+                       key.stored.begin() + (h + 1) * head_dim);
+        values[h].insert(values[h].end(), value.stored.begin() + h * value_dim,
+                         value.stored.begin() + (h + 1) * value_dim);
+      }
+      absl::StatusOr<client::Array> output = client::FromTensor(response->outputs(0));
+      if (!output.ok()) return output.status();
+      if (static_cast<int64_t>(output->values.size()) != heads * value_dim) {
+        return absl::InternalError(absl::StrCat("decode step ", step, ": output has ",
+                                                output->values.size(), " values, expected ",
+                                                heads * value_dim));
+      }
+      const double error =
+          StepError(query.stored, output->values, keys, values, heads, head_dim, value_dim, scale);
+      worst = std::max(worst, error);
+      const int64_t stateless =
+          StatelessRequestBytes(query.tensor, flags.options, cache.info(), cache.length());
+      walls.push_back(wall_ns);
+      computes.push_back(response->stats().compute_ns());
+      sent_total += sent;
+      stateless_total += stateless;
+      absl::FPrintF(out, "%5d  %8d  %11s  %11s  %10s  %10s  %7.3f%%  %11.3g\n", step,
+                    cache.length(), Millis(wall_ns), Millis(response->stats().compute_ns()),
+                    Bytes(sent), Bytes(stateless), 100.0 * double(sent) / double(stateless), error);
+    }
+    const int64_t steps = flags.steps;
+    absl::FPrintF(out,
+                  "\nper step (median of %d): wall %s, compute %s; sent %s vs %s for stateless "
+                  "Tiled (%.3f%%)\n",
+                  steps, Millis(Median(walls)), Millis(Median(computes)), Bytes(sent_total / steps),
+                  Bytes(stateless_total / steps),
+                  100.0 * double(sent_total) / double(stateless_total));
+    absl::FPrintF(out, "max |decode - float64 reference| / max |reference| = %.3g over %d steps\n",
+                  worst, steps);
+    return absl::OkStatus();
+  }();
+  const absl::Status deleted = client.DeleteCache(id);
+  if (!status.ok()) return status;
+  if (!deleted.ok()) return deleted;
+  absl::FPrintF(out, "deleted cache %s\n", id);
+  return absl::OkStatus();
+}
+
+}  // namespace attn::cli

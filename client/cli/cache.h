@@ -1,0 +1,57 @@
+// attn cache create|append|info|list|delete and attn decode: server-resident KV caches from the
+// command line.
+//
+//   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16]
+//   attn cache append ID --tokens N [--expected-length L]   N random tokens (uniform in [-1, 1))
+//   attn cache info ID | attn cache list | attn cache delete ID
+//   attn decode [--heads H --kv-heads K --head-dim D --value-dim V --dtype T] [--tokens N]
+//               [--steps M]
+//
+// `attn decode` is the demo of why caches exist: it creates a cache, fills it with N random
+// tokens (appends of at most kFillChunkBytes each, well under any message limit), then decodes
+// M steps, each sending one new token's q, k and v, and prints per step the wall time, the
+// server's compute time and the bytes sent beside what a stateless Tiled call of the same step
+// (query plus the whole K and V) would have sent; then it deletes the cache. It keeps every token
+// it sent, as the server stores it, and checks each step's output against a float64 reference
+// over them (max |out − ref| / max |ref|, printed per step and at the end).
+//
+// The commands go through a ShardedClient, so with a --target list each cache stays on the
+// server that created it (found by asking each endpoint when a later command names it).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attention/v1/attention.pb.h"
+#include "client/shard.h"
+
+namespace attn::cli {
+
+// Appends are split to stay under this many bytes of key and value data each.
+inline constexpr int64_t kFillChunkBytes = int64_t{8} << 20;
+
+struct CacheFlags {
+  int64_t heads = 8;      // Query heads (decode).
+  int64_t kv_heads = 0;   // 0 = heads.
+  int64_t head_dim = 64;  // Key width.
+  int64_t value_dim = 0;  // 0 = head_dim.
+  attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32;
+  int64_t tokens = 4096;         // append: tokens to add; decode: tokens to fill the cache with.
+  int64_t steps = 16;            // decode: steps.
+  int64_t expected_length = -1;  // append: the length to send; −1 = the cache's, read first.
+  uint64_t seed = 1;
+  bool json = false;  // create/append/info/list: protobuf JSON instead of text.
+  attention::v1::AttentionOptions options;  // decode: block_k, …
+};
+
+// attn cache SUBCOMMAND [ID]: `args` are the words after "cache".
+absl::Status RunCacheCommand(client::ShardedClient& client, const std::vector<std::string>& args,
+                             const CacheFlags& flags, std::FILE* out);
+
+// attn decode.
+absl::Status RunDecodeDemo(client::ShardedClient& client, const CacheFlags& flags, std::FILE* out);
+
+}  // namespace attn::cli

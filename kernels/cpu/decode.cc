@@ -1,0 +1,282 @@
+#include "kernels/cpu/decode.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kernels/cpu/cpu_dispatch.h"
+#include "kernels/cpu/fp32_rows.h"
+#include "kernels/lanes.h"
+#include "kernels/online_softmax.h"
+
+namespace attn {
+namespace {
+
+using lanes::Floats;
+using lanes::UInts;
+typedef uint16_t Halves __attribute__((vector_size(16)));
+
+// One task: a chunk of one kv head's keys for the rows of its GQA group.
+struct DecodeChunk {
+  const Problem* problem = nullptr;
+  int64_t batch = 0, kv_head = 0;
+  int64_t rows = 0, head_dim = 0, value_dim = 0;
+  const float* queries = nullptr;    // [rows, head_dim], fp32, scale folded in.
+  const int64_t* visible = nullptr;  // [rows]: keys each row sees.
+  int64_t key_begin = 0, key_end = 0;
+  float* partial = nullptr;  // [rows, 2 + value_dim]: max, denominator, accumulator.
+};
+
+// A worker's buffers, reused across its tasks.
+struct DecodeScratch {
+  std::vector<float> queries, scores, acc;
+  std::vector<int64_t> visible;
+  std::vector<OnlineSoftmaxRow> states;
+  std::vector<const void*> key_rows, value_rows;
+
+  int64_t bytes() const {
+    return static_cast<int64_t>(
+        (queries.capacity() + scores.capacity() + acc.capacity()) * sizeof(float) +
+        visible.capacity() * sizeof(int64_t) + states.capacity() * sizeof(OnlineSoftmaxRow) +
+        (key_rows.capacity() + value_rows.capacity()) * sizeof(void*));
+  }
+};
+
+// Where keys and values [begin, begin + n) of a kv head start, in either layout: the one place
+// the decode kernel learns the layout (a page's rows are consecutive, so each page segment is
+// walked without a division per key).
+void KvRowPointers(const Problem& problem, int64_t batch, int64_t kv_head, int64_t begin, int n,
+                   const void** keys, const void** values) {
+  const Shape& s = problem.shape;
+  if (problem.pages == nullptr) {
+    const char* k = static_cast<const char*>(problem.key.data) +
+                    problem.KeyOffset(batch, kv_head, begin) * ElementSize(problem.key.dtype);
+    const char* v = static_cast<const char*>(problem.value.data) +
+                    problem.ValueOffset(batch, kv_head, begin) * ElementSize(problem.value.dtype);
+    const int64_t key_row = s.head_dim * ElementSize(problem.key.dtype);
+    const int64_t value_row = s.value_dim * ElementSize(problem.value.dtype);
+    for (int j = 0; j < n; ++j) {
+      keys[j] = k + j * key_row;
+      values[j] = v + j * value_row;
+    }
+    return;
+  }
+  const PagedKv& pages = *problem.pages;
+  const int64_t element = ElementSize(pages.dtype);
+  const int64_t key_row = s.head_dim * element, value_row = s.value_dim * element;
+  for (int j = 0; j < n;) {
+    const int64_t token = begin + j;
+    const int segment =
+        static_cast<int>(std::min<int64_t>(pages.page_tokens - token % pages.page_tokens, n - j));
+    const char* k = static_cast<const char*>(pages.KeyPage(token)) +
+                    pages.RowInPage(kv_head, token, s.head_dim) * element;
+    const char* v = static_cast<const char*>(pages.ValuePage(token)) +
+                    pages.RowInPage(kv_head, token, s.value_dim) * element;
+    for (int i = 0; i < segment; ++i) {
+      keys[j + i] = k + i * key_row;
+      values[j + i] = v + i * value_row;
+    }
+    j += segment;
+  }
+}
+
+namespace portable {
+#define ATTN_DECODE_WIDEN_AVX2 0
+#include "kernels/cpu/decode_kernels.inc"
+#undef ATTN_DECODE_WIDEN_AVX2
+}  // namespace portable
+
+#if defined(__x86_64__) && defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+namespace avx2 {
+#define ATTN_DECODE_WIDEN_AVX2 1
+#include "kernels/cpu/decode_kernels.inc"
+#undef ATTN_DECODE_WIDEN_AVX2
+}  // namespace avx2
+#pragma clang attribute pop
+#define ATTN_DECODE_AVX2 1
+#elif defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define ATTN_DECODE_WIDEN_AVX2 1
+#include "kernels/cpu/decode_kernels.inc"
+#undef ATTN_DECODE_WIDEN_AVX2
+}  // namespace avx2
+#pragma GCC pop_options
+#define ATTN_DECODE_AVX2 1
+#endif
+
+template <DType kDtype>
+void RunChunkDispatched(const DecodeChunk& chunk, DecodeScratch& scratch) {
+#if defined(ATTN_DECODE_AVX2)
+  if (CpuHasAvx2Fma()) return avx2::RunChunk<kDtype>(chunk, scratch);
+#endif
+  portable::RunChunk<kDtype>(chunk, scratch);
+}
+
+void RunChunk(DType dtype, const DecodeChunk& chunk, DecodeScratch& scratch) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return RunChunkDispatched<DType::kFloat32>(chunk, scratch);
+    case DType::kFloat16:
+      return RunChunkDispatched<DType::kFloat16>(chunk, scratch);
+    case DType::kBFloat16:
+      return RunChunkDispatched<DType::kBFloat16>(chunk, scratch);
+  }
+}
+
+// The keys' dtype (keys and values share it in both layouts the server builds; the decode
+// kernel reads keys and values of one dtype).
+DType KvDtypeOf(const Problem& problem) {
+  return problem.pages != nullptr ? problem.pages->dtype : problem.key.dtype;
+}
+
+// One problem's place in the batch's task list and partial states.
+struct Item {
+  const Problem* problem;
+  const Outputs* outputs;
+  int64_t rows, chunks, heads;  // heads: batch · kv_heads.
+  int64_t first_task, first_head, partial_offset;
+};
+
+}  // namespace
+
+absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problems,
+                                      const std::vector<const Outputs*>& outputs,
+                                      ThreadPool& pool) {
+  std::vector<Item> items;
+  int64_t tasks = 0, heads = 0, partial_floats = 0;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const Problem& p = *problems[i];
+    Item item{&p,    outputs[i], DecodeRowsOf(p), 0, p.shape.batch * p.shape.kv_heads,
+              tasks, heads,      partial_floats};
+    item.chunks =
+        std::max<int64_t>(1, (p.shape.key_len + kDecodeChunkTokens - 1) / kDecodeChunkTokens);
+    tasks += item.heads * item.chunks;
+    heads += item.heads;
+    partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
+    items.push_back(item);
+  }
+  std::vector<float> partials(partial_floats);
+  // Every item's interrupt, asked between tasks.
+  auto interrupt = [&]() -> absl::Status {
+    for (const Outputs* o : outputs) {
+      if (absl::Status status = o->CheckInterrupt(); !status.ok()) return status;
+    }
+    return absl::OkStatus();
+  };
+  const bool any_interrupt = std::any_of(outputs.begin(), outputs.end(),
+                                         [](const Outputs* o) { return bool(o->interrupt); });
+  const std::function<absl::Status()> interrupt_fn =
+      any_interrupt ? std::function<absl::Status()>(interrupt) : nullptr;
+
+  // The item holding task (or head) `index`: the last whose first one is ≤ index.
+  auto item_of = [&](int64_t index, int64_t Item::*first) -> const Item& {
+    const auto it =
+        std::upper_bound(items.begin(), items.end(), index,
+                         [first](int64_t x, const Item& item) { return x < item.*first; });
+    return *(it - 1);
+  };
+
+  std::vector<DecodeScratch> workers(pool.WorkersFor(tasks));
+  absl::Status run = RunInterruptible(pool, tasks, interrupt_fn, [&](int64_t task, int worker) {
+    const Item& item = item_of(task, &Item::first_task);
+    const Problem& p = *item.problem;
+    const Shape& s = p.shape;
+    const int64_t local = task - item.first_task;
+    const int64_t head = local / item.chunks, chunk_index = local % item.chunks;
+    DecodeChunk chunk;
+    chunk.problem = &p;
+    chunk.batch = head / s.kv_heads;
+    chunk.kv_head = head % s.kv_heads;
+    chunk.rows = item.rows;
+    chunk.head_dim = s.head_dim;
+    chunk.value_dim = s.value_dim;
+    chunk.partial = partials.data() + item.partial_offset + local * item.rows * (s.value_dim + 2);
+    DecodeScratch& scratch = workers[worker];
+    // The group's rows: query heads kv_head · group … , query_len rows each, consecutive.
+    const int64_t group = s.heads / s.kv_heads;
+    scratch.visible.resize(item.rows);
+    int64_t most_visible = 0;
+    for (int64_t r = 0; r < item.rows; ++r) {
+      scratch.visible[r] = p.VisibleKeys(r % s.query_len);
+      most_visible = std::max(most_visible, scratch.visible[r]);
+    }
+    chunk.visible = scratch.visible.data();
+    chunk.key_begin = chunk_index * kDecodeChunkTokens;
+    chunk.key_end = std::min(chunk.key_begin + kDecodeChunkTokens, most_visible);
+    scratch.queries.resize(item.rows * s.head_dim);
+    ConvertToFloat(
+        static_cast<const char*>(p.query.data) +
+            p.QueryOffset(chunk.batch, chunk.kv_head * group, 0) * ElementSize(p.query.dtype),
+        p.query.dtype, item.rows * s.head_dim, scratch.queries.data());
+    for (float& q : scratch.queries) q *= p.scale;
+    chunk.queries = scratch.queries.data();
+    scratch.scores.resize(item.rows * kDecodeTile);
+    scratch.acc.resize(item.rows * s.value_dim);
+    scratch.states.resize(item.rows);
+    scratch.key_rows.resize(2 * kDecodeTile);  // This tile's and the next's.
+    scratch.value_rows.resize(2 * kDecodeTile);
+    RunChunk(KvDtypeOf(p), chunk, scratch);  // An empty chunk (key_end ≤ key_begin) is a no-op.
+  });
+  if (!run.ok()) return run;
+
+  // Each row's chunk states merged in chunk order, normalized and stored as Tiled stores them.
+  std::vector<std::vector<float>> merged(pool.WorkersFor(heads));
+  run = RunInterruptible(pool, heads, interrupt_fn, [&](int64_t index, int worker) {
+    const Item& item = item_of(index, &Item::first_head);
+    const Problem& p = *item.problem;
+    const Shape& s = p.shape;
+    const int64_t head = index - item.first_head;
+    const int64_t batch = head / s.kv_heads, kv_head = head % s.kv_heads;
+    const int64_t dv = s.value_dim, stride = item.rows * (dv + 2);
+    const float* first = partials.data() + item.partial_offset + head * item.chunks * stride;
+    std::vector<float>& out = merged[worker];
+    out.resize(item.rows * dv + item.rows);
+    float* lse = out.data() + item.rows * dv;
+    for (int64_t r = 0; r < item.rows; ++r) {
+      float* acc = out.data() + r * dv;
+      const float* own = first + r * (dv + 2);
+      OnlineSoftmaxRow state;
+      state.max = own[0];
+      state.denominator = own[1];
+      std::copy(own + 2, own + 2 + dv, acc);
+      for (int64_t c = 1; c < item.chunks; ++c) {
+        const float* other_state = first + c * stride + r * (dv + 2);
+        OnlineSoftmaxRow other;
+        other.max = other_state[0];
+        other.denominator = other_state[1];
+        if (other.max == -INFINITY) continue;  // Saw no key: adds nothing (factor 0).
+        float mine, theirs;
+        state.Merge(other, &mine, &theirs);
+        for (int64_t i = 0; i < dv; ++i) acc[i] = acc[i] * mine + other_state[2 + i] * theirs;
+      }
+      for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i]);
+      lse[r] = state.LogSumExp();
+    }
+    const int64_t group = s.heads / s.kv_heads;
+    StoreFloats(out.data(), item.rows * dv, item.outputs->output,
+                p.OutputOffset(batch, kv_head * group, 0));
+    if (item.outputs->lse != nullptr) {
+      std::copy(lse, lse + item.rows, item.outputs->lse + p.LseOffset(batch, kv_head * group, 0));
+    }
+  });
+  if (!run.ok()) return run;
+
+  Stats stats;
+  stats.block_k = kDecodeTile;
+  stats.scratch_bytes = static_cast<int64_t>(partials.capacity() * sizeof(float));
+  for (const DecodeScratch& worker : workers) stats.scratch_bytes += worker.bytes();
+  for (const std::vector<float>& out : merged) {
+    stats.scratch_bytes += static_cast<int64_t>(out.capacity() * sizeof(float));
+  }
+  return stats;
+}
+
+}  // namespace attn

@@ -1,0 +1,54 @@
+// Decode on the CPU: attention for few query rows over a long (usually paged) cache, as a
+// decode step asks it — flash-decoding.
+//
+// Work: for every problem of the batch, every batch entry and kv head, the rows of its GQA group
+// (query_len · heads / kv_heads rows, consecutive in the query and output tensors) against that
+// kv head's keys, split into chunks of kDecodeChunkTokens keys. Each (problem, batch, kv head,
+// chunk) is one task for the pool; a task reads its chunk's keys and values once for all the
+// group's rows, in place in the stored dtype (fp16/bf16 converted in vector registers, never
+// copied to fp32), a tile of kDecodeTile keys at a time through the online-softmax step of
+// online_softmax.h, and leaves each row's state {max, denominator, accumulator}. A second pass
+// merges each row's chunk states in chunk order with OnlineSoftmaxRow::Merge — exact: the same
+// rule as a tile's — and writes output and lse as Tiled does. Causal rows see keys up to their
+// bottom-right limit (VisibleKeysOf); chunks past every row's limit are never read.
+//
+// Chunking depends only on the problem, and a task's arithmetic not on its worker, so results
+// do not depend on the thread count. Cost: keys and values are read once per kv head, so the
+// step is bound by memory bandwidth (docs/perf.md, "Decode").
+//
+// Measured (tests/bench/attention_bench --methods=decode): see docs/perf.md.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/problem.h"
+
+namespace attn {
+
+// Keys per task (a chunk): long enough that a task's fixed costs (its queries, its partial
+// state, a pool hand-out) are small beside reading 512 · (d + dv) elements, short enough that a
+// single sequence splits across every worker (32768 keys × 8 kv heads = 512 tasks).
+inline constexpr int64_t kDecodeChunkTokens = 512;
+// Keys per online-softmax step inside a chunk: the tile's keys and values stay in L1 between
+// the scores and the accumulation.
+inline constexpr int kDecodeTile = 64;
+// Rows of a GQA group (query_len · heads / kv_heads) up to which a problem is decode-shaped;
+// CpuBackend::Decode gives larger ones to Tiled.
+inline constexpr int64_t kDecodeMaxRows = 64;
+
+// Rows one kv head's task computes: query_len · heads / kv_heads.
+inline int64_t DecodeRowsOf(const Problem& problem) {
+  return problem.shape.query_len * (problem.shape.heads / problem.shape.kv_heads);
+}
+
+// The decode kernel over problems[i] into outputs[i] (every problem decode-shaped:
+// DecodeRowsOf ≤ kDecodeMaxRows; dense or paged). Asks every outputs[i].interrupt between tasks.
+// Never fails otherwise.
+absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problems,
+                                      const std::vector<const Outputs*>& outputs, ThreadPool& pool);
+
+}  // namespace attn

@@ -1,0 +1,258 @@
+// Decode on the GPU: split-KV attention (flash-decoding) of a batch of sequences over the pages
+// of their KV caches, read in place.
+//
+// Computes, for every item, query row i of head h: out = Σ_j softmax_j(scale · q·k_j) v_j over
+// the keys the row sees (all key_len, or bottom-right causal), and lse. Inputs (launch.h):
+// queries fp32 [heads, nq, head_dim]; keys and values in their pages (PagedKv), fp32, fp16 or
+// bf16, rows of head_dim / value_dim elements. Outputs: [heads, nq, value_dim] in each item's
+// output dtype, lse fp32.
+//
+// Two kernels, one launch each for the whole batch:
+//   DecodeKernel<T, P>  one block per unit (item, kv head, group of ≤ kDecodeRows query rows of
+//                       that kv head's GQA group, key chunk): the chunk's keys and values are
+//                       read from global memory once, for all the rows, a tile of kDecodeKeys at
+//                       a time into shared memory (fp32, rows padded to P); each warp owns up to
+//                       4 rows: lane j scores key j of the tile, the row's OnlineSoftmax
+//                       <WarpReduce> takes the tile (the one update step, online_softmax.h),
+//                       then every lane accumulates its P/32 value columns in fp32 registers.
+//                       The chunk's unnormalized (acc, max, denominator) go to scratch.
+//   MergeKernel         one block per (item, row): the row's chunks combined in order with
+//                       OnlineSoftmax::Merge (the one merge rule), normalized and stored.
+// The host (decode_method.cc) splits each cache into chunks so that the grid fills the device,
+// and the unit list covers the whole batch at once, whatever each cache's length.
+// Not yet done: double-buffered (cp.async) tiles and vector loads of the pages; the tiles are
+// loaded element by element, coalesced within each token's row.
+// Measured: not yet on a GPU (docs/perf.md; tests/gpu/device_check.sh measures cache bytes read
+// per second against the same-run copy bandwidth). The static checks
+// (tests/static/cuda_static_check.sh) hold both kernels to no spills and no stack frame.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/reduce.h"
+#include "kernels/dtype.h"
+#include "kernels/online_softmax.h"
+
+namespace attn::cuda {
+namespace {
+
+// --- Tunables ---------------------------------------------------------------------------------
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = kDecodeRows / kWarps;
+static_assert(kDecodeKeys == 32, "lane j scores key j of a tile");
+static_assert(kDecodeRows % kWarps == 0);
+constexpr int kMergeThreads = 128;
+// The widest pitch's shared memory, plus the static row pointers, fits the smallest opt-in limit
+// of the architectures built (99 KB on sm_86/sm_120; tests/static/cuda_static_check.sh).
+static_assert(DecodeSharedBytes(kMaxHeadDim) + 2 * kDecodeKeys * 8 <= 101376);
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// (kThreads, 1): without the minimum of one block per SM, ptxas for sm_90 caps the P = 64
+// kernels at 72 registers and spills; shared memory, not registers, bounds the blocks per SM.
+template <class T, int P>
+__global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch batch) {
+  extern __shared__ float shared[];
+  float* query_tile = shared;                            // [kDecodeRows][P]
+  float* key_tile = query_tile + kDecodeRows * P;        // [kDecodeKeys][P + 1]
+  float* value_tile = key_tile + kDecodeKeys * (P + 1);  // [kDecodeKeys][P]
+  __shared__ const T* key_rows[kDecodeKeys];
+  __shared__ const T* value_rows[kDecodeKeys];
+
+  const DecodeUnit unit = batch.units[blockIdx.x];
+  const DecodeItem& item = batch.items[unit.item];
+  const int64_t nq = item.query_len;
+  const int64_t key_len = item.key_len;
+  const int64_t head_dim = item.head_dim;
+  const int64_t value_dim = item.value_dim;
+  const int64_t group = item.heads / item.kv_heads;
+  const int64_t row0 = int64_t{unit.row_group} * kDecodeRows;
+  const int rows = static_cast<int>(min(int64_t{kDecodeRows}, group * nq - row0));
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  // The block's query rows, zero-padded to P; rows past `rows` all zeros.
+  for (int i = threadIdx.x; i < kDecodeRows * P; i += kThreads) {
+    const int r = i / P;
+    const int c = i % P;
+    float q = 0.f;
+    if (r < rows && c < head_dim) {
+      const int64_t group_row = row0 + r;
+      const int64_t head = unit.kv_head * group + group_row / nq;
+      q = item.query[(head * nq + group_row % nq) * head_dim + c];
+    }
+    query_tile[i] = q;
+  }
+
+  // The chunk's keys, cut at the last key any of the block's rows sees.
+  int64_t last_query_row = 0;
+  for (int r = 0; r < rows; ++r) last_query_row = max(last_query_row, (row0 + r) % nq);
+  const int64_t begin = unit.chunk * item.chunk_keys;
+  const int64_t end = min(min(begin + item.chunk_keys, key_len),
+                          VisibleKeysOf(last_query_row, nq, key_len, item.causal));
+
+  OnlineSoftmax<WarpReduce> state[kRowsPerWarp];
+  float acc[kRowsPerWarp][P / 32];
+  int64_t visible[kRowsPerWarp];
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int r = warp + kWarps * k;
+    visible[k] = r < rows ? VisibleKeysOf((row0 + r) % nq, nq, key_len, item.causal) : 0;
+#pragma unroll
+    for (int m = 0; m < P / 32; ++m) acc[k][m] = 0.f;
+  }
+
+  for (int64_t tile = begin; tile < end; tile += kDecodeKeys) {
+    const int n = static_cast<int>(min(int64_t{kDecodeKeys}, end - tile));
+    __syncthreads();  // The previous tile is consumed.
+    if (threadIdx.x < n) {
+      const int64_t token = tile + threadIdx.x;
+      const int64_t page = token / item.pages.page_tokens;
+      key_rows[threadIdx.x] = static_cast<const T*>(item.pages.key_pages[page]) +
+                              item.pages.RowInPage(unit.kv_head, token, head_dim);
+      value_rows[threadIdx.x] = static_cast<const T*>(item.pages.value_pages[page]) +
+                                item.pages.RowInPage(unit.kv_head, token, value_dim);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kDecodeKeys * P; i += kThreads) {
+      const int j = i / P;
+      const int c = i % P;
+      key_tile[j * (P + 1) + c] = j < n && c < head_dim ? ToFloat(key_rows[j][c]) : 0.f;
+      value_tile[i] = j < n && c < value_dim ? ToFloat(value_rows[j][c]) : 0.f;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      const int r = warp + kWarps * k;
+      if (r >= rows) continue;  // The same for the whole warp.
+      // score = scale · q·k for key `lane` of the tile.
+      const float* q = query_tile + r * P;
+      const float* key = key_tile + lane * (P + 1);
+      float dot = 0.f;
+#pragma unroll 8
+      for (int c = 0; c < P; ++c) dot += q[c] * key[c];
+      const bool seen = lane < n && tile + lane < visible[k];
+      const float score = seen ? item.scale * dot : -INFINITY;
+      // max, rescale, exp, sum: the one update step.
+      const float rescale = state[k].Rescale(score);
+      const float weight = state[k].AddScore(score);
+      OnlineSoftmax<WarpReduce>::RescaleAccumulator(rescale, P / 32,
+                                                    [&](int m) -> float& { return acc[k][m]; });
+      // acc += weights · V_tile, lane owning columns lane + 32·m.
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, weight, j);
+        const float* value = value_tile + j * P + lane;
+#pragma unroll
+        for (int m = 0; m < P / 32; ++m) acc[k][m] += w * value[32 * m];
+      }
+    }
+  }
+
+  // The chunk's partial state of each row, unnormalized.
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int r = warp + kWarps * k;
+    if (r >= rows) continue;
+    state[k].Finish();
+    const int64_t group_row = row0 + r;
+    const int64_t flat = (unit.kv_head * group + group_row / nq) * nq + group_row % nq;
+    const int64_t slot = flat * item.chunks + unit.chunk;
+    float* out = batch.partial_acc + item.partial_acc + slot * value_dim;
+#pragma unroll
+    for (int m = 0; m < P / 32; ++m) {
+      const int64_t c = lane + 32 * m;
+      if (c < value_dim) out[c] = acc[k][m];
+    }
+    if (lane == 0) {
+      float* partial = batch.partial_state + item.partial_state + 2 * slot;
+      partial[0] = state[k].max;
+      partial[1] = state[k].denominator;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kMergeThreads) MergeKernel(const DecodeBatch batch) {
+  const DecodeItem& item = batch.items[blockIdx.y];
+  const int64_t flat = blockIdx.x;
+  if (flat >= item.heads * item.query_len) return;
+  const int64_t value_dim = item.value_dim;
+  const float* states = batch.partial_state + item.partial_state + flat * item.chunks * 2;
+  const float* accs = batch.partial_acc + item.partial_acc + flat * item.chunks * value_dim;
+  for (int64_t c = threadIdx.x; c < value_dim; c += kMergeThreads) {
+    // Every thread merges the (identical) scalars itself: no shared memory, no barrier.
+    OnlineSoftmaxRow row;
+    row.max = states[0];
+    row.denominator = states[1];
+    float acc = accs[c];
+    for (int64_t chunk = 1; chunk < item.chunks; ++chunk) {
+      OnlineSoftmaxRow other;
+      other.max = states[2 * chunk];
+      other.denominator = states[2 * chunk + 1];
+      float mine, theirs;
+      row.Merge(other, &mine, &theirs);
+      acc = acc * mine + accs[chunk * value_dim + c] * theirs;
+    }
+    StoreElement(item.output, item.output_dtype, flat * value_dim + c, row.Normalize(acc));
+    if (c == 0 && item.lse != nullptr) item.lse[flat] = row.LogSumExp();
+  }
+}
+
+template <class T, int P>
+cudaError_t Run(const DecodeBatch& batch, cudaStream_t stream) {
+  auto kernel = DecodeKernel<T, P>;
+  constexpr int kShared = DecodeSharedBytes(P);
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+  if (error != cudaSuccess) return error;
+  kernel<<<static_cast<unsigned>(batch.units_count), kThreads, kShared, stream>>>(batch);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t RunPitch(const DecodeBatch& batch, cudaStream_t stream) {
+  switch (batch.pitch) {
+    case 32:
+      return Run<T, 32>(batch, stream);
+    case 64:
+      return Run<T, 64>(batch, stream);
+    case 128:
+      return Run<T, 128>(batch, stream);
+    case 256:
+      return Run<T, 256>(batch, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchDecode(const DecodeBatch& batch, cudaStream_t stream) {
+  if (batch.units_count <= 0 || batch.items_count <= 0) return cudaSuccess;
+  if (batch.units_count > INT32_MAX || batch.max_rows > INT32_MAX || batch.items_count > 65535) {
+    return cudaErrorInvalidConfiguration;
+  }
+  cudaError_t error = cudaErrorInvalidValue;
+  switch (batch.dtype) {
+    case DType::kFloat32:
+      error = RunPitch<float>(batch, stream);
+      break;
+    case DType::kFloat16:
+      error = RunPitch<__half>(batch, stream);
+      break;
+    case DType::kBFloat16:
+      error = RunPitch<__nv_bfloat16>(batch, stream);
+      break;
+  }
+  if (error != cudaSuccess) return error;
+  const dim3 grid(static_cast<unsigned>(batch.max_rows), static_cast<unsigned>(batch.items_count));
+  MergeKernel<<<grid, kMergeThreads, 0, stream>>>(batch);
+  return cudaGetLastError();
+}
+
+}  // namespace attn::cuda

@@ -1,0 +1,232 @@
+// CudaBackend::Decode (backend_impl.h): one decode step of a batch of sequences over their KV
+// caches, the whole batch in one launch of the split-KV kernels (decode.cu).
+//
+// The host's part: group the problems by the kernel instance they need (the pages' dtype and
+// the padded width), split every cache into chunks of one size chosen so that the batch fills
+// the device (about kBlocksPerMultiprocessor blocks per SM, chunks of at least kMinChunkKeys),
+// list the units (item, kv head, row group, chunk), stage the queries (as fp32), the items and
+// the units in one upload, launch, and bring every output and lse back in one download.
+// Problems the kernels do not take (not over a cache, batch > 1, wider than kMaxHeadDim, or a
+// device whose shared memory is too small) run as Tiled, one by one.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/backend_impl.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/launch.h"
+
+namespace attn::cuda {
+namespace {
+
+constexpr int64_t kBlocksPerMultiprocessor = 4;
+constexpr int64_t kMinChunkKeys = 128;
+constexpr int kMaxItemsPerLaunch = 65535;                    // The merge kernel's grid.y.
+constexpr int64_t kStaticSharedBytes = 2 * kDecodeKeys * 8;  // The tile's row pointers.
+
+int64_t RoundUp(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+int64_t Align(int64_t bytes) { return RoundUp(bytes, 16); }
+
+void AddStats(const Stats& stats, Stats* total) {
+  total->compute_ns += stats.compute_ns;
+  total->flops += stats.flops;
+  total->scratch_bytes = std::max(total->scratch_bytes, stats.scratch_bytes);
+  total->peak_memory_bytes = std::max(total->peak_memory_bytes, stats.peak_memory_bytes);
+}
+
+}  // namespace
+
+absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
+                                          const std::vector<Outputs>& outputs) {
+  if (problems.size() != outputs.size()) {
+    return absl::InternalError(
+        absl::StrCat("Decode: ", problems.size(), " problems but ", outputs.size(), " outputs"));
+  }
+  for (const Outputs& out : outputs) ATTN_RETURN_IF_ERROR(out.CheckInterrupt());
+  // (dtype, pitch) → the problems the split kernel takes at that instance.
+  std::map<std::pair<int, int>, std::pair<std::vector<const Problem*>, std::vector<const Outputs*>>>
+      groups;
+  Stats total;
+  total.block_k = kDecodeKeys;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const Problem& problem = problems[i];
+    const int pitch = PaddedDim(problem.shape);
+    const bool split = problem.pages != nullptr && problem.shape.batch == 1 && pitch != 0 &&
+                       DecodeSharedBytes(pitch) + kStaticSharedBytes <= options_.max_shared_bytes;
+    if (!split) {
+      ATTN_ASSIGN_OR_RETURN(const Stats stats, Tiled(problem, outputs[i]));
+      AddStats(stats, &total);
+      continue;
+    }
+    auto& group = groups[{static_cast<int>(problem.pages->dtype), pitch}];
+    group.first.push_back(&problem);
+    group.second.push_back(&outputs[i]);
+  }
+  for (const auto& [key, group] : groups) {
+    for (size_t begin = 0; begin < group.first.size(); begin += kMaxItemsPerLaunch) {
+      const size_t end = std::min(group.first.size(), begin + kMaxItemsPerLaunch);
+      ATTN_ASSIGN_OR_RETURN(
+          const Stats stats,
+          DecodeGroup({group.first.begin() + begin, group.first.begin() + end},
+                      {group.second.begin() + begin, group.second.begin() + end}, key.second));
+      AddStats(stats, &total);
+    }
+  }
+  return total;
+}
+
+absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>& problems,
+                                               const std::vector<const Outputs*>& outputs,
+                                               int pitch) {
+  const int64_t count = static_cast<int64_t>(problems.size());
+  // The chunk size: the batch's (kv head, row group) pairs, each cache cut so that the units
+  // come to about kBlocksPerMultiprocessor per SM.
+  int64_t chunk_keys = options_.decode_chunk_keys;
+  if (chunk_keys <= 0) {
+    double key_work = 0;  // Σ pairs · key_len
+    for (const Problem* p : problems) {
+      const Shape& s = p->shape;
+      const int64_t row_groups =
+          (s.heads / s.kv_heads * s.query_len + kDecodeRows - 1) / kDecodeRows;
+      key_work += static_cast<double>(s.kv_heads * row_groups) * static_cast<double>(s.key_len);
+    }
+    const double target = static_cast<double>(kBlocksPerMultiprocessor * multiprocessors_);
+    chunk_keys = std::max<int64_t>(kMinChunkKeys, static_cast<int64_t>(key_work / target));
+  }
+  chunk_keys = RoundUp(chunk_keys, kDecodeKeys);
+
+  // Layout of the upload (queries, items, units), the download (outputs, lse) and the scratch.
+  std::vector<DecodeItem> items(count);
+  std::vector<DecodeUnit> units;
+  std::vector<int64_t> query_offset(count), output_offset(count), lse_offset(count);
+  int64_t query_bytes = 0, result_bytes = 0, partial_acc = 0, partial_state = 0, max_rows = 0;
+  double flops = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const Problem& p = *problems[i];
+    const Shape& s = p.shape;
+    DecodeItem& item = items[i];
+    item.pages = *p.pages;
+    item.output_dtype = p.output_dtype;
+    item.heads = s.heads;
+    item.kv_heads = s.kv_heads;
+    item.query_len = s.query_len;
+    item.key_len = s.key_len;
+    item.head_dim = s.head_dim;
+    item.value_dim = s.value_dim;
+    item.scale = p.scale;
+    item.causal = p.causal;
+    item.chunk_keys = chunk_keys;
+    item.chunks = (s.key_len + chunk_keys - 1) / chunk_keys;
+    const int64_t rows = s.heads * s.query_len;
+    item.partial_acc = partial_acc;
+    item.partial_state = partial_state;
+    partial_acc += rows * item.chunks * s.value_dim;
+    partial_state += rows * item.chunks * 2;
+    max_rows = std::max(max_rows, rows);
+    query_offset[i] = query_bytes;
+    query_bytes += Align(rows * s.head_dim * 4);
+    output_offset[i] = result_bytes;
+    result_bytes += Align(p.OutputElements() * ElementSize(p.output_dtype));
+    lse_offset[i] = -1;
+    if (outputs[i]->lse != nullptr) {
+      lse_offset[i] = result_bytes;
+      result_bytes += Align(p.LseElements() * 4);
+    }
+    const int64_t row_groups = (s.heads / s.kv_heads * s.query_len + kDecodeRows - 1) / kDecodeRows;
+    for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head) {
+      for (int64_t group = 0; group < row_groups; ++group) {
+        for (int64_t chunk = 0; chunk < item.chunks; ++chunk) {
+          units.push_back(DecodeUnit{static_cast<int32_t>(i), static_cast<int32_t>(kv_head),
+                                     static_cast<int32_t>(group), static_cast<int32_t>(chunk)});
+        }
+      }
+    }
+    flops += p.Flops();
+  }
+  if (units.size() > static_cast<size_t>(INT32_MAX) || max_rows > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        "Decode on CUDA: the batch is too large for one launch; send fewer items");
+  }
+  const int64_t items_offset = query_bytes;
+  const int64_t units_offset = items_offset + Align(count * sizeof(DecodeItem));
+  const int64_t upload_bytes =
+      units_offset + static_cast<int64_t>(units.size() * sizeof(DecodeUnit));
+
+  ATTN_RETURN_IF_ERROR(device_->Start());
+  SlotPool::Lease lease(device_->slots());
+  Slot& slot = lease.slot();
+  Allocations memory(device_->budget(), slot.stream);
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(upload_bytes + result_bytes));
+  ATTN_ASSIGN_OR_RETURN(char* upload, memory.Allocate<char>(upload_bytes));
+  ATTN_ASSIGN_OR_RETURN(char* results, memory.Allocate<char>(result_bytes));
+  ATTN_ASSIGN_OR_RETURN(float* acc_scratch, memory.Allocate<float>(partial_acc * 4));
+  ATTN_ASSIGN_OR_RETURN(float* state_scratch, memory.Allocate<float>(partial_state * 4));
+
+  char* staged = slot.staging;
+  for (int64_t i = 0; i < count; ++i) {
+    const Problem& p = *problems[i];
+    const int64_t elements = p.shape.heads * p.shape.query_len * p.shape.head_dim;
+    float* query = reinterpret_cast<float*>(staged + query_offset[i]);
+    if (p.query.dtype == DType::kFloat32) {
+      std::memcpy(query, p.query.data, elements * 4);
+    } else {
+      for (int64_t e = 0; e < elements; ++e) query[e] = p.query[e];
+    }
+    items[i].query = reinterpret_cast<const float*>(upload + query_offset[i]);
+    items[i].output = results + output_offset[i];
+    items[i].lse = lse_offset[i] >= 0 ? reinterpret_cast<float*>(results + lse_offset[i]) : nullptr;
+  }
+  std::memcpy(staged + items_offset, items.data(), count * sizeof(DecodeItem));
+  std::memcpy(staged + units_offset, units.data(), units.size() * sizeof(DecodeUnit));
+  ATTN_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(upload, staged, upload_bytes, cudaMemcpyHostToDevice, slot.stream),
+            "cudaMemcpyAsync (decode inputs)"));
+
+  DecodeBatch batch;
+  batch.dtype = problems[0]->pages->dtype;
+  batch.pitch = pitch;
+  batch.items = reinterpret_cast<const DecodeItem*>(upload + items_offset);
+  batch.items_count = static_cast<int>(count);
+  batch.units = reinterpret_cast<const DecodeUnit*>(upload + units_offset);
+  batch.units_count = static_cast<int64_t>(units.size());
+  batch.max_rows = max_rows;
+  batch.partial_acc = acc_scratch;
+  batch.partial_state = state_scratch;
+  ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.start, slot.stream), "cudaEventRecord"));
+  if (const cudaError_t error = LaunchDecode(batch, slot.stream); error == cudaErrorInvalidValue) {
+    return absl::InternalError(absl::StrCat("CUDA Decode: no kernel for ", DTypeName(batch.dtype),
+                                            " rows padded to ", pitch));
+  } else {
+    ATTN_RETURN_IF_ERROR(Check(error, "LaunchDecode"));
+  }
+  ATTN_RETURN_IF_ERROR(Check(cudaEventRecord(slot.stop, slot.stream), "cudaEventRecord"));
+  char* staged_results = staged + upload_bytes;
+  ATTN_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(staged_results, results, result_bytes, cudaMemcpyDeviceToHost, slot.stream),
+      "cudaMemcpyAsync (decode outputs)"));
+  ATTN_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.stream), "Decode on the device"));
+  for (int64_t i = 0; i < count; ++i) {
+    const Problem& p = *problems[i];
+    std::memcpy(outputs[i]->output.data, staged_results + output_offset[i],
+                p.OutputElements() * ElementSize(p.output_dtype));
+    if (lse_offset[i] >= 0) {
+      std::memcpy(outputs[i]->lse, staged_results + lse_offset[i], p.LseElements() * 4);
+    }
+  }
+
+  Stats stats;
+  ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
+  stats.block_k = kDecodeKeys;
+  stats.flops = flops;
+  stats.scratch_bytes = (partial_acc + partial_state) * 4;
+  stats.peak_memory_bytes = stats.scratch_bytes + result_bytes;
+  return stats;
+}
+
+}  // namespace attn::cuda

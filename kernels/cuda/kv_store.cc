@@ -1,0 +1,171 @@
+#include "kernels/cuda/kv_store.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/launch.h"
+
+namespace attn::cuda {
+
+CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
+                         int64_t page_tokens)
+    : device_(std::move(device)), layout_(layout), page_tokens_(page_tokens) {
+  paged_.page_tokens = page_tokens_;
+  paged_.dtype = layout_.dtype;
+}
+
+CudaKvStore::~CudaKvStore() {
+  if (!device_->Start().ok()) return;  // A lost device: the process's memory goes with it.
+  SlotPool::Lease lease(device_->slots());
+  const cudaStream_t stream = lease.slot().stream;
+  for (DeviceBlock& page : pages_) page.Free(device_->budget(), stream);
+  key_table_.Free(device_->budget(), stream);
+  value_table_.Free(device_->budget(), stream);
+}
+
+absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value, int64_t n) {
+  if (n <= 0) return absl::OkStatus();
+  ATTN_RETURN_IF_ERROR(device_->Start());
+  SlotPool::Lease lease(device_->slots());
+  Slot& slot = lease.slot();
+  MemoryBudget& budget = device_->budget();
+  const DType dtype = layout_.dtype;
+  const int64_t element = ElementSize(dtype);
+  const int64_t key_elements = layout_.kv_heads * n * layout_.head_dim;
+  const int64_t value_elements = layout_.kv_heads * n * layout_.value_dim;
+  const int64_t token_bytes = (key_elements + value_elements) * element;
+  const int64_t old_pages = static_cast<int64_t>(pages_.size());
+  const int64_t new_pages = (length_ + n + page_tokens_ - 1) / page_tokens_;
+  const bool grow_tables = new_pages > table_capacity_;
+  const int64_t capacity =
+      grow_tables ? std::max<int64_t>({new_pages, 2 * table_capacity_, 16}) : table_capacity_;
+  const int64_t table_bytes = capacity * static_cast<int64_t>(sizeof(void*));
+
+  // Host side first: the tokens in the store's dtype, then the new table entries, all staged.
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(token_bytes + 2 * table_bytes));
+  char* staged = slot.staging;
+  auto stage = [&](const TensorView& view, int64_t count, char* target) {
+    if (view.dtype == dtype) {
+      std::memcpy(target, view.data, count * element);
+    } else {
+      for (int64_t i = 0; i < count; ++i) StoreElement(target, dtype, i, view[i]);
+    }
+  };
+  stage(key, key_elements, staged);
+  stage(value, value_elements, staged + key_elements * element);
+
+  // Everything the append needs, allocated before anything is written: on failure `added` and
+  // the new tables are freed and the store is untouched.
+  std::vector<DeviceBlock> added;
+  DeviceBlock new_key_table, new_value_table;
+  Allocations scratch(budget, slot.stream);
+  auto roll_back = [&](absl::Status status) {
+    for (DeviceBlock& page : added) page.Free(budget, slot.stream);
+    new_key_table.Free(budget, slot.stream);
+    new_value_table.Free(budget, slot.stream);
+    return status;
+  };
+  for (int64_t p = old_pages; p < new_pages; ++p) {
+    absl::StatusOr<DeviceBlock> page = DeviceBlock::Allocate(budget, PageBytes(), slot.stream);
+    if (!page.ok()) return roll_back(page.status());
+    added.push_back(*std::move(page));
+  }
+  if (grow_tables) {
+    absl::StatusOr<DeviceBlock> keys = DeviceBlock::Allocate(budget, table_bytes, slot.stream);
+    if (!keys.ok()) return roll_back(keys.status());
+    new_key_table = *std::move(keys);
+    absl::StatusOr<DeviceBlock> values = DeviceBlock::Allocate(budget, table_bytes, slot.stream);
+    if (!values.ok()) return roll_back(values.status());
+    new_value_table = *std::move(values);
+  }
+  absl::StatusOr<void*> tokens = scratch.Allocate(token_bytes);
+  if (!tokens.ok()) return roll_back(tokens.status());
+
+  // The tables after the append: entries [first_entry, new_pages) are uploaded (all of them
+  // into new tables; only the new pages' into the current ones, past every entry in use).
+  std::vector<const void*> key_entries = key_entries_, value_entries = value_entries_;
+  for (const DeviceBlock& page : added) {
+    key_entries.push_back(page.get());
+    value_entries.push_back(static_cast<const char*>(page.get()) + KeyBlockBytes());
+  }
+  void* key_table = grow_tables ? new_key_table.get() : key_table_.get();
+  void* value_table = grow_tables ? new_value_table.get() : value_table_.get();
+  const int64_t first_entry = grow_tables ? 0 : old_pages;
+  const int64_t entry_bytes = (new_pages - first_entry) * static_cast<int64_t>(sizeof(void*));
+  char* staged_keys = staged + token_bytes;
+  char* staged_values = staged_keys + table_bytes;
+  std::memcpy(staged_keys, key_entries.data() + first_entry, entry_bytes);
+  std::memcpy(staged_values, value_entries.data() + first_entry, entry_bytes);
+
+  auto check = [&](cudaError_t error, const char* what) { return device_->Check(error, what); };
+  absl::Status status =
+      check(cudaMemcpyAsync(static_cast<char*>(key_table) + first_entry * 8, staged_keys,
+                            entry_bytes, cudaMemcpyHostToDevice, slot.stream),
+            "cudaMemcpyAsync (key page table)");
+  if (status.ok()) {
+    status = check(cudaMemcpyAsync(static_cast<char*>(value_table) + first_entry * 8, staged_values,
+                                   entry_bytes, cudaMemcpyHostToDevice, slot.stream),
+                   "cudaMemcpyAsync (value page table)");
+  }
+  if (status.ok()) {
+    status =
+        check(cudaMemcpyAsync(*tokens, staged, token_bytes, cudaMemcpyHostToDevice, slot.stream),
+              "cudaMemcpyAsync (appended tokens)");
+  }
+  if (status.ok()) {
+    status = check(
+        LaunchScatter(*tokens, layout_.kv_heads, n, layout_.head_dim, static_cast<int>(element),
+                      static_cast<void* const*>(key_table), page_tokens_, length_, slot.stream),
+        "LaunchScatter (keys)");
+  }
+  if (status.ok()) {
+    status = check(
+        LaunchScatter(static_cast<char*>(*tokens) + key_elements * element, layout_.kv_heads, n,
+                      layout_.value_dim, static_cast<int>(element),
+                      static_cast<void* const*>(value_table), page_tokens_, length_, slot.stream),
+        "LaunchScatter (values)");
+  }
+  if (status.ok()) status = check(cudaStreamSynchronize(slot.stream), "KV cache append");
+  if (!status.ok()) return roll_back(status);
+
+  // Commit.
+  if (grow_tables) {
+    key_table_.Free(budget, slot.stream);
+    value_table_.Free(budget, slot.stream);
+    key_table_ = std::move(new_key_table);
+    value_table_ = std::move(new_value_table);
+    table_capacity_ = capacity;
+  }
+  for (DeviceBlock& page : added) pages_.push_back(std::move(page));
+  key_entries_ = std::move(key_entries);
+  value_entries_ = std::move(value_entries);
+  length_ += n;
+  paged_.key_pages = static_cast<const void* const*>(key_table_.get());
+  paged_.value_pages = static_cast<const void* const*>(value_table_.get());
+  return absl::OkStatus();
+}
+
+void CudaKvStore::Truncate(int64_t length) {
+  length = std::clamp<int64_t>(length, 0, length_);
+  const size_t keep = static_cast<size_t>((length + page_tokens_ - 1) / page_tokens_);
+  if (keep < pages_.size() && device_->Start().ok()) {
+    SlotPool::Lease lease(device_->slots());
+    for (size_t p = keep; p < pages_.size(); ++p) {
+      pages_[p].Free(device_->budget(), lease.slot().stream);
+    }
+  }
+  // On a lost device the pages are not freed (nothing can use them again), only forgotten.
+  if (keep < pages_.size()) {
+    pages_.resize(keep);
+    key_entries_.resize(keep);
+    value_entries_.resize(keep);
+  }
+  length_ = length;
+}
+
+}  // namespace attn::cuda

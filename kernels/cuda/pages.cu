@@ -1,0 +1,88 @@
+// The pages of a KV cache on the device (kernels/cuda/kv_store.h owns them; PagedKv in
+// kernels/problem.h is the layout): page p holds tokens [p·page_tokens, (p+1)·page_tokens) of
+// every kv head, a key block [kv_heads, page_tokens, head_dim] and a value block
+// [kv_heads, page_tokens, value_dim].
+//   ScatterKernel  an append: dense new tokens [kv_heads, n, width] into their pages, one
+//                  element per thread (grid-stride), copied as bits (the host converted them).
+//   GatherKernel   the first key_len tokens out of the pages into the dense [kv_heads, key_len,
+//                  pitch] rows (zero-padded) that Naive, Tiled and Trace read: the first version
+//                  of attention over a cache for those three — a copy of the cache per call,
+//                  simple and exact; Decode (decode.cu) reads the pages in place.
+// Measured: not yet on a GPU (see docs/perf.md). Both move bytes only; neither is on the decode
+// path's critical loop.
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/dtype.h"
+
+namespace attn::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <class Element>
+__global__ void ScatterKernel(const Element* tokens, int64_t kv_heads, int64_t n, int64_t width,
+                              void* const* table, int64_t page_tokens, int64_t first) {
+  const int64_t per_head = n * width;
+  const int64_t total = kv_heads * per_head;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t kv_head = i / per_head;
+    const int64_t token = first + (i % per_head) / width;
+    const int64_t column = i % width;
+    Element* page = static_cast<Element*>(table[token / page_tokens]);
+    page[(kv_head * page_tokens + token % page_tokens) * width + column] = tokens[i];
+  }
+}
+
+__global__ void GatherKernel(const PagedKv pages, const void* const* table, int64_t kv_heads,
+                             int64_t key_len, int64_t width, void* out, DType out_dtype,
+                             int64_t pitch) {
+  const int64_t per_head = key_len * pitch;
+  const int64_t total = kv_heads * per_head;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t kv_head = i / per_head;
+    const int64_t token = (i % per_head) / pitch;
+    const int64_t column = i % pitch;
+    float value = 0.f;
+    if (column < width) {
+      value = LoadElement(table[token / pages.page_tokens], pages.dtype,
+                          pages.RowInPage(kv_head, token, width) + column);
+    }
+    StoreElement(out, out_dtype, i, value);
+  }
+}
+
+unsigned GridFor(int64_t count) {
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65535 ? (blocks > 0 ? blocks : 1) : 65535);
+}
+
+}  // namespace
+
+cudaError_t LaunchGather(const PagedKv& pages, const void* const* table, int64_t kv_heads,
+                         int64_t key_len, int64_t width, void* out, DType out_dtype, int64_t pitch,
+                         cudaStream_t stream) {
+  GatherKernel<<<GridFor(kv_heads * key_len * pitch), kThreads, 0, stream>>>(
+      pages, table, kv_heads, key_len, width, out, out_dtype, pitch);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64_t width,
+                          int element_size, void* const* table, int64_t page_tokens, int64_t first,
+                          cudaStream_t stream) {
+  const unsigned grid = GridFor(kv_heads * n * width);
+  if (element_size == 4) {
+    ScatterKernel<uint32_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<const uint32_t*>(tokens), kv_heads, n, width, table, page_tokens, first);
+  } else if (element_size == 2) {
+    ScatterKernel<uint16_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(tokens), kv_heads, n, width, table, page_tokens, first);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace attn::cuda

@@ -1,0 +1,76 @@
+// KvStore: the memory of one server-resident KV cache — pages of keys and values in the
+// backend's memory (host memory on the CPU, device memory on a GPU), in one dtype. The server's
+// registry (server/caches.h) owns what a store means (its id, owner, budget, ordering); the
+// backend that made it owns its memory.
+//
+// Storage: fixed-size pages of page_tokens tokens (PagedKv in problem.h), allocated as the cache
+// grows; appending never moves or copies a stored token. Not thread-safe: the registry orders
+// every call on one store (an append never runs beside a read of the same store).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "kernels/dtype.h"
+#include "kernels/problem.h"
+
+namespace attn {
+
+struct KvLayout {
+  int64_t kv_heads = 1;
+  int64_t head_dim = 1;
+  int64_t value_dim = 1;
+  DType dtype = DType::kFloat32;
+};
+
+class KvStore {
+ public:
+  virtual ~KvStore() = default;
+
+  virtual const KvLayout& layout() const = 0;
+  virtual int64_t page_tokens() const = 0;
+  virtual int64_t length() const = 0;  // Tokens stored.
+  virtual int64_t bytes() const = 0;   // Memory its pages take now.
+  // Memory the pages would take holding `length` tokens (whole pages), for the budget check
+  // before an append.
+  virtual int64_t BytesFor(int64_t length) const = 0;
+
+  // Appends n tokens: key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] (dense,
+  // host memory, any dtype: converted to the store's). All or nothing: on an error (e.g.
+  // RESOURCE_EXHAUSTED when memory runs out) the store is as it was.
+  virtual absl::Status Append(const TensorView& key, const TensorView& value, int64_t n) = 0;
+  // Drops the tokens from `length` on (length ≤ length()), freeing pages no longer needed: how
+  // a failed Decode takes back the tokens it appended.
+  virtual void Truncate(int64_t length) = 0;
+
+  // The pages as kernels read them, valid until the next Append or Truncate.
+  virtual const PagedKv& pages() const = 0;
+
+  // Copies tokens [0, length) out to dense host tensors in the store's dtype, key
+  // [kv_heads, length, head_dim] and value [kv_heads, length, value_dim]: a snapshot for work
+  // that outlives the registry's hold on the cache (a trace's stream). Default: reads pages()
+  // on the host, for a store in host memory; a device store overrides it.
+  virtual void CopyOut(int64_t length, void* key, void* value) const {
+    const KvLayout& l = layout();
+    const PagedKv& p = pages();
+    const int64_t element = ElementSize(l.dtype);
+    const int64_t tokens_per_page = page_tokens();
+    for (int64_t h = 0; h < l.kv_heads; ++h) {
+      for (int64_t t = 0; t < length; t += tokens_per_page - t % tokens_per_page) {
+        const int64_t run = std::min(length, t - t % tokens_per_page + tokens_per_page) - t;
+        std::memcpy(
+            static_cast<char*>(key) + (h * length + t) * l.head_dim * element,
+            static_cast<const char*>(p.KeyPage(t)) + p.RowInPage(h, t, l.head_dim) * element,
+            run * l.head_dim * element);
+        std::memcpy(
+            static_cast<char*>(value) + (h * length + t) * l.value_dim * element,
+            static_cast<const char*>(p.ValuePage(t)) + p.RowInPage(h, t, l.value_dim) * element,
+            run * l.value_dim * element);
+      }
+    }
+  }
+};
+
+}  // namespace attn

@@ -1,0 +1,349 @@
+#include "server/caches.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace attn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kRememberedExpired = 1 << 16;  // Expired ids kept for their NOT_FOUND message.
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// 128 bits from the kernel's CSPRNG as 32 lowercase hex digits.
+absl::StatusOr<std::string> NewId() {
+  unsigned char bits[16];
+  size_t got = 0;
+  while (got < sizeof bits) {
+    const ssize_t n = getrandom(bits + got, sizeof bits - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError("getrandom failed: no cache id could be drawn");
+    }
+    got += static_cast<size_t>(n);
+  }
+  std::string id;
+  for (unsigned char byte : bits) absl::StrAppendFormat(&id, "%02x", byte);
+  return id;
+}
+
+}  // namespace
+
+struct CacheRegistry::Entry {
+  Entry(CacheRegistry& registry, std::string id, std::string owner, int64_t serial,
+        std::unique_ptr<KvStore> store)
+      : registry(registry),
+        id(std::move(id)),
+        owner(std::move(owner)),
+        serial(serial),
+        store(std::move(store)),
+        last_used_ns(NowNs()) {}
+  // The last lease has ended and the registry has let go: the pages go back to the budget.
+  ~Entry() { registry.Release(reserved_bytes); }
+
+  CacheRegistry& registry;
+  const std::string id, owner;
+  const int64_t serial;
+
+  std::mutex mutex;  // Held by a Lease: guards store, reserved_bytes and the maxima.
+  std::unique_ptr<KvStore> store;
+  int64_t reserved_bytes = 0;  // Of the registry's budget: store->BytesFor(length).
+  double max_abs_key = 0, max_abs_value = 0;
+
+  // Readable without the mutex (Describe, List, metrics, expiry).
+  std::atomic<int64_t> length{0};
+  std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> last_used_ns;
+  std::atomic<int> leases{0};
+};
+
+CacheRegistry::CacheRegistry(Backend& backend, CacheLimits limits)
+    : backend_(backend), limits_(limits) {
+  if (limits_.idle_seconds > 0) sweeper_ = std::thread([this] { Sweep(); });
+}
+
+CacheRegistry::~CacheRegistry() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (sweeper_.joinable()) sweeper_.join();
+  std::map<std::string, std::shared_ptr<Entry>> entries;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries.swap(entries_);
+  }
+  entries.clear();  // Entries release into the registry: outside its mutex.
+}
+
+absl::Status CacheRegistry::Reserve(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes > limits_.budget_bytes - reserved_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the caches would need ", reserved_bytes_ + bytes, " bytes, over this server's ",
+        "--cache-bytes=", limits_.budget_bytes, " (", reserved_bytes_,
+        " in use); delete caches you no longer need, or ask for fewer tokens"));
+  }
+  reserved_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void CacheRegistry::Release(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reserved_bytes_ -= bytes;
+}
+
+absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
+                                                       const KvLayout& layout) {
+  absl::StatusOr<std::unique_ptr<KvStore>> store = backend_.CreateKvStore(layout);
+  if (!store.ok()) return store.status();
+  const int64_t first_page = (*store)->BytesFor(1);
+  absl::StatusOr<std::string> id = NewId();
+  if (!id.ok()) return id.status();
+  std::shared_ptr<Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (first_page > limits_.budget_bytes - reserved_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a cache's first page takes ", first_page,
+          " bytes and this server's --cache-bytes=", limits_.budget_bytes, " has ",
+          limits_.budget_bytes - reserved_bytes_, " left; delete caches you no longer need"));
+    }
+    entry = std::make_shared<Entry>(*this, *id, owner, created_++, *std::move(store));
+    entries_.emplace(*id, entry);
+  }
+  CacheDescription description;
+  description.id = entry->id;
+  description.layout = layout;
+  description.page_tokens = entry->store->page_tokens();
+  return description;
+}
+
+std::shared_ptr<CacheRegistry::Entry> CacheRegistry::Find(const std::string& owner,
+                                                          const std::string& id,
+                                                          const std::string& field,
+                                                          absl::Status* status) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto found = entries_.find(id);
+  if (found != entries_.end() && found->second->owner == owner) return found->second;
+  const auto expired = expired_.find(id);
+  if (expired != expired_.end() && expired->second == owner) {
+    *status = absl::NotFoundError(absl::StrCat(field, ": cache ", id, " expired after ",
+                                               limits_.idle_seconds,
+                                               " s unused (--cache-idle-seconds); create a new "
+                                               "one and append its tokens again"));
+  } else {
+    *status = absl::NotFoundError(
+        absl::StrCat(field, ": no cache \"", id.substr(0, 64),
+                     "\" (unknown, deleted, or lost in a server restart: caches live in memory)"));
+  }
+  return nullptr;
+}
+
+void CacheRegistry::Touch(Entry& entry) { entry.last_used_ns.store(NowNs()); }
+
+namespace {
+
+CacheDescription DescriptionOf(const std::string& id, const KvStore& store, int64_t length,
+                               int64_t bytes) {
+  CacheDescription description;
+  description.id = id;
+  description.layout = store.layout();
+  description.length = length;
+  description.bytes = bytes;
+  description.page_tokens = store.page_tokens();
+  return description;
+}
+
+}  // namespace
+
+absl::StatusOr<CacheDescription> CacheRegistry::Describe(const std::string& owner,
+                                                         const std::string& id) {
+  absl::Status status;
+  std::shared_ptr<Entry> entry = Find(owner, id, "cache_id", &status);
+  if (entry == nullptr) return status;
+  Touch(*entry);
+  return DescriptionOf(entry->id, *entry->store, entry->length.load(), entry->bytes.load());
+}
+
+absl::Status CacheRegistry::Delete(const std::string& owner, const std::string& id) {
+  std::shared_ptr<Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = entries_.find(id);
+    if (found != entries_.end() && found->second->owner == owner) {
+      entry = std::move(found->second);
+      entries_.erase(found);
+    }
+  }
+  if (entry == nullptr) {
+    absl::Status status;
+    Find(owner, id, "cache_id", &status);
+    return status;
+  }
+  return absl::OkStatus();  // The memory goes when the last lease on it ends (entry's release).
+}
+
+std::vector<CacheDescription> CacheRegistry::List(const std::string& owner) {
+  std::vector<std::shared_ptr<Entry>> mine;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, entry] : entries_) {
+      if (entry->owner == owner) mine.push_back(entry);
+    }
+  }
+  std::sort(mine.begin(), mine.end(),
+            [](const auto& a, const auto& b) { return a->serial < b->serial; });
+  std::vector<CacheDescription> descriptions;
+  for (const auto& entry : mine) {
+    descriptions.push_back(
+        DescriptionOf(entry->id, *entry->store, entry->length.load(), entry->bytes.load()));
+  }
+  return descriptions;
+}
+
+absl::StatusOr<KvLayout> CacheRegistry::LayoutOf(const std::string& owner, const std::string& id,
+                                                 const std::string& field) {
+  absl::Status status;
+  std::shared_ptr<Entry> entry = Find(owner, id, field, &status);
+  if (entry == nullptr) return status;
+  return entry->store->layout();
+}
+
+absl::StatusOr<CacheRegistry::Lease> CacheRegistry::Acquire(const std::string& owner,
+                                                            const std::string& id,
+                                                            const std::string& field) {
+  absl::Status status;
+  std::shared_ptr<Entry> entry = Find(owner, id, field, &status);
+  if (entry == nullptr) return status;
+  return Lease(this, std::move(entry));
+}
+
+CacheRegistry::Lease::Lease(CacheRegistry* registry, std::shared_ptr<Entry> entry)
+    : registry_(registry), entry_(std::move(entry)) {
+  entry_->leases.fetch_add(1);  // Before waiting: a cache someone waits for is not idle.
+  hold_ = std::unique_lock<std::mutex>(entry_->mutex);
+  length_at_start_ = entry_->store->length();
+  max_abs_key_at_start_ = entry_->max_abs_key;
+  max_abs_value_at_start_ = entry_->max_abs_value;
+  registry_->Touch(*entry_);
+}
+
+CacheRegistry::Lease::~Lease() {
+  if (entry_ == nullptr) return;  // Moved from.
+  registry_->Touch(*entry_);
+  hold_.unlock();
+  entry_->leases.fetch_sub(1);
+}
+
+const KvLayout& CacheRegistry::Lease::layout() const { return entry_->store->layout(); }
+int64_t CacheRegistry::Lease::length() const { return entry_->store->length(); }
+const PagedKv& CacheRegistry::Lease::pages() const { return entry_->store->pages(); }
+double CacheRegistry::Lease::max_abs_key() const { return entry_->max_abs_key; }
+double CacheRegistry::Lease::max_abs_value() const { return entry_->max_abs_value; }
+
+CacheDescription CacheRegistry::Lease::Describe() const {
+  return DescriptionOf(entry_->id, *entry_->store, entry_->store->length(), entry_->store->bytes());
+}
+
+void CacheRegistry::Lease::CopyOut(void* key, void* value) const {
+  entry_->store->CopyOut(entry_->store->length(), key, value);
+}
+
+absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorView& value, int64_t n,
+                                          double max_abs_key, double max_abs_value) {
+  Entry& entry = *entry_;
+  KvStore& store = *entry.store;
+  const int64_t needed = store.BytesFor(store.length() + n);
+  const int64_t more = needed - entry.reserved_bytes;
+  if (more > 0) {
+    if (absl::Status reserved = registry_->Reserve(more); !reserved.ok()) return reserved;
+  }
+  if (absl::Status appended = store.Append(key, value, n); !appended.ok()) {
+    if (more > 0) registry_->Release(more);
+    return appended;
+  }
+  if (more > 0) entry.reserved_bytes = needed;
+  entry.max_abs_key = std::max(entry.max_abs_key, max_abs_key);
+  entry.max_abs_value = std::max(entry.max_abs_value, max_abs_value);
+  entry.length.store(store.length());
+  entry.bytes.store(store.bytes());
+  return absl::OkStatus();
+}
+
+void CacheRegistry::Lease::Rollback() {
+  Entry& entry = *entry_;
+  KvStore& store = *entry.store;
+  if (store.length() == length_at_start_) return;
+  store.Truncate(length_at_start_);
+  const int64_t needed = store.BytesFor(length_at_start_);
+  if (needed < entry.reserved_bytes) {
+    registry_->Release(entry.reserved_bytes - needed);
+    entry.reserved_bytes = needed;
+  }
+  entry.max_abs_key = max_abs_key_at_start_;
+  entry.max_abs_value = max_abs_value_at_start_;
+  entry.length.store(store.length());
+  entry.bytes.store(store.bytes());
+}
+
+void CacheRegistry::Sweep() {
+  const auto period =
+      std::chrono::milliseconds(std::min<int64_t>(1000, limits_.idle_seconds * 250));
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    wake_.wait_for(lock, period);
+    if (stopping_) break;
+    const int64_t cutoff = NowNs() - limits_.idle_seconds * 1'000'000'000;
+    std::vector<std::shared_ptr<Entry>> dropped;  // Destroyed outside the mutex.
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      Entry& entry = *it->second;
+      if (entry.leases.load() == 0 && entry.last_used_ns.load() < cutoff) {
+        expired_[it->first] = entry.owner;
+        expired_order_.push_back(it->first);
+        if (expired_order_.size() > kRememberedExpired) {
+          expired_.erase(expired_order_.front());
+          expired_order_.pop_front();
+        }
+        dropped.push_back(std::move(it->second));
+        it = entries_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    lock.unlock();
+    dropped.clear();
+    lock.lock();
+  }
+}
+
+int64_t CacheRegistry::caches() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(entries_.size());
+}
+
+int64_t CacheRegistry::tokens() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t tokens = 0;
+  for (const auto& [id, entry] : entries_) tokens += entry->length.load();
+  return tokens;
+}
+
+int64_t CacheRegistry::bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_bytes_;
+}
+
+}  // namespace attn

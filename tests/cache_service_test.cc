@@ -1,0 +1,628 @@
+// Server-resident KV caches end to end (issue 13): an attnd service on loopback with the CPU
+// backend, called through the raw attention.v1 stub. Every answer is checked against the
+// float64 reference on the same (rounded) tokens; every refused call must leave its cache
+// exactly as it was. The registry's ownership, idle expiry and budget accounting are checked on
+// the registry itself.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "proto/dtype_mapping.h"
+#include "server/caches.h"
+#include "server/service.h"
+#include "tests/reference.h"
+
+namespace attn {
+namespace {
+
+namespace v1 = attention::v1;
+using testing::HostProblem;
+
+v1::Tensor ToTensor(std::vector<int64_t> shape, const uint8_t* bytes, size_t size, DType dtype) {
+  v1::Tensor tensor;
+  tensor.mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor.set_dtype(ToProtoDType(dtype));
+  tensor.set_data(bytes, size);
+  return tensor;
+}
+
+// Tokens [begin, end) of a [heads, len, width] tensor in `dtype`, as a [heads, end − begin,
+// width] tensor.
+v1::Tensor Tokens(const std::vector<uint8_t>& bytes, DType dtype, int64_t heads, int64_t len,
+                  int64_t width, int64_t begin, int64_t end) {
+  const int64_t element = ElementSize(dtype);
+  std::vector<uint8_t> slice;
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint8_t* first = bytes.data() + (h * len + begin) * width * element;
+    slice.insert(slice.end(), first, first + (end - begin) * width * element);
+  }
+  return ToTensor({heads, end - begin, width}, slice.data(), slice.size(), dtype);
+}
+
+// `full` with only its first `length` keys and values: the problem a cache of that length poses.
+HostProblem Prefix(const HostProblem& full, int64_t length) {
+  HostProblem p = full;
+  const Shape& s = full.shape;
+  p.shape.key_len = length;
+  const int64_t element = ElementSize(full.dtype);
+  auto cut = [&](const auto& values, int64_t width, int64_t scale) {
+    std::decay_t<decltype(values)> out;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const auto first = values.begin() + h * s.key_len * width * scale;
+      out.insert(out.end(), first, first + length * width * scale);
+    }
+    return out;
+  };
+  p.key_bytes = cut(full.key_bytes, s.head_dim, element);
+  p.value_bytes = cut(full.value_bytes, s.value_dim, element);
+  p.key = cut(full.key, s.head_dim, 1);
+  p.value = cut(full.value, s.value_dim, 1);
+  return p;
+}
+
+std::vector<float> Floats(const v1::Tensor& tensor) {
+  const std::optional<DType> dtype = FromProtoDType(tensor.dtype());
+  EXPECT_TRUE(dtype.has_value());
+  return testing::Decode(tensor.data().data(), *dtype,
+                         static_cast<int64_t>(tensor.data().size()) / ElementSize(*dtype));
+}
+
+// fp32 outputs of (rounded) inputs: the fp32 bound, whatever the storage dtype.
+void ExpectMatches(const v1::Tensor& output, const HostProblem& problem) {
+  const testing::Reference ref = testing::ReferenceAttention(problem);
+  EXPECT_LE(testing::MaxAbsError(Floats(output), ref.output),
+            1e-5 * std::max(1.0, testing::MaxAbs(ref.output)));
+}
+
+class CacheServiceTest : public ::testing::Test {
+ public:  // The bad-call table's lambdas call these.
+  void StartServer(int64_t cache_bytes = int64_t{256} << 20) {
+    backend_ = std::make_unique<CpuBackend>(2, 0);
+    ServiceConfig config;
+    config.caches = {.budget_bytes = cache_bytes, .idle_seconds = 0};
+    service_ = std::make_unique<AttentionService>(*backend_, config);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(1 << 30);
+    builder.SetMaxSendMessageSize(1 << 30);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::AttentionService::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                              grpc::InsecureChannelCredentials()));
+  }
+  void SetUp() override { StartServer(); }
+  void TearDown() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+
+  template <class Request, class Response>
+  grpc::Status Call(grpc::Status (v1::AttentionService::Stub::*method)(grpc::ClientContext*,
+                                                                       const Request&, Response*),
+                    const Request& request, Response* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return (stub_.get()->*method)(&context, request, response);
+  }
+
+  v1::CacheInfo Create(const Shape& s, DType dtype) {
+    v1::CreateCacheRequest request;
+    request.set_kv_heads(s.kv_heads);
+    request.set_head_dim(s.head_dim);
+    request.set_value_dim(s.value_dim);
+    request.set_dtype(ToProtoDType(dtype));
+    v1::CacheInfo info;
+    const grpc::Status status = Call(&v1::AttentionService::Stub::CreateCache, request, &info);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return info;
+  }
+
+  // Appends tokens [begin, end) of p's keys and values.
+  grpc::Status Append(const std::string& id, const HostProblem& p, int64_t begin, int64_t end,
+                      int64_t expected_length, v1::CacheInfo* info) {
+    const Shape& s = p.shape;
+    v1::AppendCacheRequest request;
+    request.set_cache_id(id);
+    *request.mutable_key() =
+        Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, begin, end);
+    *request.mutable_value() =
+        Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, begin, end);
+    request.set_expected_length(expected_length);
+    return Call(&v1::AttentionService::Stub::AppendCache, request, info);
+  }
+
+  // A cache holding all of p's keys, appended in two chunks.
+  std::string Filled(const HostProblem& p) {
+    const v1::CacheInfo created = Create(p.shape, p.dtype);
+    v1::CacheInfo info;
+    const int64_t half = p.shape.key_len / 2;
+    EXPECT_TRUE(Append(created.cache_id(), p, 0, half, 0, &info).ok());
+    EXPECT_TRUE(Append(created.cache_id(), p, half, p.shape.key_len, half, &info).ok());
+    EXPECT_EQ(info.length(), p.shape.key_len);
+    return created.cache_id();
+  }
+
+  // An attention request on p's query (rank 3, fp32 output) over cache `id`.
+  v1::AttentionRequest OverCache(const HostProblem& p, const std::string& id) {
+    const Shape& s = p.shape;
+    v1::AttentionRequest request;
+    *request.mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                        p.query_bytes.size(), p.dtype);
+    request.mutable_options()->set_causal(p.causal);
+    request.mutable_options()->set_block_k(p.block_k);
+    request.mutable_options()->set_return_lse(true);
+    request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+    request.set_cache_id(id);
+    return request;
+  }
+
+  int64_t LengthOf(const std::string& id) {
+    v1::GetCacheInfoRequest request;
+    request.set_cache_id(id);
+    v1::CacheInfo info;
+    const grpc::Status status = Call(&v1::AttentionService::Stub::GetCacheInfo, request, &info);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return info.length();
+  }
+
+  std::unique_ptr<CpuBackend> backend_;
+  std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+HostProblem RandomCacheProblem(int64_t query_len, int64_t key_len, DType dtype, bool causal,
+                               uint64_t seed) {
+  return testing::RandomProblem(testing::MakeShape(1, 8, 2, query_len, key_len, 33, 17), dtype,
+                                causal, 37, seed);
+}
+
+TEST_F(CacheServiceTest, NaiveTiledAndTraceOverACacheMatchTheReferenceAndStatelessTiled) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const HostProblem p = RandomCacheProblem(5, 601, dtype, /*causal=*/true, 41);
+    const std::string id = Filled(p);
+    EXPECT_EQ(id.size(), 32u);
+    EXPECT_EQ(id.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+
+    const v1::AttentionRequest request = OverCache(p, id);
+    v1::AttentionResponse naive, tiled, stateless;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Naive, request, &naive).ok());
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, request, &tiled).ok());
+    ExpectMatches(naive.output(), p);
+    ExpectMatches(tiled.output(), p);
+    EXPECT_EQ(tiled.output().shape_size(), 3);
+    EXPECT_EQ(tiled.stats().block_k(), 37);
+
+    // The same keys sent inline.
+    v1::AttentionRequest inline_request = request;
+    inline_request.clear_cache_id();
+    const Shape& s = p.shape;
+    *inline_request.mutable_key() =
+        Tokens(p.key_bytes, dtype, s.kv_heads, s.key_len, s.head_dim, 0, s.key_len);
+    *inline_request.mutable_value() =
+        Tokens(p.value_bytes, dtype, s.kv_heads, s.key_len, s.value_dim, 0, s.key_len);
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, inline_request, &stateless).ok());
+    const std::vector<float> over_cache = Floats(tiled.output()),
+                             inline_out = Floats(stateless.output());
+    ASSERT_EQ(over_cache.size(), inline_out.size());
+    for (size_t i = 0; i < over_cache.size(); ++i) {
+      EXPECT_NEAR(over_cache[i], inline_out[i], 1e-5 * std::max(1.f, std::abs(inline_out[i]))) << i;
+    }
+
+    // A trace of row 4 of head 7: its RowDone is the reference's row.
+    v1::TraceRequest trace;
+    *trace.mutable_attention() = request;
+    v1::RowRef* row = trace.add_rows();
+    row->set_head(7);
+    row->set_row(4);
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
+    v1::TraceEvent event;
+    int steps = 0;
+    std::vector<float> traced;
+    while (reader->Read(&event)) {
+      if (event.has_start()) {
+        EXPECT_EQ(event.start().key_len(), s.key_len);
+      }
+      if (event.has_step()) ++steps;
+      if (event.has_row_done()) {
+        traced.assign(event.row_done().output().begin(), event.row_done().output().end());
+      }
+    }
+    const grpc::Status status = reader->Finish();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(steps, (s.key_len + 36) / 37);
+    const std::vector<float> all = Floats(tiled.output());
+    ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      const float expected = all[(7 * s.query_len + 4) * s.value_dim + c];
+      EXPECT_NEAR(traced[c], expected, 1e-5 * std::max(1.f, std::abs(expected)));
+    }
+
+    v1::DeleteCacheRequest del;
+    del.set_cache_id(id);
+    v1::DeleteCacheResponse deleted;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::DeleteCache, del, &deleted).ok());
+    EXPECT_EQ(Call(&v1::AttentionService::Stub::Tiled, request, &tiled).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  v1::ListCachesResponse list;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::ListCaches, v1::ListCachesRequest(), &list).ok());
+  EXPECT_EQ(list.caches_size(), 0);
+  EXPECT_EQ(service_->caches().bytes(), 0) << "deleted caches still hold their pages";
+}
+
+// One Decode call for three sequences of different lengths and dtypes, each appending one new
+// token (one of them with three causal query rows), against the reference after the append.
+TEST_F(CacheServiceTest, ADecodeBatchAppendsEachItemsTokensThenAttends) {
+  const struct {
+    int64_t cached, query_len;
+    DType dtype;
+  } sequences[] = {{1, 1, DType::kFloat32}, {300, 3, DType::kBFloat16}, {517, 1, DType::kFloat16}};
+  std::vector<HostProblem> problems;
+  std::vector<std::string> ids;
+  v1::DecodeRequest request;
+  request.mutable_options()->set_causal(true);
+  request.mutable_options()->set_return_lse(true);
+  request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+  for (size_t i = 0; i < std::size(sequences); ++i) {
+    const auto& seq = sequences[i];
+    problems.push_back(RandomCacheProblem(seq.query_len, seq.cached + 1, seq.dtype, true, 50 + i));
+    const HostProblem& p = problems.back();
+    const Shape& s = p.shape;
+    ids.push_back(Create(s, seq.dtype).cache_id());
+    v1::CacheInfo info;
+    ASSERT_TRUE(Append(ids.back(), p, 0, seq.cached, 0, &info).ok());
+    v1::DecodeItem* item = request.add_items();
+    item->set_cache_id(ids.back());
+    *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                      p.query_bytes.size(), seq.dtype);
+    *item->mutable_key() =
+        Tokens(p.key_bytes, seq.dtype, s.kv_heads, s.key_len, s.head_dim, seq.cached, s.key_len);
+    *item->mutable_value() =
+        Tokens(p.value_bytes, seq.dtype, s.kv_heads, s.key_len, s.value_dim, seq.cached, s.key_len);
+    item->set_expected_length(seq.cached);
+  }
+  v1::DecodeResponse response;
+  const grpc::Status status = Call(&v1::AttentionService::Stub::Decode, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.outputs_size(), 3);
+  ASSERT_EQ(response.lse_size(), 3);
+  ASSERT_EQ(response.caches_size(), 3);
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    problems[i].block_k = 0;
+    ExpectMatches(response.outputs(i), problems[i]);
+    EXPECT_EQ(response.caches(i).length(), sequences[i].cached + 1);
+    EXPECT_EQ(LengthOf(ids[i]), sequences[i].cached + 1);
+    const testing::Reference ref = testing::ReferenceAttention(problems[i]);
+    EXPECT_LE(testing::MaxAbsError(Floats(response.lse(i)), ref.lse), 1e-4);
+  }
+}
+
+// One bad request: what it must answer, and the field its message must name.
+struct BadCall {
+  const char* name;
+  grpc::StatusCode code;
+  const char* names;
+  std::function<grpc::Status(CacheServiceTest&, const std::string& id, const HostProblem& p)> call;
+};
+
+TEST_F(CacheServiceTest, EveryBadCallIsRefusedAndLeavesTheCacheAsItWas) {
+  TearDown();
+  StartServer(int64_t{8} << 20);  // Room for about 3 000 tokens of this problem.
+  const HostProblem p = RandomCacheProblem(1, 301, DType::kFloat32, false, 61);
+  const std::string id = Filled(p);
+  const v1::AttentionRequest query = OverCache(p, id);
+  v1::AttentionResponse before;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, query, &before).ok());
+  const Shape& s = p.shape;
+  auto append = [](CacheServiceTest& t, const std::string& id, const HostProblem& p,
+                   const std::function<void(v1::AppendCacheRequest&)>& mutate) {
+    const Shape& s = p.shape;
+    v1::AppendCacheRequest request;
+    request.set_cache_id(id);
+    *request.mutable_key() = Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 0, 3);
+    *request.mutable_value() =
+        Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 0, 3);
+    request.set_expected_length(s.key_len);
+    mutate(request);
+    v1::CacheInfo info;
+    return t.Call(&v1::AttentionService::Stub::AppendCache, request, &info);
+  };
+  auto reshaped = [](v1::Tensor* tensor, int axis, int64_t dim) {
+    const int64_t old = tensor->shape(axis);
+    tensor->set_shape(axis, dim);
+    tensor->mutable_data()->resize(tensor->data().size() / old * dim);
+  };
+  const std::vector<BadCall> bad = {
+      {"unknown cache", grpc::StatusCode::NOT_FOUND, "cache_id",
+       [&](CacheServiceTest& t, const std::string&, const HostProblem& p) {
+         return append(t, "0123456789abcdef0123456789abcdef", p, [](auto&) {});
+       }},
+      {"wrong head_dim", grpc::StatusCode::INVALID_ARGUMENT, "key.shape[2]",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [&](auto& r) { reshaped(r.mutable_key(), 2, 32); });
+       }},
+      {"wrong value_dim", grpc::StatusCode::INVALID_ARGUMENT, "value.shape[2]",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [&](auto& r) { reshaped(r.mutable_value(), 2, 16); });
+       }},
+      {"wrong kv heads", grpc::StatusCode::INVALID_ARGUMENT, "key.shape",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [&](auto& r) {
+           reshaped(r.mutable_key(), 0, 1);
+           reshaped(r.mutable_value(), 0, 1);
+         });
+       }},
+      {"wrong dtype", grpc::StatusCode::INVALID_ARGUMENT, "key.dtype",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [&](auto& r) {
+           r.mutable_key()->set_dtype(v1::DTYPE_FLOAT16);
+           r.mutable_key()->mutable_data()->resize(r.key().data().size() / 2);
+         });
+       }},
+      {"keys and values of different lengths", grpc::StatusCode::INVALID_ARGUMENT, "value.shape[1]",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [&](auto& r) { reshaped(r.mutable_value(), 1, 2); });
+       }},
+      {"a NaN among the new keys", grpc::StatusCode::INVALID_ARGUMENT, "key.data",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [&](auto& r) {
+           const float nan = std::numeric_limits<float>::quiet_NaN();
+           std::memcpy(r.mutable_key()->mutable_data()->data() + 40, &nan, 4);
+         });
+       }},
+      {"a stale expected_length", grpc::StatusCode::FAILED_PRECONDITION, "holds 301 tokens",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [](auto& r) { r.set_expected_length(300); });
+       }},
+      {"over the budget", grpc::StatusCode::RESOURCE_EXHAUSTED, "--cache-bytes",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         const HostProblem big = RandomCacheProblem(1, 40000, DType::kFloat32, false, 62);
+         v1::CacheInfo info;
+         return t.Append(id, big, 0, big.shape.key_len, p.shape.key_len, &info);
+       }},
+      {"query heads not a multiple of kv heads", grpc::StatusCode::INVALID_ARGUMENT, "query.shape",
+       [&](CacheServiceTest& t, const std::string&, const HostProblem&) {
+         v1::AttentionRequest request = query;
+         reshaped(request.mutable_query(), 0, 3);
+         v1::AttentionResponse response;
+         return t.Call(&v1::AttentionService::Stub::Tiled, request, &response);
+       }},
+      {"inline keys beside a cache", grpc::StatusCode::INVALID_ARGUMENT, "key",
+       [&](CacheServiceTest& t, const std::string&, const HostProblem& p) {
+         v1::AttentionRequest request = query;
+         *request.mutable_key() = request.query();
+         v1::AttentionResponse response;
+         return t.Call(&v1::AttentionService::Stub::Naive, request, &response);
+       }},
+      {"a Decode whose second item is stale", grpc::StatusCode::FAILED_PRECONDITION,
+       "items[1].expected_length",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         const HostProblem other = RandomCacheProblem(1, 9, DType::kFloat32, false, 63);
+         const std::string other_id = t.Filled(other);
+         v1::DecodeRequest request;
+         for (const std::string& cache : {id, other_id}) {
+           v1::DecodeItem* item = request.add_items();
+           item->set_cache_id(cache);
+           *item->mutable_query() = query.query();
+           *item->mutable_key() =
+               Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 0, 1);
+           *item->mutable_value() =
+               Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 0, 1);
+           item->set_expected_length(cache == id ? s.key_len : 5);
+         }
+         v1::DecodeResponse response;
+         const grpc::Status status =
+             t.Call(&v1::AttentionService::Stub::Decode, request, &response);
+         EXPECT_EQ(t.LengthOf(other_id), 9);
+         return status;
+       }},
+      {"a Decode naming one cache twice", grpc::StatusCode::INVALID_ARGUMENT, "items[1].cache_id",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem&) {
+         v1::DecodeRequest request;
+         for (int i = 0; i < 2; ++i) {
+           v1::DecodeItem* item = request.add_items();
+           item->set_cache_id(id);
+           *item->mutable_query() = query.query();
+           item->set_expected_length(s.key_len);
+         }
+         v1::DecodeResponse response;
+         return t.Call(&v1::AttentionService::Stub::Decode, request, &response);
+       }},
+  };
+  for (const BadCall& call : bad) {
+    SCOPED_TRACE(call.name);
+    const grpc::Status status = call.call(*this, id, p);
+    EXPECT_EQ(status.error_code(), call.code) << status.error_message();
+    EXPECT_NE(status.error_message().find(call.names), std::string::npos) << status.error_message();
+    EXPECT_EQ(LengthOf(id), s.key_len);
+    v1::AttentionResponse after;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, query, &after).ok());
+    EXPECT_EQ(after.output().data(), before.output().data()) << "the cache's contents changed";
+  }
+  // An empty cache has nothing to attend over.
+  const v1::CacheInfo empty = Create(s, DType::kFloat32);
+  v1::AttentionResponse response;
+  const grpc::Status status =
+      Call(&v1::AttentionService::Stub::Tiled, OverCache(p, empty.cache_id()), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+}
+
+// Four decoders on their own caches, and a reader of a fifth while a writer appends to it: every
+// answer right, and every read sees whole appends only.
+TEST_F(CacheServiceTest, ConcurrentDecodersAndAReaderDuringAppendsSeeOnlyWholeAppends) {
+  constexpr int kDecoders = 4, kSteps = 12, kChunk = 7, kChunks = 20;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int d = 0; d < kDecoders; ++d) {
+    threads.emplace_back([&, d] {
+      const HostProblem p = RandomCacheProblem(1, 100 + kSteps, DType::kFloat32, false, 70 + d);
+      const Shape& s = p.shape;
+      const std::string id = Create(s, p.dtype).cache_id();
+      v1::CacheInfo info;
+      if (!Append(id, p, 0, 100, 0, &info).ok()) ++failures;
+      for (int step = 0; step < kSteps; ++step) {
+        const int64_t length = 100 + step;
+        v1::DecodeRequest request;
+        request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+        v1::DecodeItem* item = request.add_items();
+        item->set_cache_id(id);
+        *item->mutable_query() = OverCache(p, id).query();
+        *item->mutable_key() =
+            Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, length, length + 1);
+        *item->mutable_value() =
+            Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, length, length + 1);
+        item->set_expected_length(length);
+        v1::DecodeResponse response;
+        if (!Call(&v1::AttentionService::Stub::Decode, request, &response).ok()) {
+          ++failures;
+          return;
+        }
+        HostProblem seen = Prefix(p, length + 1);
+        ExpectMatches(response.outputs(0), seen);
+      }
+    });
+  }
+  const HostProblem p = RandomCacheProblem(1, kChunk * kChunks, DType::kFloat32, false, 80);
+  const std::string id = Create(p.shape, p.dtype).cache_id();
+  {
+    v1::CacheInfo info;
+    ASSERT_TRUE(Append(id, p, 0, kChunk, 0, &info).ok());
+  }
+  std::atomic<bool> writing{true};
+  threads.emplace_back([&] {
+    for (int c = 1; c < kChunks; ++c) {
+      v1::CacheInfo info;
+      if (!Append(id, p, c * kChunk, (c + 1) * kChunk, c * kChunk, &info).ok()) ++failures;
+    }
+    writing = false;
+  });
+  int reads = 0;
+  while (writing.load() || reads < 3) {
+    v1::DecodeRequest request;
+    request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+    v1::DecodeItem* item = request.add_items();
+    item->set_cache_id(id);
+    *item->mutable_query() = OverCache(p, id).query();
+    item->set_expected_length(LengthOf(id));
+    v1::DecodeResponse response;
+    const grpc::Status status = Call(&v1::AttentionService::Stub::Decode, request, &response);
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) continue;  // It grew.
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    const int64_t length = response.caches(0).length();
+    EXPECT_EQ(length % kChunk, 0) << "a read saw part of an append";
+    ExpectMatches(response.outputs(0), Prefix(p, length));
+    ++reads;
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(LengthOf(id), kChunk * kChunks);
+}
+
+TEST_F(CacheServiceTest, ServerInfoReportsTheCacheLimits) {
+  v1::ServerInfo info;
+  ASSERT_TRUE(
+      Call(&v1::AttentionService::Stub::GetServerInfo, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.cache_bytes(), int64_t{256} << 20);
+  EXPECT_EQ(info.cache_page_tokens(), backend_->kv_page_tokens());
+  EXPECT_EQ(info.cache_idle_seconds(), 0);
+}
+
+// --- The registry itself -------------------------------------------------------------------
+
+KvLayout SmallLayout() {
+  return KvLayout{.kv_heads = 2, .head_dim = 8, .value_dim = 8, .dtype = DType::kFloat32};
+}
+
+// n tokens of SmallLayout's shape, each element `value`.
+struct SmallTokens {
+  explicit SmallTokens(int64_t n, float value = 0.5f) : data(2 * n * 8, value), n(n) {}
+  TensorView view() const { return TensorView{data.data(), DType::kFloat32}; }
+  std::vector<float> data;
+  int64_t n;
+};
+
+TEST(CacheRegistryTest, AnotherIdentityNeverSeesACache) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0});
+  const absl::StatusOr<CacheDescription> mine = registry.Create("x509:CN=alice", SmallLayout());
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  for (const std::string& other : {std::string(""), std::string("x509:CN=bob")}) {
+    EXPECT_EQ(registry.Describe(other, mine->id).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(registry.Acquire(other, mine->id, "cache_id").status().code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_EQ(registry.Delete(other, mine->id).code(), absl::StatusCode::kNotFound);
+    EXPECT_TRUE(registry.List(other).empty());
+  }
+  EXPECT_TRUE(registry.Describe("x509:CN=alice", mine->id).ok());
+  EXPECT_EQ(registry.List("x509:CN=alice").size(), 1u);
+}
+
+TEST(CacheRegistryTest, RollbackAndDeleteGiveTheBudgetBack) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0});
+  const absl::StatusOr<CacheDescription> cache = registry.Create("", SmallLayout());
+  ASSERT_TRUE(cache.ok());
+  {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("", cache->id, "cache_id");
+    ASSERT_TRUE(lease.ok());
+    const SmallTokens tokens(1000);
+    ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+    EXPECT_EQ(lease->length(), 1000);
+    EXPECT_GT(registry.bytes(), 0);
+    lease->Rollback();
+    EXPECT_EQ(lease->length(), 0);
+  }
+  EXPECT_EQ(registry.bytes(), 0);
+  {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("", cache->id, "cache_id");
+    const SmallTokens tokens(10);
+    ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+  }
+  EXPECT_EQ(registry.tokens(), 10);
+  ASSERT_TRUE(registry.Delete("", cache->id).ok());
+  EXPECT_EQ(registry.bytes(), 0);
+  EXPECT_EQ(registry.caches(), 0);
+}
+
+TEST(CacheRegistryTest, AnIdleCacheExpiresAndSaysSo) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 1});
+  const absl::StatusOr<CacheDescription> idle = registry.Create("", SmallLayout());
+  const absl::StatusOr<CacheDescription> busy = registry.Create("", SmallLayout());
+  ASSERT_TRUE(idle.ok() && busy.ok());
+  {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("", idle->id, "cache_id");
+    const SmallTokens tokens(5);
+    ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+  }
+  // `busy` is used every 300 ms, `idle` never again: after 2.4 s only `busy` is left.
+  for (int i = 0; i < 8; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ASSERT_TRUE(registry.Describe("", busy->id).ok()) << i;
+  }
+  const absl::StatusOr<CacheDescription> gone = registry.Describe("", idle->id);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(gone.status().message().find("expired"), std::string::npos) << gone.status();
+  EXPECT_EQ(registry.caches(), 1);
+  EXPECT_EQ(registry.bytes(), 0) << "the expired cache's pages were not given back";
+}
+
+}  // namespace
+}  // namespace attn

@@ -1,0 +1,202 @@
+// CpuBackend::Decode (kernels/cpu/decode.h): a batch of problems of different lengths — over a
+// KV store's pages and over contiguous tensors — against the float64 reference, with outputs
+// poisoned first. Cases: a cache of one token, caches that split into several chunks (and end
+// on and just past a chunk's edge), causal rows that see nothing, GQA groups larger than a row
+// group, head widths with vector tails, thread counts, interrupts, and problems too tall for the
+// decode kernel (given to Tiled).
+#include "kernels/cpu/decode.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/checks.h"
+#include "tests/reference.h"
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+struct Item {
+  HostProblem host;
+  std::unique_ptr<PagedCopy> paged;  // Null: contiguous.
+  Problem problem;
+};
+
+Item MakeItem(Backend& backend, const Shape& shape, DType dtype, bool causal, bool paged,
+              uint64_t seed) {
+  Item item;
+  item.host = RandomProblem(shape, dtype, causal, 16, seed);
+  item.problem = item.host.View();
+  if (paged) {
+    absl::StatusOr<PagedCopy> copy = MakePaged(backend, item.host, {shape.key_len / 3, 1});
+    EXPECT_TRUE(copy.ok()) << copy.status();
+    if (copy.ok()) {
+      item.paged = std::make_unique<PagedCopy>(*std::move(copy));
+      item.problem = item.paged->problem;
+    }
+  }
+  return item;
+}
+
+// Decode over every item into poisoned outputs.
+std::vector<KernelRun> RunDecode(Backend& backend, const std::vector<Item>& items,
+                                 Stats* stats = nullptr) {
+  std::vector<PoisonedOutputs> poisoned;
+  std::vector<Problem> problems;
+  for (const Item& item : items) {
+    poisoned.emplace_back(item.host);
+    problems.push_back(item.problem);
+  }
+  std::vector<Outputs> outputs;
+  for (PoisonedOutputs& p : poisoned) outputs.push_back(p.outputs());
+  const absl::StatusOr<Stats> result = backend.Decode(problems, outputs);
+  EXPECT_TRUE(result.ok()) << result.status();
+  if (result.ok() && stats != nullptr) *stats = *result;
+  std::vector<KernelRun> runs;
+  for (PoisonedOutputs& p : poisoned) {
+    KernelRun run;
+    run.output = p.Output();
+    run.output_bytes = p.output_bytes;
+    run.lse = p.lse;
+    runs.push_back(std::move(run));
+  }
+  return runs;
+}
+
+void ExpectMatches(const KernelRun& run, const Item& item) {
+  const Reference ref = ReferenceAttention(item.host);
+  if (item.host.output_dtype == DType::kFloat32) {
+    ExpectMatchesReference(run, ref, 1e-5);
+  } else {
+    ExpectLowPrecisionMatches(run, item.host, ref);
+  }
+  const Shape& s = item.host.shape;
+  if (item.host.causal && s.query_len > s.key_len) ExpectUnseeingRowsZero(run, item.host);
+}
+
+class DecodeTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(DecodeTest, ABatchOfCachesOfDifferentLengthsMatchesTheReference) {
+  const DType dtype = GetParam();
+  CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 7);
+  std::vector<Item> items;
+  uint64_t seed = 700 + static_cast<int>(dtype) * 100;
+  // (heads, kv_heads, query_len, key_len, head_dim, value_dim, causal, paged)
+  struct Spec {
+    int64_t heads, kv_heads, nq, nk, d, dv;
+    bool causal, paged;
+  };
+  const std::vector<Spec> specs = {
+      {8, 2, 1, 1, 32, 32, false, true},                      // A cache of one token.
+      {8, 2, 1, 37, 17, 13, true, true},                      // Vector tails in d and dv.
+      {6, 3, 1, 600, 24, 24, false, true},                    // Two chunks.
+      {4, 1, 1, kDecodeChunkTokens, 16, 8, true, true},       // Exactly one chunk.
+      {4, 2, 1, kDecodeChunkTokens + 1, 9, 40, false, true},  // One token into a second.
+      {12, 2, 2, 1100, 33, 20, true, true},  // GQA 6 × 2 rows = 12 rows: row groups of 4.
+      {4, 2, 3, 2, 8, 8, true, true},        // Causal: row 0 sees no key.
+      {2, 1, 5, 3, 5, 7, true, false},       // Contiguous, rows 0 and 1 see nothing.
+      {8, 8, 1, 257, 64, 64, false, false},  // Contiguous, no GQA.
+  };
+  for (const Spec& spec : specs) {
+    items.push_back(MakeItem(
+        backend, MakeShape(1, spec.heads, spec.kv_heads, spec.nq, spec.nk, spec.d, spec.dv), dtype,
+        spec.causal, spec.paged, seed++));
+  }
+  Stats stats;
+  const std::vector<KernelRun> runs = RunDecode(backend, items, &stats);
+  double flops = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "item " << i);
+    ExpectMatches(runs[i], items[i]);
+    flops += items[i].problem.Flops();
+  }
+  EXPECT_EQ(stats.flops, flops);
+  EXPECT_GT(stats.scratch_bytes, 0);
+  EXPECT_GE(stats.peak_memory_bytes, stats.scratch_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DecodeTest,
+                         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
+// Decode equals Tiled on the same keys within the fp32 bound, contiguous (batch > 1) and paged.
+TEST(DecodeTest, EqualsTiledOnTheSameKeys) {
+  CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 5);
+  std::vector<Item> items;
+  items.push_back(
+      MakeItem(backend, MakeShape(3, 8, 2, 1, 1500, 32, 16), DType::kFloat32, false, false, 1));
+  items.push_back(
+      MakeItem(backend, MakeShape(1, 8, 4, 3, 777, 20, 24), DType::kFloat32, true, true, 2));
+  const std::vector<KernelRun> runs = RunDecode(backend, items);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const KernelRun tiled = RunKernel(backend, Kernel::kTiled, items[i].host, items[i].problem);
+    double error = 0, magnitude = 0;
+    for (size_t e = 0; e < tiled.output.size(); ++e) {
+      error = std::max<double>(error, std::abs(runs[i].output[e] - tiled.output[e]));
+      magnitude = std::max<double>(magnitude, std::abs(tiled.output[e]));
+    }
+    EXPECT_LE(error, 1e-5 * magnitude) << "item " << i;
+    for (size_t r = 0; r < tiled.lse.size(); ++r) {
+      EXPECT_NEAR(runs[i].lse[r], tiled.lse[r], 1e-5 * std::max(1.f, std::abs(tiled.lse[r])));
+    }
+    ExpectMatches(runs[i], items[i]);
+  }
+}
+
+// Chunks are fixed by the problem and merged in order: any thread count gives the same bits.
+TEST(DecodeTest, OutputsAreBitIdenticalForAnyThreadCount) {
+  CpuBackend one(1, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 11);
+  std::vector<Item> items;
+  items.push_back(
+      MakeItem(one, MakeShape(1, 8, 2, 1, 2000, 40, 40), DType::kBFloat16, false, true, 5));
+  items.push_back(
+      MakeItem(one, MakeShape(1, 4, 4, 2, 901, 16, 16), DType::kFloat16, true, true, 6));
+  const std::vector<KernelRun> baseline = RunDecode(one, items);
+  for (int threads : {2, 3}) {
+    CpuBackend backend(threads, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 11);
+    const std::vector<KernelRun> runs = RunDecode(backend, items);
+    for (size_t i = 0; i < items.size(); ++i) {
+      EXPECT_EQ(runs[i].output_bytes, baseline[i].output_bytes) << "threads " << threads;
+      EXPECT_EQ(std::memcmp(runs[i].lse.data(), baseline[i].lse.data(),
+                            runs[i].lse.size() * sizeof(float)),
+                0);
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) ExpectMatches(baseline[i], items[i]);
+}
+
+// Rows past kDecodeMaxRows go to Tiled in the same call; both kinds land in their outputs.
+TEST(DecodeTest, TallProblemsGoToTiled) {
+  CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 7);
+  std::vector<Item> items;
+  items.push_back(MakeItem(backend, MakeShape(1, 2, 1, kDecodeMaxRows, 90, 12, 12), DType::kFloat32,
+                           true, true, 8));  // 128 rows a kv head.
+  items.push_back(
+      MakeItem(backend, MakeShape(1, 4, 2, 1, 90, 12, 12), DType::kFloat32, false, true, 9));
+  ASSERT_GT(DecodeRowsOf(items[0].problem), kDecodeMaxRows);
+  const std::vector<KernelRun> runs = RunDecode(backend, items);
+  for (size_t i = 0; i < items.size(); ++i) ExpectMatches(runs[i], items[i]);
+}
+
+TEST(DecodeTest, AnInterruptAbandonsTheCall) {
+  CpuBackend backend(2, 0);
+  const HostProblem host =
+      RandomProblem(MakeShape(1, 8, 2, 1, 3000, 32, 32), DType::kFloat32, false, 16, 10);
+  PoisonedOutputs poisoned(host);
+  Outputs outputs = poisoned.outputs();
+  outputs.interrupt = [] { return absl::CancelledError("client went away"); };
+  const absl::StatusOr<Stats> stats = backend.Decode({host.View()}, {outputs});
+  EXPECT_EQ(stats.status().code(), absl::StatusCode::kCancelled) << stats.status();
+}
+
+}  // namespace

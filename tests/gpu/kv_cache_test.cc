@@ -1,0 +1,410 @@
+// The CUDA backend's KV caches (kernels/cuda/kv_store.h) and attention over them: the store's
+// append, truncate and all-or-nothing failure, read back from the device; Decode's split-KV
+// kernels (kernels/cuda/decode.cu) against the float64 reference (tests/reference.h) — odd page
+// sizes, GQA, causal with several query rows, a batch of different lengths, fp32/fp16/bf16 by
+// the project's rules (DESIGN.md, Numerics), small chunks that exercise the merge and the
+// backend's own choice; and Naive, Tiled and Trace over a cache against the same problem with
+// contiguous keys (the gather makes the same device layout, so they agree bit for bit).
+//
+// As in gpu_test.cc: without a CUDA device every test reports SKIPPED with the reason (fails
+// with ATTN_REQUIRE_GPU=1); outputs are poisoned with NaN; inputs fresh and sizes odd.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/kv_store.h"
+#include "kernels/problem.h"
+#include "tests/checks.h"
+#include "tests/reference.h"
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+bool GpuRequired() {
+  const char* value = std::getenv("ATTN_REQUIRE_GPU");
+  return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
+}
+
+// Backends for the suite: `odd` keeps 7-token pages and splits decode work into 64-key chunks
+// (so that every cache of the tests spans many pages and many chunks); `plain` has the defaults
+// (256-token pages, chunks chosen for the device).
+class CudaKvTest : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    cuda::CudaBackendOptions odd;
+    odd.kv_page_tokens = 7;
+    odd.decode_chunk_keys = 64;
+    odd_ = new absl::StatusOr<std::unique_ptr<Backend>>(cuda::MakeCudaBackend(0, odd));
+    plain_ = new absl::StatusOr<std::unique_ptr<Backend>>(
+        cuda::MakeCudaBackend(0, cuda::CudaBackendOptions{}));
+  }
+  static void TearDownTestSuite() {
+    delete odd_;
+    delete plain_;
+    odd_ = plain_ = nullptr;
+  }
+
+ protected:
+  void SetUp() override {
+    if (odd_->ok() && plain_->ok()) return;
+    std::string error;
+    const int devices = cuda::DeviceCount(&error);
+    if (devices > 0 || GpuRequired()) {
+      FAIL() << "the CUDA backend did not open (" << devices
+             << " device(s)): " << (odd_->ok() ? plain_->status() : odd_->status());
+    }
+    GTEST_SKIP() << "no CUDA device: " << odd_->status();
+  }
+  static Backend& odd() { return ***odd_; }
+  static Backend& plain() { return ***plain_; }
+
+ private:
+  static inline absl::StatusOr<std::unique_ptr<Backend>>* odd_ = nullptr;
+  static inline absl::StatusOr<std::unique_ptr<Backend>>* plain_ = nullptr;
+};
+
+KvLayout LayoutOf(const HostProblem& host) {
+  return KvLayout{host.shape.kv_heads, host.shape.head_dim, host.shape.value_dim, host.dtype};
+}
+
+// Tokens [first, first + n) of a dense [kv_heads, len, width] tensor, dense [kv_heads, n, width]:
+// as bytes of `dtype` (converted from the fp32 values, which are already rounded to it).
+std::vector<uint8_t> Slice(const std::vector<float>& values, int64_t kv_heads, int64_t len,
+                           int64_t width, int64_t first, int64_t n, DType dtype) {
+  std::vector<uint8_t> bytes(kv_heads * n * width * ElementSize(dtype));
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t c = 0; c < width; ++c) {
+        StoreElement(bytes.data(), dtype, (h * n + t) * width + c,
+                     values[(h * len + first + t) * width + c]);
+      }
+    }
+  }
+  return bytes;
+}
+
+// Appends the host problem's keys and values in pieces of the given sizes (then the rest), the
+// pieces alternating between the store's dtype and fp32.
+void AppendAll(KvStore& store, const HostProblem& host, std::vector<int64_t> pieces) {
+  const Shape& s = host.shape;
+  int64_t done = 0;
+  int piece = 0;
+  while (done < s.key_len) {
+    const int64_t n = std::min<int64_t>(
+        piece < static_cast<int>(pieces.size()) ? pieces[piece] : s.key_len, s.key_len - done);
+    const DType dtype = piece % 2 == 0 ? host.dtype : DType::kFloat32;
+    const std::vector<uint8_t> key =
+        Slice(host.key, s.kv_heads, s.key_len, s.head_dim, done, n, dtype);
+    const std::vector<uint8_t> value =
+        Slice(host.value, s.kv_heads, s.key_len, s.value_dim, done, n, dtype);
+    const absl::Status status =
+        store.Append(TensorView{key.data(), dtype}, TensorView{value.data(), dtype}, n);
+    ASSERT_TRUE(status.ok()) << status;
+    done += n;
+    ++piece;
+    ASSERT_EQ(store.length(), done);
+  }
+}
+
+// The store's first `length` tokens, read back from the device as fp32 [kv_heads, length,
+// width] (keys or values).
+std::vector<float> ReadBack(const KvStore& store, bool keys, int64_t length) {
+  const KvLayout& layout = store.layout();
+  const PagedKv& pages = store.pages();
+  const int64_t width = keys ? layout.head_dim : layout.value_dim;
+  const int64_t page_count = (length + store.page_tokens() - 1) / store.page_tokens();
+  std::vector<const void*> table(page_count);
+  std::vector<float> out(layout.kv_heads * length * width, NAN);
+  if (page_count == 0) return out;
+  EXPECT_EQ(cudaMemcpy(table.data(), keys ? pages.key_pages : pages.value_pages,
+                       page_count * sizeof(void*), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  const int64_t block = layout.kv_heads * store.page_tokens() * width;
+  std::vector<uint8_t> page(block * ElementSize(layout.dtype));
+  for (int64_t p = 0; p < page_count; ++p) {
+    EXPECT_EQ(cudaMemcpy(page.data(), table[p], page.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int64_t h = 0; h < layout.kv_heads; ++h) {
+      for (int64_t t = p * store.page_tokens(); t < std::min(length, (p + 1) * store.page_tokens());
+           ++t) {
+        for (int64_t c = 0; c < width; ++c) {
+          out[(h * length + t) * width + c] =
+              LoadElement(page.data(), layout.dtype, pages.RowInPage(h, t, width) + c);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<float> Prefix(const std::vector<float>& values, int64_t kv_heads, int64_t len,
+                          int64_t width, int64_t length) {
+  std::vector<float> out;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    out.insert(out.end(), values.begin() + h * len * width,
+               values.begin() + (h * len + length) * width);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The store.
+
+TEST_F(CudaKvTest, AppendTruncateAndReadBackInEveryDtype) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const HostProblem host =
+        RandomProblem(MakeShape(1, 3, 3, 1, 40, 17, 11), dtype, false, 8, 9 + int(dtype));
+    absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(LayoutOf(host));
+    ASSERT_TRUE(store.ok()) << store.status();
+    KvStore& kv = **store;
+    EXPECT_EQ(kv.page_tokens(), 7);
+    EXPECT_EQ(kv.length(), 0);
+    EXPECT_EQ(kv.bytes(), 0);
+    const int64_t page_bytes = 3 * 7 * (17 + 11) * ElementSize(dtype);
+    EXPECT_EQ(kv.BytesFor(15), 3 * page_bytes);
+    AppendAll(kv, host, {1, 5, 9, 13});  // Pieces across page boundaries, and a last one.
+    EXPECT_EQ(kv.bytes(), 6 * page_bytes);
+    EXPECT_EQ(ReadBack(kv, true, 40), host.key);
+    EXPECT_EQ(ReadBack(kv, false, 40), host.value);
+
+    kv.Truncate(15);  // Keeps three pages, the last one partly.
+    EXPECT_EQ(kv.length(), 15);
+    EXPECT_EQ(kv.bytes(), 3 * page_bytes);
+    EXPECT_EQ(ReadBack(kv, true, 15), Prefix(host.key, 3, 40, 17, 15));
+    // Appending again after a truncate overwrites the dropped tokens.
+    const HostProblem other =
+        RandomProblem(MakeShape(1, 3, 3, 1, 20, 17, 11), dtype, false, 8, 99 + int(dtype));
+    const std::vector<uint8_t> key = Slice(other.key, 3, 20, 17, 0, 20, dtype);
+    const std::vector<uint8_t> value = Slice(other.value, 3, 20, 11, 0, 20, dtype);
+    ASSERT_TRUE(kv.Append({key.data(), dtype}, {value.data(), dtype}, 20).ok());
+    EXPECT_EQ(kv.length(), 35);
+    const std::vector<float> keys = ReadBack(kv, true, 35);
+    for (int64_t h = 0; h < 3; ++h) {
+      for (int64_t t = 0; t < 35; ++t) {
+        for (int64_t c = 0; c < 17; ++c) {
+          const float expected =
+              t < 15 ? host.key[(h * 40 + t) * 17 + c] : other.key[(h * 20 + t - 15) * 17 + c];
+          ASSERT_EQ(keys[(h * 35 + t) * 17 + c], expected) << h << " " << t << " " << c;
+        }
+      }
+    }
+    kv.Truncate(0);
+    EXPECT_EQ(kv.length(), 0);
+    EXPECT_EQ(kv.bytes(), 0);
+  }
+}
+
+// Over the device budget: RESOURCE_EXHAUSTED, and the store is exactly as it was (length, bytes,
+// contents); a smaller append then fits.
+TEST_F(CudaKvTest, AppendOverTheBudgetLeavesTheStoreUnchanged) {
+  cuda::CudaBackendOptions options;
+  options.kv_page_tokens = 5;
+  options.memory_budget_bytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<Backend>> small = cuda::MakeCudaBackend(0, options);
+  ASSERT_TRUE(small.ok()) << small.status();
+  const HostProblem host =
+      RandomProblem(MakeShape(1, 2, 2, 1, 23, 64, 64), DType::kFloat32, false, 8, 4242);
+  absl::StatusOr<std::unique_ptr<KvStore>> store = (*small)->CreateKvStore(LayoutOf(host));
+  ASSERT_TRUE(store.ok()) << store.status();
+  KvStore& kv = **store;
+  AppendAll(kv, host, {23});
+  const int64_t bytes = kv.bytes();
+  // 2 heads × 4000 tokens × 128 floats: 4 MB, over the 1 MB budget.
+  const int64_t n = 4000;
+  std::vector<float> big_key(2 * n * 64, 0.5f), big_value(2 * n * 64, -0.25f);
+  const absl::Status status =
+      kv.Append({big_key.data(), DType::kFloat32}, {big_value.data(), DType::kFloat32}, n);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_EQ(kv.length(), 23);
+  EXPECT_EQ(kv.bytes(), bytes);
+  EXPECT_EQ(ReadBack(kv, true, 23), host.key);
+  EXPECT_EQ(ReadBack(kv, false, 23), host.value);
+  ASSERT_TRUE(
+      kv.Append({big_key.data(), DType::kFloat32}, {big_value.data(), DType::kFloat32}, 3).ok());
+  EXPECT_EQ(kv.length(), 26);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode against the float64 reference.
+
+struct DecodeCase {
+  std::string name;
+  DType dtype;
+  std::vector<Shape> items;  // Batch 1 each; key_len is the cache's length.
+  bool causal = false;
+};
+
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+class CudaDecodeTest : public CudaKvTest, public ::testing::WithParamInterface<DecodeCase> {};
+
+double UnitRoundoff(DType dtype) {
+  return dtype == DType::kFloat32 ? std::ldexp(1.0, -24)
+                                  : std::ldexp(1.0, dtype == DType::kFloat16 ? -11 : -8);
+}
+
+// Runs one Decode of the case's batch on `backend` and checks every item: fp32 within 1e-5
+// relative of float64; fp16/bf16 within twice a same-precision eager baseline's error plus the
+// output store's rounding (the kernels keep weights in fp32: nothing else is rounded) + 1e-5;
+// lse within 1e-5 always.
+void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
+  std::vector<HostProblem> hosts;
+  std::vector<std::unique_ptr<KvStore>> stores;
+  for (size_t i = 0; i < c.items.size(); ++i) {
+    hosts.push_back(RandomProblem(c.items[i], c.dtype, c.causal, 8, seed + i));
+  }
+  std::vector<Problem> problems;
+  std::vector<PoisonedOutputs> poisoned;
+  poisoned.reserve(hosts.size());
+  for (const HostProblem& host : hosts) {
+    absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore(LayoutOf(host));
+    ASSERT_TRUE(store.ok()) << store.status();
+    AppendAll(**store, host, {3, 29, 1, 64});
+    Problem problem = host.View();
+    problem.key = {};
+    problem.value = {};
+    problem.pages = &(*store)->pages();
+    problems.push_back(problem);
+    stores.push_back(*std::move(store));
+    poisoned.emplace_back(host);
+  }
+  std::vector<Outputs> outputs;
+  for (PoisonedOutputs& p : poisoned) outputs.push_back(p.outputs());
+  const absl::StatusOr<Stats> stats = backend.Decode(problems, outputs);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  double flops = 0;
+  for (const Problem& p : problems) flops += p.Flops();
+  EXPECT_EQ(stats->flops, flops);
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "item " << i << " key_len " << hosts[i].shape.key_len);
+    const Reference ref = ReferenceAttention(hosts[i]);
+    KernelRun run;
+    run.output_bytes = poisoned[i].output_bytes;
+    run.output = poisoned[i].Output();
+    run.lse = poisoned[i].lse;
+    if (c.dtype == DType::kFloat32) {
+      ExpectMatchesReference(run, ref, 1e-5);
+    } else {
+      const double baseline = MaxAbsError(LowPrecisionBaseline(hosts[i], c.dtype), ref.output);
+      const double atol = UnitRoundoff(c.dtype) * MaxAbs(ref.output) + 1e-5;
+      EXPECT_LE(MaxAbsError(run.output, ref.output), 2 * baseline + atol)
+          << "baseline " << baseline;
+      ExpectLseMatches(run, ref, 1e-5);
+    }
+    if (c.causal && hosts[i].shape.query_len > hosts[i].shape.key_len) {
+      ExpectUnseeingRowsZero(run, hosts[i]);
+    }
+  }
+}
+
+TEST_P(CudaDecodeTest, MatchesFloat64ReferenceWithSmallChunksAndOddPages) {
+  CheckDecode(odd(), GetParam(), std::hash<std::string>{}("decode odd " + GetParam().name));
+}
+
+TEST_P(CudaDecodeTest, MatchesFloat64ReferenceWithTheDevicesChunks) {
+  CheckDecode(plain(), GetParam(), std::hash<std::string>{}("decode plain " + GetParam().name));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CudaDecodeTest,
+    ::testing::Values(
+        DecodeCase{"OneRowFp32", DType::kFloat32, {MakeShape(1, 2, 2, 1, 301, 17, 17)}},
+        DecodeCase{"Gqa6Over2Fp32", DType::kFloat32, {MakeShape(1, 6, 2, 1, 200, 33, 20)}},
+        DecodeCase{"Gqa32Over8Bf16", DType::kBFloat16, {MakeShape(1, 32, 8, 1, 517, 128, 128)}},
+        DecodeCase{"Gqa32Over8F16", DType::kFloat16, {MakeShape(1, 32, 8, 1, 333, 128, 128)}},
+        DecodeCase{
+            "CausalThreeRowsGqa", DType::kFloat32, {MakeShape(1, 4, 2, 3, 130, 9, 13)}, true},
+        DecodeCase{
+            "CausalMoreRowsThanKeys", DType::kFloat32, {MakeShape(1, 2, 1, 9, 5, 8, 8)}, true},
+        DecodeCase{"CausalRowGroupsOf16Bf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 12, 2, 5, 97, 64, 48)},
+                   true},
+        DecodeCase{"HeadDim256F16", DType::kFloat16, {MakeShape(1, 4, 4, 2, 150, 256, 200)}},
+        DecodeCase{"OneToken", DType::kFloat32, {MakeShape(1, 3, 1, 1, 1, 5, 7)}},
+        DecodeCase{"BatchOfLengthsBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 8, 2, 1, 1, 64, 64), MakeShape(1, 8, 2, 1, 37, 64, 64),
+                    MakeShape(1, 8, 2, 1, 200, 64, 64), MakeShape(1, 8, 2, 1, 513, 64, 64),
+                    MakeShape(1, 8, 2, 1, 1000, 64, 64)}},
+        DecodeCase{"BatchOfShapesFp32",
+                   DType::kFloat32,
+                   {MakeShape(1, 4, 2, 2, 77, 30, 30), MakeShape(1, 2, 2, 1, 290, 100, 64),
+                    MakeShape(1, 6, 3, 1, 45, 17, 5)},
+                   true}),
+    [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+// Naive, Tiled and Trace over a cache: the same results as over the contiguous keys.
+
+TEST_F(CudaKvTest, NaiveTiledAndTraceOverPagesEqualContiguous) {
+  struct Case {
+    DType dtype;
+    Shape shape;
+    bool causal;
+    int block_k;
+  };
+  for (const Case& c : {Case{DType::kFloat32, MakeShape(1, 4, 2, 5, 61, 17, 13), true, 7},
+                        Case{DType::kBFloat16, MakeShape(1, 6, 3, 33, 100, 64, 64), false, 32},
+                        Case{DType::kFloat16, MakeShape(1, 2, 1, 3, 45, 100, 72), true, 32}}) {
+    SCOPED_TRACE(DTypeName(c.dtype));
+    const HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, 77);
+    absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(LayoutOf(host));
+    ASSERT_TRUE(store.ok()) << store.status();
+    AppendAll(**store, host, {10, 3});
+    Problem contiguous = host.View();
+    Problem paged = contiguous;
+    paged.key = {};
+    paged.value = {};
+    paged.pages = &(*store)->pages();
+    for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
+      SCOPED_TRACE(KernelName(kernel));
+      const KernelRun expected = RunKernel(odd(), kernel, host, contiguous);
+      const KernelRun actual = RunKernel(odd(), kernel, host, paged);
+      EXPECT_EQ(actual.output_bytes, expected.output_bytes);
+      EXPECT_EQ(std::memcmp(actual.lse.data(), expected.lse.data(), 4 * actual.lse.size()), 0);
+      ExpectLseMatches(actual, ReferenceAttention(host), 1e-5);
+    }
+    const std::vector<RowRef> rows = {{0, 0, 0}, {0, c.shape.heads - 1, c.shape.query_len - 1}};
+    absl::StatusOr<std::unique_ptr<TraceCursor>> a = odd().Trace(contiguous, rows);
+    absl::StatusOr<std::unique_ptr<TraceCursor>> b = odd().Trace(paged, rows);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    TraceItem x, y;
+    int events = 0;
+    while ((*a)->Next(&x)) {
+      ASSERT_TRUE((*b)->Next(&y)) << "paged trace ends early";
+      ++events;
+      ASSERT_EQ(x.index(), y.index());
+      if (const auto* step = std::get_if<TraceStep>(&x)) {
+        const TraceStep& other = std::get<TraceStep>(y);
+        EXPECT_EQ(step->scores, other.scores);
+        EXPECT_EQ(step->weights, other.weights);
+        EXPECT_EQ(step->accumulator, other.accumulator);
+        EXPECT_EQ(step->denominator, other.denominator);
+      } else {
+        EXPECT_EQ(std::get<TraceRowDone>(x).output, std::get<TraceRowDone>(y).output);
+        EXPECT_EQ(std::get<TraceRowDone>(x).reference, std::get<TraceRowDone>(y).reference);
+      }
+    }
+    EXPECT_FALSE((*b)->Next(&y)) << "paged trace runs longer";
+    EXPECT_GT(events, 2);
+  }
+}
+
+}  // namespace
