@@ -97,6 +97,44 @@ TEST(ValueScanTest, FindsTheFirstInfOrNanAnywhere) {
   }
 }
 
+// Past 8 MiB the scan runs in slices on several threads: the answer must not depend on where the
+// largest element or the first non-finite one falls, slice boundaries included.
+TEST(ValueScanTest, ALargeTensorScannedInSlicesGivesTheSameAnswers) {
+  std::mt19937 rng(12);
+  for (DType dtype : kDtypes) {
+    const int64_t n = (int64_t{12} << 20) / ElementSize(dtype) + 7;
+    std::vector<unsigned char> bytes = RandomElements(dtype, n, 1, rng);
+    void* data = bytes.data() + 1;
+    double baseline = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      baseline = std::max(baseline, std::abs(double{ElementAt(data, dtype, i)}));
+    }
+    const ValueScan plain = ScanValues(data, dtype, n);
+    EXPECT_EQ(plain.max_abs, baseline) << DTypeName(dtype);
+    // Larger than any random element (|x| < 2^13): 2^20, or fp16's largest finite value.
+    const uint32_t big = dtype == DType::kFloat32   ? 0x49800000u
+                         : dtype == DType::kFloat16 ? 0x7bffu
+                                                    : 0x4980u;
+    for (int64_t at : {int64_t{0}, n / 4 - 1, n / 4, n / 2, 3 * n / 4 + 1, n - 1}) {
+      std::vector<unsigned char> copy = bytes;
+      void* poked = copy.data() + 1;
+      SetElementBits(poked, dtype, at, big);
+      const ValueScan scan = ScanValues(poked, dtype, n);
+      EXPECT_EQ(scan.max_abs, ElementAt(poked, dtype, at)) << DTypeName(dtype) << " at " << at;
+      EXPECT_EQ(scan.first_non_finite, -1);
+      SetElementBits(poked, dtype, n - 1, dtype == DType::kFloat32 ? 0x7f800000u : 0xfc00u);
+      if (dtype == DType::kBFloat16) SetElementBits(poked, dtype, n - 1, 0xff80u);
+      if (at != n - 1)
+        SetElementBits(poked, dtype, at + 1,
+                       dtype == DType::kFloat32   ? 0x7fc00000u
+                       : dtype == DType::kFloat16 ? 0x7e00u
+                                                  : 0x7fc0u);
+      EXPECT_EQ(ScanValues(poked, dtype, n).first_non_finite, at == n - 1 ? n - 1 : at + 1)
+          << DTypeName(dtype) << " at " << at;
+    }
+  }
+}
+
 TEST(ValueScanTest, TheLargestFiniteValuesAreFinite) {
   for (DType dtype : kDtypes) {
     const float largest = dtype == DType::kFloat32   ? std::numeric_limits<float>::max()
