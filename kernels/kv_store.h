@@ -51,8 +51,8 @@ class KvStore {
   // Copies tokens [0, length) out to dense host tensors in the store's dtype, key
   // [kv_heads, length, head_dim] and value [kv_heads, length, value_dim]: a snapshot for work
   // that outlives the registry's hold on the cache (a trace's stream). Default: reads pages()
-  // on the host, for a store in host memory; a device store overrides it.
-  virtual void CopyOut(int64_t length, void* key, void* value) const {
+  // on the host, for a store in host memory; a device store overrides it (and may fail).
+  virtual absl::Status CopyOut(int64_t length, void* key, void* value) const {
     const KvLayout& l = layout();
     const PagedKv& p = pages();
     const int64_t element = ElementSize(l.dtype);
@@ -70,7 +70,13 @@ class KvStore {
             run * l.value_dim * element);
       }
     }
+    return absl::OkStatus();
   }
 };
+
+// Pages that `length` tokens fill, `page_tokens` to a page (the last one maybe partly).
+inline int64_t PagesFor(int64_t length, int64_t page_tokens) {
+  return length / page_tokens + (length % page_tokens != 0);
+}
 
 }  // namespace attn

@@ -68,8 +68,21 @@ struct CacheRegistry::Entry {
   std::atomic<int> leases{0};
 };
 
+namespace {
+
+// Past this an idle limit is "never" in all but name; capping it keeps the sweep's nanosecond
+// arithmetic within int64.
+constexpr int64_t kMaxIdleSeconds = int64_t{1} << 31;
+
+CacheLimits Capped(CacheLimits limits) {
+  limits.idle_seconds = std::clamp<int64_t>(limits.idle_seconds, 0, kMaxIdleSeconds);
+  return limits;
+}
+
+}  // namespace
+
 CacheRegistry::CacheRegistry(Backend& backend, CacheLimits limits)
-    : backend_(backend), limits_(limits) {
+    : backend_(backend), limits_(Capped(limits)) {
   if (limits_.idle_seconds > 0) sweeper_ = std::thread([this] { Sweep(); });
 }
 
@@ -134,10 +147,13 @@ absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
 std::shared_ptr<CacheRegistry::Entry> CacheRegistry::Find(const std::string& owner,
                                                           const std::string& id,
                                                           const std::string& field,
-                                                          absl::Status* status) {
+                                                          absl::Status* status, bool lease) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto found = entries_.find(id);
-  if (found != entries_.end() && found->second->owner == owner) return found->second;
+  if (found != entries_.end() && found->second->owner == owner) {
+    if (lease) found->second->leases.fetch_add(1);  // A cache someone waits for is not idle.
+    return found->second;
+  }
   const auto expired = expired_.find(id);
   if (expired != expired_.end() && expired->second == owner) {
     *status = absl::NotFoundError(absl::StrCat(field, ": cache ", id, " expired after ",
@@ -226,15 +242,14 @@ absl::StatusOr<CacheRegistry::Lease> CacheRegistry::Acquire(const std::string& o
                                                             const std::string& id,
                                                             const std::string& field) {
   absl::Status status;
-  std::shared_ptr<Entry> entry = Find(owner, id, field, &status);
+  std::shared_ptr<Entry> entry = Find(owner, id, field, &status, /*lease=*/true);
   if (entry == nullptr) return status;
   return Lease(this, std::move(entry));
 }
 
 CacheRegistry::Lease::Lease(CacheRegistry* registry, std::shared_ptr<Entry> entry)
     : registry_(registry), entry_(std::move(entry)) {
-  entry_->leases.fetch_add(1);  // Before waiting: a cache someone waits for is not idle.
-  hold_ = std::unique_lock<std::mutex>(entry_->mutex);
+  hold_ = std::unique_lock<std::mutex>(entry_->mutex);  // Find counted the lease already.
   length_at_start_ = entry_->store->length();
   max_abs_key_at_start_ = entry_->max_abs_key;
   max_abs_value_at_start_ = entry_->max_abs_value;
@@ -258,8 +273,8 @@ CacheDescription CacheRegistry::Lease::Describe() const {
   return DescriptionOf(entry_->id, *entry_->store, entry_->store->length(), entry_->store->bytes());
 }
 
-void CacheRegistry::Lease::CopyOut(void* key, void* value) const {
-  entry_->store->CopyOut(entry_->store->length(), key, value);
+absl::Status CacheRegistry::Lease::CopyOut(void* key, void* value) const {
+  return entry_->store->CopyOut(entry_->store->length(), key, value);
 }
 
 absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorView& value, int64_t n,

@@ -69,7 +69,7 @@ class CacheRegistry {
   class Lease {
    public:
     Lease(Lease&&) = default;
-    Lease& operator=(Lease&&) = default;
+    Lease& operator=(Lease&&) = delete;  // Would drop a held cache without releasing it.
     ~Lease();
 
     const KvLayout& layout() const;
@@ -81,7 +81,7 @@ class CacheRegistry {
     double max_abs_value() const;
     CacheDescription Describe() const;
     // Copies the tokens out to dense host tensors (KvStore::CopyOut).
-    void CopyOut(void* key, void* value) const;
+    absl::Status CopyOut(void* key, void* value) const;
 
     // Appends n tokens (dense host tensors, any dtype) whose largest magnitudes are given,
     // within the registry's budget (RESOURCE_EXHAUSTED naming --cache-bytes). All or nothing.
@@ -116,8 +116,10 @@ class CacheRegistry {
   int64_t bytes() const;
 
  private:
+  // The owner's entry, or null with *status NOT_FOUND. With `lease`, counts a lease on it
+  // under the registry's mutex, so the idle sweep can never drop it in between.
   std::shared_ptr<Entry> Find(const std::string& owner, const std::string& id,
-                              const std::string& field, absl::Status* status);
+                              const std::string& field, absl::Status* status, bool lease = false);
   void Sweep();  // The idle-expiry thread's loop.
   void Touch(Entry& entry);
   // Reserves `bytes` of the budget (RESOURCE_EXHAUSTED naming --cache-bytes when they do not

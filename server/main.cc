@@ -61,7 +61,8 @@ ABSL_FLAG(int64_t, cache_bytes, 0,
           "Memory all KV caches' pages may take together, bytes; 0 = half the device's memory "
           "(physical memory on the CPU). An append past it is RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, cache_idle_seconds, 3600,
-          "A KV cache unused this long is dropped (later calls: NOT_FOUND, expired); 0 = never.");
+          "A KV cache unused this long is dropped (later calls: NOT_FOUND, expired); 0 = never "
+          "(as is anything past 2^31).");
 ABSL_FLAG(int, shutdown_grace, 30,
           "Seconds in-flight calls get to finish after SIGTERM/SIGINT (a second signal exits at "
           "once).");

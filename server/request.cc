@@ -23,6 +23,14 @@ absl::Status Invalid(absl::string_view field, absl::string_view message) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
 }
 
+// A dtype field that is not one of the three storage types.
+absl::Status UnknownDType(absl::string_view field, v1::DType dtype) {
+  return Invalid(field, absl::StrCat(dtype == v1::DTYPE_UNSPECIFIED
+                                         ? "is unspecified"
+                                         : absl::StrCat("is ", dtype, ", not a known DType"),
+                                     "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
+}
+
 // At most the first 8 dimensions: a hostile rank must not make a message of megabytes (gRPC
 // would refuse to send it as trailing metadata).
 std::string ShapeString(const v1::Tensor& tensor) {
@@ -68,13 +76,7 @@ absl::StatusOr<TensorDims> CheckTensor(absl::string_view name, bool present,
     elements = *product;
   }
   const std::optional<DType> parsed = FromProtoDType(tensor.dtype());
-  if (!parsed) {
-    return Invalid(absl::StrCat(name, ".dtype"),
-                   absl::StrCat(tensor.dtype() == v1::DTYPE_UNSPECIFIED
-                                    ? "is unspecified"
-                                    : absl::StrCat("is ", tensor.dtype(), ", not a known DType"),
-                                "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
-  }
+  if (!parsed) return UnknownDType(absl::StrCat(name, ".dtype"), tensor.dtype());
   *dtype = *parsed;
   const std::optional<int64_t> bytes = CheckedMul(elements, ElementSize(*dtype));
   if (!bytes || static_cast<int64_t>(tensor.data().size()) != *bytes) {
@@ -111,20 +113,21 @@ float DefaultScale(int64_t head_dim) {
 // The options every attention call shares, into *problem: scale (when given; else the caller
 // sets 1/sqrt(head_dim)), causal, block_k (the default for 0; the caller caps it at key_len),
 // return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
-absl::Status ParseOptions(const v1::AttentionOptions& options, DType query_dtype,
-                          int default_block_k, Problem* problem) {
+absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& options,
+                          DType query_dtype, int default_block_k, Problem* problem) {
   if (options.has_scale() && !std::isfinite(options.scale())) {
-    return Invalid("options.scale", absl::StrCat("is ", options.scale(), "; it must be finite"));
+    return Invalid(absl::StrCat(prefix, "options.scale"),
+                   absl::StrCat("is ", options.scale(), "; it must be finite"));
   }
   if (options.block_k() < 0) {
-    return Invalid("options.block_k",
+    return Invalid(absl::StrCat(prefix, "options.block_k"),
                    absl::StrCat("is ", options.block_k(), "; expected ≥ 0 (0 = server default)"));
   }
   problem->output_dtype = query_dtype;
   if (options.output_dtype() != v1::DTYPE_UNSPECIFIED) {
     const std::optional<DType> parsed = FromProtoDType(options.output_dtype());
     if (!parsed) {
-      return Invalid("options.output_dtype",
+      return Invalid(absl::StrCat(prefix, "options.output_dtype"),
                      absl::StrCat("is ", options.output_dtype(),
                                   ", not a known DType; expected DTYPE_UNSPECIFIED (the query's "
                                   "dtype), DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
@@ -220,7 +223,7 @@ absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
   }
 
   if (absl::Status options =
-          ParseOptions(request.options(), query_dtype, default_block_k, &problem);
+          ParseOptions("", request.options(), query_dtype, default_block_k, &problem);
       !options.ok()) {
     return options;
   }
@@ -278,14 +281,7 @@ absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request)
   layout.head_dim = request.head_dim();
   layout.value_dim = request.value_dim() > 0 ? request.value_dim() : request.head_dim();
   const std::optional<DType> dtype = FromProtoDType(request.dtype());
-  if (!dtype) {
-    return Invalid("dtype",
-                   absl::StrCat(request.dtype() == v1::DTYPE_UNSPECIFIED
-                                    ? "is unspecified"
-                                    : absl::StrCat("is ", request.dtype(), ", not a known DType"),
-                                "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or "
-                                "DTYPE_BFLOAT16"));
-  }
+  if (!dtype) return UnknownDType("dtype", request.dtype());
   layout.dtype = *dtype;
   return layout;
 }
@@ -388,7 +384,7 @@ absl::StatusOr<Problem> ParseCacheQuery(absl::string_view prefix, const v1::Tens
                     layout.head_dim);
   }
   Problem problem;
-  if (absl::Status parsed = ParseOptions(options, query_dtype, default_block_k, &problem);
+  if (absl::Status parsed = ParseOptions(prefix, options, query_dtype, default_block_k, &problem);
       !parsed.ok()) {
     return parsed;
   }

@@ -32,6 +32,15 @@ void FillStats(const Backend& backend, const Stats& stats, Clock::time_point sta
 class TraceSlot {
  public:
   explicit TraceSlot(std::atomic<int64_t>& open) : open_(&open) {}
+  // Counts this stream among the open ones: RESOURCE_EXHAUSTED when that makes more than
+  // `max_streams` (the slot is released all the same when it goes).
+  absl::Status Take(int64_t max_streams) {
+    const int64_t open = open_->fetch_add(1);
+    if (open < max_streams) return absl::OkStatus();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("server busy: ", open, " trace streams open (--max-traces=", max_streams,
+                     "); retry later"));
+  }
   TraceSlot(TraceSlot&& other) : open_(std::exchange(other.open_, nullptr)) {}
   TraceSlot& operator=(TraceSlot&&) = delete;
   ~TraceSlot() {
@@ -61,6 +70,25 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   // Memory the stream's problem may view and that lives as long as the stream: a copy of a
   // cache's tokens, so the trace holds no lease on the cache while a reader takes its time.
   std::vector<char>& snapshot() { return snapshot_; }
+  // Counts `bytes` of snapshot against `open` (every open trace's snapshots) until the stream
+  // ends; RESOURCE_EXHAUSTED when together they would pass `budget` (--max-naive-bytes).
+  absl::Status ReserveSnapshot(std::atomic<int64_t>& open, int64_t bytes, int64_t budget) {
+    const int64_t before = open.fetch_add(bytes);
+    if (before + bytes > budget) {
+      open.fetch_sub(bytes);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("attention.cache_id: tracing copies the cache's ", bytes,
+                       " bytes of tokens, and open traces already hold ", before,
+                       " bytes of copies, over this server's --max-naive-bytes=", budget,
+                       "; retry when a trace has ended"));
+    }
+    snapshot_budget_ = &open;
+    snapshot_reserved_ = bytes;
+    return absl::OkStatus();
+  }
+  ~TraceWriter() override {
+    if (snapshot_budget_ != nullptr) snapshot_budget_->fetch_sub(snapshot_reserved_);
+  }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {  // The client cancelled or went away: stop computing.
@@ -97,6 +125,8 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   int64_t steps_ = 0;
   TraceSlot slot_;
   std::vector<char> snapshot_;
+  std::atomic<int64_t>* snapshot_budget_ = nullptr;
+  int64_t snapshot_reserved_ = 0;
 };
 
 // A stream that fails before its first event.
@@ -266,11 +296,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
   absl::StatusOr<std::vector<RowRef>> rows = ParseTraceRows(*request, *problem, config_.trace);
   if (!rows.ok()) return fail(rows.status());
   TraceSlot slot(open_traces_);
-  if (const int64_t open = open_traces_.fetch_add(1); open >= config_.trace.max_streams) {
-    return fail(absl::ResourceExhaustedError(absl::StrCat(
-        "server busy: ", open, " trace streams open (--max-traces=", config_.trace.max_streams,
-        "); retry later")));
-  }
+  if (absl::Status room = slot.Take(config_.trace.max_streams); !room.ok()) return fail(room);
   auto* writer = new TraceWriter(backend_, start, std::move(slot));
   // Opening the cursor checks every input element and, on a GPU, waits for a stream and
   // computes the whole trace: a compute queue's work, like Naive's and Tiled's.
@@ -340,6 +366,21 @@ grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context) {
 }
 
 const v1::Tensor* Present(bool has, const v1::Tensor& tensor) { return has ? &tensor : nullptr; }
+
+// A call's expected_length against its cache's `length` (−1: not known yet, only the sign is
+// checked): INVALID_ARGUMENT when negative, FAILED_PRECONDITION naming the actual length when
+// stale — nothing of the call was applied, so a retried append is detected, never doubled.
+absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
+                                 absl::string_view cache_id, int64_t length) {
+  if (expected < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "expected_length: is ", expected,
+                                                   "; expected the cache's length (≥ 0)"));
+  }
+  if (length < 0 || expected == length) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(prefix, "expected_length: is ", expected,
+                                                    " but cache ", cache_id, " holds ", length,
+                                                    " tokens; nothing of this call was applied"));
+}
 
 // A cache problem's key and value fields must be absent: its keys are the cache's.
 absl::Status CheckNoInlineKeys(const v1::AttentionRequest& request) {
@@ -434,11 +475,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
                       attention.options(), *layout, backend_.default_block_k());
   if (!problem.ok()) return fail(problem.status());
   TraceSlot slot(open_traces_);
-  if (const int64_t open = open_traces_.fetch_add(1); open >= config_.trace.max_streams) {
-    return fail(absl::ResourceExhaustedError(absl::StrCat(
-        "server busy: ", open, " trace streams open (--max-traces=", config_.trace.max_streams,
-        "); retry later")));
-  }
+  if (absl::Status room = slot.Take(config_.trace.max_streams); !room.ok()) return fail(room);
   auto* writer = new TraceWriter(backend_, start, std::move(slot));
   auto open = [this, writer, context, request, owner, layout = *layout,
                problem = *problem]() mutable {
@@ -471,16 +508,19 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
       const int64_t element = ElementSize(layout.dtype);
       const int64_t key_bytes = s.kv_heads * s.key_len * s.head_dim * element;
       const int64_t value_bytes = s.kv_heads * s.key_len * s.value_dim * element;
-      if (key_bytes + value_bytes > backend_.max_naive_bytes()) {
-        writer->Fail(absl::ResourceExhaustedError(absl::StrCat(
-            "attention.cache_id: tracing copies the cache's ", s.key_len, " tokens (",
-            key_bytes + value_bytes,
-            " bytes), over this server's --max-naive-bytes=", backend_.max_naive_bytes())));
+      if (absl::Status room = writer->ReserveSnapshot(snapshot_bytes_, key_bytes + value_bytes,
+                                                      backend_.max_naive_bytes());
+          !room.ok()) {
+        writer->Fail(room);
         return;
       }
       std::vector<char>& snapshot = writer->snapshot();
       snapshot.resize(key_bytes + value_bytes);
-      lease->CopyOut(snapshot.data(), snapshot.data() + key_bytes);
+      if (absl::Status copied = lease->CopyOut(snapshot.data(), snapshot.data() + key_bytes);
+          !copied.ok()) {
+        writer->Fail(copied);
+        return;
+      }
       problem.pages = nullptr;
       problem.key = TensorView{snapshot.data(), layout.dtype};
       problem.value = TensorView{snapshot.data() + key_bytes, layout.dtype};
@@ -523,6 +563,10 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
       ParseNewTokens("", Present(request->has_key(), request->key()),
                      Present(request->has_value(), request->value()), *layout, false);
   if (!tokens.ok()) return Failed(context, tokens.status());
+  if (absl::Status length = CheckExpectedLength("", request->expected_length(), "", -1);
+      !length.ok()) {
+    return Failed(context, length);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
   // The copy into the cache's pages (and the pass over the tokens) is compute-queue work.
@@ -544,12 +588,10 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
       fail(lease.status());
       return;
     }
-    if (lease->length() != request->expected_length()) {
-      fail(absl::FailedPreconditionError(
-          absl::StrCat("expected_length: is ", request->expected_length(), " but cache ",
-                       request->cache_id(), " holds ", lease->length(),
-                       " tokens; nothing was appended (a retried append is "
-                       "detected this way)")));
+    if (absl::Status length = CheckExpectedLength("", request->expected_length(),
+                                                  request->cache_id(), lease->length());
+        !length.ok()) {
+      fail(length);
       return;
     }
     if (absl::Status appended =
@@ -637,10 +679,9 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
                                  w.prefix, "cache_id: names the same cache as items[", at->second,
                                  "]; a Decode call takes at most one item per cache")));
     }
-    if (item.expected_length() < 0) {
-      return Failed(context, absl::InvalidArgumentError(absl::StrCat(
-                                 w.prefix, "expected_length: is ", item.expected_length(),
-                                 "; expected the cache's length (≥ 0)")));
+    if (absl::Status length = CheckExpectedLength(w.prefix, item.expected_length(), "", -1);
+        !length.ok()) {
+      return Failed(context, length);
     }
     absl::StatusOr<KvLayout> layout =
         caches_.LayoutOf(owner, item.cache_id(), absl::StrCat(w.prefix, "cache_id"));
@@ -697,11 +738,11 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
       leases[i].emplace(*std::move(lease));
     }
     for (size_t i = 0; i < work.size(); ++i) {
-      if (leases[i]->length() != request->items(i).expected_length()) {
-        fail(absl::FailedPreconditionError(absl::StrCat(
-            work[i].prefix, "expected_length: is ", request->items(i).expected_length(),
-            " but cache ", request->items(i).cache_id(), " holds ", leases[i]->length(),
-            " tokens; no item of this call was applied")));
+      if (absl::Status length =
+              CheckExpectedLength(work[i].prefix, request->items(i).expected_length(),
+                                  request->items(i).cache_id(), leases[i]->length());
+          !length.ok()) {
+        fail(length);
         return;
       }
     }

@@ -120,6 +120,7 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   std::atomic<bool> loss_reported_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> open_traces_{0};
+  std::atomic<int64_t> snapshot_bytes_{0};  // Cache copies held by open traces.
   CacheRegistry caches_;  // Before queue_: queued work holds leases on its caches.
   ComputeQueue queue_;    // Last: destroyed first, finishing queued work while the rest lives.
 };

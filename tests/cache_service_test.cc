@@ -88,8 +88,8 @@ void ExpectMatches(const v1::Tensor& output, const HostProblem& problem) {
 
 class CacheServiceTest : public ::testing::Test {
  public:  // The bad-call table's lambdas call these.
-  void StartServer(int64_t cache_bytes = int64_t{256} << 20) {
-    backend_ = std::make_unique<CpuBackend>(2, 0);
+  void StartServer(int64_t cache_bytes = int64_t{256} << 20, int64_t max_naive_bytes = 0) {
+    backend_ = std::make_unique<CpuBackend>(2, max_naive_bytes);
     ServiceConfig config;
     config.caches = {.budget_bytes = cache_bytes, .idle_seconds = 0};
     service_ = std::make_unique<AttentionService>(*backend_, config);
@@ -391,6 +391,10 @@ TEST_F(CacheServiceTest, EveryBadCallIsRefusedAndLeavesTheCacheAsItWas) {
        [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
          return append(t, id, p, [](auto& r) { r.set_expected_length(300); });
        }},
+      {"a negative expected_length", grpc::StatusCode::INVALID_ARGUMENT, "expected_length",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         return append(t, id, p, [](auto& r) { r.set_expected_length(-1); });
+       }},
       {"over the budget", grpc::StatusCode::RESOURCE_EXHAUSTED, "--cache-bytes",
        [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
          const HostProblem big = RandomCacheProblem(1, 40000, DType::kFloat32, false, 62);
@@ -533,6 +537,26 @@ TEST_F(CacheServiceTest, ConcurrentDecodersAndAReaderDuringAppendsSeeOnlyWholeAp
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(LengthOf(id), kChunk * kChunks);
+}
+
+// A trace over a cache copies the tokens it reads; those copies stay within --max-naive-bytes.
+TEST_F(CacheServiceTest, ATraceWhoseCopyPassesTheBudgetIsRefused) {
+  TearDown();
+  StartServer(int64_t{256} << 20, /*max_naive_bytes=*/64 << 10);
+  const HostProblem p = RandomCacheProblem(1, 601, DType::kFloat32, false, 90);  // 240 KB
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = OverCache(p, Filled(p));
+  trace.mutable_attention()->mutable_options()->set_block_k(0);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
+  v1::TraceEvent event;
+  int events = 0;
+  while (reader->Read(&event)) ++events;
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(events, 0);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("--max-naive-bytes"), std::string::npos)
+      << status.error_message();
 }
 
 TEST_F(CacheServiceTest, ServerInfoReportsTheCacheLimits) {

@@ -128,6 +128,7 @@ absl::StatusOr<Stats> CpuBackend::Decode(const std::vector<Problem>& problems,
     }
     absl::StatusOr<Stats> stats = Tiled(problems[i], outputs[i]);
     if (!stats.ok()) return stats.status();
+    total.block_k = stats->block_k;  // The decode kernel's tile, below, wins when both ran.
     total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
   }
   if (!decode_problems.empty()) {

@@ -55,7 +55,7 @@ int64_t CpuKvStore::ValueBlockBytes() const {
 }
 
 int64_t CpuKvStore::BytesFor(int64_t length) const {
-  const int64_t pages = length / page_tokens_ + (length % page_tokens_ != 0);
+  const int64_t pages = PagesFor(length, page_tokens_);
   const int64_t per_page = KeyBlockBytes() + ValueBlockBytes();
   if (pages > std::numeric_limits<int64_t>::max() / per_page) {
     return std::numeric_limits<int64_t>::max();
@@ -74,7 +74,7 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
   if (n <= 0) return absl::OkStatus();
   const int64_t new_length = length_ + n;
   const int64_t have = static_cast<int64_t>(key_pages_.size());
-  const int64_t need = new_length / page_tokens_ + (new_length % page_tokens_ != 0);
+  const int64_t need = PagesFor(new_length, page_tokens_);
   auto exhausted = [&] {
     return absl::ResourceExhaustedError(absl::StrCat(
         "could not allocate ", BytesFor(new_length) - bytes(), " bytes of host memory for ", n,
@@ -143,7 +143,7 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
 
 void CpuKvStore::Truncate(int64_t length) {
   length = std::clamp<int64_t>(length, 0, length_);
-  const int64_t keep = length / page_tokens_ + (length % page_tokens_ != 0);
+  const int64_t keep = PagesFor(length, page_tokens_);
   while (static_cast<int64_t>(key_pages_.size()) > keep) {
     allocator_.free(const_cast<void*>(key_pages_.back()));
     allocator_.free(const_cast<void*>(value_pages_.back()));

@@ -40,7 +40,7 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   const int64_t value_elements = layout_.kv_heads * n * layout_.value_dim;
   const int64_t token_bytes = (key_elements + value_elements) * element;
   const int64_t old_pages = static_cast<int64_t>(pages_.size());
-  const int64_t new_pages = (length_ + n + page_tokens_ - 1) / page_tokens_;
+  const int64_t new_pages = PagesFor(length_ + n, page_tokens_);
   const bool grow_tables = new_pages > table_capacity_;
   const int64_t capacity =
       grow_tables ? std::max<int64_t>({new_pages, 2 * table_capacity_, 16}) : table_capacity_;
@@ -104,12 +104,12 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
 
   auto check = [&](cudaError_t error, const char* what) { return device_->Check(error, what); };
   absl::Status status =
-      check(cudaMemcpyAsync(static_cast<char*>(key_table) + first_entry * 8, staged_keys,
-                            entry_bytes, cudaMemcpyHostToDevice, slot.stream),
+      check(cudaMemcpyAsync(static_cast<char*>(key_table) + first_entry * sizeof(void*),
+                            staged_keys, entry_bytes, cudaMemcpyHostToDevice, slot.stream),
             "cudaMemcpyAsync (key page table)");
   if (status.ok()) {
-    status = check(cudaMemcpyAsync(static_cast<char*>(value_table) + first_entry * 8, staged_values,
-                                   entry_bytes, cudaMemcpyHostToDevice, slot.stream),
+    status = check(cudaMemcpyAsync(static_cast<char*>(value_table) + first_entry * sizeof(void*),
+                                   staged_values, entry_bytes, cudaMemcpyHostToDevice, slot.stream),
                    "cudaMemcpyAsync (value page table)");
   }
   if (status.ok()) {
@@ -150,9 +150,35 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   return absl::OkStatus();
 }
 
+absl::Status CudaKvStore::CopyOut(int64_t length, void* key, void* value) const {
+  ATTN_RETURN_IF_ERROR(device_->Start());
+  SlotPool::Lease lease(device_->slots());
+  const cudaStream_t stream = lease.slot().stream;
+  const int64_t element = ElementSize(layout_.dtype);
+  const int64_t key_row = layout_.head_dim * element, value_row = layout_.value_dim * element;
+  for (int64_t h = 0; h < layout_.kv_heads; ++h) {
+    for (int64_t t = 0; t < length;) {
+      const int64_t page = t / page_tokens_, in_page = t % page_tokens_;
+      const int64_t run = std::min(length - t, page_tokens_ - in_page);
+      const int64_t row_in_page = h * page_tokens_ + in_page;
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(static_cast<char*>(key) + (h * length + t) * key_row,
+                          static_cast<const char*>(key_entries_[page]) + row_in_page * key_row,
+                          run * key_row, cudaMemcpyDeviceToHost, stream));
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(static_cast<char*>(value) + (h * length + t) * value_row,
+                          static_cast<const char*>(value_entries_[page]) + row_in_page * value_row,
+                          run * value_row, cudaMemcpyDeviceToHost, stream));
+      t += run;
+    }
+  }
+  ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
 void CudaKvStore::Truncate(int64_t length) {
   length = std::clamp<int64_t>(length, 0, length_);
-  const size_t keep = static_cast<size_t>((length + page_tokens_ - 1) / page_tokens_);
+  const size_t keep = static_cast<size_t>(PagesFor(length, page_tokens_));
   if (keep < pages_.size() && device_->Start().ok()) {
     SlotPool::Lease lease(device_->slots());
     for (size_t p = keep; p < pages_.size(); ++p) {

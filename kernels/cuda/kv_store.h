@@ -38,12 +38,14 @@ class CudaKvStore final : public KvStore {
   int64_t length() const override { return length_; }
   int64_t bytes() const override { return static_cast<int64_t>(pages_.size()) * PageBytes(); }
   int64_t BytesFor(int64_t length) const override {
-    return (length + page_tokens_ - 1) / page_tokens_ * PageBytes();
+    return PagesFor(length, page_tokens_) * PageBytes();
   }
 
   absl::Status Append(const TensorView& key, const TensorView& value, int64_t n) override;
   void Truncate(int64_t length) override;
   const PagedKv& pages() const override { return paged_; }
+  // Device → host, a page segment of one kv head at a time, through a stream slot.
+  absl::Status CopyOut(int64_t length, void* key, void* value) const override;
 
  private:
   int64_t KeyBlockBytes() const {
