@@ -9,7 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/merge.h"
 #include "kernels/dtype.h"
+#include "kernels/geometry.h"
 #include "proto/dtype_mapping.h"
 #include "proto/tensor_shape.h"
 
@@ -67,24 +69,32 @@ std::optional<Dims> ReadDims(const v1::AttentionRequest& request) {
   return Dims{query->batch, query->heads, key->heads, query->len, key->len, query->dim, value->dim};
 }
 
-// Elements [first·per_unit, (first + units)·per_unit) of `tensor` as a rank-4 tensor.
-v1::Tensor Slice(const v1::Tensor& tensor, int64_t first, int64_t units, int64_t per_unit,
-                 std::vector<int64_t> shape) {
+// Elements [o·stride + first, o·stride + first + count) of `tensor` for each o < outer, in order,
+// as a tensor of `shape`: byte slices of its data, never re-encoded. A head part is one run
+// (outer 1); a key slice is one run per (batch, kv head).
+v1::Tensor Slice(const v1::Tensor& tensor, int64_t outer, int64_t stride, int64_t first,
+                 int64_t count, const std::vector<int64_t>& shape) {
   const int64_t bytes = *ElementBytes(tensor);
   v1::Tensor slice;
   slice.mutable_shape()->Assign(shape.begin(), shape.end());
   slice.set_dtype(tensor.dtype());
-  slice.set_data(tensor.data().substr(first * per_unit * bytes, units * per_unit * bytes));
+  std::string& data = *slice.mutable_data();
+  data.reserve(outer * count * bytes);
+  for (int64_t o = 0; o < outer; ++o) {
+    data.append(tensor.data(), (o * stride + first) * bytes, count * bytes);
+  }
   return slice;
 }
 
 // Adds a part's cost to `stats` (the first part's is copied): the largest compute and server
-// time (the parts run concurrently), the sum of flops and bytes.
+// time (the parts run concurrently), the sum of flops and bytes, the largest block_k (a short key
+// slice resolves the server's default block_k to its length).
 void AddStats(v1::ExecutionStats& stats, const v1::ExecutionStats& part, bool first) {
   if (first) {
     stats = part;
     return;
   }
+  stats.set_block_k(std::max(stats.block_k(), part.block_k()));
   stats.set_compute_ns(std::max(stats.compute_ns(), part.compute_ns()));
   stats.set_server_ns(std::max(stats.server_ns(), part.server_ns()));
   stats.set_flops(stats.flops() + part.flops());
@@ -114,7 +124,14 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
   const std::optional<Dims> dims = ReadDims(request);
   const int64_t units = dims ? dims->batch * dims->kv_heads : 1;
   const int64_t parts = std::clamp<int64_t>(max_parts, 1, units);
-  if (!dims || parts == 1) return {ShardPart{0, units, request}};
+  if (!dims || parts == 1) {
+    return {ShardPart{.first_unit = 0,
+                      .units = units,
+                      .key_begin = 0,
+                      .key_end = dims ? dims->key_len : 0,
+                      .key_slice = false,
+                      .request = request}};
+  }
   const int64_t group = dims->heads / dims->kv_heads;
   const int64_t query_per_unit = group * dims->query_len * dims->head_dim;
   const int64_t key_per_unit = dims->key_len * dims->head_dim;
@@ -127,12 +144,16 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
     ShardPart& part = out.emplace_back();
     part.first_unit = first;
     part.units = count;
-    *part.request.mutable_query() = Slice(request.query(), first, count, query_per_unit,
-                                          {count, group, dims->query_len, dims->head_dim});
+    part.key_end = dims->key_len;
+    *part.request.mutable_query() =
+        Slice(request.query(), 1, 0, first * query_per_unit, count * query_per_unit,
+              {count, group, dims->query_len, dims->head_dim});
     *part.request.mutable_key() =
-        Slice(request.key(), first, count, key_per_unit, {count, 1, dims->key_len, dims->head_dim});
-    *part.request.mutable_value() = Slice(request.value(), first, count, value_per_unit,
-                                          {count, 1, dims->key_len, dims->value_dim});
+        Slice(request.key(), 1, 0, first * key_per_unit, count * key_per_unit,
+              {count, 1, dims->key_len, dims->head_dim});
+    *part.request.mutable_value() =
+        Slice(request.value(), 1, 0, first * value_per_unit, count * value_per_unit,
+              {count, 1, dims->key_len, dims->value_dim});
     if (request.has_options()) *part.request.mutable_options() = request.options();
   }
   return out;
@@ -182,6 +203,140 @@ absl::StatusOr<v1::AttentionResponse> MergeResponses(
   return merged;
 }
 
+std::vector<ShardPart> SplitKeys(const v1::AttentionRequest& request, int max_parts) {
+  const std::optional<Dims> dims = ReadDims(request);
+  ShardPart whole{.first_unit = 0,
+                  .units = dims ? dims->batch * dims->kv_heads : 1,
+                  .key_begin = 0,
+                  .key_end = dims ? dims->key_len : 0,
+                  .key_slice = false,
+                  .request = request};
+  const v1::AttentionOptions& options = request.options();
+  const auto in_range = [](int64_t position) { return position >= 0 && position <= kMaxPosition; };
+  if (!dims || max_parts < 2 || dims->key_len < 2 || !request.cache_id().empty() ||
+      !in_range(options.key_position()) ||
+      (options.has_query_position() && !in_range(options.query_position()))) {
+    return {std::move(whole)};
+  }
+  const int64_t query_len = dims->query_len;
+  Geometry geometry =
+      Geometry::BottomRight(query_len, dims->key_len, options.causal(), options.key_position());
+  if (options.has_query_position()) geometry.query_position = options.query_position();
+  // Row i sees keys [0, VisibleKeys(i)) in every (batch, head), a count that never decreases
+  // with i, so the last row sees every key some row sees.
+  const int64_t seen = geometry.VisibleKeys(query_len - 1);  // Keys [seen, key_len): no row's.
+  // Positions may only be shifted together: a negative default query_position moves both up.
+  const int64_t shift = geometry.query_position < 0 ? -geometry.query_position : 0;
+  if (seen == 0 || options.key_position() > kMaxPosition - shift - (seen - 1)) {
+    return {std::move(whole)};
+  }
+  // pairs[i] = Σ over rows r < i of VisibleKeys(r).
+  std::vector<int64_t> pairs(query_len + 1, 0);
+  for (int64_t i = 0; i < query_len; ++i) pairs[i + 1] = pairs[i] + geometry.VisibleKeys(i);
+  // Visible pairs among keys [0, x): a row seeing fewer than x keys has all its pairs there,
+  // every other row x.
+  const auto work = [&](int64_t x) {
+    int64_t fewer = 0, rows = query_len;  // The first row that sees at least x keys.
+    while (fewer < rows) {
+      const int64_t mid = fewer + (rows - fewer) / 2;
+      if (geometry.VisibleKeys(mid) < x) {
+        fewer = mid + 1;
+      } else {
+        rows = mid;
+      }
+    }
+    return pairs[fewer] + x * (query_len - fewer);
+  };
+
+  const int64_t parts = std::min<int64_t>(max_parts, seen);
+  const int64_t total = work(seen);
+  std::vector<int64_t> bounds{0};
+  for (int64_t s = 1; s < parts; ++s) {
+    const int64_t target =
+        static_cast<int64_t>((static_cast<__int128>(total) * s + parts - 1) / parts);
+    int64_t low = bounds.back(), high = seen;  // The smallest x with work(x) ≥ target.
+    while (low < high) {
+      const int64_t mid = low + (high - low) / 2;
+      if (work(mid) >= target) {
+        high = mid;
+      } else {
+        low = mid + 1;
+      }
+    }
+    bounds.push_back(low);
+  }
+  bounds.push_back(seen);
+
+  const int64_t units = dims->batch * dims->kv_heads;
+  const int64_t len_axis = request.key().shape_size() - 2;  // Of key and value: [.., len, dim].
+  std::vector<ShardPart> out;
+  for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+    const int64_t begin = bounds[s], end = bounds[s + 1];
+    if (begin == end) continue;  // An empty slice: not sent.
+    ShardPart& part = out.emplace_back();
+    part.units = units;
+    part.key_begin = begin;
+    part.key_end = end;
+    part.key_slice = true;
+    *part.request.mutable_query() = request.query();
+    for (const auto& [whole_tensor, slice, width] :
+         {std::tuple{&request.key(), part.request.mutable_key(), dims->head_dim},
+          std::tuple{&request.value(), part.request.mutable_value(), dims->value_dim}}) {
+      std::vector<int64_t> shape(whole_tensor->shape().begin(), whole_tensor->shape().end());
+      shape[len_axis] = end - begin;
+      *slice = Slice(*whole_tensor, units, dims->key_len * width, begin * width,
+                     (end - begin) * width, shape);
+    }
+    v1::AttentionOptions& slice_options = *part.request.mutable_options();
+    slice_options = options;
+    slice_options.set_key_position(options.key_position() + shift + begin);
+    slice_options.set_query_position(geometry.query_position + shift);
+    slice_options.set_return_lse(true);
+    slice_options.set_output_dtype(v1::DTYPE_FLOAT32);
+  }
+  return out;
+}
+
+absl::StatusOr<v1::AttentionResponse> MergeKeySlices(
+    const v1::AttentionRequest& request, const std::vector<ShardPart>& parts,
+    const std::vector<v1::AttentionResponse>& responses) {
+  if (parts.size() != responses.size() || parts.empty()) {
+    return absl::InternalError("shard: a response per key slice is needed");
+  }
+  if (parts.size() == 1 && !parts[0].key_slice) return responses[0];
+  const Dims dims = *ReadDims(request);
+  v1::AttentionResponse merged;
+  std::vector<AttentionState> states;
+  states.reserve(parts.size());
+  const auto name = [&](size_t i) {
+    return absl::StrCat("shard: key slice ", i + 1, " of ", parts.size(), " (keys [",
+                        parts[i].key_begin, ", ", parts[i].key_end, ")): ");
+  };
+  for (size_t i = 0; i < parts.size(); ++i) {
+    absl::StatusOr<AttentionState> state = StateOf(responses[i]);
+    if (!state.ok()) return absl::InternalError(absl::StrCat(name(i), state.status().message()));
+    states.push_back(*std::move(state));
+    AddStats(*merged.mutable_stats(), responses[i].stats(), i == 0);
+  }
+  absl::StatusOr<AttentionState> state = MergeStates(states);
+  if (!state.ok()) return absl::InternalError(absl::StrCat("shard: ", state.status().message()));
+  std::vector<int64_t> output_shape(request.query().shape().begin(), request.query().shape().end());
+  output_shape.back() = dims.value_dim;
+  if (state->output.shape != output_shape) {
+    return absl::InternalError(absl::StrCat(
+        "shard: the key slices' output has shape [", absl::StrJoin(state->output.shape, ", "),
+        "], the request's is [", absl::StrJoin(output_shape, ", "), "]"));
+  }
+  const v1::DType dtype = request.options().output_dtype() != v1::DTYPE_UNSPECIFIED
+                              ? request.options().output_dtype()
+                              : request.query().dtype();
+  *merged.mutable_output() = ToTensor(state->output, dtype);
+  if (request.options().return_lse()) {
+    *merged.mutable_lse() = ToTensor(state->lse, v1::DTYPE_FLOAT32);
+  }
+  return merged;
+}
+
 ShardedClient::ShardedClient(std::vector<std::string> endpoints, ClientOptions options)
     : endpoints_(std::move(endpoints)), next_endpoint_(std::random_device()()) {
   for (const std::string& endpoint : endpoints_) {
@@ -190,47 +345,28 @@ ShardedClient::ShardedClient(std::vector<std::string> endpoints, ClientOptions o
 }
 
 absl::StatusOr<v1::AttentionResponse> ShardedClient::Naive(const v1::AttentionRequest& request,
-                                                           ShardReport* report) {
-  return Call(/*naive=*/true, request, report);
+                                                           ShardReport* report, Sharding sharding) {
+  return Call(/*naive=*/true, request, sharding, report);
 }
 
 absl::StatusOr<v1::AttentionResponse> ShardedClient::Tiled(const v1::AttentionRequest& request,
-                                                           ShardReport* report) {
-  return Call(/*naive=*/false, request, report);
+                                                           ShardReport* report, Sharding sharding) {
+  return Call(/*naive=*/false, request, sharding, report);
 }
 
-absl::StatusOr<v1::AttentionResponse> ShardedClient::Call(bool naive,
-                                                          const v1::AttentionRequest& request,
-                                                          ShardReport* report) {
-  if (clients_.empty()) return absl::InvalidArgumentError("shard: no endpoints");
-  if (!request.cache_id().empty()) {  // The cache's keys are on one server: the whole call too.
-    absl::StatusOr<size_t> owner = Owner(request.cache_id());
-    if (!owner.ok()) return owner.status();
-    if (report != nullptr) {
-      report->parts.assign(1, ShardReport::Part{.first_unit = 0,
-                                                .units = 1,
-                                                .endpoint = endpoints_[*owner],
-                                                .retried = false,
-                                                .first_error = ""});
-    }
-    Client& client = *clients_[*owner];
-    return naive ? client.Naive(request) : client.Tiled(request);
-  }
-  const std::vector<ShardPart> parts = SplitRequest(request, static_cast<int>(clients_.size()));
+std::vector<absl::StatusOr<v1::AttentionResponse>> ShardedClient::Send(
+    bool naive, const std::vector<const v1::AttentionRequest*>& requests,
+    std::vector<ShardReport::Part>& parts) {
   const size_t endpoints = clients_.size();
-  std::vector<absl::StatusOr<v1::AttentionResponse>> results(parts.size(),
+  std::vector<absl::StatusOr<v1::AttentionResponse>> results(requests.size(),
                                                              absl::UnknownError("not sent"));
-  ShardReport local;
-  local.parts.resize(parts.size());
   auto run = [&](size_t i) {
-    ShardReport::Part& part = local.parts[i];
-    part.first_unit = parts[i].first_unit;
-    part.units = parts[i].units;
+    ShardReport::Part& part = parts[i];
     for (int attempt = 0; attempt < 2; ++attempt) {
       const size_t endpoint = (i + attempt) % endpoints;
       Client& client = *clients_[endpoint];
       part.endpoint = endpoints_[endpoint];
-      results[i] = naive ? client.Naive(parts[i].request) : client.Tiled(parts[i].request);
+      results[i] = naive ? client.Naive(*requests[i]) : client.Tiled(*requests[i]);
       if (results[i].ok() || !Retryable(results[i].status())) return;
       if (attempt == 0) {
         part.retried = true;
@@ -240,30 +376,88 @@ absl::StatusOr<v1::AttentionResponse> ShardedClient::Call(bool naive,
       }
     }
   };
-  if (parts.size() == 1) {
+  if (requests.size() == 1) {
     run(0);
   } else {
     std::vector<std::thread> threads;
-    threads.reserve(parts.size());
-    for (size_t i = 0; i < parts.size(); ++i) threads.emplace_back(run, i);
+    threads.reserve(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) threads.emplace_back(run, i);
     for (std::thread& thread : threads) thread.join();
   }
+  return results;
+}
+
+absl::StatusOr<v1::AttentionResponse> ShardedClient::Call(bool naive,
+                                                          const v1::AttentionRequest& request,
+                                                          Sharding sharding, ShardReport* report) {
+  if (clients_.empty()) return absl::InvalidArgumentError("shard: no endpoints");
+  if (!request.cache_id().empty()) {  // The cache's keys are on one server: the whole call too.
+    absl::StatusOr<size_t> owner = Owner(request.cache_id());
+    if (!owner.ok()) return owner.status();
+    if (report != nullptr) {
+      report->parts.assign(1, ShardReport::Part{.first_unit = 0,
+                                                .units = 1,
+                                                .key_begin = 0,
+                                                .key_end = 0,
+                                                .key_slice = false,
+                                                .endpoint = endpoints_[*owner],
+                                                .retried = false,
+                                                .first_error = ""});
+    }
+    Client& client = *clients_[*owner];
+    return naive ? client.Naive(request) : client.Tiled(request);
+  }
+  const int endpoints = static_cast<int>(clients_.size());
+  // The head parts, then each one's key slices: the grid, numbered in (head part, slice) order.
+  const std::vector<ShardPart> heads =
+      SplitRequest(request, sharding == Sharding::kKeys ? 1 : endpoints);
+  std::vector<std::vector<ShardPart>> grid;
+  grid.reserve(heads.size());
+  std::vector<const v1::AttentionRequest*> requests;
+  ShardReport local;
+  for (const ShardPart& head : heads) {
+    std::vector<ShardPart>& slices =
+        grid.emplace_back(sharding == Sharding::kHeads ? std::vector<ShardPart>{head}
+                                                       : SplitKeys(head.request, endpoints));
+    for (ShardPart& slice : slices) {
+      slice.first_unit = head.first_unit;
+      slice.units = head.units;
+      requests.push_back(&slice.request);
+      local.parts.push_back(ShardReport::Part{.first_unit = slice.first_unit,
+                                              .units = slice.units,
+                                              .key_begin = slice.key_begin,
+                                              .key_end = slice.key_end,
+                                              .key_slice = slice.key_slice,
+                                              .endpoint = "",
+                                              .retried = false,
+                                              .first_error = ""});
+    }
+  }
+  std::vector<absl::StatusOr<v1::AttentionResponse>> results = Send(naive, requests, local.parts);
   if (report != nullptr) *report = local;
 
-  std::vector<v1::AttentionResponse> responses;
-  responses.reserve(parts.size());
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (!results[i].ok()) {
-      if (parts.size() == 1 && !local.parts[i].retried) return results[i].status();
-      return absl::Status(
-          results[i].status().code(),
-          absl::StrCat("part ", i + 1, " of ", parts.size(), " (", local.parts[i].endpoint,
-                       local.parts[i].retried ? ", after a retry" : "",
-                       "): ", results[i].status().message()));
-    }
-    responses.push_back(*std::move(results[i]));
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (results[i].ok()) continue;
+    if (results.size() == 1 && !local.parts[i].retried) return results[i].status();
+    return absl::Status(
+        results[i].status().code(),
+        absl::StrCat("part ", i + 1, " of ", results.size(), " (", local.parts[i].endpoint,
+                     local.parts[i].retried ? ", after a retry" : "",
+                     "): ", results[i].status().message()));
   }
-  return MergeResponses(request, parts, responses);
+  std::vector<v1::AttentionResponse> head_responses;
+  head_responses.reserve(heads.size());
+  size_t next = 0;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    std::vector<v1::AttentionResponse> responses;
+    responses.reserve(grid[h].size());
+    for (size_t s = 0; s < grid[h].size(); ++s) responses.push_back(*std::move(results[next++]));
+    absl::StatusOr<v1::AttentionResponse> merged =
+        MergeKeySlices(heads[h].request, grid[h], responses);
+    if (!merged.ok()) return merged.status();
+    head_responses.push_back(*std::move(merged));
+  }
+  return MergeResponses(request, heads, head_responses);
 }
 
 absl::Status ShardedClient::Trace(const v1::TraceRequest& request,

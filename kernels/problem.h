@@ -11,30 +11,14 @@
 // A Problem does not own its tensors. Thread-safe to share read-only.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "kernels/dtype.h"
+#include "kernels/geometry.h"
 #include "kernels/host_device.h"
 
 namespace attn {
-
-// The two layout rules every kernel on every device follows, written once.
-//
-// Keys query row `row` may see: all key_len of them, or with the bottom-right causal mask the
-// first row + key_len − query_len + 1 (clamped to [0, key_len]).
-ATTN_HOST_DEVICE int64_t VisibleKeysOf(int64_t row, int64_t query_len, int64_t key_len,
-                                       bool causal) {
-  if (!causal) return key_len;
-  const int64_t visible = row + key_len - query_len + 1;
-  return visible < 0 ? 0 : (visible > key_len ? key_len : visible);
-}
-
-// The key/value head that query head `head` reads (grouped-query attention: kv_heads divides
-// heads, and each consecutive group of heads / kv_heads query heads shares one).
-ATTN_HOST_DEVICE int64_t KvHeadOf(int64_t head, int64_t heads, int64_t kv_heads) {
-  return head / (heads / kv_heads);
-}
 
 // A read-only view of a dense tensor in its storage dtype.
 struct TensorView {
@@ -101,6 +85,10 @@ struct Problem {
   const PagedKv* pages = nullptr;
   float scale = 1.f;
   bool causal = false;
+  // Positions (kernels/geometry.h): key j at key_position + j; query row i at query_position + i,
+  // bottom-right against the keys when unset. Both in [0, kMaxPosition] when set.
+  int64_t key_position = 0;
+  std::optional<int64_t> query_position;
   int block_k = 1;  // Keys per tile for Tiled and Trace.
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
@@ -108,19 +96,22 @@ struct Problem {
   // The key/value head that query head h reads (KvHeadOf).
   int64_t KvHead(int64_t head) const { return KvHeadOf(head, shape.heads, shape.kv_heads); }
 
-  // Keys query row i may see (VisibleKeysOf).
-  int64_t VisibleKeys(int64_t row) const {
-    return VisibleKeysOf(row, shape.query_len, shape.key_len, causal);
+  // Which keys each query row sees, with the positions resolved.
+  Geometry geometry() const {
+    Geometry g = Geometry::BottomRight(shape.query_len, shape.key_len, causal, key_position);
+    if (query_position) g.query_position = *query_position;
+    return g;
   }
+
+  // Keys query row i may see: keys [0, VisibleKeys(i)).
+  int64_t VisibleKeys(int64_t row) const { return geometry().VisibleKeys(row); }
   // Of those, the ones in key tile `tile` (of block_k keys).
   int64_t VisibleKeysInTile(int64_t row, int64_t tile) const {
-    const int64_t begin = tile * block_k;
-    const int64_t end = std::min<int64_t>(begin + block_k, VisibleKeys(row));
-    return std::max<int64_t>(end - begin, 0);
+    return geometry().VisibleKeysIn(row, tile * block_k, block_k);
   }
 
   // Key tiles Tiled visits for a row: the tiles holding at least one visible key.
-  int64_t VisitedTiles(int64_t row) const { return (VisibleKeys(row) + block_k - 1) / block_k; }
+  int64_t VisitedTiles(int64_t row) const { return geometry().VisitedTiles(row, block_k); }
   int64_t TilesPerRow() const { return (shape.key_len + block_k - 1) / block_k; }
 
   // Element offsets of the first element of a row.
@@ -151,7 +142,9 @@ struct Problem {
     if (!causal) {
       per_head = static_cast<double>(shape.query_len) * static_cast<double>(shape.key_len);
     } else {
-      for (int64_t i = 0; i < shape.query_len; ++i) per_head += static_cast<double>(VisibleKeys(i));
+      const Geometry g = geometry();
+      for (int64_t i = 0; i < shape.query_len; ++i)
+        per_head += static_cast<double>(g.VisibleKeys(i));
     }
     return per_head * static_cast<double>(shape.batch * shape.heads);
   }

@@ -111,8 +111,8 @@ float DefaultScale(int64_t head_dim) {
 }
 
 // The options every attention call shares, into *problem: scale (when given; else the caller
-// sets 1/sqrt(head_dim)), causal, block_k (the default for 0; the caller caps it at key_len),
-// return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
+// sets 1/sqrt(head_dim)), causal, positions, block_k (the default for 0; the caller caps it at
+// key_len), return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
 absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& options,
                           DType query_dtype, int default_block_k, Problem* problem) {
   if (options.has_scale() && !std::isfinite(options.scale())) {
@@ -133,6 +133,14 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
                                   "dtype), DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
     }
     problem->output_dtype = *parsed;
+  }
+  if (absl::Status positions = ParsePositions(
+          absl::StrCat(prefix, "options."), options.key_position(),
+          options.has_query_position() ? std::optional<int64_t>(options.query_position())
+                                       : std::nullopt,
+          problem);
+      !positions.ok()) {
+    return positions;
   }
   if (options.has_scale()) problem->scale = options.scale();
   problem->causal = options.causal();
@@ -167,6 +175,34 @@ absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, dou
 }
 
 }  // namespace
+
+absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
+                            std::optional<int64_t> query_position, Problem* problem) {
+  const auto check = [&](absl::string_view field, int64_t position) {
+    if (position >= 0 && position <= kMaxPosition) return absl::OkStatus();
+    return Invalid(absl::StrCat(prefix, field),
+                   absl::StrCat("is ", position, "; a position must be in [0, 2^62]"));
+  };
+  if (absl::Status key = check("key_position", key_position); !key.ok()) return key;
+  if (query_position) {
+    if (absl::Status query = check("query_position", *query_position); !query.ok()) return query;
+  }
+  problem->key_position = key_position;
+  problem->query_position = query_position;
+  return absl::OkStatus();
+}
+
+absl::Status CheckDecodeOptions(const v1::AttentionOptions& options) {
+  for (const auto& [field, set] : {std::pair{"key_position", options.key_position() != 0},
+                                   std::pair{"query_position", options.has_query_position()}}) {
+    if (set) {
+      return Invalid(absl::StrCat("options.", field),
+                     absl::StrCat("is set; Decode takes positions per item (items[i].", field,
+                                  "), since each item's cache has its own length"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
                                             int default_block_k) {
@@ -520,6 +556,9 @@ v1::TraceStart EncodeTraceStart(const Problem& problem) {
   start.set_block_k(problem.block_k);
   start.set_scale(problem.scale);
   start.set_causal(problem.causal);
+  const Geometry geometry = problem.geometry();
+  start.set_key_position(geometry.key_position);
+  start.set_query_position(geometry.query_position);
   start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
   start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
   start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));

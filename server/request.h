@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,6 +45,14 @@ absl::StatusOr<Problem> ParseAttentionShape(const attention::v1::AttentionReques
 absl::Status CheckAttentionValues(const Problem& problem);
 absl::StatusOr<Problem> ParseAttentionRequest(const attention::v1::AttentionRequest& request,
                                               int default_block_k);
+
+// Positions (kernels/geometry.h) into *problem: each in [0, 2^62], else INVALID_ARGUMENT naming
+// `prefix` + "key_position" or "query_position"; an absent query_position is bottom-right.
+absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
+                            std::optional<int64_t> query_position, Problem* problem);
+// Decode's options: its positions come per item, so options.key_position and query_position
+// must be unset (INVALID_ARGUMENT naming them).
+absl::Status CheckDecodeOptions(const attention::v1::AttentionOptions& options);
 
 // --- KV caches ----------------------------------------------------------------------------
 // The same rules for a cache's queries and tokens; `prefix` starts every field name ("" or

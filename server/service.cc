@@ -663,6 +663,9 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
   }
   if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
   if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  if (absl::Status options = CheckDecodeOptions(request->options()); !options.ok()) {
+    return Failed(context, options);
+  }
   const std::string owner = CallerIdentity(*context);
   std::vector<DecodeWork> work;
   std::map<std::string, int> item_of_cache;
@@ -692,6 +695,14 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
                         w.layout, backend_.default_block_k());
     if (!problem.ok()) return Failed(context, problem.status());
     w.problem = *problem;
+    if (absl::Status positions =
+            ParsePositions(w.prefix, item.key_position(),
+                           item.has_query_position() ? std::optional<int64_t>(item.query_position())
+                                                     : std::nullopt,
+                           &w.problem);
+        !positions.ok()) {
+      return Failed(context, positions);
+    }
     absl::StatusOr<NewTokens> tokens =
         ParseNewTokens(w.prefix, Present(item.has_key(), item.key()),
                        Present(item.has_value(), item.value()), w.layout, true);

@@ -53,23 +53,7 @@ v1::Tensor Tokens(const std::vector<uint8_t>& bytes, DType dtype, int64_t heads,
 
 // `full` with only its first `length` keys and values: the problem a cache of that length poses.
 HostProblem Prefix(const HostProblem& full, int64_t length) {
-  HostProblem p = full;
-  const Shape& s = full.shape;
-  p.shape.key_len = length;
-  const int64_t element = ElementSize(full.dtype);
-  auto cut = [&](const auto& values, int64_t width, int64_t scale) {
-    std::decay_t<decltype(values)> out;
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      const auto first = values.begin() + h * s.key_len * width * scale;
-      out.insert(out.end(), first, first + length * width * scale);
-    }
-    return out;
-  };
-  p.key_bytes = cut(full.key_bytes, s.head_dim, element);
-  p.value_bytes = cut(full.value_bytes, s.value_dim, element);
-  p.key = cut(full.key, s.head_dim, 1);
-  p.value = cut(full.value, s.value_dim, 1);
-  return p;
+  return testing::KeyPrefix(full, length);
 }
 
 std::vector<float> Floats(const v1::Tensor& tensor) {
@@ -165,6 +149,8 @@ class CacheServiceTest : public ::testing::Test {
     request.mutable_options()->set_block_k(p.block_k);
     request.mutable_options()->set_return_lse(true);
     request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+    request.mutable_options()->set_key_position(p.key_position);
+    if (p.query_position) request.mutable_options()->set_query_position(*p.query_position);
     request.set_cache_id(id);
     return request;
   }
@@ -314,6 +300,51 @@ TEST_F(CacheServiceTest, ADecodeBatchAppendsEachItemsTokensThenAttends) {
   }
 }
 
+// A cache's keys placed by key_position and a Decode's queries by query_position (per item):
+// the causal mask compares the positions, over a cache as over inline keys.
+TEST_F(CacheServiceTest, PositionsPlaceACachesKeysAndADecodesQueries) {
+  HostProblem p = RandomCacheProblem(4, 40, DType::kFloat32, /*causal=*/true, 64);
+  p.key_position = 100;
+  p.query_position = 120;  // Rows see 21, 22, 23 and 24 of the 40 keys.
+  const Shape& s = p.shape;
+  const std::string id = Create(s, DType::kFloat32).cache_id();
+  v1::CacheInfo info;
+  ASSERT_TRUE(Append(id, p, 0, s.key_len - 1, 0, &info).ok());
+  v1::DecodeRequest request;
+  request.mutable_options()->set_causal(true);
+  request.mutable_options()->set_return_lse(true);
+  request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+  v1::DecodeItem* item = request.add_items();
+  item->set_cache_id(id);
+  *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                    p.query_bytes.size(), p.dtype);
+  *item->mutable_key() =
+      Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, s.key_len - 1, s.key_len);
+  *item->mutable_value() =
+      Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, s.key_len - 1, s.key_len);
+  item->set_expected_length(s.key_len - 1);
+  item->set_key_position(100);
+  item->set_query_position(120);
+  v1::DecodeResponse response;
+  const grpc::Status status = Call(&v1::AttentionService::Stub::Decode, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const testing::Reference ref = testing::ReferenceAttention(p);
+  EXPECT_LE(testing::MaxAbsError(Floats(response.outputs(0)), ref.output),
+            1e-5 * testing::MaxAbs(ref.output));
+  EXPECT_LE(testing::MaxAbsError(Floats(response.lse(0)), ref.lse), 1e-4);
+  // Tiled over the cache with the same positions in its options.
+  v1::AttentionResponse tiled;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, OverCache(p, id), &tiled).ok());
+  EXPECT_LE(testing::MaxAbsError(Floats(tiled.output()), ref.output),
+            1e-5 * testing::MaxAbs(ref.output));
+  // Without positions the same Decode is bottom-right: every row sees a different prefix.
+  p.key_position = 0;
+  p.query_position.reset();
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, OverCache(p, id), &tiled).ok());
+  EXPECT_GT(testing::MaxAbsError(Floats(tiled.output()), ref.output),
+            1e-3 * testing::MaxAbs(ref.output));
+}
+
 // One bad request: what it must answer, and the field its message must name.
 struct BadCall {
   const char* name;
@@ -436,6 +467,42 @@ TEST_F(CacheServiceTest, EveryBadCallIsRefusedAndLeavesTheCacheAsItWas) {
              t.Call(&v1::AttentionService::Stub::Decode, request, &response);
          EXPECT_EQ(t.LengthOf(other_id), 9);
          return status;
+       }},
+      {"a Decode with positions in its options", grpc::StatusCode::INVALID_ARGUMENT,
+       "options.key_position",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem&) {
+         v1::DecodeRequest request;
+         request.mutable_options()->set_key_position(4);
+         v1::DecodeItem* item = request.add_items();
+         item->set_cache_id(id);
+         *item->mutable_query() = query.query();
+         item->set_expected_length(s.key_len);
+         v1::DecodeResponse response;
+         return t.Call(&v1::AttentionService::Stub::Decode, request, &response);
+       }},
+      {"a Decode item with a negative query_position", grpc::StatusCode::INVALID_ARGUMENT,
+       "items[0].query_position",
+       [&](CacheServiceTest& t, const std::string& id, const HostProblem& p) {
+         v1::DecodeRequest request;
+         v1::DecodeItem* item = request.add_items();
+         item->set_cache_id(id);
+         *item->mutable_query() = query.query();
+         *item->mutable_key() =
+             Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 0, 1);
+         *item->mutable_value() =
+             Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 0, 1);
+         item->set_expected_length(s.key_len);
+         item->set_query_position(-1);
+         v1::DecodeResponse response;
+         return t.Call(&v1::AttentionService::Stub::Decode, request, &response);
+       }},
+      {"a negative key_position over a cache", grpc::StatusCode::INVALID_ARGUMENT,
+       "options.key_position",
+       [&](CacheServiceTest& t, const std::string&, const HostProblem&) {
+         v1::AttentionRequest request = query;
+         request.mutable_options()->set_key_position(-2);
+         v1::AttentionResponse response;
+         return t.Call(&v1::AttentionService::Stub::Tiled, request, &response);
        }},
       {"a Decode naming one cache twice", grpc::StatusCode::INVALID_ARGUMENT, "items[1].cache_id",
        [&](CacheServiceTest& t, const std::string& id, const HostProblem&) {

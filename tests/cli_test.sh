@@ -200,6 +200,31 @@ check shard-cache-unknown 1 'NOT_FOUND: cache "0{32}" is on none of the 2 endpoi
 check shard-decode 0 '^deleted cache [0-9a-f]{32}$' -- \
   "$attn" "${both[@]}" decode --heads 2 --head-dim 8 --tokens 40 --steps 2
 
+# trace --shard-keys (client/cli/merge_trace.h): each server traces its slice of the keys, then
+# the merge one server at a time, ending at the seed's out[0]; the JSON lines in their documented
+# order; one endpoint said plainly; a dead endpoint named, never merged around.
+check trace-shard-keys-parts 0 "part 2  keys \[4, 8\) +127\.0\.0\.1:$port2 " -- \
+  "$attn" "${both[@]}" trace --example seed --block-k 2 --shard-keys
+check trace-shard-keys-step 0 "step 2: \+ part 2 \(keys \[4, 8\), 127\.0\.0\.1:$port2\)" -- \
+  "$attn" "${both[@]}" trace --example seed --block-k 2 --shard-keys
+check trace-shard-keys-rescale 0 'rescale +running exp\(−∞ − 2\) = 0, part exp\(2 − 2\) = 1' -- \
+  "$attn" "${both[@]}" trace --example seed --block-k 2 --shard-keys
+check trace-shard-keys-merged 0 'merged output +\[-0\.593223, 0\.406777, -1\.332858, -0\.371937\]' -- \
+  "$attn" "${both[@]}" trace --example seed --block-k 2 --shard-keys
+check trace-shard-keys-json 0 '^problem part part merge_step merge_step merged $' -- \
+  bash -c '"$@" | sed "s/^{\"\([a-z_]*\)\".*/\1/" | tr "\n" " "' _ \
+  "$attn" "${both[@]}" trace --example seed --block-k 2 --shard-keys --json
+check trace-shard-keys-causal 0 'max \|merged − full\| = [0-9.e-]+ \(relative ([0-9.]+e-0[6-9]|[0-9.]+e-[1-9][0-9]|0)\)' -- \
+  "$attn" "${both[@]}" trace --random 1,4,30,8 --kv-heads 2 --query-len 5 --causal --block-k 4 \
+  --rows 0:3:0,0:1:4 --shard-keys
+check trace-shard-keys-one 0 'One server traced all of it: 127\.0\.0\.1:[0-9]+ holds keys \[0, 8\)' -- \
+  "$attn" "${target[@]}" trace --example seed --shard-keys
+check trace-shard-keys-dead 1 'UNAVAILABLE: part 2 of 2 \(keys \[4, 8\)\) at 127\.0\.0\.1:1: ' -- \
+  "$attn" --target "127.0.0.1:$port,127.0.0.1:1" --timeout-ms 2000 trace --example seed \
+  --shard-keys
+check trace-shard-keys-follow 1 '--follow and --shard-keys: choose one' -- \
+  "$attn" "${both[@]}" trace --example seed --shard-keys --follow
+
 # The README's table of limits states attnd's defaults, which the flags take from TraceLimits
 # (server/request.h) and AdmissionLimits (server/compute_queue.h).
 help=$("$attnd" --helpfull 2>&1 | tr '\n' ' ' || true)

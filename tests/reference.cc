@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <type_traits>
 
 namespace attn::testing {
 namespace {
@@ -53,6 +54,8 @@ Problem HostProblem::View() const {
   problem.value = TensorView{value_bytes.data(), dtype};
   problem.scale = scale;
   problem.causal = causal;
+  problem.key_position = key_position;
+  problem.query_position = query_position;
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, shape.key_len));
   problem.return_lse = return_lse;
   problem.output_dtype = output_dtype;
@@ -110,6 +113,36 @@ HostProblem SeedExample(float query_multiplier, int block_k) {
   return p;
 }
 
+HostProblem KeyPrefix(const HostProblem& full, int64_t length) {
+  HostProblem p = full;
+  const Shape& s = full.shape;
+  p.shape.key_len = length;
+  const int64_t element = ElementSize(full.dtype);
+  auto cut = [&](const auto& values, int64_t width, int64_t scale) {
+    std::decay_t<decltype(values)> out;
+    for (int64_t h = 0; h < s.batch * s.kv_heads; ++h) {
+      const auto first = values.begin() + h * s.key_len * width * scale;
+      out.insert(out.end(), first, first + length * width * scale);
+    }
+    return out;
+  };
+  p.key_bytes = cut(full.key_bytes, s.head_dim, element);
+  p.value_bytes = cut(full.value_bytes, s.value_dim, element);
+  p.key = cut(full.key, s.head_dim, 1);
+  p.value = cut(full.value, s.value_dim, 1);
+  return p;
+}
+
+int64_t ReferenceVisibleKeys(const HostProblem& p, int64_t i) {
+  const Shape& s = p.shape;
+  if (!p.causal) return s.key_len;
+  const int64_t query_position =
+      p.query_position.value_or(p.key_position + s.key_len - s.query_len) + i;
+  int64_t visible = 0;
+  while (visible < s.key_len && p.key_position + visible <= query_position) ++visible;
+  return visible;
+}
+
 Reference ReferenceAttention(const HostProblem& p) {
   const Problem view = p.View();
   const Shape& s = p.shape;
@@ -121,7 +154,7 @@ Reference ReferenceAttention(const HostProblem& p) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kvh = view.KvHead(h);
       for (int64_t i = 0; i < s.query_len; ++i) {
-        const int64_t visible = view.VisibleKeys(i);
+        const int64_t visible = ReferenceVisibleKeys(p, i);
         if (visible == 0) continue;
         double max = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < visible; ++j) {
@@ -158,7 +191,7 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kvh = view.KvHead(h);
       for (int64_t i = 0; i < s.query_len; ++i) {
-        const int64_t visible = view.VisibleKeys(i);
+        const int64_t visible = ReferenceVisibleKeys(p, i);
         if (visible == 0) continue;
         float max = -INFINITY;
         for (int64_t j = 0; j < visible; ++j) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -18,6 +19,10 @@ struct HostProblem {
   DType output_dtype = DType::kFloat32;  // Dtype the kernel writes.
   float scale = 1.f;
   bool causal = false;
+  // Positions (kernels/geometry.h): key j at key_position + j, query row i at query_position + i
+  // (bottom-right when unset).
+  int64_t key_position = 0;
+  std::optional<int64_t> query_position;
   int block_k = 64;
   bool return_lse = true;
   std::vector<uint8_t> query_bytes, key_bytes, value_bytes;
@@ -34,6 +39,10 @@ Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_le
 // Fresh uniform(-1, 1) inputs (never zeros) rounded to `dtype`; scale = 1/sqrt(head_dim).
 HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k, uint64_t seed);
 
+// The problem over the first `length` of `full`'s keys and values (every kv head's first
+// `length` rows), with the same query and options.
+HostProblem KeyPrefix(const HostProblem& full, int64_t length);
+
 // The explainer's 8×4 example: q[i][j] = ((i + j) % 5 − 2) · multiplier,
 // k[i][j] = ((2i + j) % 7 − 3) / 2, v[i][j] = (i + j) % 9 − 4, scale 1/2.
 HostProblem SeedExample(float query_multiplier = 1.f, int block_k = 64);
@@ -42,6 +51,11 @@ struct Reference {
   std::vector<double> output;  // [batch, heads, query_len, value_dim]
   std::vector<double> lse;     // [batch, heads, query_len]; −inf for rows that see no key
 };
+
+// Keys query row i sees, from the positions as the contract states them (a key at position t is
+// visible to a query at p iff t ≤ p), counted key by key, independent of kernels/geometry.h.
+// The keys seen always form a prefix [0, ReferenceVisibleKeys).
+int64_t ReferenceVisibleKeys(const HostProblem& problem, int64_t i);
 
 // Attention in float64 on the problem's (rounded) inputs: the ground truth.
 Reference ReferenceAttention(const HostProblem& problem);

@@ -157,6 +157,8 @@ v1::AttentionRequest ToRequest(const HostProblem& p, bool rank2 = false) {
   request.mutable_options()->set_causal(p.causal);
   request.mutable_options()->set_block_k(p.block_k);
   request.mutable_options()->set_return_lse(p.return_lse);
+  request.mutable_options()->set_key_position(p.key_position);
+  if (p.query_position) request.mutable_options()->set_query_position(*p.query_position);
   return request;
 }
 
@@ -238,6 +240,65 @@ TEST_F(ServiceTest, RandomProblemsMatchTheFloat64Reference) {
       EXPECT_LE(testing::MaxAbsError(lse_array->values, ref.lse), 1e-4);
     }
   }
+}
+
+// A slice of a causal problem's keys, placed by key_position, and queries placed mid-sequence by
+// query_position: Naive and Tiled compute exactly that part, and a trace reports the positions.
+TEST_F(ServiceTest, PositionsPlaceSlicesOfTheKeysAndQueries) {
+  const Shape shape{.batch = 1,
+                    .heads = 6,
+                    .kv_heads = 2,
+                    .query_len = 21,
+                    .key_len = 17,
+                    .head_dim = 12,
+                    .value_dim = 9};
+  HostProblem p = testing::RandomProblem(shape, DType::kFloat32, /*causal=*/true, 5, 12);
+  p.key_position = 30;
+  p.query_position = 25;  // Rows 0..4 see no key, row 5 one, rows 21 − 5 … all.
+  const testing::Reference ref = testing::ReferenceAttention(p);
+  for (bool naive : {true, false}) {
+    SCOPED_TRACE(naive ? "Naive" : "Tiled");
+    const v1::AttentionRequest request = ToRequest(p);
+    absl::StatusOr<v1::AttentionResponse> response =
+        naive ? client_->Naive(request) : client_->Tiled(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_LE(testing::MaxAbsError(OutputOf(*response), ref.output),
+              1e-5 * testing::MaxAbs(ref.output));
+    absl::StatusOr<client::Array> lse = client::FromTensor(response->lse());
+    ASSERT_TRUE(lse.ok());
+    ASSERT_EQ(lse->values.size(), ref.lse.size());
+    for (size_t i = 0; i < ref.lse.size(); ++i) {
+      if (std::isinf(ref.lse[i])) {  // A row that sees no key: exactly −inf.
+        EXPECT_EQ(lse->values[i], -INFINITY) << "row " << i % shape.query_len;
+      } else {
+        EXPECT_NEAR(lse->values[i], ref.lse[i], 1e-4) << "row " << i % shape.query_len;
+      }
+    }
+    EXPECT_EQ(lse->values[0], -INFINITY) << "row 0 sees no key";
+  }
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = ToRequest(p);
+  v1::TraceStart start;
+  ASSERT_TRUE(client_
+                  ->Trace(trace,
+                          [&](const v1::TraceEvent& event) {
+                            if (event.has_start()) start = event.start();
+                            return true;
+                          })
+                  .ok());
+  EXPECT_EQ(start.key_position(), 30);
+  EXPECT_EQ(start.query_position(), 25);
+  // Unset, the query position is bottom-right against the (moved) keys.
+  p.query_position.reset();
+  *trace.mutable_attention() = ToRequest(p);
+  ASSERT_TRUE(client_
+                  ->Trace(trace,
+                          [&](const v1::TraceEvent& event) {
+                            if (event.has_start()) start = event.start();
+                            return true;
+                          })
+                  .ok());
+  EXPECT_EQ(start.query_position(), 30 + 17 - 21);
 }
 
 TEST_F(ServiceTest, OutputDtypeDefaultsToTheQuerys) {
@@ -332,6 +393,13 @@ std::vector<BadInput> BadInputs() {
       {"unknown output dtype",
        [](auto& r) { r.mutable_options()->set_output_dtype(static_cast<v1::DType>(9)); },
        "options.output_dtype"},
+      {"negative key_position", [](auto& r) { r.mutable_options()->set_key_position(-1); },
+       "options.key_position"},
+      {"negative query_position", [](auto& r) { r.mutable_options()->set_query_position(-3); },
+       "options.query_position"},
+      {"query_position past 2^62",
+       [](auto& r) { r.mutable_options()->set_query_position((int64_t{1} << 62) + 1); },
+       "options.query_position"},
   };
 }
 

@@ -43,13 +43,6 @@ std::vector<TraceItem> CollectTrace(Backend& backend, const Problem& problem,
   return items;
 }
 
-// Keys query row `row` sees, from the rule in DESIGN.md ("Numerics"), independent of Problem.
-int64_t ExpectedVisibleKeys(const HostProblem& host, int64_t row) {
-  const Shape& s = host.shape;
-  if (!host.causal) return s.key_len;
-  return std::clamp<int64_t>(row + s.key_len - s.query_len + 1, 0, s.key_len);
-}
-
 // Tiled's output and lse for the whole problem (fp32 output dtype).
 struct TiledResult {
   std::vector<float> output;
@@ -79,7 +72,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
                << "row b=" << ref.batch << " h=" << ref.head << " i=" << ref.row);
   const Shape& s = host.shape;
   const int64_t block_k = problem.block_k;
-  const int64_t visible = ExpectedVisibleKeys(host, ref.row);
+  const int64_t visible = ReferenceVisibleKeys(host, ref.row);
   const int64_t expected_tiles = (visible + block_k - 1) / block_k;
   ASSERT_EQ(static_cast<int64_t>(items.size()), expected_tiles + 1);
 
@@ -290,6 +283,16 @@ TEST(TraceTest, CausalWithFewerQueriesThanKeys) {
   const HostProblem host = RandomProblem(MakeShape(1, 4, 1, 7, 20, 5, 8), DType::kFloat32,
                                          /*causal=*/true, 4, 103);
   CheckTrace(host, 4, {{0, 0, 0}, {0, 3, 1}, {0, 2, 5}, {0, 1, 6}});
+}
+
+TEST(TraceTest, PositionsPlaceASliceOfTheKeys) {
+  // Keys 9..21 of a longer sequence, queries at 7..17: rows 0 and 1 see no key of the slice,
+  // row 2 sees one, rows from 12 on all 13; block_k 4 leaves partly masked and skipped tiles.
+  HostProblem host = RandomProblem(MakeShape(1, 4, 2, 11, 13, 6, 9), DType::kFloat32,
+                                   /*causal=*/true, 4, 105);
+  host.key_position = 9;
+  host.query_position = 7;
+  CheckTrace(host, 4, {{0, 0, 0}, {0, 1, 1}, {0, 2, 2}, {0, 3, 6}, {0, 0, 10}});
 }
 
 TEST(TraceTest, BlockKLargerThanKeysAndOddDims) {

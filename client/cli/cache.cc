@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <utility>
 
@@ -10,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli/render.h"
 #include "client/client.h"
+#include "client/sharded_cache.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/dtype.h"
@@ -67,26 +69,30 @@ void PrintInfo(std::FILE* out, const v1::CacheInfo& info, bool json) {
                 Bytes(info.bytes()), info.page_tokens());
 }
 
-// Appends `count` random tokens to `cache` in appends of at most kFillChunkBytes; `stored_keys`
-// and `stored_values` (one vector per kv head, null = not kept) receive them as stored.
-absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
-                  std::vector<std::vector<float>>* stored_keys,
+// Appends `count` random tokens [kv_heads, ·, head_dim | value_dim] in `dtype` through `append`
+// (which returns the length after its append), in appends of at most kFillChunkBytes;
+// `stored_keys` and `stored_values` (one vector per kv head, null = not kept) receive them as
+// stored.
+using AppendFunction =
+    std::function<absl::StatusOr<int64_t>(const v1::Tensor& key, const v1::Tensor& value)>;
+
+absl::Status Fill(const AppendFunction& append, int64_t kv_heads, int64_t head_dim,
+                  int64_t value_dim, v1::DType dtype, int64_t length, int64_t count,
+                  std::mt19937_64& rng, std::vector<std::vector<float>>* stored_keys,
                   std::vector<std::vector<float>>* stored_values, int* appends) {
-  const v1::CacheInfo& info = cache.info();
-  const int64_t kv_heads = info.kv_heads(), head_dim = info.head_dim();
-  const int64_t value_dim = info.value_dim();
-  const int64_t token_bytes = kv_heads * (head_dim + value_dim) * ElementBytes(info.dtype());
+  const int64_t token_bytes = kv_heads * (head_dim + value_dim) * ElementBytes(dtype);
   const int64_t chunk = std::max<int64_t>(1, kFillChunkBytes / std::max<int64_t>(1, token_bytes));
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(chunk, count - done);
-    Tokens key = RandomTokens(rng, {kv_heads, n, head_dim}, info.dtype());
-    Tokens value = RandomTokens(rng, {kv_heads, n, value_dim}, info.dtype());
-    const absl::StatusOr<v1::CacheInfo> appended = cache.Append(key.tensor, value.tensor);
+    Tokens key = RandomTokens(rng, {kv_heads, n, head_dim}, dtype);
+    Tokens value = RandomTokens(rng, {kv_heads, n, value_dim}, dtype);
+    const absl::StatusOr<int64_t> appended = append(key.tensor, value.tensor);
     if (!appended.ok()) {
       return absl::Status(appended.status().code(),
                           absl::StrCat("appending tokens [", done, ", ", done + n, ") at length ",
-                                       cache.length(), ": ", appended.status().message()));
+                                       length, ": ", appended.status().message()));
     }
+    length = *appended;
     for (int64_t h = 0; stored_keys != nullptr && h < kv_heads; ++h) {
       (*stored_keys)[h].insert((*stored_keys)[h].end(), key.stored.begin() + h * n * head_dim,
                                key.stored.begin() + (h + 1) * n * head_dim);
@@ -98,6 +104,24 @@ absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
     if (appends != nullptr) ++*appends;
   }
   return absl::OkStatus();
+}
+
+// Appends to one cache, as Fill does.
+AppendFunction AppendTo(client::Cache& cache) {
+  return [&cache](const v1::Tensor& key, const v1::Tensor& value) -> absl::StatusOr<int64_t> {
+    absl::StatusOr<v1::CacheInfo> appended = cache.Append(key, value);
+    if (!appended.ok()) return appended.status();
+    return appended->length();
+  };
+}
+
+// Fill for one cache.
+absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
+                  std::vector<std::vector<float>>* stored_keys,
+                  std::vector<std::vector<float>>* stored_values, int* appends) {
+  const v1::CacheInfo& info = cache.info();
+  return Fill(AppendTo(cache), info.kv_heads(), info.head_dim(), info.value_dim(), info.dtype(),
+              cache.length(), count, rng, stored_keys, stored_values, appends);
 }
 
 absl::StatusOr<client::Cache> OpenCache(client::ShardedClient& client, const std::string& id) {
@@ -180,6 +204,175 @@ absl::Status NeedId(const std::vector<std::string>& args, const char* command) {
   if (args.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("usage: attn cache ", command, " CACHE_ID"));
   }
+  return absl::OkStatus();
+}
+
+// The caches' per-part lengths: "1234 + 1233 + 1233".
+std::string PartLengths(const client::ShardedCacheInfo& info) {
+  std::string text;
+  for (const client::ShardedCacheInfo::Part& part : info.parts) {
+    absl::StrAppend(&text, text.empty() ? "" : " + ", part.length);
+  }
+  return text;
+}
+
+// The cache a decode demo runs on — one server's (client::Cache) or one spread over every
+// endpoint (client::ShardedCache) — as the demo's loop uses it.
+struct DemoCache {
+  AppendFunction append;  // Fill's.
+  // One step: append the token (key, value), attend `query` over the cache. Sets the output,
+  // the step's stats and the bytes the step's request(s) took.
+  std::function<absl::Status(const v1::Tensor& query, const v1::Tensor& key,
+                             const v1::Tensor& value, v1::Tensor* output, v1::ExecutionStats* stats,
+                             int64_t* sent)>
+      step;
+  std::function<int64_t()> length;
+  std::function<int64_t()> page_bytes;  // Memory the cache's pages take.
+  v1::CacheInfo shape;                  // kv_heads, head_dim, value_dim, dtype.
+  const char* compute_note = "";        // After the median compute: "" or " (slowest part)".
+  const char* sent_note = "";           // After the bytes sent: "" or " (all parts)".
+};
+
+// attn decode's loop over `cache`: fill, then flags.steps steps, each checked against a float64
+// reference over every token sent; prints as RunDecodeDemo says.
+absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t heads,
+                        std::FILE* out) {
+  const int64_t kv_heads = cache.shape.kv_heads(), head_dim = cache.shape.head_dim(),
+                value_dim = cache.shape.value_dim();
+  std::mt19937_64 rng(flags.seed);
+  std::vector<std::vector<float>> keys(kv_heads), values(kv_heads);
+  int appends = 0;
+  const auto fill_start = std::chrono::steady_clock::now();
+  if (absl::Status filled = Fill(cache.append, kv_heads, head_dim, value_dim, flags.dtype,
+                                 cache.length(), flags.tokens, rng, &keys, &values, &appends);
+      !filled.ok()) {
+    return filled;
+  }
+  const int64_t fill_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now() - fill_start)
+                              .count();
+  absl::FPrintF(out, "filled with %d random tokens in %d append%s (%s of pages, %s)\n\n",
+                cache.length(), appends, appends == 1 ? "" : "s", Bytes(cache.page_bytes()),
+                Millis(fill_ns));
+  absl::FPrintF(out, "%5s  %8s  %11s  %11s  %10s  %10s  %8s  %11s\n", "step", "length", "wall",
+                "compute", "sent", "stateless", "ratio", "max rel err");
+  const double scale =
+      flags.options.has_scale() ? flags.options.scale() : 1.0 / std::sqrt(double(head_dim));
+  std::vector<int64_t> walls, computes;
+  int64_t sent_total = 0, stateless_total = 0;
+  double worst = 0;
+  for (int64_t step = 1; step <= flags.steps; ++step) {
+    const Tokens query = RandomTokens(rng, {heads, 1, head_dim}, flags.dtype);
+    const Tokens key = RandomTokens(rng, {kv_heads, 1, head_dim}, flags.dtype);
+    const Tokens value = RandomTokens(rng, {kv_heads, 1, value_dim}, flags.dtype);
+    v1::Tensor output_tensor;
+    v1::ExecutionStats stats;
+    int64_t sent = 0;
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status stepped =
+        cache.step(query.tensor, key.tensor, value.tensor, &output_tensor, &stats, &sent);
+    const int64_t wall_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - start)
+                                .count();
+    if (!stepped.ok()) {
+      return absl::Status(stepped.code(), absl::StrCat("decode step ", step, " at length ",
+                                                       cache.length(), ": ", stepped.message()));
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      keys[h].insert(keys[h].end(), key.stored.begin() + h * head_dim,
+                     key.stored.begin() + (h + 1) * head_dim);
+      values[h].insert(values[h].end(), value.stored.begin() + h * value_dim,
+                       value.stored.begin() + (h + 1) * value_dim);
+    }
+    absl::StatusOr<client::Array> output = client::FromTensor(output_tensor);
+    if (!output.ok()) return output.status();
+    if (static_cast<int64_t>(output->values.size()) != heads * value_dim) {
+      return absl::InternalError(absl::StrCat("decode step ", step, ": output has ",
+                                              output->values.size(), " values, expected ",
+                                              heads * value_dim));
+    }
+    const double error =
+        StepError(query.stored, output->values, keys, values, heads, head_dim, value_dim, scale);
+    worst = std::max(worst, error);
+    const int64_t stateless =
+        StatelessRequestBytes(query.tensor, flags.options, cache.shape, cache.length());
+    walls.push_back(wall_ns);
+    computes.push_back(stats.compute_ns());
+    sent_total += sent;
+    stateless_total += stateless;
+    absl::FPrintF(out, "%5d  %8d  %11s  %11s  %10s  %10s  %7.3f%%  %11.3g\n", step, cache.length(),
+                  Millis(wall_ns), Millis(stats.compute_ns()), Bytes(sent), Bytes(stateless),
+                  100.0 * double(sent) / double(stateless), error);
+  }
+  const int64_t steps = flags.steps;
+  absl::FPrintF(out,
+                "\nper step (median of %d): wall %s, compute %s%s; sent %s%s vs %s for stateless "
+                "Tiled (%.3f%%)\n",
+                steps, Millis(Median(walls)), Millis(Median(computes)), cache.compute_note,
+                Bytes(sent_total / steps), cache.sent_note, Bytes(stateless_total / steps),
+                100.0 * double(sent_total) / double(stateless_total));
+  absl::FPrintF(out, "max |decode - float64 reference| / max |reference| = %.3g over %d steps\n",
+                worst, steps);
+  return absl::OkStatus();
+}
+
+// attn decode --shard-keys: the demo over a ShardedCache with a part on every endpoint.
+absl::Status ShardedDecodeDemo(client::ShardedClient& client, const CacheFlags& flags,
+                               const v1::CreateCacheRequest& create, int64_t heads,
+                               std::FILE* out) {
+  absl::StatusOr<client::ShardedCache> created = client::ShardedCache::Create(client, create);
+  if (!created.ok()) return created.status();
+  client::ShardedCache& cache = *created;
+  absl::FPrintF(out,
+                "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s; keys sharded "
+                "over %d parts\n",
+                heads, create.kv_heads(), create.head_dim(), create.value_dim(),
+                v1::DType_Name(flags.dtype), cache.parts());
+  const client::ShardedCacheInfo parts = cache.Info();
+  for (size_t i = 0; i < parts.parts.size(); ++i) {
+    const client::ShardedCacheInfo::Part& part = parts.parts[i];
+    absl::FPrintF(out, "part %d: cache %s on %s\n", i + 1, part.cache_id, part.endpoint);
+  }
+  DemoCache demo;
+  demo.append = [&cache](const v1::Tensor& key,
+                         const v1::Tensor& value) -> absl::StatusOr<int64_t> {
+    if (absl::Status appended = cache.Append(key, value); !appended.ok()) return appended;
+    return cache.length();
+  };
+  demo.step = [&](const v1::Tensor& query, const v1::Tensor& key, const v1::Tensor& value,
+                  v1::Tensor* output, v1::ExecutionStats* stats, int64_t* sent) -> absl::Status {
+    absl::StatusOr<client::ShardedDecodeResult> result =
+        cache.Decode(query, &key, &value, flags.options);
+    if (!result.ok()) return result.status();
+    *output = std::move(result->output);
+    *stats = result->stats;
+    *sent = result->request_bytes;
+    return absl::OkStatus();
+  };
+  demo.length = [&cache] { return cache.length(); };
+  demo.page_bytes = [&cache] {
+    int64_t bytes = 0;
+    for (const client::ShardedCacheInfo::Part& part : cache.Info().parts) bytes += part.bytes;
+    return bytes;
+  };
+  demo.shape = cache.shape();
+  demo.compute_note = " (slowest part)";
+  demo.sent_note = " (all parts)";
+  // Everything after the create deletes the parts, also on failure.
+  absl::Status status = DecodeLoop(demo, flags, heads, out);
+  if (status.ok()) {
+    const client::ShardedCacheInfo info = cache.Info();
+    absl::FPrintF(out, "parts hold %s = %d tokens\n", PartLengths(info), info.length);
+    for (size_t i = 0; i < info.parts.size(); ++i) {
+      absl::FPrintF(out, "  part %d on %s: %d tokens in %d segment%s\n", i + 1,
+                    info.parts[i].endpoint, info.parts[i].length, info.parts[i].segments.size(),
+                    info.parts[i].segments.size() == 1 ? "" : "s");
+    }
+  }
+  const absl::Status deleted = cache.Delete();
+  if (!status.ok()) return status;
+  if (!deleted.ok()) return deleted;
+  absl::FPrintF(out, "deleted the %d parts\n", cache.parts());
   return absl::OkStatus();
 }
 
@@ -278,6 +471,7 @@ absl::Status RunDecodeDemo(client::ShardedClient& client, const CacheFlags& flag
   create.set_head_dim(head_dim);
   create.set_value_dim(value_dim);
   create.set_dtype(flags.dtype);
+  if (flags.shard_keys) return ShardedDecodeDemo(client, flags, create, heads, out);
   absl::StatusOr<v1::CacheInfo> created = client.CreateCache(create);
   if (!created.ok()) return created.status();
   const std::string id = created->cache_id();
@@ -288,90 +482,29 @@ absl::Status RunDecodeDemo(client::ShardedClient& client, const CacheFlags& flag
   absl::FPrintF(out, "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s\n", heads,
                 kv_heads, head_dim, value_dim, v1::DType_Name(flags.dtype));
   absl::FPrintF(out, "cache %s on %s\n", id, endpoint.ok() ? *endpoint : "?");
-
-  // Everything after the create deletes the cache, also on failure.
-  const absl::Status status = [&]() -> absl::Status {
-    std::mt19937_64 rng(flags.seed);
-    std::vector<std::vector<float>> keys(kv_heads), values(kv_heads);
-    int appends = 0;
-    const auto fill_start = std::chrono::steady_clock::now();
-    if (absl::Status filled = Fill(cache, flags.tokens, rng, &keys, &values, &appends);
-        !filled.ok()) {
-      return filled;
+  DemoCache demo;
+  demo.append = AppendTo(cache);
+  demo.step = [&](const v1::Tensor& query, const v1::Tensor& key, const v1::Tensor& value,
+                  v1::Tensor* output, v1::ExecutionStats* stats, int64_t* sent) -> absl::Status {
+    v1::DecodeRequest request;
+    *request.add_items() = cache.Item(query, &key, &value);
+    *request.mutable_options() = flags.options;
+    *sent = static_cast<int64_t>(request.ByteSizeLong());
+    absl::StatusOr<v1::DecodeResponse> response = (*owner)->Decode(request);
+    if (!response.ok()) return response.status();
+    if (response->outputs_size() != 1 || response->caches_size() != 1) {
+      return absl::InternalError(absl::StrCat(response->outputs_size(), " outputs for 1 item"));
     }
-    const int64_t fill_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                std::chrono::steady_clock::now() - fill_start)
-                                .count();
-    absl::FPrintF(out, "filled with %d random tokens in %d append%s (%s of pages, %s)\n\n",
-                  cache.length(), appends, appends == 1 ? "" : "s", Bytes(cache.info().bytes()),
-                  Millis(fill_ns));
-    absl::FPrintF(out, "%5s  %8s  %11s  %11s  %10s  %10s  %8s  %11s\n", "step", "length", "wall",
-                  "compute", "sent", "stateless", "ratio", "max rel err");
-    const double scale =
-        flags.options.has_scale() ? flags.options.scale() : 1.0 / std::sqrt(double(head_dim));
-    std::vector<int64_t> walls, computes;
-    int64_t sent_total = 0, stateless_total = 0;
-    double worst = 0;
-    for (int64_t step = 1; step <= flags.steps; ++step) {
-      const Tokens query = RandomTokens(rng, {heads, 1, head_dim}, flags.dtype);
-      const Tokens key = RandomTokens(rng, {kv_heads, 1, head_dim}, flags.dtype);
-      const Tokens value = RandomTokens(rng, {kv_heads, 1, value_dim}, flags.dtype);
-      v1::DecodeRequest request;
-      *request.add_items() = cache.Item(query.tensor, &key.tensor, &value.tensor);
-      *request.mutable_options() = flags.options;
-      const int64_t sent = static_cast<int64_t>(request.ByteSizeLong());
-      const auto start = std::chrono::steady_clock::now();
-      absl::StatusOr<v1::DecodeResponse> response = (*owner)->Decode(request);
-      const int64_t wall_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now() - start)
-                                  .count();
-      if (!response.ok()) {
-        return absl::Status(response.status().code(),
-                            absl::StrCat("decode step ", step, " at length ", cache.length(), ": ",
-                                         response.status().message()));
-      }
-      if (response->outputs_size() != 1 || response->caches_size() != 1) {
-        return absl::InternalError(absl::StrCat("decode step ", step, ": ",
-                                                response->outputs_size(), " outputs for 1 item"));
-      }
-      cache.Update(response->caches(0));
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        keys[h].insert(keys[h].end(), key.stored.begin() + h * head_dim,
-                       key.stored.begin() + (h + 1) * head_dim);
-        values[h].insert(values[h].end(), value.stored.begin() + h * value_dim,
-                         value.stored.begin() + (h + 1) * value_dim);
-      }
-      absl::StatusOr<client::Array> output = client::FromTensor(response->outputs(0));
-      if (!output.ok()) return output.status();
-      if (static_cast<int64_t>(output->values.size()) != heads * value_dim) {
-        return absl::InternalError(absl::StrCat("decode step ", step, ": output has ",
-                                                output->values.size(), " values, expected ",
-                                                heads * value_dim));
-      }
-      const double error =
-          StepError(query.stored, output->values, keys, values, heads, head_dim, value_dim, scale);
-      worst = std::max(worst, error);
-      const int64_t stateless =
-          StatelessRequestBytes(query.tensor, flags.options, cache.info(), cache.length());
-      walls.push_back(wall_ns);
-      computes.push_back(response->stats().compute_ns());
-      sent_total += sent;
-      stateless_total += stateless;
-      absl::FPrintF(out, "%5d  %8d  %11s  %11s  %10s  %10s  %7.3f%%  %11.3g\n", step,
-                    cache.length(), Millis(wall_ns), Millis(response->stats().compute_ns()),
-                    Bytes(sent), Bytes(stateless), 100.0 * double(sent) / double(stateless), error);
-    }
-    const int64_t steps = flags.steps;
-    absl::FPrintF(out,
-                  "\nper step (median of %d): wall %s, compute %s; sent %s vs %s for stateless "
-                  "Tiled (%.3f%%)\n",
-                  steps, Millis(Median(walls)), Millis(Median(computes)), Bytes(sent_total / steps),
-                  Bytes(stateless_total / steps),
-                  100.0 * double(sent_total) / double(stateless_total));
-    absl::FPrintF(out, "max |decode - float64 reference| / max |reference| = %.3g over %d steps\n",
-                  worst, steps);
+    cache.Update(response->caches(0));
+    *output = response->outputs(0);
+    *stats = response->stats();
     return absl::OkStatus();
-  }();
+  };
+  demo.length = [&cache] { return cache.length(); };
+  demo.page_bytes = [&cache] { return cache.info().bytes(); };
+  demo.shape = cache.info();
+  // Everything after the create deletes the cache, also on failure.
+  const absl::Status status = DecodeLoop(demo, flags, heads, out);
   const absl::Status deleted = client.DeleteCache(id);
   if (!status.ok()) return status;
   if (!deleted.ok()) return deleted;

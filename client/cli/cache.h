@@ -15,6 +15,12 @@
 // it sent, as the server stores it, and checks each step's output against a float64 reference
 // over them (max |out − ref| / max |ref|, printed per step and at the end).
 //
+// With shard_keys (`attn decode --shard-keys`), the demo's cache is one ShardedCache
+// (client/sharded_cache.h) with a part on every endpoint of the target: the fill is water-filled
+// over the parts, each step's token goes to the shortest part, every part answers each step
+// concurrently and the client merges their (output, lse); per step it prints the same columns
+// (compute: the slowest part's; sent: all parts' requests), and at the end each part's length.
+//
 // The commands go through a ShardedClient, so with a --target list each cache stays on the
 // server that created it (found by asking each endpoint when a later command names it).
 #pragma once
@@ -43,7 +49,8 @@ struct CacheFlags {
   int64_t steps = 16;            // decode: steps.
   int64_t expected_length = -1;  // append: the length to send; −1 = the cache's, read first.
   uint64_t seed = 1;
-  bool json = false;  // create/append/info/list: protobuf JSON instead of text.
+  bool json = false;        // create/append/info/list: protobuf JSON instead of text.
+  bool shard_keys = false;  // decode: one cache split over every endpoint (ShardedCache).
   attention::v1::AttentionOptions options;  // decode: block_k, …
 };
 

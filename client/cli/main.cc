@@ -3,10 +3,13 @@
 //   attn info | health
 //   attn naive|tiled  (--example seed [--query-multiplier X] | --random B,H,N,D [--seed S]
 //                      [--dtype f32|f16|bf16] [--kv-heads K]) [--causal] [--block-k K] [--lse]
-//                     [--shard-heads] [--output-file PATH]
+//                     [--query-len Q] [--shard-heads] [--shard-keys] [--output-file PATH]
 //   (any command)     [--target h1:p1,h2:p2,... | dns:///name:port] [--lb round_robin]
 //   attn naive|tiled|trace --cache ID (--random 1,H,N,D | --example seed)   over a cache's keys
 //   attn trace        (same inputs) [--rows b:h:r,...] [--follow [--follow-ms MS] | --json]
+//                     [--shard-keys]   each endpoint traces its slice of the keys, then the merge
+//                     (client/cli/merge_trace.h)
+//   attn naive|tiled|trace ... [--key-position P] [--query-position Q]   positions (geometry.h)
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
 //   attn bench --decode [--lengths 1k,...,32k] [--batches 1,16] [--steps M] [--repeats R]
@@ -16,7 +19,7 @@
 //   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
 //   attn cache info ID | attn cache list | attn cache delete ID
 //   attn decode       [--heads H] [--kv-heads K] [--head-dim D] [--value-dim V] [--dtype ...]
-//                     [--tokens N] [--steps M] [--block-k K]   (client/cli/cache.h)
+//                     [--tokens N] [--steps M] [--block-k K] [--shard-keys]   (client/cli/cache.h)
 #include <unistd.h>
 
 #include <chrono>
@@ -38,6 +41,7 @@
 #include "client/cli/cache.h"
 #include "client/cli/decode_bench.h"
 #include "client/cli/inputs.h"
+#include "client/cli/merge_trace.h"
 #include "client/cli/render.h"
 #include "client/client.h"
 #include "client/shard.h"
@@ -55,6 +59,12 @@ ABSL_FLAG(bool, shard_heads, false,
           "naive/tiled: split the request by (batch, kv-head group) across the --target list's "
           "endpoints, send the parts concurrently and reassemble the answer; a failed part is "
           "retried once on another endpoint.");
+ABSL_FLAG(bool, shard_keys, false,
+          "naive/tiled: split the keys and values along the sequence across the --target list's "
+          "endpoints, one slice each, balanced by the (query, key) pairs the causal mask lets "
+          "through; each slice returns its (output, lse) and the client merges them exactly "
+          "(client/merge.h). A failed part is retried once on another endpoint. With "
+          "--shard-heads: a grid of parts (heads × keys).");
 ABSL_FLAG(std::string, output_file, "",
           "naive/tiled: write the output tensor's raw bytes (then the lse's, with --lse) to this "
           "file, e.g. to compare answers bit for bit.");
@@ -62,11 +72,21 @@ ABSL_FLAG(std::string, example, "", "Use a built-in example: seed (the explainer
 ABSL_FLAG(float, query_multiplier, 1.f, "Multiplies the seed example's queries (and scores).");
 ABSL_FLAG(std::string, random, "", "Random inputs of shape B,H,N,D (uniform in [-1, 1)).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed for --random.");
+ABSL_FLAG(int64_t, query_len, 0,
+          "--random B,H,N,D: give the query this many rows instead of N (the keys and values keep "
+          "N), drawn with their own seed; 0 = N.");
 ABSL_FLAG(int64_t, kv_heads, 0,
           "Key/value heads for --random, bench, cache create and decode (divides H; 0 = H, "
           "--heads for cache create and decode).");
 ABSL_FLAG(std::string, dtype, "f32", "Input dtype: f32, f16 or bf16.");
-ABSL_FLAG(bool, causal, false, "Apply the causal mask (bottom-right aligned).");
+ABSL_FLAG(bool, causal, false,
+          "Apply the causal mask: a query sees the keys at its position and before (bottom-right "
+          "aligned unless --key-position/--query-position say otherwise).");
+ABSL_FLAG(int64_t, key_position, 0,
+          "naive/tiled/trace: the position of the first key (AttentionOptions.key_position).");
+ABSL_FLAG(int64_t, query_position, -1,
+          "naive/tiled/trace: the position of the first query row; -1 = bottom-right "
+          "(key position + key_len − query_len).");
 ABSL_FLAG(int32_t, block_k, 0, "Keys per tile for tiled/trace; 0 = the server's default.");
 ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
 ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
@@ -153,8 +173,21 @@ absl::StatusOr<Inputs> ReadInputs() {
   if (random.empty()) {
     return absl::InvalidArgumentError("give inputs: --example seed or --random B,H,N,D");
   }
-  return attn::cli::RandomInputs(random, absl::GetFlag(FLAGS_kv_heads), absl::GetFlag(FLAGS_seed),
-                                 *dtype);
+  absl::StatusOr<Inputs> inputs = attn::cli::RandomInputs(random, absl::GetFlag(FLAGS_kv_heads),
+                                                          absl::GetFlag(FLAGS_seed), *dtype);
+  const int64_t query_len = absl::GetFlag(FLAGS_query_len);
+  if (!inputs.ok() || query_len == 0) return inputs;
+  if (query_len < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--query-len must be ≥ 1, got ", query_len));
+  }
+  // Queries of their own shape, from another seed (the keys' stream is left as it was).
+  const std::vector<int64_t>& shape = inputs->query.shape;  // [B, H, N, D]
+  absl::StatusOr<Inputs> queries = attn::cli::RandomInputs(
+      absl::StrCat(shape[0], ",", shape[1], ",", query_len, ",", shape[3]),
+      absl::GetFlag(FLAGS_kv_heads), absl::GetFlag(FLAGS_seed) ^ 0x9e3779b97f4a7c15, *dtype);
+  if (!queries.ok()) return queries.status();
+  inputs->query = std::move(queries->query);
+  return inputs;
 }
 
 v1::AttentionOptions ReadOptions() {
@@ -162,6 +195,10 @@ v1::AttentionOptions ReadOptions() {
   options.set_causal(absl::GetFlag(FLAGS_causal));
   options.set_block_k(absl::GetFlag(FLAGS_block_k));
   options.set_return_lse(absl::GetFlag(FLAGS_lse));
+  options.set_key_position(absl::GetFlag(FLAGS_key_position));
+  if (absl::GetFlag(FLAGS_query_position) != -1) {
+    options.set_query_position(absl::GetFlag(FLAGS_query_position));
+  }
   return options;
 }
 
@@ -220,20 +257,28 @@ int RunCompute(attn::client::Client& default_client, const std::string& method,
   attn::client::Client& client = **server;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<v1::AttentionResponse> response;
-  if (absl::GetFlag(FLAGS_shard_heads)) {
+  const bool shard_heads = absl::GetFlag(FLAGS_shard_heads);
+  const bool shard_keys = absl::GetFlag(FLAGS_shard_keys);
+  if (shard_heads || shard_keys) {
+    const attn::client::Sharding sharding = !shard_keys   ? attn::client::Sharding::kHeads
+                                            : shard_heads ? attn::client::Sharding::kHeadsAndKeys
+                                                          : attn::client::Sharding::kKeys;
     attn::client::ShardedClient sharded(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
                                         options);
     attn::client::ShardReport report;
-    response =
-        method == "naive" ? sharded.Naive(request, &report) : sharded.Tiled(request, &report);
+    response = method == "naive" ? sharded.Naive(request, &report, sharding)
+                                 : sharded.Tiled(request, &report, sharding);
     for (size_t i = 0; i < report.parts.size(); ++i) {
       const attn::client::ShardReport::Part& part = report.parts[i];
       if (part.retried) {
         std::fprintf(stderr, "shard: part %zu retried after %s\n", i + 1, part.first_error.c_str());
       }
-      std::fprintf(stderr, "shard: part %zu/%zu units [%lld, %lld) -> %s\n", i + 1,
+      const std::string keys =
+          part.key_slice ? absl::StrCat(" keys [", part.key_begin, ", ", part.key_end, ")") : "";
+      std::fprintf(stderr, "shard: part %zu/%zu units [%lld, %lld)%s -> %s\n", i + 1,
                    report.parts.size(), static_cast<long long>(part.first_unit),
-                   static_cast<long long>(part.first_unit + part.units), part.endpoint.c_str());
+                   static_cast<long long>(part.first_unit + part.units), keys.c_str(),
+                   part.endpoint.c_str());
     }
   } else {
     response = method == "naive" ? client.Naive(request) : client.Tiled(request);
@@ -259,17 +304,26 @@ int RunTrace(attn::client::Client& default_client, const attn::client::ClientOpt
   if (!attention.ok()) return Fail(attention.status());
   absl::StatusOr<std::vector<v1::RowRef>> rows = ReadRows();
   if (!rows.ok()) return Fail(rows.status());
-  std::optional<attn::client::ShardedClient> cache_endpoints;
-  absl::StatusOr<attn::client::Client*> server =
-      ServerFor(default_client, options, cache_endpoints);
-  if (!server.ok()) return Fail(server.status());
-  attn::client::Client& client = **server;
   v1::TraceRequest request;
   *request.mutable_attention() = *std::move(attention);
   for (const v1::RowRef& row : *rows) *request.add_rows() = row;
   if (absl::GetFlag(FLAGS_follow) && absl::GetFlag(FLAGS_json)) {
     return Fail(absl::InvalidArgumentError("--follow and --json: choose one"));
   }
+  if (absl::GetFlag(FLAGS_shard_keys)) {  // Each endpoint traces its slice; then the merge.
+    if (absl::GetFlag(FLAGS_follow)) {
+      return Fail(absl::InvalidArgumentError("--follow and --shard-keys: choose one"));
+    }
+    const absl::Status status =
+        attn::cli::RunShardedTrace(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
+                                   options, request, absl::GetFlag(FLAGS_json), stdout);
+    return status.ok() ? 0 : Fail(status);
+  }
+  std::optional<attn::client::ShardedClient> cache_endpoints;
+  absl::StatusOr<attn::client::Client*> server =
+      ServerFor(default_client, options, cache_endpoints);
+  if (!server.ok()) return Fail(server.status());
+  attn::client::Client& client = **server;
   if (absl::GetFlag(FLAGS_follow_ms) < 0) {
     return Fail(absl::InvalidArgumentError("--follow-ms must be ≥ 0"));
   }
@@ -442,6 +496,7 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.expected_length = absl::GetFlag(FLAGS_expected_length);
   flags.seed = absl::GetFlag(FLAGS_seed);
   flags.json = absl::GetFlag(FLAGS_json);
+  flags.shard_keys = absl::GetFlag(FLAGS_shard_keys);
   flags.options = ReadOptions();
   attn::client::ShardedClient client(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
                                      options);
@@ -489,6 +544,8 @@ int main(int argc, char** argv) {
       "server.\n"
       "  attn tiled --example seed            the explainer's 8×4 example\n"
       "  attn naive --random 1,8,2048,64      a random problem [batch, heads, seq, dim]\n"
+      "  attn tiled --random 1,8,4096,64 --causal --target h1:p1,h2:p2 --shard-keys   the keys "
+      "split over two servers, merged\n"
       "  attn trace --example seed --block-k 2   every online-softmax step of row 0\n"
       "  attn bench --ns 256,512,1024,2048,4096   Naive vs Tiled against N: table, CSV, SVG\n"
       "  attn bench --decode                  decode steps over server-resident caches vs "
@@ -523,9 +580,9 @@ int main(int argc, char** argv) {
       attn::client::ParseLoadBalancing(absl::GetFlag(FLAGS_lb));
   if (!lb.ok()) return Fail(lb.status());
   options.load_balancing = *lb;
-  // --shard-heads, --cache, cache and decode dial each endpoint on its own channel, so their
-  // list may hold host names.
-  const bool per_endpoint = absl::GetFlag(FLAGS_shard_heads) ||
+  // --shard-heads, --shard-keys, --cache, cache and decode dial each endpoint on its own
+  // channel, so their list may hold host names.
+  const bool per_endpoint = absl::GetFlag(FLAGS_shard_heads) || absl::GetFlag(FLAGS_shard_keys) ||
                             !absl::GetFlag(FLAGS_cache).empty() || command == "cache" ||
                             command == "decode";
   if (const absl::StatusOr<std::string> target =
@@ -536,12 +593,26 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_shard_heads) && command != "naive" && command != "tiled") {
     return Fail(absl::InvalidArgumentError("--shard-heads applies to naive and tiled"));
   }
+  if (absl::GetFlag(FLAGS_shard_keys) && command != "naive" && command != "tiled" &&
+      command != "trace" && command != "decode") {
+    return Fail(
+        absl::InvalidArgumentError("--shard-keys applies to naive, tiled, trace and decode"));
+  }
+  if ((absl::GetFlag(FLAGS_key_position) != 0 || absl::GetFlag(FLAGS_query_position) != -1) &&
+      command != "naive" && command != "tiled" && command != "trace") {
+    return Fail(absl::InvalidArgumentError(
+        "--key-position and --query-position apply to naive, tiled and trace (attn decode places "
+        "its queries after the cache's tokens)"));
+  }
   if (!absl::GetFlag(FLAGS_cache).empty() &&
-      (absl::GetFlag(FLAGS_shard_heads) ||
+      (absl::GetFlag(FLAGS_shard_heads) || absl::GetFlag(FLAGS_shard_keys) ||
        (command != "naive" && command != "tiled" && command != "trace"))) {
     return Fail(absl::InvalidArgumentError(
-        "--cache applies to naive, tiled and trace, without --shard-heads (a cache lives on one "
-        "server)"));
+        "--cache applies to naive, tiled and trace, without --shard-heads or --shard-keys (a "
+        "cache lives on one server)"));
+  }
+  if (absl::GetFlag(FLAGS_query_len) != 0 && absl::GetFlag(FLAGS_random).empty()) {
+    return Fail(absl::InvalidArgumentError("--query-len applies to --random inputs"));
   }
   if (command == "cache" || command == "decode") return RunCaches(words, options);
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);

@@ -15,22 +15,6 @@ namespace {
 
 namespace v1 = attention::v1;
 
-constexpr int kMaxShown = 8;  // Vector components shown before eliding the rest.
-
-template <class Values>
-std::string Vector(const Values& values) {
-  std::vector<std::string> shown;
-  int i = 0;
-  for (float x : values) {
-    if (i++ == kMaxShown) {
-      shown.push_back(absl::StrCat("… (", values.size(), " values)"));
-      break;
-    }
-    shown.push_back(absl::StrFormat("%.6f", x));
-  }
-  return absl::StrCat("[", absl::StrJoin(shown, ", "), "]");
-}
-
 std::string Millis(int64_t ns) { return absl::StrFormat("%.3f ms", static_cast<double>(ns) / 1e6); }
 
 std::string Row(const v1::RowRef& row) {

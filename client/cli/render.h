@@ -6,6 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "attention/v1/attention.pb.h"
 #include "client/client.h"
 
@@ -13,6 +16,22 @@ namespace attn::cli {
 
 // A byte count for people: "512 B", "1.5 KiB", "260.0 MiB".
 std::string Bytes(int64_t bytes);
+
+// A vector for people: its first eight components to six decimals, "[0.500000, …, … (64 values)]".
+template <class Values>
+std::string Vector(const Values& values) {
+  constexpr int kMaxShown = 8;
+  std::vector<std::string> shown;
+  int i = 0;
+  for (const auto x : values) {
+    if (i++ == kMaxShown) {
+      shown.push_back(absl::StrCat("… (", values.size(), " values)"));
+      break;
+    }
+    shown.push_back(absl::StrFormat("%.6f", static_cast<double>(x)));
+  }
+  return absl::StrCat("[", absl::StrJoin(shown, ", "), "]");
+}
 
 // Prints a Naive/Tiled answer: shape, stats, round-trip time and the first `rows` output rows.
 void PrintResult(std::FILE* out, const char* method,

@@ -37,6 +37,18 @@
 //   await client.tiled({query, cacheId: cache.id});      // naive / tiled / trace over a cache
 //   await cache.delete();
 //   client.close();
+//
+// Positions (attention.proto, AttentionOptions): options.keyPosition (key j is at
+// keyPosition + j; default 0) and options.queryPosition (query row i at queryPosition + i;
+// absent: bottom-right), which the causal mask compares. In Decode they are per item
+// (DecodeItem.keyPosition, queryPosition: Cache.item's, decodeBatch's and Cache.decode's
+// keyPosition / queryPosition), never in the options. With them one causal problem splits by
+// keys over calls or servers, and mergeStates() joins the parts:
+//   const parts = await Promise.all([[0, 100], [100, keyLen]].map(([a, b]) => client.tiled({
+//     query, key: keysFrom(a, b), value: valuesFrom(a, b),
+//     options: {causal: true, keyPosition: a, queryPosition: keyLen - queryLen, returnLse: true,
+//               outputDtype: 'DTYPE_FLOAT32'}})));
+//   const {output, lse, shape} = mergeStates(parts);     // Float32Arrays, output's shape
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -306,11 +318,20 @@ class Client {
   // call resolves, Cache.update(response.caches[i]) takes its new length (decodeBatch does both).
   decode(request, options) { return this.unary_('Decode', request, options); }
 
-  // decode() over Cache objects: items [{cache, query, key?, value?}] → DecodeResponse, each
-  // Cache's length updated from the answer.
+  // decode() over Cache objects: items [{cache, query, key?, value?, keyPosition?,
+  // queryPosition?}] → DecodeResponse, each Cache's length updated from the answer. Positions
+  // are per item (see Cache.item); attentionOptions.keyPosition / queryPosition are refused
+  // here with a TypeError (the server would refuse them too: INVALID_ARGUMENT).
   async decodeBatch(items, attentionOptions = {}, options) {
+    for (const field of ['keyPosition', 'queryPosition']) {
+      if (attentionOptions[field] !== undefined && attentionOptions[field] !== null) {
+        throw new TypeError(`decode: options.${field} is set; Decode takes positions per item ` +
+                            `({cache, query, keyPosition, queryPosition})`);
+      }
+    }
     const response = await this.decode(
-        {items: items.map(({cache, query, key, value}) => cache.item(query, key, value)),
+        {items: items.map(({cache, query, key, value, keyPosition, queryPosition}) =>
+                              cache.item(query, key, value, {keyPosition, queryPosition})),
          options: attentionOptions},
         options);
     if (response.caches.length !== items.length) {
@@ -354,17 +375,23 @@ class Cache {
   }
 
   // The DecodeItem for this cache with expectedLength = length; key/value optional new tokens.
-  item(query, key, value) {
+  // keyPosition: the position of the cache's first token (default 0); queryPosition: that of
+  // the item's first query row (absent: keyPosition + the length after the append − nq).
+  item(query, key, value, {keyPosition, queryPosition} = {}) {
     const item = {cacheId: this.id, query, expectedLength: this.length};
     if (key !== undefined && key !== null) item.key = key;
     if (value !== undefined && value !== null) item.value = value;
+    if (keyPosition !== undefined && keyPosition !== null) item.keyPosition = keyPosition;
+    if (queryPosition !== undefined && queryPosition !== null) item.queryPosition = queryPosition;
     return item;
   }
 
-  // One Decode of this cache alone → {output, lse, stats, cache}.
-  async decode(query, {key, value, options: attentionOptions = {}} = {}, options) {
-    const response = await this.client.decodeBatch([{cache: this, query, key, value}],
-                                                   attentionOptions, options);
+  // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
+  // this item's positions (item()); options: the AttentionOptions, without positions.
+  async decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
+               options) {
+    const response = await this.client.decodeBatch(
+        [{cache: this, query, key, value, keyPosition, queryPosition}], attentionOptions, options);
     return {output: response.outputs[0], lse: response.lse[0] ?? null, stats: response.stats,
             cache: response.caches[0]};
   }
@@ -393,9 +420,107 @@ function seedExample(n = 8, d = 4) {
   return {q, k, v};
 }
 
+// --- merging the parts of a split problem ---------------------------------------------------
+// One part's output or lse as {values, shape}: a Tensor message (shape known) or an array-like
+// of numbers (Float32Array, Float64Array, Array; shape unknown, null).
+function stateValues(value, what) {
+  if (value === undefined || value === null) {
+    throw new TypeError(`mergeStates: ${what} is missing` +
+                        (what.endsWith('lse') ? ' (ask for options.returnLse)' : ''));
+  }
+  if (value.data !== undefined && value.shape !== undefined) {
+    return {values: toFloat32Array(value), shape: Array.from(value.shape, Number)};
+  }
+  if (typeof value.length !== 'number' || typeof value === 'string') {
+    throw new TypeError(`mergeStates: ${what} must be a Tensor or an array of numbers`);
+  }
+  return {values: value, shape: null};
+}
+
+// Merges attention over disjoint key ranges of the same queries → {output, lse, shape}.
+// parts: an array, each {output, lse} (an AttentionResponse from a call with returnLse and
+// outputDtype DTYPE_FLOAT32, or Float32Arrays) or an [output, lse] pair, every part over the
+// same query rows: output [..., heads, nq, valueDim] and lse [..., heads, nq], row-major. For a
+// causal problem, send each key slice [a, b) with options.keyPosition = a and the whole
+// problem's queryPosition. Returns output and lse as Float32Arrays (what one call over all the
+// keys would give, up to fp32 rounding) and shape, the output's (the parts' Tensor shape, or
+// [rows, valueDim] for arrays), by DESIGN.md's merge of finished rows (natural log):
+//   lse    = log Σᵢ exp(lseᵢ)
+//   output = Σᵢ exp(lseᵢ − lse) · outputᵢ
+// computed stably in float64: m = maxᵢ lseᵢ, wᵢ = exp(lseᵢ − m), lse = m + log Σᵢ wᵢ,
+// output = Σᵢ wᵢ · outputᵢ / Σᵢ wᵢ. A part whose row saw no key (lse −inf) contributes nothing
+// to it, whatever its output row holds; a row no part saw gives zeros and lse −inf, never NaN.
+// Throws a TypeError for no parts or parts whose shapes differ, a RangeError for an lse that
+// is NaN or +inf.
+function mergeStates(parts) {
+  if (parts === null || parts === undefined || typeof parts[Symbol.iterator] !== 'function') {
+    throw new TypeError('mergeStates: parts must be an array of {output, lse} parts');
+  }
+  const states = Array.from(parts, (part, i) => {
+    const pair = Array.isArray(part) ? {output: part[0], lse: part[1]} : (part ?? {});
+    if (Array.isArray(part) && part.length !== 2) {
+      throw new TypeError(`mergeStates: parts[${i}] must be {output, lse} or [output, lse]`);
+    }
+    const output = stateValues(pair.output, `parts[${i}].output`);
+    const lse = stateValues(pair.lse, `parts[${i}].lse`);
+    const rows = lse.values.length;
+    const valueDim = rows > 0 ? output.values.length / rows : 0;
+    if (!Number.isInteger(valueDim) || valueDim < 1) {
+      throw new TypeError(`mergeStates: parts[${i}] has ${output.values.length} output values ` +
+                          `for ${rows} lse rows; expected rows × valueDim (valueDim ≥ 1)`);
+    }
+    if (output.shape && lse.shape &&
+        output.shape.slice(0, -1).join(',') !== lse.shape.join(',')) {
+      throw new TypeError(`mergeStates: parts[${i}] output shape [${output.shape}] and lse ` +
+                          `shape [${lse.shape}] do not match; expected [..., heads, nq, ` +
+                          `valueDim] and [..., heads, nq]`);
+    }
+    for (let r = 0; r < rows; ++r) {
+      if (Number.isNaN(lse.values[r]) || lse.values[r] === Infinity) {
+        throw new RangeError(`mergeStates: parts[${i}].lse[${r}] is ${lse.values[r]}`);
+      }
+    }
+    return {output, lse, rows, valueDim};
+  });
+  if (states.length === 0) {
+    throw new TypeError('mergeStates: needs at least one {output, lse} part, got none');
+  }
+  const {rows, valueDim} = states[0];
+  const shape = states.find((s) => s.output.shape)?.output.shape ?? [rows, valueDim];
+  for (const [i, s] of states.entries()) {
+    if (s.rows !== rows || s.valueDim !== valueDim ||
+        (s.output.shape && s.output.shape.join(',') !== shape.join(','))) {
+      throw new TypeError(`mergeStates: parts[${i}] (${s.rows} rows × ${s.valueDim}` +
+                          `${s.output.shape ? `, shape [${s.output.shape}]` : ''}) differs from ` +
+                          `parts[0] (${rows} rows × ${valueDim}, shape [${shape}]): every ` +
+                          `part must hold the same queries`);
+    }
+  }
+  const output = new Float32Array(rows * valueDim);
+  const lse = new Float32Array(rows).fill(-Infinity);
+  const sum = new Float64Array(valueDim);
+  for (let r = 0; r < rows; ++r) {
+    let max = -Infinity;
+    for (const s of states) max = Math.max(max, s.lse.values[r]);
+    if (max === -Infinity) continue;  // No part saw this row: zeros and −inf.
+    sum.fill(0);
+    let total = 0;
+    for (const s of states) {
+      const weight = Math.exp(s.lse.values[r] - max);  // 0 for a part that saw no key.
+      if (weight === 0) continue;
+      total += weight;
+      for (let c = 0; c < valueDim; ++c) sum[c] += weight * s.output.values[r * valueDim + c];
+    }
+    for (let c = 0; c < valueDim; ++c) output[r * valueDim + c] = sum[c] / total;
+    lse[r] = max + Math.log(total);
+  }
+  return {output, lse, shape};
+}
+
 module.exports = {
   Client,
   Cache,
+  mergeStates,
   seedExample,
   AttndError,
   tensor,

@@ -4,8 +4,12 @@
 // expectedLength, NOT_FOUND after delete),
 // the seed example's out[0] and a random grouped-query causal problem against a float64
 // reference computed here, the trace's final estimate against Tiled's row, fp16/bf16 tensors,
-// error paths (INVALID_ARGUMENT naming the field, for a unary call and for a stream) and, when
-// given a TLS server with a token, TLS + bearer token.
+// error paths (INVALID_ARGUMENT naming the field, for a unary call and for a stream),
+// positions (a causal problem split by keys, each slice at its keyPosition with the whole's
+// queryPosition, merged by mergeStates against float64 and the unsplit Tiled; Trace's resolved
+// positions; Decode's per-item positions over one sequence held in two caches; bad positions
+// → INVALID_ARGUMENT naming options.key_position / options.query_position), mergeStates alone,
+// and, when given a TLS server with a token, TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
 //                                         --token-file FILE]
 const test = require('node:test');
@@ -52,10 +56,13 @@ function seedInputs(n = 8, d = 4) {
   return {q, k, v, dims};
 }
 
-// softmax(scale · Q Kᵀ + mask) V in float64, with grouped-query heads and the bottom-right
-// causal mask; a row that sees no key gives zeros and lse −inf.
-function referenceAttention({q, k, v, dims}, scale, causal) {
+// softmax(scale · Q Kᵀ + mask) V in float64, with grouped-query heads and the causal mask over
+// positions: key j at keyPosition + j, query row i at queryPosition + i (default bottom-right,
+// keyPosition + keyLen − queryLen), a query at p seeing a key at t iff t ≤ p; a row that sees no
+// key gives zeros and lse −inf.
+function referenceAttention({q, k, v, dims}, scale, causal, {keyPosition = 0, queryPosition} = {}) {
   const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
+  const firstQuery = queryPosition ?? keyPosition + keyLen - queryLen;
   const out = new Float64Array(batch * heads * queryLen * valueDim);
   const lse = new Float64Array(batch * heads * queryLen).fill(-Infinity);
   const scores = new Float64Array(keyLen);
@@ -65,7 +72,7 @@ function referenceAttention({q, k, v, dims}, scale, causal) {
       const kBase = (b * kvHeads + kh) * keyLen;
       for (let i = 0; i < queryLen; ++i) {
         const row = (b * heads + h) * queryLen + i;
-        const visible = causal ? Math.min(keyLen, i + keyLen - queryLen + 1) : keyLen;
+        const visible = causal ? Math.min(keyLen, firstQuery + i - keyPosition + 1) : keyLen;
         if (visible <= 0) continue;
         let max = -Infinity;
         for (let j = 0; j < visible; ++j) {
@@ -411,6 +418,248 @@ test('KV caches: create, append, batched decode and tiled over a cache vs float6
                        (e) => e.code === status.NOT_FOUND);
   const after = (await client.listCaches()).caches.map((c) => c.cacheId);
   for (const cache of caches) assert.ok(!after.includes(cache.id), `${cache.id} gone`);
+});
+
+// --- positions and mergeStates ------------------------------------------------------------------
+// Fresh inputs on every run (ATTN_TEST_SEED repeats one); the seed is printed.
+const positionsSeed = Number(process.env.ATTN_TEST_SEED ?? Math.floor(Math.random() * 2 ** 31));
+console.log(`# positions and mergeStates tests: ATTN_TEST_SEED=${positionsSeed}`);
+const MERGE_TOL = 3e-6;  // assertClose's |got − want| / (1 + |want|), fp32 outputs.
+const LSE_TOL = 1e-4;
+
+function randomProblem(dims, random) {
+  return {
+    q: randomNormal(dims.batch * dims.heads * dims.queryLen * dims.headDim, random),
+    k: randomNormal(dims.batch * dims.kvHeads * dims.keyLen * dims.headDim, random),
+    v: randomNormal(dims.batch * dims.kvHeads * dims.keyLen * dims.valueDim, random),
+    dims,
+  };
+}
+
+// The problem's keys and values [a, b) (every batch and kv head), as a problem of b − a keys.
+function sliceKeys({q, k, v, dims}, a, b) {
+  const {batch, kvHeads, keyLen, headDim, valueDim} = dims;
+  const n = b - a;
+  const ks = new Float32Array(batch * kvHeads * n * headDim);
+  const vs = new Float32Array(batch * kvHeads * n * valueDim);
+  for (let bh = 0; bh < batch * kvHeads; ++bh) {
+    ks.set(k.subarray((bh * keyLen + a) * headDim, (bh * keyLen + b) * headDim), bh * n * headDim);
+    vs.set(v.subarray((bh * keyLen + a) * valueDim, (bh * keyLen + b) * valueDim),
+           bh * n * valueDim);
+  }
+  return {q, k: ks, v: vs, dims: {...dims, keyLen: n}};
+}
+
+// Splits `problem` at `bounds` (0 … keyLen), calls `method` per slice with keyPosition = its
+// first key's position and the whole's queryPosition, checks each part against its float64
+// reference and the merge against the whole's and the unsplit Tiled's. dtype: the inputs'.
+async function checkSplit(problem, bounds, {keyPosition = 0, queryPosition, dtype = 'float32',
+                                             blockK = 0} = {}) {
+  const {dims} = problem;
+  const wholeQuery = queryPosition ?? keyPosition + dims.keyLen - dims.queryLen;
+  const scale = 1 / Math.sqrt(dims.headDim);
+  const options = {causal: true, returnLse: true, outputDtype: 'DTYPE_FLOAT32', blockK};
+  // The reference sees exactly the rounded inputs the server gets.
+  const sent = request(problem, {}, dtype);
+  const seen = {q: toFloat32Array(sent.query), k: toFloat32Array(sent.key),
+                v: toFloat32Array(sent.value), dims};
+  const whole = referenceAttention(seen, scale, true, {keyPosition, queryPosition: wholeQuery});
+  const unsplit = await client.tiled(request(problem, {...options, keyPosition, queryPosition},
+                                             dtype));
+  assertClose(toFloat32Array(unsplit.output), whole.out, MERGE_TOL, 'unsplit tiled');
+  assertClose(toFloat32Array(unsplit.lse), whole.lse, LSE_TOL, 'unsplit tiled lse');
+  const partLse = [];
+  for (const method of ['tiled', 'naive']) {
+    const responses = [];
+    partLse.length = 0;
+    for (let s = 0; s + 1 < bounds.length; ++s) {
+      const [a, b] = [bounds[s], bounds[s + 1]];
+      const what = `${method} ${dtype} slice [${a}, ${b})`;
+      const res = await client[method](request(
+          sliceKeys(problem, a, b),
+          {...options, keyPosition: keyPosition + a, queryPosition: wholeQuery}, dtype));
+      assert.equal(res.output.dtype, 'DTYPE_FLOAT32', what);
+      const ref = referenceAttention(sliceKeys(seen, a, b), scale, true,
+                                     {keyPosition: keyPosition + a, queryPosition: wholeQuery});
+      assertClose(toFloat32Array(res.output), ref.out, MERGE_TOL, what);
+      assertClose(toFloat32Array(res.lse), ref.lse, LSE_TOL, `${what} lse`);
+      responses.push(res);
+      partLse.push(toFloat32Array(res.lse));
+    }
+    // Responses (Tensors) and Float32Array pairs merge alike.
+    const merged = attnd.mergeStates(responses);
+    assert.deepEqual(merged.shape, unsplit.output.shape);
+    assertClose(merged.output, whole.out, MERGE_TOL, `merged ${method} ${dtype}`);
+    assertClose(merged.lse, whole.lse, LSE_TOL, `merged ${method} ${dtype} lse`);
+    assertClose(merged.output, toFloat32Array(unsplit.output), MERGE_TOL,
+                `merged ${method} vs unsplit tiled`);
+    const fromArrays = attnd.mergeStates(
+        responses.map((r) => [toFloat32Array(r.output), toFloat32Array(r.lse)]));
+    assert.deepEqual(fromArrays.output, merged.output);
+    assert.deepEqual(fromArrays.lse, merged.lse);
+  }
+  return partLse;
+}
+
+test('positions: key slices at their keyPosition, merged, equal the whole causal problem',
+     async () => {
+  const random = mulberry32(positionsSeed);
+  // GQA, valueDim ≠ headDim, 11 query rows at positions 20..30 over 37 keys: [25, 31) is hidden
+  // from rows 20..24, [31, 37) from every row (lse −inf, zeros); a one-key slice; unequal sizes.
+  const dims = {batch: 2, heads: 4, kvHeads: 2, queryLen: 11, keyLen: 37, headDim: 10,
+                valueDim: 7};
+  const problem = randomProblem(dims, random);
+  const bounds = [0, 1, 14, 25, 31, 37];
+  const partLse = await checkSplit(problem, bounds, {queryPosition: 20, blockK: 4});
+  const rows = dims.batch * dims.heads * dims.queryLen;
+  for (let r = 0; r < rows; ++r) {
+    const position = 20 + (r % dims.queryLen);
+    assert.equal(partLse[3][r] === -Infinity, position < 25, `slice [25, 31) row ${r}`);
+    assert.equal(partLse[4][r], -Infinity, `slice [31, 37) row ${r}`);
+  }
+  // Bottom-right (the default queryPosition, sent explicitly to the parts), fp16 and bf16
+  // inputs with fp32 outputs, and a whole sequence starting at 2^40 + 1.
+  const small = randomProblem({batch: 1, heads: 3, kvHeads: 1, queryLen: 6, keyLen: 19,
+                               headDim: 9, valueDim: 5}, random);
+  await checkSplit(small, [0, 7, 8, 19]);
+  for (const dtype of ['float16', 'bfloat16']) await checkSplit(small, [0, 10, 19], {dtype});
+  await checkSplit(small, [0, 3, 19], {keyPosition: 2 ** 40 + 1, queryPosition: 2 ** 40 + 9});
+});
+
+test('positions: Trace repeats the resolved positions and masks by them', async () => {
+  const random = mulberry32(positionsSeed + 1);
+  const dims = {batch: 1, heads: 2, kvHeads: 1, queryLen: 5, keyLen: 9, headDim: 6, valueDim: 4};
+  const problem = randomProblem(dims, random);
+  const options = {causal: true, blockK: 4, keyPosition: 40, queryPosition: 43};
+  const tiled = toFloat32Array((await client.tiled(request(problem, options))).output);
+  const rows = [{batch: 0, head: 1, row: 4}, {batch: 0, head: 0, row: 1}];
+  const events = await collect(client.trace({attention: request(problem, options), rows}));
+  assert.equal(events[0].start.keyPosition, 40);
+  assert.equal(events[0].start.queryPosition, 43);
+  for (const e of events.filter((x) => x.event === 'step')) {
+    e.step.scores.forEach((score, j) => {
+      const hidden = 40 + e.step.keyBegin + j > 43 + e.step.row.row;
+      assert.equal(score === -Infinity, hidden, `row ${e.step.row.row} key ${e.step.keyBegin + j}`);
+    });
+  }
+  const done = events.filter((e) => e.event === 'rowDone').map((e) => e.rowDone);
+  for (const [i, ref] of rows.entries()) {
+    const at = (ref.head * dims.queryLen + ref.row) * dims.valueDim;
+    assertClose(done[i].output, tiled.subarray(at, at + dims.valueDim), 1e-6, `row ${i}`);
+  }
+  const plain = await collect(client.trace({attention: request(problem, {causal: true,
+                                                                         keyPosition: 7})}));
+  assert.equal(plain[0].start.queryPosition, 7 + 9 - 5, 'default queryPosition, resolved');
+});
+
+test('positions: Decode per item over one sequence held in two caches, merged', async () => {
+  const random = mulberry32(positionsSeed + 2);
+  const [kvHeads, heads, headDim, valueDim, nq] = [2, 4, 8, 5, 2];
+  // Keys [0, 17) in cache A, [17, 40) in cache B, and B gets 1 new token (key 40) in the call.
+  const all = new HeldTokens(kvHeads, headDim, valueDim);
+  const a = new HeldTokens(kvHeads, headDim, valueDim), b = new HeldTokens(kvHeads, headDim,
+                                                                           valueDim);
+  const cacheA = await client.openCache({kvHeads, headDim, valueDim});
+  const cacheB = await client.openCache({kvHeads, headDim, valueDim});
+  const [ka, va] = a.tokens(17, random);
+  const [kb, vb] = b.tokens(23, random);
+  const [k1, v1] = b.tokens(1, random);
+  for (let h = 0; h < kvHeads; ++h) {
+    all.keys[h].push(...a.keys[h], ...b.keys[h]);
+    all.values[h].push(...a.values[h], ...b.values[h]);
+  }
+  await cacheA.append(ka, va);
+  await cacheB.append(kb, vb);
+  const q = randomNormal(heads * nq * headDim, random);
+  const query = tensor(q, [heads, nq, headDim]);
+  // Queries at 39, 40 (the whole's bottom-right). Item B's default queryPosition
+  // (17 + 24 − 2 = 39) is the whole's; item A needs it given.
+  const response = await client.decodeBatch(
+      [{cache: cacheA, query, keyPosition: 0, queryPosition: 39},
+       {cache: cacheB, query, key: k1, value: v1, keyPosition: 17}],
+      {causal: true, returnLse: true});
+  assert.deepEqual([cacheA.length, cacheB.length], [17, 24]);
+  const scale = 1 / Math.sqrt(headDim);
+  const dimsOf = (held) => ({batch: 1, heads, kvHeads, queryLen: nq, keyLen: held.length, headDim,
+                             valueDim});
+  const problemOf = (held) => ({q, k: Float32Array.from(held.keys.flat()),
+                                v: Float32Array.from(held.values.flat()), dims: dimsOf(held)});
+  for (const [i, [held, keyPosition]] of [[a, 0], [b, 17]].entries()) {
+    const ref = referenceAttention(problemOf(held), scale, true, {keyPosition, queryPosition: 39});
+    assertClose(toFloat32Array(response.outputs[i]), ref.out, MERGE_TOL, `item ${i}`);
+    assertClose(toFloat32Array(response.lse[i]), ref.lse, LSE_TOL, `item ${i} lse`);
+  }
+  const merged = attnd.mergeStates(response.outputs.map((o, i) => ({output: o,
+                                                                    lse: response.lse[i]})));
+  const whole = referenceAttention(problemOf(all), scale, true);
+  assertClose(merged.output, whole.out, MERGE_TOL, 'merged decode');
+  assertClose(merged.lse, whole.lse, LSE_TOL, 'merged decode lse');
+  // Cache.decode with positions: B's keys at 17..40, queries at 20, 21.
+  const step = await cacheB.decode(query, {keyPosition: 17, queryPosition: 20,
+                                           options: {causal: true, returnLse: true}});
+  const ref = referenceAttention(problemOf(b), scale, true, {keyPosition: 17, queryPosition: 20});
+  assertClose(toFloat32Array(step.output), ref.out, MERGE_TOL, 'Cache.decode');
+  assertClose(toFloat32Array(step.lse), ref.lse, LSE_TOL, 'Cache.decode lse');
+  // Positions in the options: refused here, and by the server for a raw DecodeRequest.
+  await assert.rejects(cacheB.decode(query, {options: {keyPosition: 17}}),
+                       (err) => err instanceof TypeError && /per item/.test(err.message));
+  await assert.rejects(
+      client.decode({items: [cacheB.item(query)], options: {queryPosition: 3}}),
+      (err) => err.code === status.INVALID_ARGUMENT &&
+               /options\.query_position/.test(err.details));
+  await assert.rejects(
+      client.decode({items: [cacheB.item(query, null, null, {keyPosition: -2})]}),
+      (err) => err.code === status.INVALID_ARGUMENT &&
+               /items\[0\]\.key_position/.test(err.details));
+  assert.equal((await cacheB.refresh()).length, 24);
+  await cacheA.delete();
+  await cacheB.delete();
+});
+
+test('positions: negative or past 2^62 is INVALID_ARGUMENT naming the field', async () => {
+  for (const [field, value] of [['keyPosition', -1], ['queryPosition', -5],
+                                ['keyPosition', 2 ** 62 + 2 ** 12]]) {
+    const name = field === 'keyPosition' ? 'key_position' : 'query_position';
+    const req = request(seed, {causal: true, [field]: value});
+    for (const call of [() => client.tiled(req), () => client.naive(req),
+                        () => collect(client.trace({attention: req}))]) {
+      await assert.rejects(call(), (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
+        assert.match(err.details, new RegExp(`options\\.${name}`));
+        return true;
+      });
+    }
+  }
+});
+
+test('mergeStates alone: one part, unseen rows, stability, errors', () => {
+  const output = Float32Array.from([1.5, -2, 0.25, 4, 0, 0]);
+  const lse = Float32Array.from([0.5, 3, -Infinity]);
+  const one = attnd.mergeStates([{output, lse}]);
+  assert.deepEqual(one.output, output);
+  assert.deepEqual(one.lse, lse);
+  assert.deepEqual(one.shape, [3, 2]);
+  // Row 2 no part saw (garbage outputs there): zeros and −inf. Row 1: only part 1 saw it.
+  const merged = attnd.mergeStates([
+    [Float32Array.from([1, 2, NaN, NaN, NaN, Infinity]), [1000, -Infinity, -Infinity]],
+    [Float32Array.from([3, 6, 7, 8, 5, 5]), [1000 + Math.log(3), 2, -Infinity]]]);
+  assertClose(merged.output, [2.5, 5, 7, 8, 0, 0], 1e-6, 'merged');
+  assertClose(merged.lse, [1000 + Math.log(4), 2, -Infinity], 1e-7, 'merged lse');
+  assert.ok(merged.output.every((x) => !Number.isNaN(x)));
+  const tensors = attnd.mergeStates([{output: tensor(output, [1, 3, 2]),
+                                      lse: tensor(lse, [1, 3])}]);
+  assert.deepEqual(tensors.shape, [1, 3, 2]);
+  assert.deepEqual(tensors.output, output);
+  for (const [parts, pattern] of [
+    [[], /at least one/],
+    [[{output, lse}, {output: output.subarray(0, 4), lse: lse.subarray(0, 2)}], /parts\[1\]/],
+    [[{output: output.subarray(0, 5), lse}], /parts\[0\] has 5 output values for 3 lse rows/],
+    [[{output: tensor(output, [2, 3]), lse: tensor(lse, [3])}], /parts\[0\] output shape/],
+    [[{output, lse: null}], /parts\[0\]\.lse is missing.*returnLse/],
+    [[{output, lse: [0, NaN, 0]}], /parts\[0\]\.lse\[1\] is NaN/],
+  ]) {
+    assert.throws(() => attnd.mergeStates(parts), pattern);
+  }
 });
 
 test('TLS with a bearer token', {skip: !args.secureTarget && 'no --secure-target'}, async () => {

@@ -64,6 +64,16 @@ with expected_length passed explicitly. Keys and values for a Cache are sent in 
 delete, or --cache-idle-seconds unused. Cache infos are dicts of CacheInfo's fields (cache_id,
 kv_heads, head_dim, value_dim, dtype as a name, length, bytes, page_tokens).
 
+Positions: naive, tiled and trace take key_position (key j is at key_position + j; default 0)
+and query_position (query row i at query_position + i; None: bottom-right), which the causal
+mask compares; in decode they are per item. They let one causal problem be split by keys over
+several calls or servers, the parts merged with `merge_states`:
+
+    parts = [client.tiled(q, k[..., a:b, :], v[..., a:b, :], causal=True, key_position=a,
+                          query_position=key_len - query_len, return_lse=True,
+                          output_dtype="fp32") for a, b in ((0, 100), (100, key_len))]
+    output, lse = merge_states([(p.output, p.lse) for p in parts])
+
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
 check itself (rank, element type, option types) raise ValueError or TypeError before any RPC.
@@ -82,7 +92,8 @@ from attention.v1 import attention_pb2 as pb
 from attention.v1 import attention_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_float32",
-           "float32_to_bf16", "seed_example", "MAX_MESSAGE_BYTES"]
+           "float32_to_bf16", "merge_states", "seed_example", "MAX_MESSAGE_BYTES",
+           "MAX_POSITION"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -144,6 +155,78 @@ def float32_to_bf16(values):
     if nan.any():
         rounded[nan] = ((bits[nan] >> 16) | 0x40).astype("<u2")
     return rounded
+
+
+# --- Merging the parts of a split problem ------------------------------------------------------
+
+def merge_states(parts):
+    """Merges attention over disjoint key ranges of the same queries → (output, lse).
+
+    parts: a sequence of (output, lse) pairs (or Results) from calls with return_lse=True and
+    an fp32 output (output_dtype="fp32"), each over a slice of the keys: output
+    [..., heads, nq, value_dim] and lse [..., heads, nq], the same shapes in every part. For a
+    causal problem, send each slice [a, b) with key_position=a and the whole problem's
+    query_position (see naive()). Returns float32 arrays of the same shapes, what one call over
+    all the keys would give (up to fp32 rounding), by DESIGN.md's merge of finished rows
+    (natural log):
+
+        lse    = log Σᵢ exp(lseᵢ)
+        output = Σᵢ exp(lseᵢ − lse) · outputᵢ
+
+    computed stably as m = maxᵢ lseᵢ, wᵢ = exp(lseᵢ − m), lse = m + log Σᵢ wᵢ, output =
+    Σᵢ wᵢ · outputᵢ / Σᵢ wᵢ, in float64. A part whose row saw no key (lse −inf) contributes
+    nothing to it, whatever its output row holds; a row that no part saw gives zeros and lse
+    −inf, never NaN. ValueError for an empty list, mismatched shapes, or an lse that is NaN
+    or +inf; TypeError for parts that are not pairs of number arrays (uint16 bf16 bits
+    included: pass output_dtype="fp32")."""
+    if isinstance(parts, (str, bytes)) or not hasattr(parts, "__iter__"):
+        raise TypeError("parts must be a sequence of (output, lse) pairs, not %s"
+                        % type(parts).__name__)
+    parts = list(parts)
+    if not parts:
+        raise ValueError("merge_states needs at least one (output, lse) part, got none")
+    outputs, lses = [], []
+    for index, part in enumerate(parts):
+        if hasattr(part, "output") and hasattr(part, "lse"):
+            output, lse = part.output, part.lse
+        elif isinstance(part, (tuple, list)) and len(part) == 2:
+            output, lse = part
+        else:
+            raise TypeError("parts[%d] must be an (output, lse) pair or a Result, not %s"
+                            % (index, type(part).__name__))
+        if lse is None:
+            raise ValueError("parts[%d] has no lse: call with return_lse=True" % index)
+        for name, array in (("output", output), ("lse", lse)):
+            array = np.asarray(array)
+            if array.dtype.kind not in "fi":  # uint16 would be bf16 bits, not values.
+                raise TypeError("parts[%d] %s has element type %s; expected float values (an "
+                                "fp32 output: output_dtype='fp32')" % (index, name, array.dtype))
+        output = np.asarray(output, dtype=np.float64)
+        lse = np.asarray(lse, dtype=np.float64)
+        if output.ndim < 2 or lse.shape != output.shape[:-1]:
+            raise ValueError("parts[%d]: output shape %s and lse shape %s do not match; expected "
+                             "output [..., heads, nq, value_dim] and lse [..., heads, nq]"
+                             % (index, output.shape, lse.shape))
+        if index > 0 and output.shape != outputs[0].shape:
+            raise ValueError("parts[%d] output shape %s differs from parts[0]'s %s: every part "
+                             "must hold the same queries" % (index, output.shape,
+                                                             outputs[0].shape))
+        if np.isnan(lse).any() or np.isposinf(lse).any():
+            raise ValueError("parts[%d] lse holds NaN or +inf" % index)
+        outputs.append(output)
+        lses.append(lse)
+    lse = np.stack(lses)                                  # [parts, ..., heads, nq]
+    output = np.stack(outputs)                            # [parts, ..., heads, nq, value_dim]
+    row_max = lse.max(axis=0)
+    seen = np.isfinite(row_max)                           # Rows some part saw.
+    safe_max = np.where(seen, row_max, 0.0)               # Never −inf − (−inf).
+    weights = np.exp(lse - safe_max)                      # 0 where a part's lse is −inf.
+    total = np.where(seen, weights.sum(axis=0), 1.0)      # ≥ 1 on a seen row (the max's part).
+    with np.errstate(invalid="ignore"):                   # 0 · inf in an unseen part's row.
+        weighted = np.where(weights[..., None] > 0, weights[..., None] * output, 0.0)
+    merged = np.where(seen[..., None], weighted.sum(axis=0) / total[..., None], 0.0)
+    merged_lse = np.where(seen, safe_max + np.log(total), -np.inf)
+    return merged.astype(np.float32), merged_lse.astype(np.float32)
 
 
 # --- Encoding -----------------------------------------------------------------------------------
@@ -351,11 +434,17 @@ class Cache:
         kv_heads is 1) at `length` → the new CacheInfo dict. dtype None: the cache's."""
         return self.client.append(self, key, value, dtype=dtype)
 
-    def decode(self, query, key=None, value=None, **options):
+    def decode(self, query, key=None, value=None, *, key_position=0, query_position=None,
+               **options):
         """One decode step of this cache alone: appends key/value when given, then attends
         query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
-        value_dim]). options: causal, scale, block_k, return_lse, dtype, output_dtype."""
-        result = self.client.decode([(self, query, key, value)], **options)
+        value_dim]). key_position, query_position: this item's positions (Client.decode).
+        options: causal, scale, block_k, return_lse, dtype, output_dtype."""
+        item = {"cache": self, "query": query, "key_position": key_position,
+                "query_position": query_position}
+        if key is not None or value is not None:
+            item.update(key=key, value=value)
+        result = self.client.decode([item], **options)
         return _ItemResult(result)
 
     def refresh(self):
@@ -451,7 +540,8 @@ class Client:
     # Requests.
 
     @staticmethod
-    def _options(causal, scale, block_k, return_lse, output_dtype):
+    def _options(causal, scale, block_k, return_lse, output_dtype, key_position=0,
+                 query_position=None):
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError("causal must be a bool, not %s" % type(causal).__name__)
@@ -471,13 +561,17 @@ class Client:
             options.scale = float(scale)
         if out_dtype is not None:
             options.output_dtype = out_dtype
+        options.key_position = _position("key_position", key_position)
+        if query_position is not None:
+            options.query_position = _position("query_position", query_position)
         return options
 
     @classmethod
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
-                 cache=None):
+                 cache=None, key_position=0, query_position=None):
         input_dtype = _dtype_enum(dtype, "dtype")
-        options = cls._options(causal, scale, block_k, return_lse, output_dtype)
+        options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
+                               query_position)
         if cache is not None:
             if k is not None or v is not None:
                 raise ValueError("give key and value, or cache=, not both")
@@ -492,33 +586,43 @@ class Client:
     # RPCs.
 
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
-              return_lse=False, dtype=None, output_dtype=None):
+              return_lse=False, dtype=None, output_dtype=None, key_position=0,
+              query_position=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
-        scale None: 1/sqrt(head_dim). output_dtype None: the query's dtype. block_k is ignored."""
+        scale None: 1/sqrt(head_dim). output_dtype None: the query's dtype. block_k is ignored.
+        key_position: the position of the first key (key j is at key_position + j);
+        query_position: that of the first query row, None = key_position + key_len −
+        query_len (bottom-right). The causal mask compares them: a query at position p sees a
+        key at t iff t ≤ p. Both ints in [0, 2^62]. To split a causal problem's keys, send
+        keys [a, b) with key_position=a and the whole problem's query_position, return_lse=True
+        and an fp32 output, and combine the parts with merge_states()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
-                                output_dtype, cache)
+                                output_dtype, cache, key_position, query_position)
         return Result(self._call("Naive", self._stub.Naive, request))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
-              return_lse=False, dtype=None, output_dtype=None):
+              return_lse=False, dtype=None, output_dtype=None, key_position=0,
+              query_position=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
-        → Result. Other arguments (cache= too) as for naive()."""
+        → Result. Other arguments (cache=, key_position, query_position too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
-                                output_dtype, cache)
+                                output_dtype, cache, key_position, query_position)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
-              scale=None, dtype=None):
+              scale=None, dtype=None, key_position=0, query_position=None):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
-        cache: a Cache or cache id to trace over instead of k and v (as for naive()).
+        cache: a Cache or cache id to trace over instead of k and v; key_position and
+        query_position (the "start" event repeats them, resolved) as for naive().
         Arguments are checked now; the RPC starts on the first next(). Closing the iterator
         early (break, close()) cancels the stream. A failure mid-stream raises AttnError."""
         request = pb.TraceRequest(
-            attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache))
+            attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache,
+                                    key_position, query_position))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -637,19 +741,27 @@ class Client:
                    pb.DeleteCacheRequest(cache_id=_cache_id(cache)))
 
     def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
-               dtype=None, output_dtype=None):
+               dtype=None, output_dtype=None, key_position=None, query_position=None):
         """Decode: one step of a batch of sequences in one call → DecodeResult.
 
         items: a list, one per sequence (at most one per cache), each a tuple
         (cache, query) or (cache, query, key, value), or a dict with "cache", "query" and
-        optionally "key", "value" and "expected_length". cache: a Cache or an id; query
-        [heads, nq, head_dim] with heads a multiple of the cache's kv_heads; key/value (both
-        or neither) new tokens appended first, as for append(); expected_length as for
-        append(). The appends and the attention are one atomic step: if any item fails, no
-        item's tokens are kept (and no Cache's length moves). Item i's output is
-        [heads, nq, value_dim]; causal is bottom-right against each cache's length after its
-        append. dtype converts every query, key and value (None: queries as they are, keys
-        and values of a Cache in its dtype); other options as for naive()."""
+        optionally "key", "value", "expected_length", "key_position" and "query_position".
+        cache: a Cache or an id; query [heads, nq, head_dim] with heads a multiple of the
+        cache's kv_heads; key/value (both or neither) new tokens appended first, as for
+        append(); expected_length as for append(). The appends and the attention are one
+        atomic step: if any item fails, no item's tokens are kept (and no Cache's length
+        moves). Item i's output is [heads, nq, value_dim]; causal is bottom-right against each
+        cache's length after its append. Positions are per item: "key_position" (default 0)
+        is that of the cache's first token and "query_position" (default None: key_position +
+        the cache's length after the append − nq) that of the item's first query row, as for
+        naive(); key_position= and query_position= here, for the whole batch, are a ValueError.
+        dtype converts every query, key and value (None: queries as they are, keys and values
+        of a Cache in its dtype); other options as for naive()."""
+        if key_position is not None or query_position is not None:
+            raise ValueError("decode takes positions per item, not for the batch: give each "
+                             "item dict its own 'key_position' / 'query_position' (or "
+                             "Cache.decode(..., key_position=, query_position=))")
         if isinstance(items, (dict, tuple)) or not hasattr(items, "__iter__"):
             raise TypeError("items must be a list of (cache, query[, key, value]) tuples or dicts")
         input_dtype = _dtype_enum(dtype, "dtype")
@@ -657,15 +769,19 @@ class Client:
             options=self._options(causal, scale, block_k, return_lse, output_dtype))
         caches = []
         for index, item in enumerate(items):
+            item_key_position, item_query_position = 0, None
             if isinstance(item, dict):
-                unknown = set(item) - {"cache", "query", "key", "value", "expected_length"}
+                unknown = set(item) - {"cache", "query", "key", "value", "expected_length",
+                                       "key_position", "query_position"}
                 if unknown or "cache" not in item or "query" not in item:
                     raise TypeError("items[%d]: a dict with 'cache' and 'query' (and optionally "
-                                    "'key', 'value', 'expected_length'), got keys %s"
-                                    % (index, sorted(item)))
+                                    "'key', 'value', 'expected_length', 'key_position', "
+                                    "'query_position'), got keys %s" % (index, sorted(item)))
                 cache, query = item["cache"], item["query"]
                 key, value = item.get("key"), item.get("value")
                 expected = item.get("expected_length")
+                item_key_position = item.get("key_position", 0)
+                item_query_position = item.get("query_position")
             elif isinstance(item, (tuple, list)) and len(item) in (2, 4):
                 cache, query = item[0], item[1]
                 key, value = (item[2], item[3]) if len(item) == 4 else (None, None)
@@ -679,6 +795,9 @@ class Client:
             message = request.items.add(cache_id=_cache_id(cache),
                                         expected_length=_expected_length(cache, expected),
                                         query=_encode(name + "query", query, input_dtype))
+            message.key_position = _position(name + "key_position", item_key_position)
+            if item_query_position is not None:
+                message.query_position = _position(name + "query_position", item_query_position)
             if key is not None:
                 token_dtype = input_dtype
                 if token_dtype is None and isinstance(cache, Cache):
@@ -705,6 +824,19 @@ def _cache_id(cache):
         return cache
     raise TypeError("a cache must be a Cache or a non-empty cache id string, not %r"
                     % type(cache).__name__)
+
+
+# Positions are in [0, 2^62] (attention.proto, AttentionOptions).
+MAX_POSITION = 1 << 62
+
+
+def _position(name, position):
+    """A key_position or query_position → the int to send; TypeError / ValueError naming it."""
+    if isinstance(position, bool) or not isinstance(position, numbers.Integral):
+        raise TypeError("%s must be an int, not %s" % (name, type(position).__name__))
+    if not 0 <= position <= MAX_POSITION:
+        raise ValueError("%s must be in [0, 2^62], got %d" % (name, position))
+    return int(position)
 
 
 def _expected_length(cache, expected_length):

@@ -7,6 +7,10 @@
 // text/event-stream, one TraceEvent JSON per `data:` line; it is
 // read with fetch() and a stream reader (EventSource cannot POST). Every event is kept in an
 // array and only the current step is drawn, so thousands of steps stay cheap.
+//
+// The merge of key slices (section #merge, "Idea 3 × servers") shows either a file written by
+// `attn trace --shard-keys --json` or "Split and merge": one trace per slice of the keys from this
+// page's server, merged here with the rule of OnlineSoftmaxRow::Merge.
 'use strict';
 
 (() => {
@@ -283,6 +287,20 @@
   }
   function clearError() { $('error').hidden = true; $('error').replaceChildren(); }
   function setStatus(text) { $('status').textContent = text; }
+
+  // Whether the form's problem can be built here; if not, says why (showError).
+  function configIsUsable(cfg) {
+    if (!(cfg.n >= 1) || !(cfg.d >= 1)) { showError('N and d must be at least 1.'); return false; }
+    if (cfg.n * cfg.d > MAX_ELEMENTS) {
+      showError(`N × d = ${cfg.n * cfg.d} is more than this page builds (${MAX_ELEMENTS}).`);
+      return false;
+    }
+    if (!Number.isFinite(cfg.multiplier)) {
+      showError('The query multiplier must be a number.');
+      return false;
+    }
+    return true;
+  }
 
   function readConfig() {
     const int = (id) => Math.trunc(Number($(id).value));
@@ -736,12 +754,7 @@
     clearError();
     pause();
     const cfg = readConfig();
-    if (!(cfg.n >= 1) || !(cfg.d >= 1)) { showError('N and d must be at least 1.'); return; }
-    if (cfg.n * cfg.d > MAX_ELEMENTS) {
-      showError(`N × d = ${cfg.n * cfg.d} is more than this page builds (${MAX_ELEMENTS}).`);
-      return;
-    }
-    if (!Number.isFinite(cfg.multiplier)) { showError('The query multiplier must be a number.'); return; }
+    if (!configIsUsable(cfg)) return;
     const abort = new AbortController();
     Object.assign(state, {
       abort, cfg, problem: buildProblem(cfg), start: null, steps: [], rowDone: new Map(),
@@ -825,6 +838,501 @@
     scheduleDraw();
   }
 
+  // ---------------------------------------------------------------------------------------------
+  // Idea 3 × servers: the merge of key slices. A merge model comes either from a file written by
+  // `attn trace --shard-keys --json` (its JSON lines are documented in client/cli/merge_trace.h:
+  // {"problem"}, then per row {"part"} lines, {"merge_step"} lines and {"merged"}) or from
+  // "Split and merge": one /v1/trace per slice of this page's problem, each with its positions,
+  // all answered by this page's server and merged here. Per traced row it holds each part's final
+  // state and the merge steps; only the chosen row and step are drawn.
+  const MAX_MERGE_PARTS = 8;  // the page's own split; a file may hold more
+  const merge = {model: null, rowKey: null, pos: 0, abort: null, serial: 0};
+  // Says what #merge shows now; data-serial counts the merges and failures shown (for scripts).
+  function setMergeSource(text) {
+    const source = $('merge-source');
+    source.textContent = text;
+    source.dataset.serial = String(++merge.serial);
+  }
+
+  // OnlineSoftmaxRow::Merge (kernels/online_softmax.h), the one merge rule, in float32 as the
+  // servers and attn compute it: m_new = max(m_running, m_part); each side rescaled by
+  // exp(m − m_new), 0 for a side that saw no key (max −∞); the denominators and accumulators added.
+  const f32 = Math.fround;
+  function mergeInto(running, part) {
+    const maxAfter = running.max > part.max ? running.max : part.max;
+    const runningRescale = running.max === -Infinity ? 0 : f32(Math.exp(running.max - maxAfter));
+    const partRescale = part.max === -Infinity ? 0 : f32(Math.exp(part.max - maxAfter));
+    const denominator = f32(f32(running.denominator * runningRescale) +
+                            f32(part.denominator * partRescale));
+    const accumulator = running.accumulator.map(
+        (a, c) => f32(f32(a * runningRescale) + f32(part.accumulator[c] * partRescale)));
+    return {max: maxAfter, denominator, accumulator, runningRescale, partRescale};
+  }
+  // OnlineSoftmaxRow::Normalize: accumulator / denominator, 0 when the denominator is 0.
+  const normalize = (accumulator, denominator) =>
+    accumulator.map((a) => (denominator > 0 ? f32(a / denominator) : 0));
+  function maxAbsDiff(a, b) {
+    if (!a || !b || a.length !== b.length) return NaN;
+    let d = 0;
+    for (let i = 0; i < a.length; ++i) d = Math.max(d, Math.abs(a[i] - b[i]));
+    return d;
+  }
+
+  // The merge steps of one row: its parts' states merged one at a time into a running state that
+  // starts empty (max −∞, denominator 0).
+  function mergeSteps(parts, reference) {
+    const width = parts.length ? parts[0].accumulator.length : 0;
+    let running = {max: -Infinity, denominator: 0, accumulator: new Array(width).fill(0)};
+    return parts.map((part, i) => {
+      const next = mergeInto(running, part);
+      const estimate = normalize(next.accumulator, next.denominator);
+      const step = {
+        part: i, maxBefore: running.max, partMax: part.max, maxAfter: next.max,
+        runningRescale: next.runningRescale, partRescale: next.partRescale,
+        denominatorBefore: running.denominator, partDenominator: part.denominator,
+        denominator: next.denominator, accumulator: next.accumulator, estimate,
+        maxAbsError: reference ? maxAbsDiff(estimate, reference) : NaN,
+      };
+      running = next;
+      return step;
+    });
+  }
+
+  // The row's full-matrix answer in float64 from the page's own inputs: the page's problem is
+  // n queries × n keys at positions 0…n−1, so a causal query i sees keys j ≤ i.
+  function referenceRow(problem, row, causal) {
+    const {n, d, q, k, v} = problem;
+    const scale = f32(1 / Math.sqrt(d));  // the server's default scale, rounded to fp32
+    const scores = [];
+    for (let j = 0; j < n && (!causal || j <= row); ++j) {
+      let dot = 0;
+      for (let c = 0; c < d; ++c) dot += q[row * d + c] * k[j * d + c];
+      scores.push(scale * dot);
+    }
+    const out = new Array(d).fill(0);
+    if (scores.length === 0) return out;
+    const max = Math.max(...scores);
+    let sum = 0;
+    scores.forEach((s, j) => {
+      const w = Math.exp(s - max);
+      sum += w;
+      for (let c = 0; c < d; ++c) out[c] += w * v[j * d + c];
+    });
+    return out.map((x) => x / sum);
+  }
+
+  // A model from the JSON lines of `attn trace --shard-keys --json`.
+  function modelFromLines(text, name) {
+    let problem = null;
+    const rows = new Map();
+    const rowOf = (r) => {
+      const key = rowKey(r);
+      if (!rows.has(key)) {
+        rows.set(key, {row: {batch: num(r && r.batch), head: num(r && r.head), row: num(r && r.row)},
+                       parts: [], steps: [], merged: null});
+      }
+      return rows.get(key);
+    };
+    text.split(/\r?\n/).forEach((line, i) => {
+      if (!line.trim()) return;
+      let o;
+      try { o = JSON.parse(line); } catch (e) {
+        throw new Error(`line ${i + 1} is not JSON (${e.message})`);
+      }
+      if (o.problem) {
+        const p = o.problem;
+        problem = {
+          keyLen: num(p.keyLen), queryLen: num(p.queryLen), valueDim: num(p.valueDim),
+          causal: !!p.causal, keyPosition: num(p.keyPosition), queryPosition: num(p.queryPosition),
+          parts: num(p.parts), singleServer: !!p.singleServer, keysSent: num(p.keysSent),
+          endpoints: (p.endpoints || []).map(String), heads: num(p.heads), kvHeads: num(p.kvHeads),
+          scale: num(p.scale),
+        };
+      } else if (o.part) {
+        const p = o.part;
+        rowOf(p.row).parts.push({
+          index: num(p.index), endpoint: String(p.endpoint || '?'), keyBegin: num(p.keyBegin),
+          keyEnd: num(p.keyEnd), keyPosition: num(p.keyPosition), queryPosition: num(p.queryPosition),
+          steps: num(p.steps), max: num(p.max), denominator: num(p.denominator),
+          accumulator: nums(p.accumulator), lse: num(p.lse), estimate: nums(p.estimate),
+        });
+      } else if (o.merge_step) {
+        const s = o.merge_step;
+        rowOf(s.row).steps.push({
+          index: num(s.index), part: num(s.part), maxBefore: num(s.maxBefore),
+          partMax: num(s.partMax), maxAfter: num(s.maxAfter), runningRescale: num(s.runningRescale),
+          partRescale: num(s.partRescale), denominatorBefore: num(s.denominatorBefore),
+          partDenominator: num(s.partDenominator), denominator: num(s.denominator),
+          accumulator: nums(s.accumulator), estimate: nums(s.estimate),
+          maxAbsError: num(s.maxAbsError),
+        });
+      } else if (o.merged) {
+        const m = o.merged;
+        rowOf(m.row).merged = {
+          output: nums(m.output), lse: num(m.lse), reference: nums(m.reference),
+          maxAbsError: num(m.maxAbsError), relativeError: num(m.relativeError),
+          rowDoneMaxAbsDiff: m.rowDoneMaxAbsDiff === undefined ? NaN : num(m.rowDoneMaxAbsDiff),
+        };
+      } else if (o.start || o.step || o.rowDone || o.end) {
+        throw new Error('this is the output of attn trace --json (one server\'s events); load ' +
+                        'that of attn trace --shard-keys --json');
+      } else {
+        throw new Error(`line ${i + 1}: expected a "problem", "part", "merge_step" or "merged" ` +
+                        `object, got ${line.slice(0, 80)}`);
+      }
+    });
+    if (!problem) throw new Error('no {"problem": …} line: not an attn trace --shard-keys --json file');
+    if (rows.size === 0) throw new Error('no traced rows in the file');
+    for (const r of rows.values()) {
+      const where = `row ${r.row.batch}:${r.row.head}:${r.row.row}`;
+      r.parts.sort((a, b) => a.index - b.index);
+      r.steps.sort((a, b) => a.index - b.index);
+      if (r.parts.length !== problem.parts || r.steps.length !== problem.parts || !r.merged) {
+        throw new Error(`${where}: ${r.parts.length} parts, ${r.steps.length} merge steps` +
+                        `${r.merged ? '' : ', no merged line'}; the problem says ${problem.parts} parts`);
+      }
+      // The same rule again, here, from the parts' states: it must give the file's steps.
+      r.recomputed = maxAbsDiff(mergeSteps(r.parts, null).at(-1).estimate, r.steps.at(-1).estimate);
+    }
+    const servers = [...new Set(rows.values().next().value.parts.map((p) => p.endpoint))];
+    const label = problem.singleServer
+      ? `${name}: one server (${servers[0]}) traced all of it — nothing to merge; its final ` +
+        'state is the answer.'
+      : `${name}: ${problem.parts} parts traced by ${servers.length} server(s): ${servers.join(', ')}.`;
+    return {source: 'file', label, problem, rows};
+  }
+
+  // "Split and merge": this page's problem, its keys cut into contiguous slices, each traced by
+  // this page's server with key_position = the slice's first key and the whole problem's
+  // query_position (0: n queries over n keys), so each slice's causal mask is its share of the
+  // whole; the states merged here.
+  async function splitAndMerge() {
+    clearError();
+    const cfg = readConfig();
+    if (!configIsUsable(cfg)) return;
+    const problem = buildProblem(cfg);
+    const n = problem.n, d = problem.d;
+    const asked = Math.trunc(Number($('merge-parts').value)) || 1;
+    const count = Math.max(1, Math.min(asked, MAX_MERGE_PARTS, n));
+    const slices = [];
+    for (let s = 0; s < count; ++s) {
+      const a = Math.round((s * n) / count), b = Math.round(((s + 1) * n) / count);
+      if (b > a) slices.push([a, b]);
+    }
+    if (merge.abort) merge.abort.abort();
+    const abort = new AbortController();
+    merge.abort = abort;
+    const server = serverBase();
+    $('merge-source').textContent = `Tracing ${slices.length} slice(s) of the keys on ${server}…`;
+    const tensor = (data, rows) => ({shape: [rows, d], dtype: 'DTYPE_FLOAT32',
+                                     data: base64Float32(data)});
+    let traces;
+    try {
+      traces = await Promise.all(slices.map(async ([a, b], i) => {
+        const path = `/v1/trace (part ${i + 1}, keys [${a}, ${b}))`;
+        const attention = {
+          query: tensor(problem.q, n),
+          key: tensor(problem.k.subarray(a * d, b * d), b - a),
+          value: tensor(problem.v.subarray(a * d, b * d), b - a),
+          options: {causal: cfg.causal, blockK: cfg.blockK, returnLse: true, keyPosition: a,
+                    queryPosition: 0},
+        };
+        const events = {start: null, steps: [], done: null, end: null};
+        try {
+          const response = await request('/v1/trace',
+                                         {attention, rows: [{batch: 0, head: 0, row: cfg.row}]},
+                                         abort.signal);
+          await readEventStream(path, response, (e) => {
+            if (e.start) events.start = e.start;
+            else if (e.step) events.steps.push(e.step);
+            else if (e.rowDone) events.done = e.rowDone;
+            else if (e.end) events.end = e.end;
+          });
+        } catch (e) {
+          if (e.name === 'AbortError') throw e;
+          throw new ServerError(path, e.detail || e.message);
+        }
+        if (!events.end || !events.done) {
+          throw new ServerError(path, 'the stream ended before the row was done');
+        }
+        return events;
+      }));
+    } catch (e) {
+      if (e.name === 'AbortError' || merge.abort !== abort) return;
+      merge.abort = null;
+      showError(e.message);
+      setMergeSource('The split trace failed: no merge (never a partial one).');
+      return;
+    }
+    if (merge.abort !== abort) return;
+    merge.abort = null;
+    const parts = traces.map((t, i) => {
+      const [a, b] = slices[i];
+      const last = t.steps.length ? t.steps[t.steps.length - 1] : null;
+      const state = {
+        index: i, endpoint: server, keyBegin: a, keyEnd: b, keyPosition: a, queryPosition: 0,
+        steps: t.steps.length,
+        max: last ? num(last.maxAfter) : -Infinity,           // no step: the empty state
+        denominator: last ? num(last.denominator) : 0,
+        accumulator: last ? nums(last.accumulator) : new Array(d).fill(0),
+        lse: num(t.done.lse),
+      };
+      state.estimate = normalize(state.accumulator, state.denominator);
+      return state;
+    });
+    const reference = referenceRow(problem, cfg.row, cfg.causal);
+    const steps = mergeSteps(parts, reference);
+    const output = steps[steps.length - 1].estimate;
+    const row = {batch: 0, head: 0, row: cfg.row};
+    const model = {
+      source: 'server',
+      label: parts.length === 1
+        ? `One part: this server (${server}) traced all ${n} keys — nothing to merge; its final ` +
+          'state is the answer.'
+        : `All ${parts.length} parts were answered by this one server (${server}), one trace per ` +
+          'slice of the keys with its positions, and merged here: the merge a client of ' +
+          `${parts.length} servers would do.`,
+      problem: {keyLen: n, queryLen: n, valueDim: d, causal: cfg.causal, keyPosition: 0,
+                queryPosition: 0, parts: parts.length, singleServer: parts.length === 1,
+                keysSent: n, endpoints: [server]},
+      rows: new Map([[rowKey(row), {
+        row, parts, steps,
+        merged: {output, reference, maxAbsError: maxAbsDiff(output, reference),
+                 rowDoneMaxAbsDiff: NaN},
+        recomputed: 0,
+      }]]),
+    };
+    showMerge(model);
+  }
+
+  async function loadMergeFile(file) {
+    if (!file) return;
+    clearError();
+    try {
+      showMerge(modelFromLines(await file.text(), file.name));
+    } catch (e) {
+      showError(`${file.name}: ${e.message}`);
+      setMergeSource(`Could not load ${file.name}.`);
+    }
+  }
+
+  function showMerge(model) {
+    merge.model = model;
+    merge.pos = 0;
+    const select = $('merge-row');
+    select.replaceChildren(...[...model.rows.entries()].map(([key, r]) =>
+      el('option', {value: key}, `batch ${r.row.batch}, head ${r.row.head}, query ${r.row.row}`)));
+    select.disabled = model.rows.size < 2;
+    merge.rowKey = model.rows.keys().next().value;
+    select.value = merge.rowKey;
+    drawMerge();
+    setMergeSource(model.label);
+  }
+
+  function drawMergeKeys(problem, row, pos) {
+    const chart = $('merge-keys');
+    const W = 1000, H = 84, L = 12, R = 12, top = 24, bar = 24;
+    const n = Math.max(1, problem.keyLen);
+    const x = (j) => L + (j / n) * (W - L - R);
+    const pattern = svg('pattern', {id: 'merge-hatch', width: 6, height: 6,
+                                    patternUnits: 'userSpaceOnUse', patternTransform: 'rotate(45)'});
+    pattern.append(svg('rect', {width: 6, height: 6, fill: '#ffffff', 'fill-opacity': 0.55}),
+                   svg('line', {x1: 0, y1: 0, x2: 0, y2: 6, stroke: '#1d2330', 'stroke-width': 2}));
+    const defs = svg('defs');
+    defs.append(pattern);
+    const nodes = [defs];
+    row.parts.forEach((p, i) => {
+      const state = i < pos ? 'merged' : i === pos ? 'current' : 'pending';
+      const w = Math.max(1, x(p.keyEnd) - x(p.keyBegin));
+      const rect = svg('rect', {x: x(p.keyBegin), y: top, width: w, height: bar,
+                                class: `part p${i % 8} ${state}`});
+      rect.append(svg('title', {}, `part ${i + 1}: keys [${p.keyBegin}, ${p.keyEnd}) on ${p.endpoint}`));
+      nodes.push(rect);
+      const mid = (x(p.keyBegin) + x(p.keyEnd)) / 2;
+      nodes.push(svg('text', {x: mid, y: top - 6, class: 'part-label', 'text-anchor': 'middle'},
+                     `part ${i + 1}${p.steps === 0 ? ' (sees none)' : ''}`));
+      nodes.push(svg('text', {x: x(p.keyBegin) + 2, y: top + bar + 12, class: 'tick'},
+                     String(p.keyBegin)));
+    });
+    if (problem.keysSent < problem.keyLen) {
+      nodes.push(svg('rect', {x: x(problem.keysSent), y: top, height: bar, class: 'unsent',
+                              width: x(problem.keyLen) - x(problem.keysSent)}));
+    }
+    // Keys this row cannot see: a causal query at position p sees keys at positions ≤ p.
+    if (problem.causal) {
+      const seen = Math.max(0, Math.min(n, problem.queryPosition + row.row.row - problem.keyPosition + 1));
+      if (seen < n) {
+        nodes.push(svg('rect', {x: x(seen), y: top, width: x(n) - x(seen), height: bar,
+                                class: 'unseen'}));
+      }
+    }
+    nodes.push(svg('text', {x: W - R, y: top + bar + 12, class: 'tick', 'text-anchor': 'end'},
+                   String(problem.keyLen)));
+    nodes.push(svg('text', {x: L, y: H - 6, class: 'axis'},
+                   `keys 0…${problem.keyLen - 1}: each part's slice` +
+                   (problem.causal ? '; hatched: keys this row cannot see (causal)' : '') +
+                   (problem.keysSent < problem.keyLen ? '; grey: sent to no server' : '')));
+    chart.replaceChildren(...nodes);
+  }
+
+  function drawMergeChart(row, pos) {
+    const chart = $('merge-chart');
+    const W = 420, H = 180, L = 44, R = 10, T = 10, B = 22;
+    const ref = row.merged.reference;
+    const comps = Math.min(4, ref.length);
+    let lo = Infinity, hi = -Infinity;
+    for (const s of row.steps) {
+      for (let c = 0; c < comps; ++c) {
+        if (Number.isFinite(s.estimate[c])) { lo = Math.min(lo, s.estimate[c]); hi = Math.max(hi, s.estimate[c]); }
+      }
+    }
+    for (let c = 0; c < comps; ++c) { lo = Math.min(lo, ref[c]); hi = Math.max(hi, ref[c]); }
+    if (!(hi > lo)) { lo -= 1; hi += 1; }
+    const count = row.steps.length;
+    const x = (i) => L + (count <= 1 ? 0.5 : i / (count - 1)) * (W - L - R);
+    const y = (v) => T + (1 - (v - lo) / (hi - lo)) * (H - T - B);
+    const nodes = [svg('rect', {x: L, y: T, width: W - L - R, height: H - T - B, class: 'plot'})];
+    nodes.push(svg('text', {x: L - 4, y: T + 8, class: 'tick', 'text-anchor': 'end'}, fmt(hi, 2)));
+    nodes.push(svg('text', {x: L - 4, y: H - B, class: 'tick', 'text-anchor': 'end'}, fmt(lo, 2)));
+    nodes.push(svg('text', {x: L, y: H - 6, class: 'axis'},
+                   'merge step → estimate (dashed: full matrix)'));
+    for (let c = 0; c < comps; ++c) {
+      nodes.push(svg('line', {x1: L, x2: W - R, y1: y(ref[c]), y2: y(ref[c]), class: `ref c${c}`}));
+      const pts = row.steps.map((s, i) => `${x(i).toFixed(1)},${y(s.estimate[c]).toFixed(1)}`);
+      nodes.push(svg('polyline', {points: pts.join(' '), class: `est c${c}`}));
+      nodes.push(svg('text', {x: W - R - (comps - 1 - c) * 26, y: H - 6, 'text-anchor': 'end',
+                              class: `legend key c${c}`}, `c${c}`));
+    }
+    nodes.push(svg('line', {x1: x(pos), x2: x(pos), y1: T, y2: H - B, class: 'marker'}));
+    chart.replaceChildren(...nodes);
+  }
+
+  function drawMerge() {
+    const model = merge.model;
+    const row = model && model.rows.get(merge.rowKey);
+    const total = row ? row.steps.length : 0;
+    for (const id of ['merge-first', 'merge-prev']) $(id).disabled = total === 0 || merge.pos === 0;
+    for (const id of ['merge-next', 'merge-last']) $(id).disabled = total === 0 || merge.pos >= total - 1;
+    if (!row) return;
+    const pos = Math.max(0, Math.min(merge.pos, total - 1));
+    const s = row.steps[pos];
+    const partOf = (i) => row.parts[i];
+    const keys = (p) => `[${p.keyBegin}, ${p.keyEnd})`;
+    $('merge-pos').textContent = `merge step ${pos + 1} / ${total}`;
+    drawMergeKeys(model.problem, row, pos);
+
+    // Each part's final state.
+    const dc = Math.min(row.parts.length ? row.parts[0].accumulator.length : 0, MAX_COMPONENTS);
+    const head = el('tr', {}, el('th', {}, 'part'), el('th', {}, 'keys'), el('th', {}, 'server'),
+                    el('th', {}, 'tiles'), el('th', {}, 'max'), el('th', {}, 'denominator'),
+                    el('th', {}, 'lse'), el('th', {}, 'estimate over its keys alone'));
+    const body = el('tbody');
+    row.parts.forEach((p, i) => {
+      const tr = el('tr', {class: i === pos ? 'current' : ''},
+                    el('td', {}, String(i + 1)), el('td', {}, keys(p)), el('td', {}, p.endpoint),
+                    el('td', {}, String(p.steps)));
+      if (p.steps === 0) {
+        tr.append(el('td', {class: 'none', colspan: 4},
+                     'saw no key: max −∞, denominator 0 (the causal mask hides its whole slice)'));
+      } else {
+        tr.append(el('td', {}, fmt(p.max)), el('td', {}, fmt(p.denominator, 6)),
+                  el('td', {}, fmt(p.lse)), el('td', {}, fmtVector(p.estimate.slice(0, dc), 4)));
+      }
+      body.append(tr);
+    });
+    $('merge-parts-table').replaceChildren(
+        el('caption', {}, 'Each server\'s final online-softmax state over its slice (its last tile\'s)'),
+        el('thead', {}, head), body);
+
+    // The current step.
+    const p = partOf(s.part);
+    $('merge-step-label').textContent = `step ${pos + 1} of ${total}: + part ${s.part + 1}, keys ${keys(p)}`;
+    $('merge-max').textContent = `${fmt(s.maxBefore)} → ${fmt(s.maxAfter)} (the part's ${fmt(s.partMax)})`;
+    $('merge-running-rescale').textContent =
+        `exp(${fmt(s.maxBefore)} − ${fmt(s.maxAfter)}) = ${fmt(s.runningRescale, 6)}` +
+        (s.maxBefore === -Infinity ? ' (nothing merged yet: nothing to rescale)'
+         : s.maxAfter > s.maxBefore ? ' (a larger max arrived: the running totals shrink)'
+         : ' (max unchanged)');
+    $('merge-part-rescale').textContent =
+        `exp(${fmt(s.partMax)} − ${fmt(s.maxAfter)}) = ${fmt(s.partRescale, 6)}` +
+        (s.partMax === -Infinity ? ' (this part saw no key: it adds nothing)' : '');
+    $('merge-denominator').textContent =
+        `${fmt(s.denominatorBefore)} × ${fmt(s.runningRescale)} + ${fmt(s.partDenominator)} × ` +
+        `${fmt(s.partRescale)} = ${fmt(s.denominator, 6)}`;
+    $('merge-estimate').textContent =
+        `${fmtVector(s.estimate.slice(0, MAX_COMPONENTS), 6)}  max |estimate − full| ${fmt(s.maxAbsError, 8)}`;
+
+    // Every step.
+    const sh = el('tr', {}, el('th', {}, 'step'), el('th', {}, '+ part'), el('th', {}, 'max'),
+                  el('th', {}, 'exp(m_running − m_new)'), el('th', {}, 'exp(m_part − m_new)'),
+                  el('th', {}, 'denominator'), el('th', {}, 'estimate'), el('th', {}, '|error|'));
+    const sb = el('tbody');
+    row.steps.forEach((t, i) => {
+      sb.append(el('tr', {class: i === pos ? 'current' : ''},
+                   el('td', {}, String(i + 1)), el('td', {}, `${t.part + 1} ${keys(partOf(t.part))}`),
+                   el('td', {}, `${fmt(t.maxBefore)} → ${fmt(t.maxAfter)}`),
+                   el('td', {class: 'running-rescale'}, fmt(t.runningRescale, 6)),
+                   el('td', {class: 'part-rescale'}, fmt(t.partRescale, 6)),
+                   el('td', {}, fmt(t.denominator, 6)),
+                   el('td', {class: 'estimate'}, fmtVector(t.estimate.slice(0, Math.min(dc, 4)), 4)),
+                   el('td', {class: t.maxAbsError < 1e-5 ? 'close' : 'far'}, fmt(t.maxAbsError))));
+    });
+    $('merge-steps-table').replaceChildren(el('thead', {}, sh), sb);
+    drawMergeChart(row, pos);
+
+    // The merged output, once the last server is merged.
+    const out = $('merge-output');
+    $('merge-reference').textContent = fmtVector(row.merged.reference, 6);
+    if (pos === total - 1) {
+      out.textContent = fmtVector(s.estimate, 6);
+      out.dataset.values = JSON.stringify(s.estimate);
+      out.classList.add('ready');
+      $('merge-error').textContent = fmt(maxAbsDiff(s.estimate, row.merged.reference), 8);
+    } else {
+      out.textContent = `— (step to the last merge; ${total - 1 - pos} to go)`;
+      delete out.dataset.values;
+      out.classList.remove('ready');
+      $('merge-error').textContent = '—';
+    }
+    $('merge-check').textContent = model.source === 'file'
+      ? `Recomputed here from the parts' states with the same rule: max |Δ| against the file's ` +
+        `merged estimate = ${fmt(row.recomputed, 8)}` +
+        (Number.isFinite(row.merged.rowDoneMaxAbsDiff)
+          ? `; the file's merge of the parts' finished (output, lse) differs by ` +
+            `${fmt(row.merged.rowDoneMaxAbsDiff, 8)}.` : '.')
+      : 'Merged here in float32 with the rule of OnlineSoftmaxRow::Merge; the reference is ' +
+        'computed here in float64 from the page\'s inputs over all keys.';
+  }
+
+  function initMerge() {
+    $('merge-run').addEventListener('click', splitAndMerge);
+    $('merge-file').addEventListener('change', () => loadMergeFile($('merge-file').files[0]));
+    const drop = $('merge-drop');
+    drop.addEventListener('dragover', (e) => { e.preventDefault(); drop.classList.add('over'); });
+    drop.addEventListener('dragleave', () => drop.classList.remove('over'));
+    drop.addEventListener('drop', (e) => {
+      e.preventDefault();
+      drop.classList.remove('over');
+      loadMergeFile(e.dataTransfer && e.dataTransfer.files[0]);
+    });
+    $('merge-row').addEventListener('change', () => {
+      merge.rowKey = $('merge-row').value;
+      merge.pos = 0;
+      drawMerge();
+    });
+    const to = (pos) => { merge.pos = Math.max(0, pos); drawMerge(); };
+    const last = () => {
+      const row = merge.model && merge.model.rows.get(merge.rowKey);
+      return row ? row.steps.length - 1 : 0;
+    };
+    $('merge-first').addEventListener('click', () => to(0));
+    $('merge-prev').addEventListener('click', () => to(merge.pos - 1));
+    $('merge-next').addEventListener('click', () => to(Math.min(merge.pos + 1, last())));
+    $('merge-last').addEventListener('click', () => to(last()));
+    setMergeSource('No merge yet: split this problem\'s keys, or load a file.');
+    drawMerge();
+  }
+
   // Shows the server's description; a failure goes to the error box when asked for (the button),
   // else only beside it (at load, before a token may have been typed).
   async function info(loud) {
@@ -871,6 +1379,7 @@
     });
     describeProblem();
     drawStep();
+    initMerge();
     if (/^https?:$/.test(location.protocol)) info(false);
   }
   init();

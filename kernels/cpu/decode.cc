@@ -201,7 +201,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     chunk.partial = partials.data() + item.partial_offset + local * item.rows * (s.value_dim + 2);
     DecodeScratch& scratch = workers[worker];
     // The group's rows: query heads kv_head · group … , query_len rows each, consecutive.
-    const int64_t group = s.heads / s.kv_heads;
+    const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
     scratch.visible.resize(item.rows);
     int64_t most_visible = 0;
     for (int64_t r = 0; r < item.rows; ++r) {
@@ -260,7 +260,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
       for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i]);
       lse[r] = state.LogSumExp();
     }
-    const int64_t group = s.heads / s.kv_heads;
+    const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
     StoreFloats(out.data(), item.rows * dv, item.outputs->output,
                 p.OutputOffset(batch, kv_head * group, 0));
     if (item.outputs->lse != nullptr) {

@@ -10,7 +10,7 @@
 // online_softmax.h, and leaves each row's state {max, denominator, accumulator}. A second pass
 // merges each row's chunk states in chunk order with OnlineSoftmaxRow::Merge — exact: the same
 // rule as a tile's — and writes output and lse as Tiled does. Causal rows see keys up to their
-// bottom-right limit (VisibleKeysOf); chunks past every row's limit are never read.
+// causal limit (kernels/geometry.h); chunks past every row's limit are never read.
 //
 // Chunking depends only on the problem, and a task's arithmetic not on its worker, so results
 // do not depend on the thread count. Cost: keys and values are read once per kv head, so the
@@ -42,7 +42,7 @@ inline constexpr int64_t kDecodeMaxRows = 64;
 
 // Rows one kv head's task computes: query_len · heads / kv_heads.
 inline int64_t DecodeRowsOf(const Problem& problem) {
-  return problem.shape.query_len * (problem.shape.heads / problem.shape.kv_heads);
+  return problem.shape.query_len * QueryHeadsPerKvHead(problem.shape.heads, problem.shape.kv_heads);
 }
 
 // The decode kernel over problems[i] into outputs[i] (every problem decode-shaped:

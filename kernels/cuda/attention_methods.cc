@@ -25,7 +25,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
       !budget.ok()) {
     return budget;
   }
-  const int64_t group = s.heads / s.kv_heads;
+  const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
   const int64_t rows_per_kv_head = group * s.query_len;  // The GEMMs' M.
   const int pitch =
       std::max<int>(PaddedDim(s), static_cast<int>(std::max(s.head_dim, s.value_dim)));
@@ -76,7 +76,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
           batches, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmStridedBatchedEx (scores)"));
   ATTN_RETURN_IF_ERROR(Check(LaunchSoftmax(scores, weights, lse, s.batch * s.heads * s.query_len,
-                                           s.query_len, s.key_len, problem.causal, slot.stream),
+                                           problem.geometry(), slot.stream),
                              "LaunchSoftmax"));
   // Row-major O[m, dv] = W[m, Nk] · V[Nk, dv] is column-major Oᵀ = Vᵀ · Wᵀ.
   ATTN_RETURN_IF_ERROR(CublasStatus(

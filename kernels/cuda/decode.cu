@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   const int64_t key_len = item.key_len;
   const int64_t head_dim = item.head_dim;
   const int64_t value_dim = item.value_dim;
-  const int64_t group = item.heads / item.kv_heads;
+  const int64_t group = QueryHeadsPerKvHead(item.heads, item.kv_heads);
   const int64_t row0 = int64_t{unit.row_group} * kDecodeRows;
   const int rows = static_cast<int>(min(int64_t{kDecodeRows}, group * nq - row0));
   const int warp = threadIdx.x / 32;
@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   int64_t last_query_row = 0;
   for (int r = 0; r < rows; ++r) last_query_row = max(last_query_row, (row0 + r) % nq);
   const int64_t begin = unit.chunk * item.chunk_keys;
-  const int64_t end = min(min(begin + item.chunk_keys, key_len),
-                          VisibleKeysOf(last_query_row, nq, key_len, item.causal));
+  const int64_t end =
+      min(min(begin + item.chunk_keys, key_len), item.geometry.VisibleKeys(last_query_row));
 
   OnlineSoftmax<WarpReduce> state[kRowsPerWarp];
   float acc[kRowsPerWarp][P / 32];
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int r = warp + kWarps * k;
-    visible[k] = r < rows ? VisibleKeysOf((row0 + r) % nq, nq, key_len, item.causal) : 0;
+    visible[k] = r < rows ? item.geometry.VisibleKeys((row0 + r) % nq) : 0;
 #pragma unroll
     for (int m = 0; m < P / 32; ++m) acc[k][m] = 0.f;
   }

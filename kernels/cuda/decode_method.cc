@@ -93,7 +93,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     for (const Problem* p : problems) {
       const Shape& s = p->shape;
       const int64_t row_groups =
-          (s.heads / s.kv_heads * s.query_len + kDecodeRows - 1) / kDecodeRows;
+          (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + kDecodeRows - 1) / kDecodeRows;
       key_work += static_cast<double>(s.kv_heads * row_groups) * static_cast<double>(s.key_len);
     }
     const double target = static_cast<double>(kBlocksPerMultiprocessor * multiprocessors_);
@@ -120,7 +120,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     item.head_dim = s.head_dim;
     item.value_dim = s.value_dim;
     item.scale = p.scale;
-    item.causal = p.causal;
+    item.geometry = p.geometry();
     item.chunk_keys = chunk_keys;
     item.chunks = (s.key_len + chunk_keys - 1) / chunk_keys;
     const int64_t rows = s.heads * s.query_len;
@@ -138,7 +138,8 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
       lse_offset[i] = result_bytes;
       result_bytes += Align(p.LseElements() * 4);
     }
-    const int64_t row_groups = (s.heads / s.kv_heads * s.query_len + kDecodeRows - 1) / kDecodeRows;
+    const int64_t row_groups =
+        (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + kDecodeRows - 1) / kDecodeRows;
     for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head) {
       for (int64_t group = 0; group < row_groups; ++group) {
         for (int64_t chunk = 0; chunk < item.chunks; ++chunk) {

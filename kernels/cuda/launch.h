@@ -33,7 +33,7 @@ struct DeviceProblem {
   DType dtype = DType::kFloat32;  // Of query, key and value alike.
   int pitch = 32;                 // Elements per row in memory: PaddedDim(shape).
   float scale = 1.f;
-  bool causal = false;
+  Geometry geometry;            // Which keys each query row sees (kernels/geometry.h).
   const void* query = nullptr;  // [batch, heads, query_len, pitch]
   const void* key = nullptr;    // [batch, kv_heads, key_len, pitch]
   const void* value = nullptr;  // [batch, kv_heads, key_len, pitch]
@@ -78,9 +78,9 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
 // --- Naive's pieces (naive.cu); the two matrix products are cuBLAS calls --------------------
 
 // Row-wise stable softmax of scores [B·H·Nq, Nk] (row r is query r % Nq) into weights, with
-// the causal mask applied here; lse (nullable) gets each row's log-sum-exp.
+// the causal mask (`geometry`) applied here; lse (nullable) gets each row's log-sum-exp.
 cudaError_t LaunchSoftmax(const float* scores, float* weights, float* lse, int64_t rows,
-                          int64_t query_len, int64_t key_len, bool causal, cudaStream_t stream);
+                          const Geometry& geometry, cudaStream_t stream);
 
 // Dense fp32 copy [rows, cols] of a pitched tensor in `dtype`.
 cudaError_t LaunchToFloat(const void* input, DType dtype, int64_t pitch, int64_t rows, int64_t cols,
@@ -154,7 +154,7 @@ struct DecodeItem {
   float* lse;  // [heads, query_len], or null
   int64_t heads, kv_heads, query_len, key_len, head_dim, value_dim;
   float scale;
-  bool causal;  // Bottom-right (VisibleKeysOf).
+  Geometry geometry;  // Which keys each query row sees (kernels/geometry.h).
   int64_t chunk_keys, chunks;
   int64_t partial_acc;    // Offset in DecodeBatch::partial_acc of its [rows, chunks, value_dim].
   int64_t partial_state;  // Offset in DecodeBatch::partial_state of its [rows, chunks, 2].

@@ -22,10 +22,10 @@ constexpr int kSoftmaxThreads = 256;
 // online_softmax.h) shared by the block's threads. A row that sees no key gets zero weights and
 // lse −inf.
 __global__ void __launch_bounds__(kSoftmaxThreads)
-    SoftmaxKernel(const float* scores, float* weights, float* lse, int64_t query_len,
-                  int64_t key_len, bool causal) {
+    SoftmaxKernel(const float* scores, float* weights, float* lse, const Geometry geometry) {
   const int64_t row = blockIdx.x;
-  const int64_t visible = VisibleKeysOf(row % query_len, query_len, key_len, causal);
+  const int64_t key_len = geometry.key_len;
+  const int64_t visible = geometry.VisibleKeys(row % geometry.query_len);
   const OnlineSoftmax<BlockReduce<kSoftmaxThreads>> softmax =
       SoftmaxRow<BlockReduce<kSoftmaxThreads>>(scores + row * key_len, weights + row * key_len,
                                                key_len, visible, threadIdx.x, kSoftmaxThreads);
@@ -57,10 +57,10 @@ unsigned GridFor(int64_t count) {
 }  // namespace
 
 cudaError_t LaunchSoftmax(const float* scores, float* weights, float* lse, int64_t rows,
-                          int64_t query_len, int64_t key_len, bool causal, cudaStream_t stream) {
+                          const Geometry& geometry, cudaStream_t stream) {
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
-  SoftmaxKernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(
-      scores, weights, lse, query_len, key_len, causal);
+  SoftmaxKernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(scores, weights, lse,
+                                                                             geometry);
   return cudaGetLastError();
 }
 

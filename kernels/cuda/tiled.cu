@@ -63,12 +63,12 @@ struct Params {
   int64_t heads, kv_heads, query_len, key_len, value_dim;
   int64_t row_blocks;  // Blocks per (batch, head).
   float scale;
-  bool causal;
+  Geometry geometry;
 };
 
-// Keys that query row `row` sees: j < VisibleKeys(row) (VisibleKeysOf, problem.h).
+// Keys that query row `row` sees: j < VisibleKeys(row) (kernels/geometry.h).
 __device__ __forceinline__ int64_t VisibleKeys(const Params& p, int64_t row) {
-  return VisibleKeysOf(row, p.query_len, p.key_len, p.causal);
+  return p.geometry.VisibleKeys(row);
 }
 
 // The block's rows and the key tiles they see. batch_head and batch_kv_head are flattened
@@ -434,7 +434,9 @@ struct RowParams {
 // … of the tile for the row's max (WarpReduce); the accumulators are rescaled; then 32 keys at
 // a time each lane scores its key again, turns it into a weight, and the warp adds every weight
 // (shuffled from its lane) times that key's value columns to the lanes' accumulators.
-__global__ void __launch_bounds__(kRowWarps * 32) RowKernel(const RowParams params) {
+// (At least one block per multiprocessor: without the 1, ptxas capped this kernel at 56
+// registers and spilled once the geometry's positions joined its parameters.)
+__global__ void __launch_bounds__(kRowWarps * 32, 1) RowKernel(const RowParams params) {
   using Softmax = OnlineSoftmax<WarpReduce>;
   const DeviceProblem& p = params.problem;
   const Shape& s = p.shape;
@@ -446,7 +448,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) RowKernel(const RowParams para
   const int64_t batch = batch_head / s.heads, head = batch_head % s.heads;
   const int64_t query_offset = QueryRowOffset(p, batch, head, row);
   const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
-  const int64_t visible = VisibleKeysOf(row, s.query_len, s.key_len, p.causal);
+  const int64_t visible = p.geometry.VisibleKeys(row);
   auto score = [&](int64_t key) {
     return p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
   };
@@ -578,7 +580,7 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
                 s.value_dim,
                 (s.query_len + rows - 1) / rows,
                 problem.scale,
-                problem.causal};
+                problem.geometry};
   const int64_t blocks = s.batch * s.heads * params.row_blocks;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   return ForPitch(problem.pitch, cudaErrorInvalidValue, [&](auto dim) -> cudaError_t {

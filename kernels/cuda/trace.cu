@@ -38,7 +38,7 @@ __global__ void TraceKernel(const TraceParams params) {
   const int64_t row = rec.row_refs[3 * r + 2];
   const int64_t query_offset = QueryRowOffset(p, batch, head, row);
   const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
-  const int64_t visible = VisibleKeysOf(row, s.query_len, s.key_len, p.causal);
+  const int64_t visible = p.geometry.VisibleKeys(row);
   const int64_t tiles = (visible + rec.block_k - 1) / rec.block_k;
 
   OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.

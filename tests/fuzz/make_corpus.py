@@ -87,6 +87,10 @@ seeds = {
     "attention-bf16-causal": ATTENTION + random_request(
         4, [3], 3, 6, 17, 4, 6, (BF16, BF16, BF16), causal=True, return_lse=True,
         scale=0.75).SerializeToString(),
+    # A slice of a causal problem's keys placed by positions: some rows see none of it.
+    "attention-causal-key-slice": ATTENTION + random_request(
+        8, [2, 2], 1, 9, 6, 4, 5, causal=True, block_k=4, return_lse=True, key_position=12,
+        query_position=9).SerializeToString(),
     "attention-mixed-dtypes": ATTENTION + random_request(
         5, [], 1, 5, 9, 6, 2, (F16, BF16, F32), block_k=3, output_dtype=F16).SerializeToString(),
     # Finite inputs whose scores overflow fp32 (4·1e20·1e20 > 3.4e38): inf − inf in the softmax.
@@ -101,6 +105,10 @@ seeds = {
     "trace-causal-gqa-rows": TRACE + pb.TraceRequest(
         attention=random_request(6, [2, 4], 2, 7, 11, 5, 3, causal=True, block_k=3),
         rows=rows((0, 0, 0), (1, 3, 6), (0, 1, 3))).SerializeToString(),
+    "trace-causal-query-position": TRACE + pb.TraceRequest(
+        attention=random_request(9, [3], 3, 5, 13, 4, 4, causal=True, block_k=3, key_position=2,
+                                 query_position=7),
+        rows=rows((0, 0, 0), (0, 2, 4))).SerializeToString(),
     "trace-bf16-unseeing-row": TRACE + pb.TraceRequest(
         attention=random_request(7, [2], 1, 6, 4, 4, 4, (BF16, BF16, BF16), causal=True,
                                  block_k=3),

@@ -166,7 +166,21 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
       options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
       return true;
     case 10:
-      switch (Pick(rng, 4)) {
+      switch (Pick(rng, 6)) {
+        case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
+          const int64_t choice = Pick(rng, 4);
+          options->set_key_position(choice == 0   ? 0
+                                    : choice == 3 ? (int64_t{1} << 62) - 2 + Pick(rng, 4)
+                                                  : Pick(rng, 40));
+          break;
+        }
+        case 5:  // query_position: unset (bottom-right), small, or negative
+          if (Pick(rng, 3) == 0) {
+            options->clear_query_position();
+          } else {
+            options->set_query_position(static_cast<int64_t>(Pick(rng, 50)) - 2);
+          }
+          break;
         case 0:
           options->set_causal(!options->causal());
           break;

@@ -144,13 +144,6 @@ std::vector<TraceItem> CollectTrace(Backend& backend, const Problem& problem,
   return items;
 }
 
-// Keys query row `row` sees, from the rule in DESIGN.md ("Numerics"), independent of Problem.
-int64_t ExpectedVisibleKeys(const HostProblem& host, int64_t row) {
-  const Shape& s = host.shape;
-  if (!host.causal) return s.key_len;
-  return std::clamp<int64_t>(row + s.key_len - s.query_len + 1, 0, s.key_len);
-}
-
 void ExpectWithin(double actual, double expected, double tolerance, const char* what, int tile,
                   int64_t index) {
   EXPECT_LE(std::abs(actual - expected), tolerance)
@@ -166,7 +159,7 @@ void CheckTraceRow(const HostProblem& host, const Problem& problem, const RowRef
                << "row b=" << ref.batch << " h=" << ref.head << " i=" << ref.row);
   const Shape& s = host.shape;
   const int64_t block_k = problem.block_k;
-  const int64_t visible = ExpectedVisibleKeys(host, ref.row);
+  const int64_t visible = ReferenceVisibleKeys(host, ref.row);
   const int64_t expected_tiles = (visible + block_k - 1) / block_k;
   ASSERT_EQ(static_cast<int64_t>(items.size()), expected_tiles + 1);
 
@@ -427,7 +420,9 @@ struct RandomCase {
   std::string name;
   Shape shape;
   bool causal = false;
-  int block_k = 16;  // Passed to the kernels as is: Tiled's row kernel unless it is 32.
+  int block_k = 16;          // Passed to the kernels as is: Tiled's row kernel unless it is 32.
+  int64_t key_position = 0;  // Positions (kernels/geometry.h); query_position −1 = unset.
+  int64_t query_position = -1;
 };
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
@@ -437,7 +432,9 @@ class CudaRandomFp32Test : public CudaFixture<::testing::TestWithParam<RandomCas
 TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
   const RandomCase& c = GetParam();
   const uint64_t seed = std::hash<std::string>{}("cuda fp32 " + c.name);
-  const HostProblem host = RandomProblem(c.shape, DType::kFloat32, c.causal, c.block_k, seed);
+  HostProblem host = RandomProblem(c.shape, DType::kFloat32, c.causal, c.block_k, seed);
+  host.key_position = c.key_position;
+  if (c.query_position >= 0) host.query_position = c.query_position;
   Problem problem = host.View();
   problem.block_k = c.block_k;
   const Reference ref = ReferenceAttention(host);
@@ -490,7 +487,13 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"ValueDimWider", MakeShape(1, 2, 2, 29, 35, 20, 40), false, 16},
         RandomCase{"HeadDim256", MakeShape(1, 2, 1, 37, 70, 256, 256), false, 64},
         RandomCase{"HeadDim256CausalMoreQueries", MakeShape(1, 2, 2, 50, 19, 256, 200), true, 64},
-        RandomCase{"ManyRowBlocksCausalGqa", MakeShape(2, 4, 2, 203, 333, 48, 40), true, 64}),
+        RandomCase{"ManyRowBlocksCausalGqa", MakeShape(2, 4, 2, 203, 333, 48, 40), true, 64},
+        // Positions: a slice of a causal problem's keys (rows 0..5 see none of it), queries
+        // mid-sequence over a GQA group, and moved keys with bottom-right queries.
+        RandomCase{"PositionsKeySlice", MakeShape(1, 2, 2, 37, 19, 17, 17), true, 5, 23, 16},
+        RandomCase{"PositionsQueriesMidSequence", MakeShape(1, 6, 2, 45, 130, 64, 64), true, 32, 0,
+                   60},
+        RandomCase{"PositionsMovedKeys", MakeShape(2, 2, 1, 70, 53, 32, 24), true, 16, 1000}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
