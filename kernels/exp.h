@@ -45,10 +45,14 @@ ATTN_HOST_DEVICE int32_t ShiftedBits(float t) {
 ATTN_HOST_DEVICE lanes::Ints ShiftedBits(lanes::Floats t) {
   return (lanes::Ints)((lanes::UInts)t << 23);
 }
+ATTN_HOST_DEVICE lanes::Ints16 ShiftedBits(lanes::Floats16 t) {
+  return (lanes::Ints16)((lanes::UInts16)t << 23);
+}
 ATTN_HOST_DEVICE float AsFloat(int32_t bits) { return std::bit_cast<float>(bits); }
 ATTN_HOST_DEVICE lanes::Floats AsFloat(lanes::Ints bits) { return (lanes::Floats)bits; }
+ATTN_HOST_DEVICE lanes::Floats16 AsFloat(lanes::Ints16 bits) { return (lanes::Floats16)bits; }
 
-template <typename F>  // float or lanes::Floats
+template <typename F>  // float, lanes::Floats or lanes::Floats16
 ATTN_HOST_DEVICE F Exp(F x) {
   const F low = F{} + kLow;
   const F clamped = x > low ? x : low;  // NaN gives kLow.
@@ -69,6 +73,7 @@ ATTN_HOST_DEVICE F Exp(F x) {
 namespace lanes {
 // attn::Exp on each lane.
 ATTN_HOST_DEVICE Floats Exp(Floats x) { return exp_detail::Exp(x); }
+ATTN_HOST_DEVICE Floats16 Exp(Floats16 x) { return exp_detail::Exp(x); }
 }  // namespace lanes
 #endif
 

@@ -1,10 +1,11 @@
-// lanes: eight floats at a time on the CPU, for the softmax's vector loops (online_softmax.h,
-// exp.h) and KeyTile's kernels (cpu/key_tile_kernels.inc).
+// lanes: eight (or sixteen) floats at a time on the CPU, for the softmax's vector loops
+// (online_softmax.h, exp.h) and KeyTile's kernels (cpu/key_tile_kernels.inc).
 //
-// GCC vector extensions: SSE pairs in the portable build, one AVX register in the AVX2 clone
-// (cpu/cpu_dispatch.h). Every operation here is one the scalar code also performs, in the same
-// order, so a value is the same whether it went through a vector or a scalar tail. Host code
-// only: the CUDA kernels never see these types.
+// GCC vector extensions: eight floats are SSE pairs in the portable build and one AVX register in
+// the AVX2 clone; sixteen are one AVX-512 register in the AVX-512 clone (cpu/cpu_dispatch.h).
+// Every operation here is one the scalar code also performs, in the same order, so a value is the
+// same whether it went through a vector or a scalar tail. Host code only: the CUDA kernels never
+// see these types.
 #pragma once
 
 #if !defined(__CUDA_ARCH__)
@@ -20,13 +21,25 @@ typedef float Floats __attribute__((vector_size(32)));
 typedef int32_t Ints __attribute__((vector_size(32)));
 typedef uint32_t UInts __attribute__((vector_size(32)));
 
-ATTN_HOST_DEVICE Floats Load(const float* p) {
-  Floats v;
+// Sixteen lanes: the AVX-512 clone's softmax (VisitTile<Floats16>).
+typedef float Floats16 __attribute__((vector_size(64)));
+typedef int32_t Ints16 __attribute__((vector_size(64)));
+typedef uint32_t UInts16 __attribute__((vector_size(64)));
+
+template <class V = Floats>
+ATTN_HOST_DEVICE V Load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-ATTN_HOST_DEVICE void Store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
-ATTN_HOST_DEVICE Floats Splat(float x) { return Floats{} + x; }
+template <class V>
+ATTN_HOST_DEVICE void Store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <class V = Floats>
+ATTN_HOST_DEVICE V Splat(float x) {
+  return V{} + x;
+}
 
 // op folded over the eight lanes as a tree (halves, then quarters, then pairs): three steps
 // instead of a chain of seven, in a fixed order.
@@ -36,6 +49,13 @@ ATTN_HOST_DEVICE float Reduce(Floats v, Op op) {
   v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
   v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
   return v[0];
+}
+// Sixteen lanes: the halves folded first, then as above.
+template <typename Op>
+ATTN_HOST_DEVICE float Reduce(Floats16 v, Op op) {
+  const Floats low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const Floats high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return Reduce(op(low, high), op);
 }
 
 }  // namespace attn::lanes

@@ -98,28 +98,32 @@ struct OnlineSoftmax {
 
   // Visits a tile of n scores that this thread holds alone (SerialReduce): writes their weights
   // (weights may alias scores) and returns the rescale factor. On the CPU the max and the sum
-  // run in eight lanes (combined in a fixed order), so the loops run on vector registers; on the
-  // GPU one thread walks the tile.
-  ATTN_HOST_DEVICE float VisitTile(const float* scores, int n, float* weights) {
+  // run in lanes of a vector V — lanes::Floats (eight), or lanes::Floats16 in the AVX-512 clone —
+  // combined in a fixed order, so the loops run on vector registers; on the GPU one thread walks
+  // the tile.
 #if defined(__CUDA_ARCH__)
+  ATTN_HOST_DEVICE float VisitTile(const float* scores, int n, float* weights) {
     return VisitShare(scores, n, weights, 0, 1);
+  }
 #else
-    using lanes::Floats;
-    constexpr int kWidth = lanes::kWidth;
+  template <class V = lanes::Floats>
+  ATTN_HOST_DEVICE float VisitTile(const float* scores, int n, float* weights) {
+    constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));
+    const auto max_of = [](auto a, auto b) { return a > b ? a : b; };
     // The max in two chains of lanes (the loop is short, so the compare chain's latency shows).
-    Floats lane_max = lanes::Splat(-INFINITY), lane_max_odd = lane_max;
+    V lane_max = lanes::Splat<V>(-INFINITY), lane_max_odd = lane_max;
     int j = 0;
     for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-      const Floats s = lanes::Load(scores + j), s_odd = lanes::Load(scores + j + kWidth);
+      const V s = lanes::Load<V>(scores + j), s_odd = lanes::Load<V>(scores + j + kWidth);
       lane_max = s > lane_max ? s : lane_max;
       lane_max_odd = s_odd > lane_max_odd ? s_odd : lane_max_odd;
     }
     for (; j + kWidth <= n; j += kWidth) {
-      const Floats s = lanes::Load(scores + j);
+      const V s = lanes::Load<V>(scores + j);
       lane_max = s > lane_max ? s : lane_max;
     }
     lane_max = lane_max_odd > lane_max ? lane_max_odd : lane_max;
-    float tile_max = lanes::Reduce(lane_max, [](Floats a, Floats b) { return a > b ? a : b; });
+    float tile_max = lanes::Reduce(lane_max, max_of);
     for (; j < n; ++j) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
 
     const float rescale = Rescale(tile_max);
@@ -128,23 +132,23 @@ struct OnlineSoftmax {
       return rescale;
     }
     // With a finite max a masked score's s − max is −inf, whose Exp is exactly 0.
-    const Floats max_lanes = lanes::Splat(max);
-    Floats lane_sum = lanes::Splat(0.f);
+    const V max_lanes = lanes::Splat<V>(max);
+    V lane_sum = lanes::Splat<V>(0.f);
     for (j = 0; j + kWidth <= n; j += kWidth) {
-      const Floats s = lanes::Load(scores + j);
-      const Floats w = lanes::Exp(s - max_lanes);
+      const V s = lanes::Load<V>(scores + j);
+      const V w = lanes::Exp(s - max_lanes);
       lanes::Store(weights + j, w);
       lane_sum += w;
     }
-    float sum = lanes::Reduce(lane_sum, [](Floats a, Floats b) { return a + b; });
+    float sum = lanes::Reduce(lane_sum, [](auto a, auto b) { return a + b; });
     for (; j < n; ++j) {
       weights[j] = Weight(scores[j]);
       sum += weights[j];
     }
     denominator += sum;
     return rescale;
-#endif
   }
+#endif
 
   // Merges the state of the same row over other keys (another key range, worker or server)
   // into this one — the same rule as a tile's: m = max(m₁, m₂), each side rescaled by

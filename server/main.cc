@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/blas_core.h"
 #include "server/builder_options.h"
 #include "server/dashed_flags.h"
 #include "server/gateway.h"
@@ -102,6 +103,8 @@ int WaitForSignal() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First, before any thread: may run attnd again with OPENBLAS_CORETYPE set (blas_core.h).
+  const std::string blas = attn::SelectBlasCore(argv);
   // SIGINT/SIGTERM go through a pipe to the thread that drains the server (below). A handler,
   // not sigwait: threads started before main (OpenBLAS starts its own) never blocked them.
   if (pipe(signal_pipe) != 0) Die("cannot create the signal pipe");
@@ -221,6 +224,7 @@ int main(int argc, char** argv) {
       static_cast<long long>(service.caches().limits().budget_bytes),
       static_cast<long long>(service.caches().limits().idle_seconds), shutdown_grace);
   std::printf("  security: %s\n", security->summary.c_str());
+  std::printf("  blas: %s\n", blas.c_str());
   const std::string http_banner =
       http.port() != 0 ? absl::StrCat("http://", http.address(),
                                       " (/metrics /healthz /readyz; JSON gateway /v1/naive "

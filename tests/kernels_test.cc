@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <string>
@@ -16,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/key_tile.h"
 #include "kernels/cpu/naive.h"
 #include "kernels/problem.h"
@@ -476,6 +479,29 @@ TEST(BudgetTest, NaiveOverBudgetNamesTiledWhichSucceeds) {
 
   const KernelRun tiled = RunKernel(backend, Kernel::kTiled, host);
   ExpectMatchesReference(tiled, ReferenceAttention(host), 1e-5);
+}
+
+}  // namespace
+
+namespace {
+
+// The run-time dispatch takes the path the environment asks for, so each ctest run of this suite
+// (default, ATTN_CPU_AVX2=1, ATTN_CPU_BASELINE=1) tests the kernels it says it tests.
+TEST(CpuDispatchTest, TheEnvironmentPicksThePath) {
+  const std::string path = ::CpuKernelPath();
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vl");
+#else
+  const bool avx2 = false, avx512 = false;
+#endif
+  std::string expected = avx512 ? "avx512" : (avx2 ? "avx2" : "baseline");
+  if (std::getenv("ATTN_CPU_AVX2") != nullptr && avx2) expected = "avx2";
+  if (std::getenv("ATTN_CPU_BASELINE") != nullptr) expected = "baseline";
+  EXPECT_EQ(path, expected);
+  std::printf("CPU kernels: %s\n", path.c_str());
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/lanes.h"
@@ -10,31 +11,60 @@ namespace attn {
 namespace {
 
 constexpr int kPanel = kTilePanel;
-constexpr int kRows = 6;  // Query rows per register block: 12 accumulators + 2 panel halves.
-using lanes::Floats;
+using Floats8 = lanes::Floats;
 
-// The kernels twice: for the portable baseline, and for AVX2 + FMA inside a pragma region (a
-// per-function target attribute is not enough: GCC then builds each broadcast from four inserts
-// instead of one vbroadcastss, and the kernels run at half speed).
+// The kernels three times: for the portable baseline, for AVX2 + FMA and for AVX-512, the last
+// two inside pragma regions (a per-function target attribute is not enough: GCC then builds each
+// broadcast from four inserts instead of one vbroadcastss, and the kernels run at half speed).
+// Register blocks: 6 query rows × 16 keys in 8-float lanes (12 accumulators + 2 panel halves of
+// the 16 AVX registers); 12 rows × 16 keys in 16-float lanes (12 + 1 of the 32 AVX-512 ones:
+// each key panel loaded once per dimension serves twice the rows).
 namespace portable {
+using Floats = lanes::Floats;
+constexpr int kLanes = 8;
+constexpr int kRows = 6;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace portable
 
 #if defined(__x86_64__) && defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 namespace avx2 {
+using Floats = lanes::Floats;
+constexpr int kLanes = 8;
+constexpr int kRows = 6;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace avx2
 #pragma clang attribute pop
-#define ATTN_KEY_TILE_AVX2 1
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))), apply_to = function)
+namespace avx512 {
+typedef float Floats __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kRows = 12;
+#include "kernels/cpu/key_tile_kernels.inc"
+}  // namespace avx512
+#pragma clang attribute pop
+#define ATTN_KEY_TILE_X86 1
 #elif defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
+using Floats = lanes::Floats;
+constexpr int kLanes = 8;
+constexpr int kRows = 6;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace avx2
 #pragma GCC pop_options
-#define ATTN_KEY_TILE_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+namespace avx512 {
+typedef float Floats __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kRows = 12;
+#include "kernels/cpu/key_tile_kernels.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+#define ATTN_KEY_TILE_X86 1
 #endif
 
 }  // namespace
@@ -46,7 +76,12 @@ void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, 
   stride_ = AccStride(value_dim);
   keys_.resize(static_cast<size_t>((n + kPanel - 1) / kPanel) * head_dim * kPanel);
   values_.resize(static_cast<size_t>(n) * stride_);
-#if defined(ATTN_KEY_TILE_AVX2)
+#if defined(ATTN_KEY_TILE_X86)
+  if (CpuHasAvx512()) {
+    avx512::PackKeys(keys, n, head_dim, scale, keys_.data());
+    avx512::PackValues(values, n, value_dim, values_.data());
+    return;
+  }
   if (CpuHasAvx2Fma()) {
     avx2::PackKeys(keys, n, head_dim, scale, keys_.data());
     avx2::PackValues(values, n, value_dim, values_.data());
@@ -58,14 +93,16 @@ void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, 
 }
 
 void KeyTile::Scores(const float* queries, int m, float* scores) const {
-#if defined(ATTN_KEY_TILE_AVX2)
+#if defined(ATTN_KEY_TILE_X86)
+  if (CpuHasAvx512()) return avx512::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
   if (CpuHasAvx2Fma()) return avx2::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
 #endif
   portable::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
 }
 
 void KeyTile::Accumulate(const float* weights, int m, float* acc) const {
-#if defined(ATTN_KEY_TILE_AVX2)
+#if defined(ATTN_KEY_TILE_X86)
+  if (CpuHasAvx512()) return avx512::Accumulate(weights, m, n_, values_.data(), stride_, acc);
   if (CpuHasAvx2Fma()) return avx2::Accumulate(weights, m, n_, values_.data(), stride_, acc);
 #endif
   portable::Accumulate(weights, m, n_, values_.data(), stride_, acc);

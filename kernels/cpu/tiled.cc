@@ -13,6 +13,8 @@ namespace attn {
 
 namespace {
 
+// V: the lanes of the softmax's vector loops (lanes::Floats, or lanes::Floats16 under AVX-512).
+template <class V>
 ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
                                            int64_t key_begin, int n, float* scores, float* acc,
                                            int acc_stride, OnlineSoftmaxRow* states,
@@ -22,7 +24,7 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
     float* s = scores + r * n;
     const int64_t visible_in_tile = problem.VisibleKeys(row_begin + r) - key_begin;
     for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) s[j] = -INFINITY;
-    const float rescale = states[r].VisitTile(s, n, s);
+    const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     float* a = acc + r * acc_stride;
     OnlineSoftmaxRow::RescaleAccumulator(rescale, static_cast<int>(dv),
@@ -33,15 +35,24 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
 ATTN_CPU_FAST void VisitKeyTileRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
                                         int64_t key_begin, int n, float* scores, float* acc,
                                         int acc_stride, OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states,
-                       rescales);
+  VisitKeyTileRowsBody<lanes::Floats>(problem, row_begin, rows, key_begin, n, scores, acc,
+                                      acc_stride, states, rescales);
 }
+
+#if defined(ATTN_CPU_HAS_AVX512_BUILD)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) void VisitKeyTileRowsAvx512(
+    const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin, int n,
+    float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states, float* rescales) {
+  VisitKeyTileRowsBody<lanes::Floats16>(problem, row_begin, rows, key_begin, n, scores, acc,
+                                        acc_stride, states, rescales);
+}
+#endif
 
 void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows,
                               int64_t key_begin, int n, float* scores, float* acc, int acc_stride,
                               OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody(problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states,
-                       rescales);
+  VisitKeyTileRowsBody<lanes::Floats>(problem, row_begin, rows, key_begin, n, scores, acc,
+                                      acc_stride, states, rescales);
 }
 
 }  // namespace
@@ -49,6 +60,12 @@ void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t
 void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
                       int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
                       float* rescales) {
+#if defined(ATTN_CPU_HAS_AVX512_BUILD)
+  if (CpuHasAvx512()) {
+    return VisitKeyTileRowsAvx512(problem, row_begin, rows, key_begin, n, scores, acc, acc_stride,
+                                  states, rescales);
+  }
+#endif
   (CpuHasAvx2Fma() ? VisitKeyTileRowsAvx2 : VisitKeyTileRowsPortable)(
       problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states, rescales);
 }
