@@ -31,6 +31,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/exp.h"
 #include "kernels/host_device.h"
@@ -183,14 +184,19 @@ using OnlineSoftmaxRow = OnlineSoftmax<SerialReduce>;
 // The full-row stable softmax, Naive's W = softmax(S) and every trace's reference: the row's
 // `visible` leading scores as a single tile, each weight then divided by the denominator (by one
 // multiplication with its inverse); weights[visible, n) are 0. The caller's threads share the
-// row as in VisitShare (first, stride). Returns the finished state (for LogSumExp).
-template <class Reduce>
+// row as in VisitShare (first, stride). Returns the finished state (for LogSumExp). On the CPU,
+// Lanes picks VisitTile's vector (void: its default, eight lanes).
+template <class Reduce, class Lanes = void>
 ATTN_HOST_DEVICE OnlineSoftmax<Reduce> SoftmaxRow(const float* scores, float* weights, int64_t n,
                                                   int64_t visible, int64_t first, int64_t stride) {
   OnlineSoftmax<Reduce> row;
 #if !defined(__CUDA_ARCH__)
   if (first == 0 && stride == 1) {  // One CPU thread: the vector code.
-    row.VisitTile(scores, static_cast<int>(visible), weights);
+    if constexpr (std::is_void_v<Lanes>) {
+      row.VisitTile(scores, static_cast<int>(visible), weights);
+    } else {
+      row.template VisitTile<Lanes>(scores, static_cast<int>(visible), weights);
+    }
   } else {
     row.VisitShare(scores, visible, weights, first, stride);
   }

@@ -1,9 +1,11 @@
 #include "kernels/cpu/naive.h"
 
 #include <cblas.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <new>
 #include <vector>
@@ -18,7 +20,9 @@ namespace attn {
 namespace {
 
 // Each score row: the causal mask, then the full-row stable softmax (SoftmaxRow,
-// online_softmax.h: the row max, e^(s − max), the sum, the normalization) in eight lanes.
+// online_softmax.h: the row max, e^(s − max), the sum, the normalization) in lanes of Lanes
+// (void: eight; lanes::Floats16 in the AVX-512 clone).
+template <class Lanes>
 ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
                                       float* scores, float* weights, float* lse) {
   const int64_t n = problem.shape.key_len;
@@ -26,19 +30,47 @@ ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin,
     float* s = scores + r * n;
     const int64_t visible = problem.VisibleKeys(row_begin + r);
     std::fill(s + visible, s + n, -INFINITY);
-    const OnlineSoftmaxRow row = SoftmaxRow<SerialReduce>(s, weights + r * n, n, visible, 0, 1);
+    const OnlineSoftmaxRow row =
+        SoftmaxRow<SerialReduce, Lanes>(s, weights + r * n, n, visible, 0, 1);
     if (lse != nullptr) lse[r] = row.LogSumExp();
   }
 }
 
 ATTN_CPU_FAST void SoftmaxRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
                                    float* scores, float* weights, float* lse) {
-  SoftmaxRowsBody(problem, row_begin, rows, scores, weights, lse);
+  SoftmaxRowsBody<void>(problem, row_begin, rows, scores, weights, lse);
 }
+
+#if defined(ATTN_CPU_HAS_AVX512_BUILD)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) void SoftmaxRowsAvx512(
+    const Problem& problem, int64_t row_begin, int64_t rows, float* scores, float* weights,
+    float* lse) {
+  SoftmaxRowsBody<lanes::Floats16>(problem, row_begin, rows, scores, weights, lse);
+}
+#endif
 
 void SoftmaxRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows, float* scores,
                          float* weights, float* lse) {
-  SoftmaxRowsBody(problem, row_begin, rows, scores, weights, lse);
+  SoftmaxRowsBody<void>(problem, row_begin, rows, scores, weights, lse);
+}
+
+// Naive's score and weight matrices: `count` floats, in transparent huge pages where the kernel
+// offers them (madvise mode), so that first touching a gigabyte costs 512 page faults instead of
+// 262 144 (docs/perf.md: a third of Naive's time at N = 4096 went to faulting its pages in).
+// Null when the memory is not there.
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+std::unique_ptr<float[], FreeDeleter> MatrixStorage(int64_t count) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const size_t bytes =
+      (static_cast<size_t>(count) * sizeof(float) + kHugePage - 1) / kHugePage * kHugePage;
+  void* memory = nullptr;
+  if (posix_memalign(&memory, kHugePage, bytes) != 0) return nullptr;
+#if defined(MADV_HUGEPAGE)
+  madvise(memory, bytes, MADV_HUGEPAGE);  // Advice only: without it, ordinary pages.
+#endif
+  return std::unique_ptr<float[], FreeDeleter>(static_cast<float*>(memory));
 }
 
 }  // namespace
@@ -54,8 +86,15 @@ void NaiveRows(const Problem& problem, const float* query, const float* key, con
   // S = scale · Q Kᵀ, W = softmax(S), O = W V.
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, d, problem.scale, query, d, key, d,
               0.f, scores, n);
-  (CpuHasAvx2Fma() ? SoftmaxRowsAvx2 : SoftmaxRowsPortable)(problem, row_begin, rows, scores,
-                                                            weights, lse);
+#if defined(ATTN_CPU_HAS_AVX512_BUILD)
+  if (CpuHasAvx512()) {
+    SoftmaxRowsAvx512(problem, row_begin, rows, scores, weights, lse);
+  } else
+#endif
+  {
+    (CpuHasAvx2Fma() ? SoftmaxRowsAvx2 : SoftmaxRowsPortable)(problem, row_begin, rows, scores,
+                                                              weights, lse);
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, n, 1.f, weights, n, value, dv, 0.f,
               out, dv);
 }
@@ -77,8 +116,8 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
   if (absl::Status budget = CheckNaiveBudget(problem, max_naive_bytes, "memory"); !budget.ok()) {
     return budget;
   }
-  std::unique_ptr<float[]> scores(new (std::nothrow) float[matrix_elements]);
-  std::unique_ptr<float[]> weights(new (std::nothrow) float[matrix_elements]);
+  const auto scores = MatrixStorage(matrix_elements);
+  const auto weights = MatrixStorage(matrix_elements);
   if (!scores || !weights) {
     return absl::ResourceExhaustedError(absl::StrCat("Naive could not allocate ", storage_bytes,
                                                      " bytes for its score and weight matrices; "
