@@ -4,22 +4,43 @@
 // right then. Google Benchmark; not a ctest test: tests/bench/run.sh runs it (JSON) and prints
 // one table of ratios.
 //
+// OpenBLAS's kernels: main calls attn::SelectBlasCore (kernels/cpu/blas_core.h) first, as attnd
+// does, so the rows run on the BLAS core attnd would run on (OpenBLAS's own choice, or the one
+// SelectBlasCore sets when that choice is below the CPU's flags; an OPENBLAS_CORETYPE in the
+// environment is kept). The context reports the line it returns (attn_blas) and the core
+// (openblas_corename). tests/bench/run.sh measures the sgemm ceiling under every core type the
+// CPU allows, one child process each (--methods=sgemm with OPENBLAS_CORETYPE set).
+//
 // Rows, in this order:
-//   sgemm/N:<n>/at:begin                      an n×n×n cblas_sgemm (2·n³ FLOP) on `threads` threads
-//   <method>/<dtype>/causal:<0|1>/N:<n>/H:<h>/d:<d>   for d, dtype, causal, N (ascending), method
-//   memread/MiB:<m>/at:begin                 (decode methods only) a read of an m MiB buffer on
-//                                             `threads` threads: the memory-read ceiling, once at
-//                                             --memread_mib and once at the decode cache's size
+//   sgemm/N:<n>/at:begin                      an n×n×n cblas_sgemm (2·n³ FLOP) on `threads`
+//                                             threads, for each n of --sgemm_n
+//   memread/MiB:<m>/at:begin                 (decode or memory methods) a sum of an m MiB fp32
+//                                             buffer on `threads` threads (16 lanes where the CPU
+//                                             has AVX-512F, else 8): the memory-read ceiling, once
+//                                             at --memread_mib and (decode) once at the largest
+//                                             decode cache's size
+//   memcopy/MiB:<m>/at:begin                 (decode or memory methods) memcpy of an m MiB buffer
+//                                             into another (--memcopy_mib), `threads` workers
+//                                             each copying one contiguous part; GB/s counts the
+//                                             bytes read and written (2·m MiB, STREAM's way)
 //   <decode method>/<dtype>/B:<b>/N:<n>/H:<h>/KV:<kv>/d:<d>   one decode step of a batch of b
 //                                             sequences of n cached tokens (server-resident, paged
 //                                             stores), 1 query row each; for dtype, shape
-//   memread/MiB:<m>/at:end                    the memory ceiling again
+//   memread/..., memcopy/.../at:end           the memory ceilings again
+//   <method>/<dtype>/causal:<0|1>/N:<n>/H:<h>/d:<d>   for d, dtype, causal, N (ascending), method
 //   sgemm/N:<n>/at:end                        the same sgemm again, to show drift during the run
 // Counters of an attention row: GFLOP/s = 4·B·H·N²·d (halved when causal) / time; peak_bytes =
 // the backend's Stats::peak_memory_bytes (the peak extra memory of the call: scratch + output);
 // scratch_bytes; intermediate_bytes (Naive: the explainer's score/weight traffic);
 // block_k. A refused row (Naive past its budget) is an error row whose message starts with the
 // status code, e.g. "RESOURCE_EXHAUSTED: Naive needs ...".
+//
+// Method naive_gemm (fp32, non-causal rows only): Naive's two GEMM phases alone, the same
+// cblas_sgemm calls NaiveRows makes (kernels/cpu/naive.cc) for every 128-row block of every head
+// — S = scale·Q·Kᵀ into the block's rows of an [H, N, N] score matrix, then O = S·V — on
+// `threads` workers with one BLAS thread each, as the backend runs them; no softmax, no
+// allocation (the matrix is allocated and touched once, outside the timing). GFLOP/s counts the
+// same 4·H·N²·d as the attention rows: read it against the sgemm ceiling.
 //
 // Shapes: B = 1, self-attention (Nq = Nk = N), kv_heads = heads, value_dim = head_dim, inputs
 // uniform(−1, 1) in the row's dtype, output in the same dtype, no lse. Heads default to 8 for
@@ -29,22 +50,27 @@
 // Decode rows (methods decode, decode_tiled): `decode` is Backend::Decode (the CPU decode kernel,
 // kernels/cpu/decode.h), `decode_tiled` the same step as Tiled calls, one per sequence (the
 // Backend default). Counter GB/s = cache bytes read per step, b·kv·n·(d + dv)·element size, per
-// second: compare it with the memread rows' GB/s.
+// second: compare it with the memread and memcopy rows' GB/s.
 //
 // Naive runs up to --naive_max_n; above it a Naive row is registered only when its score and
 // weight matrices pass the budget (--naive_budget_gib, default 4 GiB), so the backend refuses it
 // at once (RESOURCE_EXHAUSTED) instead of allocating. One such refusal row (N = 32768, H = 1,
-// d = 64, fp32, non-causal) is always registered, also in --quick.
+// d = 64, fp32, non-causal) is always registered, also in --quick, when Naive is among the
+// methods.
 //
 // Flags (before or among Google Benchmark's own --benchmark_* flags):
 //   --threads=N        worker threads for the backend and OpenBLAS (default $ATTN_BENCH_THREADS,
 //                      else 2)
 //   --quick            a smoke run of a few seconds: N 256,1024; d 64; sgemm 1024; short min time
-//   --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1 --methods=tiled,naive
+//   --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1
+//   --methods=LIST     of tiled, naive, naive_gemm, decode, decode_tiled, sgemm, memory (default
+//                      tiled,naive). sgemm alone: only the sgemm rows (run.sh's ceiling probes);
+//                      memory: the memory ceilings without decode rows. The sgemm rows are
+//                      always registered.
 //   --heads=H          fixed heads for every N (default 0: the policy above)
 //   --naive_max_n=N    largest N Naive runs at (default 8192; --quick 1024)
 //   --naive_budget_gib=G   the backend's max_naive_bytes (default 4)
-//   --sgemm_n=N        the ceiling's size (default 2048; --quick 1024)
+//   --sgemm_n=LIST     the ceiling's sizes (default 2048; --quick 1024)
 //   --block_k=K        keys per tile (default: the backend's default_block_k)
 //   --min_time=S       Google Benchmark's minimum time per row (default 0.5; --quick 0.05)
 //   --deadline_s=S     attention rows that would start after S seconds report "timeout" (default
@@ -54,7 +80,10 @@
 //                      1x4096,4x1024); rows only when --methods names decode or decode_tiled
 //   --decode_heads=HxKV  query heads × kv heads of the decode rows (default 32x8)
 //   --decode_d=D       head_dim = value_dim of the decode rows (default 128)
-//   --memread_mib=M    the memory ceiling's buffer (default 1024, well past the L3 cache)
+//   --memread_mib=M    the memory-read ceiling's buffer (default 1024, well past the L3 cache;
+//                      --quick 256)
+//   --memcopy_mib=M    the copy ceiling's source (and destination) buffer (default 1024; --quick
+//                      256)
 #include <cblas.h>
 
 #include <algorithm>
@@ -75,11 +104,14 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "benchmark/benchmark.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/blas_core.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/cpu_dispatch.h"
+#include "kernels/cpu/row_blocks.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/dtype.h"
 #include "kernels/lanes.h"
@@ -107,7 +139,7 @@ struct Options {
   int64_t heads = 0;
   int64_t naive_max_n = 8192;
   double naive_budget_gib = 4;
-  int64_t sgemm_n = 2048;
+  std::vector<int64_t> sgemm_n = {2048};
   int block_k = 0;
   double min_time = 0.5;
   double deadline_s = 0;
@@ -115,6 +147,7 @@ struct Options {
   std::vector<std::pair<int64_t, int64_t>> decode_shapes = {{1, 32768}, {16, 4096}};
   int64_t decode_heads = 32, decode_kv_heads = 8, decode_d = 128;
   int64_t memread_mib = 1024;
+  int64_t memcopy_mib = 1024;
 };
 
 struct Cell {
@@ -150,10 +183,11 @@ bool DeadlinePassed() {
   std::fprintf(stderr,
                "attention_bench: %s\n"
                "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
-               "       --methods=tiled,naive,decode,decode_tiled --heads=H --naive_max_n=N "
-               "--naive_budget_gib=G\n"
-               "       --sgemm_n=N --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+               "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
+               "       --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+               "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
                "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
+               "       --memcopy_mib=M\n"
                "       and Google Benchmark's --benchmark_* flags\n",
                problem.c_str());
   std::exit(2);
@@ -197,10 +231,11 @@ Options ParseOptions(int* argc, char** argv) {
       options.seqs = {256, 1024};
       options.dims = {64};
       options.naive_max_n = 1024;
-      options.sgemm_n = 1024;
+      options.sgemm_n = {1024};
       options.min_time = 0.05;
       options.decode_shapes = {{1, 4096}, {4, 1024}};
       options.memread_mib = 256;
+      options.memcopy_mib = 256;
     }
   }
   int kept = 1;
@@ -275,11 +310,16 @@ Options ParseOptions(int* argc, char** argv) {
       need_value();
       options.memread_mib = ParseInt(flag, value);
       if (options.memread_mib == 0) Usage("--memread_mib must be positive");
+    } else if (flag == "--memcopy_mib") {
+      need_value();
+      options.memcopy_mib = ParseInt(flag, value);
+      if (options.memcopy_mib == 0) Usage("--memcopy_mib must be positive");
     } else if (flag == "--methods") {
       need_value();
       options.methods.clear();
       for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
-        if (item != "tiled" && item != "naive" && item != "decode" && item != "decode_tiled") {
+        if (item != "tiled" && item != "naive" && item != "naive_gemm" && item != "decode" &&
+            item != "decode_tiled" && item != "sgemm" && item != "memory") {
           Usage(absl::StrCat("unknown method ", item));
         }
         options.methods.emplace_back(item);
@@ -295,7 +335,7 @@ Options ParseOptions(int* argc, char** argv) {
       options.naive_budget_gib = ParseDouble(flag, value);
     } else if (flag == "--sgemm_n") {
       need_value();
-      options.sgemm_n = ParseInt(flag, value);
+      options.sgemm_n = ParseInts(flag, value);
     } else if (flag == "--block_k") {
       need_value();
       options.block_k = static_cast<int>(ParseInt(flag, value));
@@ -308,9 +348,11 @@ Options ParseOptions(int* argc, char** argv) {
     } else if (flag == "--help" || flag == "-h") {
       std::printf(
           "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
-          "  --causal=0,1 --methods=tiled,naive --heads=H --naive_max_n=N --naive_budget_gib=G\n"
-          "  --sgemm_n=N --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+          "  --causal=0,1 --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
+          "  --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+          "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
           "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
+          "  --memcopy_mib=M\n"
           "  (see tests/bench/attention_bench.cc); Google Benchmark's own flags follow.\n\n");
       argv[kept++] = argv[i];
     } else if (flag.rfind("--benchmark_", 0) == 0) {
@@ -322,7 +364,6 @@ Options ParseOptions(int* argc, char** argv) {
   *argc = kept;
   argv[kept] = nullptr;
   if (options.threads < 1) Usage("--threads must be at least 1");
-  if (options.sgemm_n < 1) Usage("--sgemm_n must be positive");
   if (options.naive_budget_gib <= 0) Usage("--naive_budget_gib must be positive");
   return options;
 }
@@ -513,6 +554,41 @@ ATTN_CPU_FAST float SumFloatsAvx2(const float* p, int64_t count) {
   return total;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same in 16 lanes (a whole cache line per load), for CPUs with AVX-512F: the ceiling is
+// measured with the widest loads the machine has.
+typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
+
+__attribute__((target("avx512f"))) float SumFloatsAvx512(const float* p, int64_t count) {
+  Floats16 a{}, b{}, c{}, d{};
+  int64_t i = 0;
+  auto load = [p](int64_t at) {
+    Floats16 v;
+    std::memcpy(&v, p + at, sizeof(v));
+    return v;
+  };
+  for (; i + 64 <= count; i += 64) {
+    a += load(i);
+    b += load(i + 16);
+    c += load(i + 32);
+    d += load(i + 48);
+  }
+  const Floats16 sum = (a + b) + (c + d);
+  float total = 0;
+  for (int k = 0; k < 16; ++k) total += sum[k];
+  for (; i < count; ++i) total += p[i];
+  return total;
+}
+
+bool CpuHasAvx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+#else
+float SumFloatsAvx512(const float* p, int64_t count) { return SumFloatsAvx2(p, count); }
+bool CpuHasAvx512f() { return false; }
+#endif
+
 // The memory-read ceiling: the whole buffer read once per iteration, in 1 MiB slices handed to
 // `threads` workers of a pool like the backend's.
 void RunMemread(benchmark::State& state, int64_t mib, int threads) {
@@ -522,12 +598,15 @@ void RunMemread(benchmark::State& state, int64_t mib, int threads) {
   attn::ThreadPool pool(threads);
   constexpr int64_t kSlice = (1 << 20) / 4;
   const int64_t slices = (count + kSlice - 1) / kSlice;
+  const bool wide = CpuHasAvx512f();
   std::vector<double> sums(threads);
   auto read = [&] {
     std::fill(sums.begin(), sums.end(), 0.0);
     pool.Run(slices, [&](int64_t slice, int worker) {
       const int64_t begin = slice * kSlice;
-      sums[worker] += SumFloatsAvx2(buffer.data() + begin, std::min(kSlice, count - begin));
+      const int64_t n = std::min(kSlice, count - begin);
+      sums[worker] += wide ? SumFloatsAvx512(buffer.data() + begin, n)
+                           : SumFloatsAvx2(buffer.data() + begin, n);
     });
   };
   read();
@@ -540,6 +619,90 @@ void RunMemread(benchmark::State& state, int64_t mib, int threads) {
   if (!std::isfinite(total)) return Skip(state, "bad: memread sum");
   state.counters["GB/s"] = benchmark::Counter(static_cast<double>(count) * 4 / 1e9,
                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["lanes"] = wide ? 16 : 8;
+}
+
+// The copy ceiling: memcpy of the whole buffer into another once per iteration, one contiguous
+// part per worker (`threads` workers). Parts that large take glibc's streaming-store path; on
+// the development VM 64 MiB slices did not and copied at 0.55× the rate (docs/perf.md). GB/s
+// counts reading and writing, 2 · size / time, as tests/gpu/bench's copy_d2d does.
+void RunMemcopy(benchmark::State& state, int64_t mib, int threads) {
+  const int64_t bytes = mib << 20;
+  std::unique_ptr<uint8_t[]> from(new uint8_t[bytes]), to(new uint8_t[bytes]);
+  std::memset(to.get(), 0, bytes);  // Touch every page outside the timing.
+  std::memset(from.get(), 1, bytes);
+  attn::ThreadPool pool(threads);
+  const int64_t part = (bytes / threads + 4095) / 4096 * 4096;
+  const int64_t parts = (bytes + part - 1) / part;
+  auto copy = [&] {
+    pool.Run(parts, [&](int64_t index, int) {
+      const int64_t begin = index * part;
+      std::memcpy(to.get() + begin, from.get() + begin, std::min(part, bytes - begin));
+    });
+  };
+  copy();
+  for (auto _ : state) {
+    copy();
+    benchmark::DoNotOptimize(to.get());
+    benchmark::ClobberMemory();
+  }
+  if (to[bytes - 1] != 1) return Skip(state, "bad: memcopy");
+  state.counters["GB/s"] = benchmark::Counter(2.0 * static_cast<double>(bytes) / 1e9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["copied_GB/s"] = benchmark::Counter(static_cast<double>(bytes) / 1e9,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Naive's two GEMM phases alone (see the top of this file): the cblas_sgemm calls of NaiveRows,
+// with the same arguments, per 128-row block, on `threads` workers, each with one BLAS thread
+// (the backend has set OpenBLAS to 1 thread; the sgemm rows restore that after theirs).
+void RunNaiveGemm(benchmark::State& state, const Cell& cell, int threads) {
+  if (DeadlinePassed()) return Skip(state, "timeout: --deadline_s passed before this row ran");
+  const int64_t heads = cell.heads, n = cell.n, d = cell.d;
+  std::mt19937 rng(0x9e33 + n + d);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  std::vector<float> query(heads * n * d), key(heads * n * d), value(heads * n * d);
+  for (float& x : query) x = uniform(rng);
+  for (float& x : key) x = uniform(rng);
+  for (float& x : value) x = uniform(rng);
+  // The [H, N, N] score matrix as Naive writes it; the second product reads the block just
+  // written, as Naive's reads the weights its softmax has just written.
+  std::unique_ptr<float[]> scores(new (std::nothrow) float[heads * n * n]);
+  if (!scores) return Skip(state, "RESOURCE_EXHAUSTED: no memory for the score matrix");
+  std::memset(scores.get(), 0, sizeof(float) * heads * n * n);
+  attn::ThreadPool pool(threads);
+  const int64_t per_head = (n + attn::kRowsPerBlock - 1) / attn::kRowsPerBlock;
+  std::vector<std::vector<float>> out(threads, std::vector<float>(attn::kRowsPerBlock * d));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  const int n32 = static_cast<int>(n), d32 = static_cast<int>(d);
+  auto run = [&] {
+    pool.Run(heads * per_head, [&](int64_t task, int worker) {
+      const int64_t head = task / per_head;
+      const int64_t row = task % per_head * attn::kRowsPerBlock;
+      const int m = static_cast<int>(std::min(attn::kRowsPerBlock, n - row));
+      const float* q = query.data() + (head * n + row) * d;
+      const float* k = key.data() + head * n * d;
+      const float* v = value.data() + head * n * d;
+      float* s = scores.get() + (head * n + row) * n;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n32, d32, scale, q, d32, k, d32, 0.f,
+                  s, n32);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, d32, n32, 1.f, s, n32, v, d32, 0.f,
+                  out[worker].data(), d32);
+    });
+  };
+  run();  // Warm-up: OpenBLAS's buffers in every worker.
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  for (const std::vector<float>& o : out) {
+    for (float x : o) {
+      if (!std::isfinite(x)) return Skip(state, "bad: naive_gemm output");
+    }
+  }
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(cell.Flops() / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Runs even past --deadline_s: the table needs the ceiling.
@@ -582,9 +745,15 @@ std::string EnvOr(const char* name, const char* fallback) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First, before any thread and before argv is parsed: the BLAS core attnd would run on. May
+  // execute this program again with OPENBLAS_CORETYPE set (kernels/cpu/blas_core.h).
+  const std::string blas = attn::SelectBlasCore(argv);
   const Options options = ParseOptions(&argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  auto has_method = [&](const char* name) {
+    return std::find(options.methods.begin(), options.methods.end(), name) != options.methods.end();
+  };
 
   const int64_t budget = static_cast<int64_t>(options.naive_budget_gib * kGiB);
   attn::CpuBackend backend(options.threads, budget);
@@ -596,28 +765,40 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("attn_naive_max_n", absl::StrCat(options.naive_max_n));
   benchmark::AddCustomContext("attn_block_k", absl::StrCat(block_k));
   benchmark::AddCustomContext("attn_quick", options.quick ? "1" : "0");
-  benchmark::AddCustomContext("attn_sgemm_n", absl::StrCat(options.sgemm_n));
+  benchmark::AddCustomContext("attn_sgemm_n", absl::StrJoin(options.sgemm_n, ","));
+  benchmark::AddCustomContext("attn_blas", blas);
+  benchmark::AddCustomContext("attn_memread_mib", absl::StrCat(options.memread_mib));
+  benchmark::AddCustomContext("attn_memcopy_mib", absl::StrCat(options.memcopy_mib));
+  benchmark::AddCustomContext("attn_memory_lanes", CpuHasAvx512f() ? "16" : "8");
   benchmark::AddCustomContext("openblas_corename", openblas_get_corename());
   benchmark::AddCustomContext("openblas_config", openblas_get_config());
   benchmark::AddCustomContext("OPENBLAS_CORETYPE", EnvOr("OPENBLAS_CORETYPE", ""));
   benchmark::AddCustomContext("OPENBLAS_L2_SIZE", EnvOr("OPENBLAS_L2_SIZE", ""));
   benchmark::AddCustomContext("OPENBLAS_NUM_THREADS", EnvOr("OPENBLAS_NUM_THREADS", ""));
+  std::fprintf(stderr, "attention_bench: %s\n", blas.c_str());
 
   auto add_sgemm = [&](const char* at) {
-    benchmark::RegisterBenchmark(absl::StrCat("sgemm/N:", options.sgemm_n, "/at:", at).c_str(),
-                                 [n = options.sgemm_n, threads = options.threads](
-                                     benchmark::State& state) { RunSgemm(state, n, threads); })
-        ->UseRealTime()
-        ->MinTime(options.min_time)
-        ->Unit(benchmark::kMillisecond);
+    for (int64_t n : options.sgemm_n) {
+      benchmark::RegisterBenchmark(
+          absl::StrCat("sgemm/N:", n, "/at:", at).c_str(),
+          [n, threads = options.threads](benchmark::State& state) { RunSgemm(state, n, threads); })
+          ->UseRealTime()
+          ->MinTime(options.min_time)
+          ->Unit(benchmark::kMillisecond);
+    }
   };
   std::set<std::string> registered;
   auto add_attention = [&](const Cell& cell) {
     if (!registered.insert(cell.Name()).second) return;
-    benchmark::RegisterBenchmark(cell.Name().c_str(),
-                                 [&backend, cell, block_k](benchmark::State& state) {
-                                   RunAttention(state, &backend, cell, block_k);
-                                 })
+    benchmark::RegisterBenchmark(
+        cell.Name().c_str(),
+        [&backend, cell, block_k, threads = options.threads](benchmark::State& state) {
+          if (cell.method == "naive_gemm") {
+            RunNaiveGemm(state, cell, threads);
+          } else {
+            RunAttention(state, &backend, cell, block_k);
+          }
+        })
         ->UseRealTime()
         ->MinTime(options.min_time)
         ->Unit(benchmark::kMillisecond);
@@ -633,15 +814,20 @@ int main(int argc, char** argv) {
       }
     }
   }
-  // The memory ceiling at --memread_mib and at the largest decode cache's size.
+  // The memory ceilings: the read at --memread_mib and at the largest decode cache's size, the
+  // copy at --memcopy_mib.
   std::set<int64_t> memread_sizes;
-  if (!decode_cells.empty()) {
+  const bool memory = !decode_cells.empty() || has_method("memory");
+  if (memory) {
     memread_sizes.insert(options.memread_mib);
     double largest = 0;
     for (const DecodeCell& cell : decode_cells) largest = std::max(largest, cell.CacheBytes());
-    memread_sizes.insert(std::max<int64_t>(1, static_cast<int64_t>(largest / (1 << 20))));
+    if (largest > 0) {
+      memread_sizes.insert(std::max<int64_t>(1, static_cast<int64_t>(largest / (1 << 20))));
+    }
   }
-  auto add_memread = [&](const char* at) {
+  auto add_memory = [&](const char* at) {
+    if (!memory) return;
     for (int64_t mib : memread_sizes) {
       benchmark::RegisterBenchmark(absl::StrCat("memread/MiB:", mib, "/at:", at).c_str(),
                                    [mib, threads = options.threads](benchmark::State& state) {
@@ -651,10 +837,18 @@ int main(int argc, char** argv) {
           ->MinTime(options.min_time)
           ->Unit(benchmark::kMillisecond);
     }
+    benchmark::RegisterBenchmark(
+        absl::StrCat("memcopy/MiB:", options.memcopy_mib, "/at:", at).c_str(),
+        [mib = options.memcopy_mib, threads = options.threads](benchmark::State& state) {
+          RunMemcopy(state, mib, threads);
+        })
+        ->UseRealTime()
+        ->MinTime(options.min_time)
+        ->Unit(benchmark::kMillisecond);
   };
 
   add_sgemm("begin");
-  add_memread("begin");
+  add_memory("begin");
   for (const DecodeCell& cell : decode_cells) {
     benchmark::RegisterBenchmark(
         cell.Name().c_str(),
@@ -663,7 +857,7 @@ int main(int argc, char** argv) {
         ->MinTime(options.min_time)
         ->Unit(benchmark::kMillisecond);
   }
-  add_memread("end");
+  add_memory("end");
   std::vector<int64_t> seqs = options.seqs;
   std::sort(seqs.begin(), seqs.end());
   for (int64_t d : options.dims) {
@@ -671,7 +865,13 @@ int main(int argc, char** argv) {
       for (int64_t causal : options.causal) {
         for (int64_t n : seqs) {
           for (const std::string& method : options.methods) {
-            if (method != "tiled" && method != "naive") continue;
+            if (method != "tiled" && method != "naive" && method != "naive_gemm") continue;
+            // Naive's GEMM phases: fp32 (what Naive multiplies in), non-causal (its GEMMs do
+            // not skip masked blocks), at the sizes Naive runs at.
+            if (method == "naive_gemm" &&
+                (dtype != DType::kFloat32 || causal != 0 || n > options.naive_max_n)) {
+              continue;
+            }
             const Cell cell{method, dtype, causal != 0, n, HeadsFor(options, n), d};
             // Past --naive_max_n, Naive only where the backend refuses it before allocating.
             if (method == "naive" && n > options.naive_max_n &&
@@ -684,7 +884,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (options.refusal) {
+  if (options.refusal && has_method("naive")) {
     const Cell refusal{"naive", DType::kFloat32, false, 32768, 1, 64};
     if (refusal.NaiveStorageBytes() > static_cast<double>(budget)) add_attention(refusal);
   }

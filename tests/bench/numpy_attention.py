@@ -11,11 +11,16 @@ the median is reported.
 
 Shapes come from the benchmark's JSON (--bench-json: its fp32 rows that ran, N <= --max-n) or
 from --shape N,H,d,causal (repeatable). Writes one JSON object to --out (default stdout):
-  {"numpy": version, "blas": {"library", "corename", "config", "threads"}, "threads": T,
+  {"numpy": version, "blas": {"library", "corename", "config", "threads", "coretype"},
+   "threads": T,
    "rows": [{"N", "H", "d", "causal", "reps", "median_s", "min_s", "gflops"}]}
 gflops counts 4*H*N*N*d, halved when causal, as the benchmark does.
 
-Run it with /usr/bin/python3 (the interpreter that has python3-numpy).
+Run it with /usr/bin/python3 (the interpreter that has python3-numpy). OpenBLAS picks its
+kernels as it loads, from the CPU model or OPENBLAS_CORETYPE; Debian's 0.3.21 may not know a new
+CPU and fall back to old kernels, so run.sh runs this script under every core type the CPU's
+flags allow (one process each) and takes the best; "blas" reports the core that ran
+(openblas_get_corename) and OPENBLAS_CORETYPE as given.
 """
 
 import argparse
@@ -147,6 +152,9 @@ def main():
               f"median of {row['reps']}, {row['gflops']:.1f} GFLOP/s", file=sys.stderr)
         rows.append(row)
 
+    # OPENBLAS_CORETYPE (read by OpenBLAS as it loads) chooses its kernels: tests/bench/run.sh
+    # runs this script once per core type the CPU allows and keeps the best.
+    info["coretype"] = os.environ.get("OPENBLAS_CORETYPE")
     report = {"numpy": np.__version__, "python": sys.version.split()[0], "blas": info,
               "threads": args.threads, "rows": rows}
     text = json.dumps(report, indent=1)
