@@ -505,3 +505,30 @@ TEST(CpuDispatchTest, TheEnvironmentPicksThePath) {
 }
 
 }  // namespace
+
+namespace {
+
+using namespace attn;
+using namespace attn::testing;
+
+// Naive keeps its matrices' memory from one call for the next (NaiveStorage): a smaller, causal
+// problem after a larger one (whose scores are still in that memory) is still exact, rows that
+// see no key included, and so is a larger one after it (a new block).
+TEST(NaiveStorageTest, KeptMatricesNeverLeakIntoTheNextAnswer) {
+  CpuBackend backend(2, 0);
+  const HostProblem large =
+      RandomProblem(MakeShape(1, 3, 3, 61, 67, 9, 9), DType::kFloat32, false, 16, 901);
+  const HostProblem small =
+      RandomProblem(MakeShape(1, 2, 1, 37, 21, 9, 5), DType::kFloat32, true, 16, 902);
+  const HostProblem larger =
+      RandomProblem(MakeShape(2, 2, 2, 70, 81, 7, 11), DType::kFloat32, true, 16, 903);
+  for (const HostProblem* host : {&large, &small, &larger, &small}) {
+    const KernelRun run = RunKernel(backend, Kernel::kNaive, *host);
+    ExpectMatchesReference(run, ReferenceAttention(*host), 1e-5);
+    if (host->causal && host->shape.query_len > host->shape.key_len) {
+      ExpectUnseeingRowsZero(run, *host);
+    }
+  }
+}
+
+}  // namespace

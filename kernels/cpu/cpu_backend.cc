@@ -92,7 +92,7 @@ ThreadPool& CpuBackend::PoolFor(const Problem& problem) {
 
 absl::StatusOr<Stats> CpuBackend::Naive(const Problem& problem, const Outputs& outputs) {
   return Timed(problem, [&] {
-    return NaiveAttention(problem, outputs, PoolFor(problem), max_naive_bytes_);
+    return NaiveAttention(problem, outputs, PoolFor(problem), max_naive_bytes_, naive_storage_);
   });
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/naive.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace attn {
@@ -36,6 +37,7 @@ class CpuBackend final : public Backend {
   int64_t memory_bytes() const override { return memory_bytes_; }
   int default_block_k() const override { return kDefaultBlockK; }
   int64_t max_naive_bytes() const override { return max_naive_bytes_; }
+  NaiveStorage naive_storage_;  // Naive's matrices, kept from one call for the next.
   // Up to kInlineFlops and kInlineInputBytes: such a call runs on its caller's thread alone.
   bool RunsInline(const Problem& problem) const override;
 

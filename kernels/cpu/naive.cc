@@ -54,14 +54,16 @@ void SoftmaxRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows
   SoftmaxRowsBody<void>(problem, row_begin, rows, scores, weights, lse);
 }
 
-// Naive's score and weight matrices: `count` floats, in transparent huge pages where the kernel
-// offers them (madvise mode), so that first touching a gigabyte costs 512 page faults instead of
-// 262 144 (docs/perf.md: a third of Naive's time at N = 4096 went to faulting its pages in).
-// Null when the memory is not there.
-struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
-};
-std::unique_ptr<float[], FreeDeleter> MatrixStorage(int64_t count) {
+}  // namespace
+
+NaiveStorage::Block NaiveStorage::Take(int64_t count) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (kept_ && kept_count_ >= count) {
+      kept_count_ = 0;
+      return std::move(kept_);
+    }
+  }
   constexpr size_t kHugePage = size_t{2} << 20;
   const size_t bytes =
       (static_cast<size_t>(count) * sizeof(float) + kHugePage - 1) / kHugePage * kHugePage;
@@ -70,10 +72,23 @@ std::unique_ptr<float[], FreeDeleter> MatrixStorage(int64_t count) {
 #if defined(MADV_HUGEPAGE)
   madvise(memory, bytes, MADV_HUGEPAGE);  // Advice only: without it, ordinary pages.
 #endif
-  return std::unique_ptr<float[], FreeDeleter>(static_cast<float*>(memory));
+  return Block(static_cast<float*>(memory));
 }
 
-}  // namespace
+void NaiveStorage::Give(Block block, int64_t count) {
+  if (!block) return;
+#if defined(MADV_FREE)
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const size_t bytes =
+      (static_cast<size_t>(count) * sizeof(float) + kHugePage - 1) / kHugePage * kHugePage;
+  madvise(block.get(), bytes, MADV_FREE);
+#endif
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (count > kept_count_) {  // Keep the larger; the other is freed as `block` goes.
+    std::swap(kept_, block);
+    kept_count_ = count;
+  }
+}
 
 void NaiveRows(const Problem& problem, const float* query, const float* key, const float* value,
                int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
@@ -109,15 +124,24 @@ struct Worker {
 }  // namespace
 
 absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outputs,
-                                     ThreadPool& pool, int64_t max_naive_bytes) {
+                                     ThreadPool& pool, int64_t max_naive_bytes,
+                                     NaiveStorage& storage) {
   const Shape& s = problem.shape;
   const int64_t matrix_elements = s.batch * s.heads * s.query_len * s.key_len;
   const int64_t storage_bytes = problem.NaiveStorageBytes();
   if (absl::Status budget = CheckNaiveBudget(problem, max_naive_bytes, "memory"); !budget.ok()) {
     return budget;
   }
-  const auto scores = MatrixStorage(matrix_elements);
-  const auto weights = MatrixStorage(matrix_elements);
+  // The two matrices as one block: scores, then weights.
+  NaiveStorage::Block matrices = storage.Take(2 * matrix_elements);
+  struct GiveBack {
+    NaiveStorage& storage;
+    NaiveStorage::Block& block;
+    int64_t count;
+    ~GiveBack() { storage.Give(std::move(block), count); }
+  } give_back{storage, matrices, 2 * matrix_elements};
+  float* const scores = matrices.get();
+  float* const weights = matrices ? scores + matrix_elements : nullptr;
   if (!scores || !weights) {
     return absl::ResourceExhaustedError(absl::StrCat("Naive could not allocate ", storage_bytes,
                                                      " bytes for its score and weight matrices; "
@@ -136,8 +160,8 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
             ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
         worker.out.resize(rows * s.value_dim);
         worker.lse.resize(rows);
-        NaiveRows(problem, query, key, value, block.row_begin, rows, scores.get() + offset,
-                  weights.get() + offset, worker.lse.data(), worker.out.data());
+        NaiveRows(problem, query, key, value, block.row_begin, rows, scores + offset,
+                  weights + offset, worker.lse.data(), worker.out.data());
         StoreFloats(worker.out.data(), rows * s.value_dim, outputs.output,
                     problem.OutputOffset(block.batch, block.head, block.row_begin));
         if (outputs.lse != nullptr) {

@@ -8,6 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
@@ -24,9 +27,37 @@ void NaiveRows(const Problem& problem, const float* query, const float* key, con
                int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
                float* out);
 
-// Full-matrix attention on `pool`. RESOURCE_EXHAUSTED naming Tiled when the score and weight
-// matrices would pass max_naive_bytes or cannot be allocated.
+// Memory for Naive's score and weight matrices, kept from one call for the next. A fresh
+// gigabyte costs the operating system's zeroing of every page first (on the development VM a
+// call of 2 GiB spent most of its time there, at a speed that varied fivefold: docs/perf.md),
+// which no framework's naive path would pay twice for the same size. A block comes in
+// transparent huge pages where offered (madvise mode: 512 faults a gigabyte, not 262 144); a
+// returned block is kept (one at a time, the larger) and marked MADV_FREE, so the kernel may
+// still take its pages back under memory pressure — Naive overwrites every element before
+// reading it, so whatever it finds there does not matter. Thread-safe.
+class NaiveStorage {
+ public:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  using Block = std::unique_ptr<float[], Free>;
+
+  // A block of at least `count` floats (the kept one when it is big enough), or null when the
+  // memory is not there.
+  Block Take(int64_t count);
+  // Gives a block of `count` floats back for a later Take.
+  void Give(Block block, int64_t count);
+
+ private:
+  std::mutex mutex_;
+  Block kept_;              // Guarded by mutex_.
+  int64_t kept_count_ = 0;  // Guarded by mutex_.
+};
+
+// Full-matrix attention on `pool`, its matrices from `storage`. RESOURCE_EXHAUSTED naming Tiled
+// when the score and weight matrices would pass max_naive_bytes or cannot be allocated.
 absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outputs,
-                                     ThreadPool& pool, int64_t max_naive_bytes);
+                                     ThreadPool& pool, int64_t max_naive_bytes,
+                                     NaiveStorage& storage);
 
 }  // namespace attn
