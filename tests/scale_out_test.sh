@@ -316,9 +316,10 @@ for round in $(seq 8); do
   k=$(grep -c 'retried after' "$work/key_run.out" || true)
   [ "$round" -eq 3 ] && { grep "retried after" "$work/key_run.out" || true; }
   key_retried=$((key_retried + k))
-  # Its third slice was on replica 2: from round 3 on it is retried (lost in flight, then
-  # refused).
-  if [ "$round" -ge 3 ] && [ "$k" -eq 0 ]; then
+  # Its third slice was on replica 2: from round 4 on, with the replica gone, it is always
+  # retried (refused); in round 3 it is when the kill caught it in flight, which a loaded
+  # machine's timing does not promise (the answer is checked either way).
+  if [ "$round" -ge 4 ] && [ "$k" -eq 0 ]; then
     fail "round $round: the dead replica's key slice was not retried"
   fi
   wait "$call" || { cat "$work/run.out" >&2; fail "round $round lost its answer"; }
