@@ -38,7 +38,7 @@ constexpr int kRows = 6;
 #pragma clang attribute push( \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))), apply_to = function)
 namespace avx512 {
-typedef float Floats __attribute__((vector_size(64)));
+using Floats = lanes::Floats16;
 constexpr int kLanes = 16;
 constexpr int kRows = 12;
 #include "kernels/cpu/key_tile_kernels.inc"
@@ -58,7 +58,7 @@ constexpr int kRows = 6;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
 namespace avx512 {
-typedef float Floats __attribute__((vector_size(64)));
+using Floats = lanes::Floats16;
 constexpr int kLanes = 16;
 constexpr int kRows = 12;
 #include "kernels/cpu/key_tile_kernels.inc"
