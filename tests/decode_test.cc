@@ -104,6 +104,10 @@ TEST_P(DecodeTest, ABatchOfCachesOfDifferentLengthsMatchesTheReference) {
       {4, 2, 3, 2, 8, 8, true, true},        // Causal: row 0 sees no key.
       {2, 1, 5, 3, 5, 7, true, false},       // Contiguous, rows 0 and 1 see nothing.
       {8, 8, 1, 257, 64, 64, false, false},  // Contiguous, no GQA.
+      // The vector paths' whole pairs (2 · lanes elements) and their rests: d 128 is whole pairs
+      // in 8 and 16 lanes, dv 96 two pairs of 16 lanes and one, d 80 two pairs and a rest of 16.
+      {12, 4, 1, 700, 128, 96, true, true},   // GQA 3: a row group of three.
+      {14, 2, 1, 530, 80, 112, false, true},  // GQA 7: row groups of four and three.
   };
   for (const Spec& spec : specs) {
     items.push_back(MakeItem(

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -17,10 +18,6 @@
 namespace attn {
 namespace {
 
-using lanes::Floats;
-using lanes::UInts;
-typedef uint16_t Halves __attribute__((vector_size(16)));
-
 // One task: a chunk of one kv head's keys for the rows of its GQA group.
 struct DecodeChunk {
   const Problem* problem = nullptr;
@@ -34,14 +31,15 @@ struct DecodeChunk {
 
 // A worker's buffers, reused across its tasks.
 struct DecodeScratch {
-  std::vector<float> queries, scores, acc;
+  std::vector<float> queries, arranged, scores, acc;
   std::vector<int64_t> visible;
   std::vector<OnlineSoftmaxRow> states;
   std::vector<const void*> key_rows, value_rows;
 
   int64_t bytes() const {
     return static_cast<int64_t>(
-        (queries.capacity() + scores.capacity() + acc.capacity()) * sizeof(float) +
+        (queries.capacity() + arranged.capacity() + scores.capacity() + acc.capacity()) *
+            sizeof(float) +
         visible.capacity() * sizeof(int64_t) + states.capacity() * sizeof(OnlineSoftmaxRow) +
         (key_rows.capacity() + value_rows.capacity()) * sizeof(void*));
   }
@@ -85,36 +83,70 @@ void KvRowPointers(const Problem& problem, int64_t batch, int64_t kv_head, int64
   }
 }
 
+// The loops three times: for the portable baseline, AVX2 + FMA and AVX-512 (16 lanes), the
+// last two inside pragma regions as key_tile.cc's are (the same reason: broadcasts from memory).
 namespace portable {
-#define ATTN_DECODE_WIDEN_AVX2 0
+using Floats = lanes::Floats;
+using UInts = lanes::UInts;
+constexpr int kLanes = 8;
+#define ATTN_DECODE_ISA 0
 #include "kernels/cpu/decode_kernels.inc"
-#undef ATTN_DECODE_WIDEN_AVX2
+#undef ATTN_DECODE_ISA
 }  // namespace portable
 
 #if defined(__x86_64__) && defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 namespace avx2 {
-#define ATTN_DECODE_WIDEN_AVX2 1
+using Floats = lanes::Floats;
+using UInts = lanes::UInts;
+constexpr int kLanes = 8;
+#define ATTN_DECODE_ISA 1
 #include "kernels/cpu/decode_kernels.inc"
-#undef ATTN_DECODE_WIDEN_AVX2
+#undef ATTN_DECODE_ISA
 }  // namespace avx2
 #pragma clang attribute pop
-#define ATTN_DECODE_AVX2 1
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))), apply_to = function)
+namespace avx512 {
+using Floats = lanes::Floats16;
+using UInts = lanes::UInts16;
+constexpr int kLanes = 16;
+#define ATTN_DECODE_ISA 2
+#include "kernels/cpu/decode_kernels.inc"
+#undef ATTN_DECODE_ISA
+}  // namespace avx512
+#pragma clang attribute pop
+#define ATTN_DECODE_X86 1
 #elif defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-#define ATTN_DECODE_WIDEN_AVX2 1
+using Floats = lanes::Floats;
+using UInts = lanes::UInts;
+constexpr int kLanes = 8;
+#define ATTN_DECODE_ISA 1
 #include "kernels/cpu/decode_kernels.inc"
-#undef ATTN_DECODE_WIDEN_AVX2
+#undef ATTN_DECODE_ISA
 }  // namespace avx2
 #pragma GCC pop_options
-#define ATTN_DECODE_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+namespace avx512 {
+using Floats = lanes::Floats16;
+using UInts = lanes::UInts16;
+constexpr int kLanes = 16;
+#define ATTN_DECODE_ISA 2
+#include "kernels/cpu/decode_kernels.inc"
+#undef ATTN_DECODE_ISA
+}  // namespace avx512
+#pragma GCC pop_options
+#define ATTN_DECODE_X86 1
 #endif
 
 template <DType kDtype>
 void RunChunkDispatched(const DecodeChunk& chunk, DecodeScratch& scratch) {
-#if defined(ATTN_DECODE_AVX2)
+#if defined(ATTN_DECODE_X86)
+  if (CpuHasAvx512()) return avx512::RunChunk<kDtype>(chunk, scratch);
   if (CpuHasAvx2Fma()) return avx2::RunChunk<kDtype>(chunk, scratch);
 #endif
   portable::RunChunk<kDtype>(chunk, scratch);
@@ -212,6 +244,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     chunk.key_begin = chunk_index * kDecodeChunkTokens;
     chunk.key_end = std::min(chunk.key_begin + kDecodeChunkTokens, most_visible);
     scratch.queries.resize(item.rows * s.head_dim);
+    scratch.arranged.resize(item.rows * s.head_dim);
     ConvertToFloat(
         static_cast<const char*>(p.query.data) +
             p.QueryOffset(chunk.batch, chunk.kv_head * group, 0) * ElementSize(p.query.dtype),
