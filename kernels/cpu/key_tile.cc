@@ -17,12 +17,14 @@ using Floats8 = lanes::Floats;
 // two inside pragma regions (a per-function target attribute is not enough: GCC then builds each
 // broadcast from four inserts instead of one vbroadcastss, and the kernels run at half speed).
 // Register blocks: 6 query rows × 16 keys in 8-float lanes (12 accumulators + 2 panel halves of
-// the 16 AVX registers); 12 rows × 16 keys in 16-float lanes (12 + 1 of the 32 AVX-512 ones:
-// each key panel loaded once per dimension serves twice the rows).
+// the 16 AVX registers); 12 rows × 32 keys (two panels) in 16-float lanes (24 + 2 of the 32
+// AVX-512 ones: each key panel loaded once per dimension serves twice the rows, and each
+// broadcast two FMAs).
 namespace portable {
 using Floats = lanes::Floats;
 constexpr int kLanes = 8;
 constexpr int kRows = 6;
+constexpr int kBlockPanels = 1;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace portable
 
@@ -32,6 +34,7 @@ namespace avx2 {
 using Floats = lanes::Floats;
 constexpr int kLanes = 8;
 constexpr int kRows = 6;
+constexpr int kBlockPanels = 1;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace avx2
 #pragma clang attribute pop
@@ -41,6 +44,7 @@ namespace avx512 {
 using Floats = lanes::Floats16;
 constexpr int kLanes = 16;
 constexpr int kRows = 12;
+constexpr int kBlockPanels = 2;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace avx512
 #pragma clang attribute pop
@@ -52,6 +56,7 @@ namespace avx2 {
 using Floats = lanes::Floats;
 constexpr int kLanes = 8;
 constexpr int kRows = 6;
+constexpr int kBlockPanels = 1;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -61,6 +66,7 @@ namespace avx512 {
 using Floats = lanes::Floats16;
 constexpr int kLanes = 16;
 constexpr int kRows = 12;
+constexpr int kBlockPanels = 2;
 #include "kernels/cpu/key_tile_kernels.inc"
 }  // namespace avx512
 #pragma GCC pop_options

@@ -6,9 +6,9 @@
 // query rows × a tile of keys × head_dim), where a BLAS call's packing and dispatch cost a large
 // share (docs/perf.md). Load packs the keys transposed into panels of 16 (so a score block is
 // 6 query rows × 16 keys held in 12 AVX registers, one broadcast and two FMAs per row and
-// dimension; under AVX-512 12 rows × 16 keys in 12 registers, one FMA with an embedded
-// broadcast per row and dimension) and the values into column panels of 16, each contiguous (a
-// block of acc is 6 or 12 rows × 16 columns, read in order as the keys go by). Each output element
+// dimension; under AVX-512 12 rows × two panels in 24 registers, one broadcast and two FMAs per
+// row and dimension) and the values into column panels of 16, each contiguous (a block of acc
+// is 6 rows × 16 columns or 12 rows × 32, read in order as the keys go by). Each output element
 // is summed in a fixed order (over head_dim, then over the tile's keys) whatever the number of rows
 // computed together, so the results do not depend on the block size, the thread count or Tiled
 // versus Trace. Dispatched at run time (cpu_dispatch.h): AVX-512, else AVX2 + FMA, else the
