@@ -1,34 +1,51 @@
-# attnd on an NVIDIA GPU host: a multi-stage image.
+# attnd in a container: a multi-stage image, for an NVIDIA GPU host by default or the CPU alone.
 #
-#   docker build -t attnd .
-#   docker run --rm --gpus all -p 50051:50051 -p 8080:8080 attnd
+#   docker build -t attnd:0.1.0 .                        # GPU: CUDA 13.0, sm_80 and sm_90
+#   docker run --rm --gpus all -p 127.0.0.1:50051:50051 -p 127.0.0.1:8080:8080 attnd:0.1.0
+#   docker build -t attnd:0.1.0-cpu --build-arg BASE_BUILD=debian:12 \
+#     --build-arg BASE_RUNTIME=debian:12 --build-arg ATTN_CUDA=OFF .   # CPU only
+#
+# Build arguments, one Dockerfile for both images:
+#   BASE_BUILD, BASE_RUNTIME  the bases of the two stages: the pinned nvidia/cuda devel and runtime
+#                             images (Ubuntu 24.04; both must stay on the same CUDA release), or
+#                             for the CPU image one Debian 12 image for both
+#   ATTN_CUDA                 ON: the CUDA backend is required (sm_80 A100, sm_90 H100/H200);
+#                             OFF: the CPU backend only, for a base without nvcc
 #
 # Build stage: the same recipe as tests/run.sh and CI, one recipe not two: deploy/install-deps.sh
-# installs the packages (ATTN_DEPS=build leaves out the test-only browser, Node and fuzz
-# toolchain), then the "release" CMake preset builds attnd and attn, here with the CUDA backend
-# required (ATTN_CUDA=ON) for sm_80 (A100) and sm_90 (H100/H200).
-# Runtime stage: the matching CUDA runtime image (cudart, cuBLAS) plus only the shared libraries
-# attnd and attn link (`ldd build/release/attnd build/release/attn`), as Ubuntu 24.04 packages.
+# installs the packages (ATTN_DEPS=build leaves out the test-only browser, Node, fuzz and
+# container tools), then the "release" CMake preset builds attnd and attn.
+# Runtime stage: the base (for the GPU image it brings cudart and cuBLAS) plus only the shared
+# libraries attnd and attn link, installed by the same script (ATTN_DEPS=runtime), which picks
+# Debian 12's or Ubuntu 24.04's package names from /etc/os-release.
 #
-# The tags are pinned exactly; the build and runtime stages must stay on the same CUDA release.
-# tests/deploy_static_test.py checks this file statically (no Docker engine runs in CI).
+# What has been run: tests/image_test.sh (a stage of tests/run.sh, so CI on every change) builds
+# the CPU image on a Debian 12 base made with debootstrap and runs it: non-root, read-only root,
+# HEALTHCHECK, Naive/Tiled/Trace and caches from the client outside, the --insecure rule, token
+# and TLS, drain on `docker stop`, and deploy/compose.yaml. The GPU image has NOT been built:
+# these machines reach no image registry (so no nvidia/cuda base) and no Ubuntu package
+# registry, so its Ubuntu 24.04 package names are unverified by any install (install-deps.sh).
+# tests/deploy_static_test.py checks this file statically against the CI recipe.
 
-FROM nvidia/cuda:13.0.1-devel-ubuntu24.04 AS build
+ARG BASE_BUILD=nvidia/cuda:13.0.1-devel-ubuntu24.04
+ARG BASE_RUNTIME=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+
+FROM ${BASE_BUILD} AS build
+ARG ATTN_CUDA=ON
 WORKDIR /src
-COPY . .
+# The install script alone first: its layer (the packages, most of a minute) stays cached while
+# only the sources change.
+COPY deploy/install-deps.sh deploy/
 RUN ATTN_DEPS=build ./deploy/install-deps.sh \
  && rm -rf /var/lib/apt/lists/*
-RUN cmake --preset release -DATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="80;90" \
+COPY . .
+RUN cmake --preset release -DATTN_CUDA=${ATTN_CUDA} -DCMAKE_CUDA_ARCHITECTURES="80;90" \
  && cmake --build --preset release --target attnd attn -j"$(nproc)"
 
-FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04 AS runtime
-# gRPC pulls in libgrpc29t64, re2, c-ares and OpenSSL; cpp-httplib brings brotli and zlib;
-# OpenBLAS brings libgfortran5. cuBLAS and the CUDA runtime come with the base image.
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      libgrpc++1.51t64 libprotobuf32t64 libabsl20220623t64 libopenblas0-pthread \
-      libcpp-httplib0.14t64 \
- && rm -rf /var/lib/apt/lists/* \
+FROM ${BASE_RUNTIME} AS runtime
+COPY deploy/install-deps.sh /tmp/
+RUN ATTN_DEPS=runtime /tmp/install-deps.sh \
+ && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh \
  && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnd
 COPY --from=build /src/build/release/attnd /src/build/release/attn /usr/local/bin/
 
@@ -44,8 +61,11 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
 ENTRYPOINT ["attnd"]
 # attnd refuses plaintext on a non-loopback address unless told --insecure. The default here is
 # for trying the image on a trusted host or network; in production replace these arguments,
-# e.g. mount certificates and a token and run
+# e.g. mount certificates and a token (files readable by uid 10001, in directories it can
+# enter) and run
 #   attnd --listen 0.0.0.0:50051 --http-listen 0.0.0.0:8080 --device auto \
 #         --tls-cert /certs/tls.crt --tls-key /certs/tls.key --auth-token-file /secrets/token
-# (the HEALTHCHECK above then needs `--tls-ca`, or use /healthz on 8080 instead).
+# The HEALTHCHECK above then needs the CA too, e.g. `docker run --health-cmd "attn --target
+# 127.0.0.1:50051 --tls-ca /certs/ca.crt --timeout-ms 3000 health"` with a server certificate
+# for 127.0.0.1, or use /healthz on 8080 instead.
 CMD ["--listen", "0.0.0.0:50051", "--http-listen", "0.0.0.0:8080", "--device", "auto", "--insecure"]

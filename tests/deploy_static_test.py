@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
 """Static checks of the deployment files (issue 7): the Dockerfile, deploy/k8s/ and
-deploy/compose.yaml. No Docker engine or cluster runs here, so this reads the files and checks
-what they say against each other and against the build recipe tests/run.sh uses:
+deploy/compose.yaml. tests/image_test.sh builds and runs the CPU image (issue 17); the GPU image
+and the cluster run nowhere here, so this reads the files and checks what they say against each
+other and against the build recipe tests/run.sh uses:
 
-  Dockerfile: two stages, both FROM lines on an exactly pinned nvidia/cuda tag, devel then the
-    matching runtime; the build stage runs deploy/install-deps.sh and the CMake preset that
-    tests/run.sh configures and builds, with CUDA on for sm 80 and 90; the runtime stage copies
-    attnd and attn from the build stage, runs as a non-root user, exposes the gRPC and HTTP ports
-    attnd listens on, has a HEALTHCHECK with `attn health`, and starts attnd with arguments
-    attnd accepts (a non-loopback plaintext --listen needs --insecure or TLS).
+  Dockerfile, as `docker build` without --build-arg reads it (the GPU image): two stages, both
+    FROM lines on an exactly pinned nvidia/cuda tag, devel then the matching runtime, through
+    the build arguments BASE_BUILD and BASE_RUNTIME (ATTN_CUDA=ON by default); the build stage
+    runs deploy/install-deps.sh and the CMake preset that tests/run.sh configures and builds,
+    with CUDA on for sm 80 and 90; the runtime stage installs its libraries through
+    install-deps.sh (ATTN_DEPS=runtime: Debian 12's and Ubuntu 24.04's names, no list of its
+    own), copies attnd and attn from the build stage, runs as a non-root user, exposes the gRPC
+    and HTTP ports attnd listens on, has a HEALTHCHECK with `attn health`, and starts attnd with
+    arguments attnd accepts (a non-loopback plaintext --listen needs --insecure or TLS).
   deploy/k8s: every file parses (yaml.safe_load_all) and is listed in kustomization.yaml; the
     Deployment asks for nvidia.com/gpu 1, listens where the Dockerfile does, has gRPC startup,
     liveness and readiness probes on that port, runs non-root with a read-only root filesystem
     and no privilege escalation, and reads --auth-token-file from the Secret volume's path; the
     Services and the PDB select the Deployment's pods, the headless one has clusterIP None.
-  deploy/compose.yaml: parses, reserves an NVIDIA GPU, same ports, the token from a secret.
+  deploy/compose.yaml: parses, reserves an NVIDIA GPU, same ports, the token from a secret; its
+    CPU service (attnd-cpu, the one tests/image_test.sh brings up) is the same service without
+    the GPU, built with ATTN_CUDA=OFF on one base for both stages, and starts only when named.
   yamllint --strict -c deploy/.yamllint deploy: clean.
 
 Usage: deploy_static_test.py [REPO_ROOT]. Prints one line per check and "N passed, N failed".
@@ -75,17 +81,50 @@ def dockerfile_instructions():
     return out
 
 
+def arg_default(args):
+    """(name, default or None) of an ARG instruction's arguments."""
+    name, eq, default = args.partition("=")
+    return name.strip(), (default.strip().strip('"') if eq else None)
+
+
+def substitute(text, values):
+    """text with ${NAME} and $NAME replaced for the names in values, as Docker expands build
+    arguments; anything else (e.g. the shell's "$(nproc)") is left to the shell."""
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                  lambda m: values.get(m.group(1) or m.group(2), m.group(0)), text)
+
+
+def global_args():
+    """{name: default} of the ARGs before the first FROM (the ones FROM lines may use)."""
+    values = {}
+    for instr, args in dockerfile_instructions():
+        if instr == "FROM":
+            break
+        assert instr == "ARG", f"{instr} before the first FROM"
+        name, default = arg_default(args)
+        values[name] = default
+    return values
+
+
 def stages():
-    """[{'from': image, 'name': alias, 'lines': [(INSTR, args)]}]."""
+    """[{'from': image, 'raw_from': as written, 'name': alias, 'args': {name: default},
+    'lines': [(INSTR, args)]}], each with the build arguments' defaults substituted: the global
+    ones in FROM, the stage's own ARGs in its other instructions (`docker build` without
+    --build-arg)."""
+    outer = global_args()
     result = []
     for instr, args in dockerfile_instructions():
         if instr == "FROM":
             m = re.fullmatch(r"(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?", args, re.I)
             assert m, f"FROM line not understood: {args}"
-            result.append({"from": m.group(1), "name": m.group(2), "lines": []})
-        else:
-            assert result, f"{instr} before the first FROM"
-            result[-1]["lines"].append((instr, args))
+            result.append({"from": substitute(m.group(1), outer), "raw_from": m.group(1),
+                           "name": m.group(2), "args": {}, "lines": []})
+        elif result:
+            stage = result[-1]
+            if instr == "ARG":
+                name, default = arg_default(args)
+                stage["args"][name] = default if default is not None else outer.get(name)
+            stage["lines"].append((instr, substitute(args, stage["args"])))
     return result
 
 
@@ -178,6 +217,39 @@ def dockerfile_stages_pinned_devel_then_runtime():
     assert v0 == v1 and os0 == os1, f"devel {v0}/{os0} and runtime {v1}/{os1} differ"
     assert v0.startswith("13.0."), f"CUDA {v0}; the issue asks for 13.0.x"
     assert os0 == "24.04", f"ubuntu{os0}; the issue asks for ubuntu24.04"
+
+
+@check
+def dockerfile_bases_and_cuda_are_build_arguments():
+    outer = global_args()
+    s = stages()
+    for name, stage in (("BASE_BUILD", s[0]), ("BASE_RUNTIME", s[-1])):
+        assert outer.get(name), f"no global ARG {name} with a default"
+        assert stage["raw_from"] in (f"${{{name}}}", f"${name}"), \
+            f"stage {stage['name']} is FROM {stage['raw_from']}, not the build argument {name}"
+    assert s[0]["args"].get("ATTN_CUDA") == "ON", "the build stage has no ARG ATTN_CUDA=ON"
+    runs = " && ".join(a for i, a in s[0]["lines"] if i == "RUN")
+    raw = read("Dockerfile")
+    assert re.search(r"-DATTN_CUDA=\$\{?ATTN_CUDA\}?", raw), \
+        "cmake is not configured with -DATTN_CUDA=${ATTN_CUDA}"
+    assert "-DATTN_CUDA=ON" in runs
+
+
+@check
+def dockerfile_runtime_libraries_from_install_deps():
+    runtime = stages()[-1]
+    runs = re.sub(r"\s+", " ", " && ".join(a for i, a in runtime["lines"] if i == "RUN"))
+    assert re.search(r"ATTN_DEPS=runtime \S*install-deps\.sh\b", runs), \
+        "the runtime stage does not run install-deps.sh with ATTN_DEPS=runtime"
+    assert "apt-get install" not in runs, \
+        "the runtime stage installs packages itself: the list belongs in install-deps.sh"
+    copies = [a for i, a in runtime["lines"] if i == "COPY"]
+    assert any(re.search(r"(^|\s)deploy/install-deps\.sh\s", a) for a in copies), \
+        "the runtime stage does not copy deploy/install-deps.sh from the build context"
+    script = read("deploy/install-deps.sh")
+    for release in ('"debian 12")', '"ubuntu 24.04")'):
+        assert release in script, f"install-deps.sh's runtime mode has no case {release}"
+    assert "/etc/os-release" in script, "install-deps.sh does not read /etc/os-release"
 
 
 @check
@@ -420,6 +492,25 @@ def compose_gpu_ports_and_token():
     assert path in secrets.values(), f"--auth-token-file {path} is not a compose secret"
     user = str(service.get("user", "")).split(":")[0]
     assert user and user not in ("0", "root"), f"compose user {user!r}"
+
+
+@check
+def compose_cpu_service_is_the_gpu_one_without_the_gpu():
+    services = yaml.safe_load(read("deploy/compose.yaml"))["services"]
+    assert "attnd-cpu" in services, "no attnd-cpu service (tests/image_test.sh brings it up)"
+    gpu, cpu = services["attnd"], services["attnd-cpu"]
+    assert not (cpu.get("deploy") or {}).get("resources"), "attnd-cpu reserves resources"
+    assert cpu.get("profiles"), "attnd-cpu has no profile: a plain `up` would start both"
+    args = (cpu.get("build") or {}).get("args") or {}
+    assert str(args.get("ATTN_CUDA")) == "OFF", \
+        f"attnd-cpu builds with ATTN_CUDA={args.get('ATTN_CUDA')}, not OFF"
+    assert args.get("BASE_BUILD") and args.get("BASE_BUILD") == args.get("BASE_RUNTIME"), \
+        "attnd-cpu does not build both stages on one base"
+    assert cpu.get("image") and cpu.get("image") != gpu.get("image"), \
+        "attnd-cpu and attnd would tag the same image"
+    for key in ("command", "ports", "secrets", "user", "read_only", "tmpfs", "security_opt",
+                "cap_drop", "stop_grace_period"):
+        assert cpu.get(key) == gpu.get(key), f"attnd-cpu's {key} differs from attnd's"
 
 
 # --- yamllint ---------------------------------------------------------------------------------

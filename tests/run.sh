@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is missing, then runs every test in three stages and exits non-zero on any
+# Installs what is missing, then runs every test in four stages and exits non-zero on any
 # failure:
 #   1. release: builds the Release preset (the build deploy/run.sh serves from) and runs the whole
 #      suite: C++ unit and service tests, the Python client test, the CLI test, the fuzz corpus
@@ -10,6 +10,11 @@
 #   3. fuzz: the libFuzzer target tests/fuzz/attention_fuzz (preset "fuzz", clang, build/fuzz)
 #      for ATTN_FUZZ_SECONDS (default 60) on a copy of tests/fuzz/corpus; any crash, sanitizer
 #      report or Naive/Tiled mismatch fails, and the input is saved in build/fuzz/artifacts/.
+#   4. image: tests/image_test.sh builds the Dockerfile's CPU image on a Debian 12 base it makes
+#      with debootstrap (cached in build/image/), runs it under Docker (starting dockerd when
+#      none runs) and checks it from outside with the release build's attn: user, read-only
+#      root, HEALTHCHECK, the three RPCs and caches, token and TLS, drain on docker stop, and
+#      deploy/compose.yaml's CPU service.
 # Each stage prints how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,3 +84,11 @@ added=$(sed -n 's/^stat::new_units_added: *//p' "$fuzz_dir/fuzz.log")
 echo "tests/run.sh: fuzz ran ${executions:-?} executions in ${fuzz_seconds} s (${rate:-?}/s)," \
   "${added:-?} new corpus inputs, no failure"
 stage_done fuzz
+
+# --- 4. image --------------------------------------------------------------------------------
+./tests/image_test.sh build/release || {
+  echo "tests/run.sh: stage image FAILED (its logs: build/image/build.log, compose.log," \
+    "dockerd.log, debootstrap.log; rerun it alone with tests/image_test.sh build/release)"
+  exit 1
+}
+stage_done image
