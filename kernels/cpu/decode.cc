@@ -254,8 +254,8 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     scratch.scores.resize(item.rows * kDecodeTile);
     scratch.acc.resize(item.rows * s.value_dim);
     scratch.states.resize(item.rows);
-    scratch.key_rows.resize(2 * kDecodeTile);  // This tile's and the next's.
-    scratch.value_rows.resize(2 * kDecodeTile);
+    scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);  // A ring of tiles.
+    scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
     RunChunk(KvDtypeOf(p), chunk, scratch);  // An empty chunk (key_end ≤ key_begin) is a no-op.
   });
   if (!run.ok()) return run;

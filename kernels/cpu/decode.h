@@ -36,6 +36,8 @@ inline constexpr int64_t kDecodeChunkTokens = 512;
 // Keys per online-softmax step inside a chunk: the tile's keys and values stay in L1 between
 // the scores and the accumulation.
 inline constexpr int kDecodeTile = 64;
+// Tiles ahead of the one computing whose rows are prefetched (decode_kernels.inc).
+inline constexpr int kDecodePrefetchTiles = 2;
 // Rows of a GQA group (query_len · heads / kv_heads) up to which a problem is decode-shaped;
 // CpuBackend::Decode gives larger ones to Tiled.
 inline constexpr int64_t kDecodeMaxRows = 64;
