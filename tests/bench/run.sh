@@ -21,7 +21,8 @@
 #     repeated in random order, in the default environment: what attnd itself runs.
 #  5. decode.json      the decode rows (bf16 and fp32) between the memory ceilings (a 1 GiB
 #     sum and a 1 GiB memcpy, 2 threads; --quick: 256 MiB), repeated in random order (not
-#     --quick), default environment.
+#     --quick), default environment. The decode step only reads its cache, so its ceiling is
+#     the sum (a read); the copy (read + write counted) is shown beside it.
 #  6. numpy-<CORE>.json  NumPy's matmul-softmax-matmul at the target shape (--quick: N=1024)
 #     under each core type; numpy.json: the whole NumPy column under the best of them.
 # Every attention_bench process but the ceiling probes and step 3 runs without OPENBLAS_CORETYPE
@@ -350,15 +351,16 @@ if own:
 
 # The memory ceilings and decode rows.
 decode_rates, decode_errors = samples(decode_run)
-memory_ceiling, memory_label, memory_read = None, None, None
+memory_ceiling, memory_label, memory_read, memory_copy = None, None, None, None
 if decode_run:
     dctx = decode_run.get("context", {})
     print()
     print(f"memory ceiling, {threads} threads, same run (GB/s, median [min-max]; "
           f"{dctx.get('attn_memory_lanes', '?')}-lane sums; copy counts read + write):")
-    # The ceiling: the better of the sum at --memread_mib and the copy at --memcopy_mib; a sum
-    # at the decode cache's size is shown for information (a cache that size may partly sit in
-    # the L3).
+    # The ceiling: the sum at --memread_mib, a read as the decode step's is (it only reads the
+    # cache). The copy at --memcopy_mib counts the bytes it reads and writes, a different
+    # traffic: shown, and the decode rows against it, for information; so is a sum at the
+    # decode cache's size (a cache that size may partly sit in the L3).
     ceiling_rows = {f"memread/MiB:{dctx.get('attn_memread_mib')}": "sum",
                     f"memcopy/MiB:{dctx.get('attn_memcopy_mib')}": "memcpy"}
     candidates = []
@@ -373,9 +375,12 @@ if decode_run:
             candidates.append((statistics.median(v), f"{kind} {mib} MiB"))
             if kind == "sum":
                 memory_read = statistics.median(v)
-    if candidates:
-        memory_ceiling, memory_label = max(candidates)
-        print(f"  ceiling: {memory_ceiling:.1f} GB/s ({memory_label}, the better of the two)")
+    memory_copy = max((c for c in candidates if c[1].startswith("memcpy")), default=None)
+    reads = [c for c in candidates if c[1].startswith("sum")]
+    if reads:
+        memory_ceiling, memory_label = reads[0]
+        print(f"  ceiling: {memory_ceiling:.1f} GB/s ({memory_label}: a read, as the decode "
+              "step's traffic is)")
 
 print()
 print("GFLOP/s = 4*B*H*N^2*d (halved when causal) / time; B = 1; x ceiling = GFLOP/s / the sgemm "
@@ -500,8 +505,8 @@ if decode_run:
             ratio = statistics.median(v) / memory_ceiling if memory_ceiling else None
             if ratio is not None:
                 decode_ratios.append((ratio, name))
-            read = (f" (the sum alone: {statistics.median(v) / memory_read:.2f}x)"
-                    if memory_read and memory_read != memory_ceiling else "")
+            read = (f" (the copy's read + write: {statistics.median(v) / memory_copy[0]:.2f}x)"
+                    if memory_copy else "")
             print(f"  {name:44s} {spread(v)} GB/s" +
                   (f"  = {ratio:.2f}x memory{read}" if ratio is not None else ""))
     for name, message in decode_errors.items():
