@@ -1,6 +1,5 @@
 #include "kernels/cpu/naive.h"
 
-#include <cblas.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_dispatch.h"
+#include "kernels/cpu/fp32_rows.h"
 #include "kernels/cpu/row_blocks.h"
 #include "kernels/online_softmax.h"
 
@@ -90,17 +90,13 @@ void NaiveStorage::Give(Block block, int64_t count) {
   }
 }
 
-void NaiveRows(const Problem& problem, const float* query, const float* key, const float* value,
-               int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
-               float* out) {
-  const Shape& s = problem.shape;
+void NaiveRows(const Problem& problem, const float* query, const KeyTile& head, int64_t row_begin,
+               int64_t rows, float* scores, float* weights, float* lse, float* out) {
   const int m = static_cast<int>(rows);
-  const int n = static_cast<int>(s.key_len);
-  const int d = static_cast<int>(s.head_dim);
-  const int dv = static_cast<int>(s.value_dim);
+  const int dv = static_cast<int>(problem.shape.value_dim);
+  const int stride = AccStride(dv);
   // S = scale · Q Kᵀ, W = softmax(S), O = W V.
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, d, problem.scale, query, d, key, d,
-              0.f, scores, n);
+  head.Scores(query, m, scores);
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
   if (CpuHasAvx512()) {
     SoftmaxRowsAvx512(problem, row_begin, rows, scores, weights, lse);
@@ -110,15 +106,43 @@ void NaiveRows(const Problem& problem, const float* query, const float* key, con
     (CpuHasAvx2Fma() ? SoftmaxRowsAvx2 : SoftmaxRowsPortable)(problem, row_begin, rows, scores,
                                                               weights, lse);
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, dv, n, 1.f, weights, n, value, dv, 0.f,
-              out, dv);
+  std::fill(out, out + rows * stride, 0.f);
+  head.Accumulate(weights, m, out);
+  // Row r moves down to r · value_dim (in order: a row never overwrites one not yet moved).
+  if (stride != dv) {
+    for (int64_t r = 1; r < rows; ++r) {
+      std::copy(out + r * stride, out + r * stride + dv, out + r * dv);
+    }
+  }
 }
 
 namespace {
 
 struct Worker {
-  BlockLoader loader;
+  Fp32Rows query, key, value;
+  KeyTile head;              // The keys and values of head `packed_head`, packed as one tile.
+  int64_t packed_head = -1;  // batch · kv_heads + kv_head; −1: none yet.
   std::vector<float> out, lse;
+
+  // The block's head, packed now or kept from the worker's previous block of the same head.
+  const KeyTile& Head(const Problem& problem, const RowBlock& block) {
+    const Shape& s = problem.shape;
+    const int64_t id = block.batch * s.kv_heads + block.kv_head;
+    if (id != packed_head) {
+      const float* k = key.LoadKeys(problem, block.batch, block.kv_head, 0, s.key_len);
+      const float* v = value.LoadValues(problem, block.batch, block.kv_head, 0, s.key_len);
+      head.Load(k, v, static_cast<int>(s.key_len), static_cast<int>(s.head_dim),
+                static_cast<int>(s.value_dim), problem.scale);
+      packed_head = id;
+    }
+    return head;
+  }
+
+  int64_t scratch_bytes() const {
+    return query.scratch_bytes() + key.scratch_bytes() + value.scratch_bytes() +
+           head.scratch_bytes() +
+           static_cast<int64_t>((out.capacity() + lse.capacity()) * sizeof(float));
+  }
 };
 
 }  // namespace
@@ -154,14 +178,17 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
       RunInterruptible(pool, tasks, outputs.interrupt, [&](int64_t task, int worker_index) {
         Worker& worker = workers[worker_index];
         const RowBlock block = RowBlockAt(problem, task);
-        const auto [query, key, value] = worker.loader.Load(problem, block);
         const int64_t rows = block.row_end - block.row_begin;
+        const float* query = worker.query.Load(
+            problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin),
+            rows * s.head_dim);
+        const KeyTile& head = worker.Head(problem, block);
         const int64_t offset =
             ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
-        worker.out.resize(rows * s.value_dim);
+        worker.out.resize(rows * AccStride(static_cast<int>(s.value_dim)));
         worker.lse.resize(rows);
-        NaiveRows(problem, query, key, value, block.row_begin, rows, scores + offset,
-                  weights + offset, worker.lse.data(), worker.out.data());
+        NaiveRows(problem, query, head, block.row_begin, rows, scores + offset, weights + offset,
+                  worker.lse.data(), worker.out.data());
         StoreFloats(worker.out.data(), rows * s.value_dim, outputs.output,
                     problem.OutputOffset(block.batch, block.head, block.row_begin));
         if (outputs.lse != nullptr) {
@@ -174,11 +201,7 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
   Stats stats;
   stats.intermediate_bytes = problem.NaiveIntermediateBytes();
   stats.scratch_bytes = storage_bytes;
-  for (const Worker& worker : workers) {
-    stats.scratch_bytes +=
-        worker.loader.scratch_bytes() +
-        static_cast<int64_t>((worker.out.capacity() + worker.lse.capacity()) * sizeof(float));
-  }
+  for (const Worker& worker : workers) stats.scratch_bytes += worker.scratch_bytes();
   return stats;
 }
 

@@ -1,7 +1,12 @@
 // Naive attention on the CPU: the explainer's ideas 1 and 2, as a framework's eager path does
-// it. For every (batch, head) the full query_len × key_len score matrix is written by a BLAS
-// GEMM, turned into a weight matrix by a stable (vectorized) softmax, and multiplied by the
-// values with a second GEMM. Both matrices live in memory at once, 8·B·H·Nq·Nk bytes.
+// it. For every (batch, head) the full query_len × key_len score matrix is written by a matrix
+// product, turned into a weight matrix by a stable (vectorized) softmax, and multiplied by the
+// values with a second product. Both matrices live in memory at once, 8·B·H·Nq·Nk bytes.
+//
+// The two products are KeyTile's (key_tile.h) over the whole head as one tile, not BLAS GEMMs:
+// at these skinny shapes (an inner dimension, or an output width, of head_dim) they ran faster
+// than Debian's OpenBLAS at its best core type, with AVX-512 and with AVX2 forced (docs/perf.md),
+// and they need no BLAS library that knows the CPU.
 //
 // NaiveRows is also the trace's full-matrix reference, so Trace compares the online softmax
 // against exactly this computation.
@@ -14,18 +19,20 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/key_tile.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/problem.h"
 
 namespace attn {
 
 // Full-matrix attention for query rows [row_begin, row_begin + rows) of one head, all fp32:
-// query [rows, head_dim], key [key_len, head_dim], value [key_len, value_dim]. Writes the scaled
-// and masked scores [rows, key_len], the weights [rows, key_len], each row's log-sum-exp into
-// lse (when not null; −inf for a row that sees no key) and the output [rows, value_dim].
-void NaiveRows(const Problem& problem, const float* query, const float* key, const float* value,
-               int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
-               float* out);
+// query [rows, head_dim]; `head`: the head's key_len keys and values packed as one KeyTile
+// (with the problem's scale). Writes the scaled and masked scores [rows, key_len], the weights
+// [rows, key_len], each row's log-sum-exp into lse (when not null; −inf for a row that sees no
+// key) and the output [rows, value_dim] into `out`, which must hold rows · AccStride(value_dim)
+// floats (the product's own row stride, packed to value_dim columns before NaiveRows returns).
+void NaiveRows(const Problem& problem, const float* query, const KeyTile& head, int64_t row_begin,
+               int64_t rows, float* scores, float* weights, float* lse, float* out);
 
 // Memory for Naive's score and weight matrices, kept from one call for the next. A fresh
 // gigabyte costs the operating system's zeroing of every page first (on the development VM a

@@ -105,11 +105,14 @@ class CpuTraceCursor final : public TraceCursor {
     done.output.resize(s.value_dim);
     for (int64_t c = 0; c < s.value_dim; ++c) done.output[c] = state_.Normalize(acc_[c]);
 
-    // The full-matrix row, by Naive's own code.
-    reference_.resize(2 * s.key_len);
-    done.reference.resize(s.value_dim);
-    NaiveRows(problem_, q_row_, key_rows_, value_rows_, ref.row, 1, reference_.data(),
-              reference_.data() + s.key_len, nullptr, done.reference.data());
+    // The full-matrix row, by Naive's own code (the head packed as Naive packs it).
+    key_tile_.Load(key_rows_, value_rows_, static_cast<int>(s.key_len),
+                   static_cast<int>(s.head_dim), static_cast<int>(s.value_dim), problem_.scale);
+    reference_.resize(2 * s.key_len + AccStride(static_cast<int>(s.value_dim)));
+    NaiveRows(problem_, q_row_, key_tile_, ref.row, 1, reference_.data(),
+              reference_.data() + s.key_len, nullptr, reference_.data() + 2 * s.key_len);
+    done.reference.assign(reference_.begin() + 2 * s.key_len,
+                          reference_.begin() + 2 * s.key_len + s.value_dim);
     done.max_abs_error = MaxAbsError(done.output, done.reference);
 
     ++row_index_;
@@ -128,7 +131,7 @@ class CpuTraceCursor final : public TraceCursor {
   const float* q_row_ = nullptr;
   const float* key_rows_ = nullptr;
   const float* value_rows_ = nullptr;
-  KeyTile key_tile_;
+  KeyTile key_tile_;  // The step's tile; in FinishRow the whole head, for the reference row.
   OnlineSoftmaxRow state_;
   std::vector<float> scores_, acc_, reference_;
   Stats stats_;

@@ -35,12 +35,13 @@
 // block_k. A refused row (Naive past its budget) is an error row whose message starts with the
 // status code, e.g. "RESOURCE_EXHAUSTED: Naive needs ...".
 //
-// Method naive_gemm (fp32, non-causal rows only): Naive's two GEMM phases alone, the same
-// cblas_sgemm calls NaiveRows makes (kernels/cpu/naive.cc) for every 128-row block of every head
-// — S = scale·Q·Kᵀ into the block's rows of an [H, N, N] score matrix, then O = S·V — on
-// `threads` workers with one BLAS thread each, as the backend runs them; no softmax, no
-// allocation (the matrix is allocated and touched once, outside the timing). GFLOP/s counts the
-// same 4·H·N²·d as the attention rows: read it against the sgemm ceiling.
+// Method naive_gemm (fp32, non-causal rows only): Naive's two matrix products alone, the same
+// KeyTile calls NaiveRows makes (kernels/cpu/naive.cc) for every 128-row block of every head —
+// each worker packs a head once as one tile, then S = scale·Q·Kᵀ into the block's rows of an
+// [H, N, N] score matrix, then O = S·V — on `threads` workers, as the backend runs them; no
+// softmax, no allocation (the matrix is allocated and touched once, outside the timing). The
+// packing is timed, as Naive pays it. GFLOP/s counts the same 4·H·N²·d as the attention rows:
+// read it against the sgemm ceiling.
 //
 // Shapes: B = 1, self-attention (Nq = Nk = N), kv_heads = heads, value_dim = head_dim, inputs
 // uniform(−1, 1) in the row's dtype, output in the same dtype, no lse. Heads default to 8 for
@@ -111,6 +112,7 @@
 #include "kernels/cpu/blas_core.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/cpu_dispatch.h"
+#include "kernels/cpu/key_tile.h"
 #include "kernels/cpu/row_blocks.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/dtype.h"
@@ -653,9 +655,8 @@ void RunMemcopy(benchmark::State& state, int64_t mib, int threads) {
                                                      benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Naive's two GEMM phases alone (see the top of this file): the cblas_sgemm calls of NaiveRows,
-// with the same arguments, per 128-row block, on `threads` workers, each with one BLAS thread
-// (the backend has set OpenBLAS to 1 thread; the sgemm rows restore that after theirs).
+// Naive's two products alone (see the top of this file): NaiveRows's KeyTile calls, with the same
+// arguments, per 128-row block, on `threads` workers.
 void RunNaiveGemm(benchmark::State& state, const Cell& cell, int threads) {
   if (DeadlinePassed()) return Skip(state, "timeout: --deadline_s passed before this row ran");
   const int64_t heads = cell.heads, n = cell.n, d = cell.d;
@@ -672,32 +673,42 @@ void RunNaiveGemm(benchmark::State& state, const Cell& cell, int threads) {
   std::memset(scores.get(), 0, sizeof(float) * heads * n * n);
   attn::ThreadPool pool(threads);
   const int64_t per_head = (n + attn::kRowsPerBlock - 1) / attn::kRowsPerBlock;
-  std::vector<std::vector<float>> out(threads, std::vector<float>(attn::kRowsPerBlock * d));
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   const int n32 = static_cast<int>(n), d32 = static_cast<int>(d);
+  const int stride = attn::AccStride(d32);
+  struct Worker {
+    attn::KeyTile head;
+    int64_t packed_head = -1;
+    std::vector<float> out;
+  };
+  std::vector<Worker> workers(threads);
+  for (Worker& worker : workers) worker.out.resize(attn::kRowsPerBlock * stride);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   auto run = [&] {
-    pool.Run(heads * per_head, [&](int64_t task, int worker) {
+    for (Worker& worker : workers) worker.packed_head = -1;  // Every call packs its heads.
+    pool.Run(heads * per_head, [&](int64_t task, int worker_index) {
+      Worker& worker = workers[worker_index];
       const int64_t head = task / per_head;
       const int64_t row = task % per_head * attn::kRowsPerBlock;
       const int m = static_cast<int>(std::min(attn::kRowsPerBlock, n - row));
-      const float* q = query.data() + (head * n + row) * d;
-      const float* k = key.data() + head * n * d;
-      const float* v = value.data() + head * n * d;
+      if (worker.packed_head != head) {
+        worker.head.Load(key.data() + head * n * d, value.data() + head * n * d, n32, d32, d32,
+                         scale);
+        worker.packed_head = head;
+      }
       float* s = scores.get() + (head * n + row) * n;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n32, d32, scale, q, d32, k, d32, 0.f,
-                  s, n32);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, d32, n32, 1.f, s, n32, v, d32, 0.f,
-                  out[worker].data(), d32);
+      worker.head.Scores(query.data() + (head * n + row) * d, m, s);
+      std::fill(worker.out.begin(), worker.out.end(), 0.f);
+      worker.head.Accumulate(s, m, worker.out.data());
     });
   };
-  run();  // Warm-up: OpenBLAS's buffers in every worker.
+  run();  // Warm-up: every worker's buffers.
   for (auto _ : state) {
     run();
-    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(workers.data());
     benchmark::ClobberMemory();
   }
-  for (const std::vector<float>& o : out) {
-    for (float x : o) {
+  for (const Worker& worker : workers) {
+    for (float x : worker.out) {
       if (!std::isfinite(x)) return Skip(state, "bad: naive_gemm output");
     }
   }
