@@ -45,8 +45,8 @@ case "$mode" in
     ;;
   runtime)
     # What `ldd attnd attn` lists, by the package that ships each library; their dependencies
-    # bring the rest (gRPC: re2, c-ares, OpenSSL; cpp-httplib: brotli, zlib; OpenBLAS:
-    # libgfortran5). The names differ by distribution: Ubuntu 24.04 renamed libraries for the
+    # bring the rest (gRPC: re2, c-ares, OpenSSL; cpp-httplib: brotli, zlib). OpenBLAS is not
+    # among them: only the CPU benchmark links it (tests/bench). The names differ by distribution: Ubuntu 24.04 renamed libraries for the
     # 64-bit time_t transition (…t64) and ships cpp-httplib 0.14 where Debian 12 has 0.11.
     # tests/image_test.sh installs the Debian 12 list into a real image on every run. The Ubuntu
     # 24.04 list is UNVERIFIED by any install: the only package registry these machines reach is
@@ -56,12 +56,10 @@ case "$mode" in
     . /etc/os-release
     case "${ID:-} ${VERSION_ID:-}" in
       "debian 12")
-        packages=(libgrpc++1.51 libprotobuf32 libabsl20220623 libopenblas0-pthread
-          libcpp-httplib0.11)
+        packages=(libgrpc++1.51 libprotobuf32 libabsl20220623 libcpp-httplib0.11)
         ;;
       "ubuntu 24.04")
-        packages=(libgrpc++1.51t64 libprotobuf32t64 libabsl20220623t64 libopenblas0-pthread
-          libcpp-httplib0.14t64)
+        packages=(libgrpc++1.51t64 libprotobuf32t64 libabsl20220623t64 libcpp-httplib0.14t64)
         ;;
       *)
         echo "install-deps: ATTN_DEPS=runtime knows the package names of Debian 12 and" \

@@ -18,7 +18,6 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
-#include "kernels/cpu/blas_core.h"
 #include "server/builder_options.h"
 #include "server/dashed_flags.h"
 #include "server/gateway.h"
@@ -103,10 +102,8 @@ int WaitForSignal() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // First, before any thread: may run attnd again with OPENBLAS_CORETYPE set (blas_core.h).
-  const std::string blas = attn::SelectBlasCore(argv);
   // SIGINT/SIGTERM go through a pipe to the thread that drains the server (below). A handler,
-  // not sigwait: threads started before main (OpenBLAS starts its own) never blocked them.
+  // not sigwait: threads a library starts before main never blocked them.
   if (pipe(signal_pipe) != 0) Die("cannot create the signal pipe");
   struct sigaction action = {};
   action.sa_handler = ForwardSignal;
@@ -224,7 +221,6 @@ int main(int argc, char** argv) {
       static_cast<long long>(service.caches().limits().budget_bytes),
       static_cast<long long>(service.caches().limits().idle_seconds), shutdown_grace);
   std::printf("  security: %s\n", security->summary.c_str());
-  std::printf("  blas: %s\n", blas.c_str());
   const std::string http_banner =
       http.port() != 0 ? absl::StrCat("http://", http.address(),
                                       " (/metrics /healthz /readyz; JSON gateway /v1/naive "

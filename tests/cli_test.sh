@@ -18,27 +18,6 @@ server=$!
 port=$(attnd_wait_port "$server" "$log")
 target=(--target "127.0.0.1:$port")
 
-# attnd's BLAS runs kernels of the CPU's own instruction set (kernels/cpu/blas_core.h: it runs
-# itself again with OPENBLAS_CORETYPE set when OpenBLAS picked older ones).
-blas_line=$(grep '^  blas: ' "$log" || true)
-flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
-has() { [[ " $flags " == *" $1 "* ]]; }
-if [ -n "${OPENBLAS_CORETYPE:-}" ] || [ "${ATTN_BLAS_CORE:-}" = keep ]; then
-  wanted='blas: OpenBLAS'  # The user's choice, kept.
-elif has avx512f && has avx512bw && has avx512dq && has avx512vl; then
-  wanted='blas: OpenBLAS (SkylakeX|Cooperlake|SapphireRapids) kernels'
-elif has avx2 && has fma; then
-  wanted='blas: OpenBLAS (Haswell|Zen|Excavator|SkylakeX|Cooperlake|SapphireRapids) kernels'
-else
-  wanted='blas: OpenBLAS'
-fi
-if grep -qE "$wanted" <<<"$blas_line"; then
-  passed=$((passed + 1))
-else
-  echo "FAIL blas-core: attnd's banner line \"$blas_line\" does not match /$wanted/" >&2
-  failed=$((failed + 1))
-fi
-
 check health 0 '^SERVING$' -- "$attn" "${target[@]}" health
 check info 0 'backend +cpu' -- "$attn" "${target[@]}" info
 check tiled-seed 0 'out\[0\] = \[-0\.593223, 0\.406777, -1\.332858, -0\.371937\]' -- \

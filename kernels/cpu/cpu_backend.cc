@@ -1,6 +1,5 @@
 #include "kernels/cpu/cpu_backend.h"
 
-#include <cblas.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -69,10 +68,7 @@ CpuBackend::CpuBackend(int threads, int64_t max_naive_bytes, int64_t max_packed_
       max_naive_bytes_(max_naive_bytes > 0 ? max_naive_bytes : memory_bytes_ / 4),
       max_packed_head_bytes_(max_packed_head_bytes),
       kv_page_tokens_(std::max<int64_t>(kv_page_tokens, 1)),
-      device_(absl::StrCat(CpuModel(), ", ", pool_.threads(), " threads")) {
-  // Parallelism comes from the pool; BLAS threads inside it would only oversubscribe.
-  openblas_set_num_threads(1);
-}
+      device_(absl::StrCat(CpuModel(), ", ", pool_.threads(), " threads")) {}
 
 bool CpuBackend::RunsInline(const Problem& problem) const {
   const Shape& s = problem.shape;

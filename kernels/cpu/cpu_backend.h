@@ -2,7 +2,7 @@
 // keeps KV caches in host memory (CpuKvStore).
 //
 // Thread-safe. Each Naive, Tiled or Decode call spreads its work over the backend's pool of
-// `threads` workers (calls take turns on it); BLAS runs single-threaded inside each worker.
+// `threads` workers (calls take turns on it).
 #pragma once
 
 #include <cstdint>

@@ -1,15 +1,13 @@
 // attention_bench: Naive and Tiled on the CPU backend beside the machine's single-precision GEMM
-// rate, measured in the same process, in the same run, through the same BLAS (OpenBLAS
-// cblas_sgemm), so that every attention figure can be read as a fraction of the peak measured
-// right then. Google Benchmark; not a ctest test: tests/bench/run.sh runs it (JSON) and prints
-// one table of ratios.
+// rate (OpenBLAS cblas_sgemm), measured in the same process, in the same run, so that every
+// attention figure can be read as a fraction of the peak measured right then. Google Benchmark;
+// not a ctest test: tests/bench/run.sh runs it (JSON) and prints one table of ratios.
 //
-// OpenBLAS's kernels: main calls attn::SelectBlasCore (kernels/cpu/blas_core.h) first, as attnd
-// does, so the rows run on the BLAS core attnd would run on (OpenBLAS's own choice, or the one
-// SelectBlasCore sets when that choice is below the CPU's flags; an OPENBLAS_CORETYPE in the
-// environment is kept). The context reports the line it returns (attn_blas) and the core
-// (openblas_corename). tests/bench/run.sh measures the sgemm ceiling under every core type the
-// CPU allows, one child process each (--methods=sgemm with OPENBLAS_CORETYPE set).
+// Only the sgemm rows call OpenBLAS (the backend's kernels are the project's own), on the kernels
+// the library picks: its own choice, or OPENBLAS_CORETYPE's. Debian's OpenBLAS 0.3.21 may not
+// know a new CPU and pick old kernels, so tests/bench/run.sh measures the sgemm ceiling under
+// every core type the CPU allows, one child process each (--methods=sgemm with OPENBLAS_CORETYPE
+// set), and runs the other rows with the best. The context reports the core (openblas_corename).
 //
 // Rows, in this order:
 //   sgemm/N:<n>/at:begin                      an n×n×n cblas_sgemm (2·n³ FLOP) on `threads`
@@ -109,7 +107,6 @@
 #include "absl/strings/str_split.h"
 #include "benchmark/benchmark.h"
 #include "kernels/backend.h"
-#include "kernels/cpu/blas_core.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/key_tile.h"
@@ -725,10 +722,7 @@ void RunSgemm(benchmark::State& state, int64_t n, int threads) {
   for (float& x : b) x = uniform(rng);
   const int n32 = static_cast<int>(n);
 
-  // Only the ceiling's own thread count changes, and only for this row: whatever the kernels
-  // have set OpenBLAS to is restored afterwards.
-  const int saved_threads = openblas_get_num_threads();
-  openblas_set_num_threads(threads);
+  openblas_set_num_threads(threads);  // Only the sgemm rows use OpenBLAS.
   auto sgemm = [&] {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n32, n32, n32, 1.f, a.data(), n32,
                 b.data(), n32, 0.f, c.data(), n32);
@@ -739,7 +733,6 @@ void RunSgemm(benchmark::State& state, int64_t n, int threads) {
     benchmark::DoNotOptimize(c.data());
     benchmark::ClobberMemory();
   }
-  openblas_set_num_threads(saved_threads);
   // OpenBLAS's idle threads spin (yielding) for a while after a call; let them fall asleep so
   // they do not compete with the next row's workers (run.sh interleaves sgemm with Tiled).
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -756,9 +749,6 @@ std::string EnvOr(const char* name, const char* fallback) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // First, before any thread and before argv is parsed: the BLAS core attnd would run on. May
-  // execute this program again with OPENBLAS_CORETYPE set (kernels/cpu/blas_core.h).
-  const std::string blas = attn::SelectBlasCore(argv);
   const Options options = ParseOptions(&argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
@@ -777,7 +767,6 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("attn_block_k", absl::StrCat(block_k));
   benchmark::AddCustomContext("attn_quick", options.quick ? "1" : "0");
   benchmark::AddCustomContext("attn_sgemm_n", absl::StrJoin(options.sgemm_n, ","));
-  benchmark::AddCustomContext("attn_blas", blas);
   benchmark::AddCustomContext("attn_memread_mib", absl::StrCat(options.memread_mib));
   benchmark::AddCustomContext("attn_memcopy_mib", absl::StrCat(options.memcopy_mib));
   benchmark::AddCustomContext("attn_memory_lanes", CpuHasAvx512f() ? "16" : "8");
@@ -786,7 +775,6 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("OPENBLAS_CORETYPE", EnvOr("OPENBLAS_CORETYPE", ""));
   benchmark::AddCustomContext("OPENBLAS_L2_SIZE", EnvOr("OPENBLAS_L2_SIZE", ""));
   benchmark::AddCustomContext("OPENBLAS_NUM_THREADS", EnvOr("OPENBLAS_NUM_THREADS", ""));
-  std::fprintf(stderr, "attention_bench: %s\n", blas.c_str());
 
   auto add_sgemm = [&](const char* at) {
     for (int64_t n : options.sgemm_n) {

@@ -7,28 +7,27 @@
 # In order, each step its own process (attention_bench unless said; JSON kept in --out):
 #  1. ceiling-<CORE>.json  the sgemm ceiling under every OpenBLAS core type the CPU's flags allow,
 #     one child process each (OPENBLAS_CORETYPE is read once, as the library loads): OpenBLAS's
-#     own choice (ATTN_BLAS_CORE=keep), SKYLAKEX (avx512f), COOPERLAKE (avx512_bf16), HASWELL and
-#     ZEN (avx2 + fma); sgemm 2048³ and 4096³ (--quick: 1024³), the achieved core name from
+#     own choice (unset), SKYLAKEX (avx512f), COOPERLAKE (avx512_bf16), HASWELL and ZEN
+#     (avx2 + fma); sgemm 2048³ and 4096³ (--quick: 1024³), the achieved core name from
 #     openblas_get_corename. The best median is the ceiling ("x ceiling" below); step 3 measures
 #     it again, and the higher of the two medians is kept.
 #  2. bench.json       the sweep: Naive, Naive's GEMM phases (naive_gemm) and Tiled over N, d,
-#     dtype, causal, beside sgemm rows through the process's own BLAS.
-#  3. targets.json     (not --quick) the sgemm at the best core type and size, and Tiled fp32
-#     and bf16 at the target shape, repeated in random order in one process: the Tiled ratio is
-#     a ratio of medians. This process runs with OPENBLAS_CORETYPE=<best core> so that its sgemm
-#     is the ceiling; Tiled makes no BLAS call (its kernels are the project's own).
+#     dtype, causal, beside sgemm rows.
+#  3. targets.json     (not --quick) the sgemm at the best size, and Tiled fp32 and bf16 at the
+#     target shape, repeated in random order in one process: the Tiled ratio is a ratio of
+#     medians.
 #  4. naive.json       (not --quick) Naive and naive_gemm at the target shape beside sgemm,
-#     repeated in random order, in the default environment: what attnd itself runs.
+#     repeated in random order.
 #  5. decode.json      the decode rows (bf16 and fp32) between the memory ceilings (a 1 GiB
 #     sum and a 1 GiB memcpy, 2 threads; --quick: 256 MiB), repeated in random order (not
-#     --quick), default environment. The decode step only reads its cache, so its ceiling is
-#     the sum (a read); the copy (read + write counted) is shown beside it.
+#     --quick). The decode step only reads its cache, so its ceiling is the sum (a read); the
+#     copy (read + write counted) is shown beside it.
 #  6. numpy-<CORE>.json  NumPy's matmul-softmax-matmul at the target shape (--quick: N=1024)
 #     under each core type; numpy.json: the whole NumPy column under the best of them.
-# Every attention_bench process but the ceiling probes and step 3 runs without OPENBLAS_CORETYPE
-# (removed from the environment if set), so its rows show what attnd does: attention_bench, like
-# attnd, calls attn::SelectBlasCore first (kernels/cpu/blas_core.h), which runs it again with a
-# better core type when OpenBLAS's own choice is below the CPU's flags.
+# Steps 2-5 run with OPENBLAS_CORETYPE=<best core>, so that their sgemm rows are the ceiling: no
+# attention row makes a BLAS call (the CPU kernels are the project's own, Naive's products too),
+# so the core type changes nothing else. A core type left over from the caller's shell is removed
+# first and noted in the table's header.
 #
 # --quick        a smoke run of seconds; the targets that need rows it does not run print
 #                "not measured"
@@ -84,11 +83,10 @@ mkdir -p "$out"
 rm -f "$out"/ceiling-*.json "$out"/numpy-*.json "$out"/bench.json "$out"/targets.json \
   "$out"/naive.json "$out"/decode.json "$out"/numpy.json "$out"/environment.txt
 
-# The judged rows run in the default environment: a core type (with its companion
-# OPENBLAS_L2_SIZE: the two go together) or a selection left over from the caller's shell is
-# removed, and noted in the table's header.
+# A core type (with its companion OPENBLAS_L2_SIZE: the two go together) left over from the
+# caller's shell is removed, and noted in the table's header.
 : >"$out/environment.txt"
-for var in OPENBLAS_CORETYPE OPENBLAS_L2_SIZE ATTN_BLAS_CORE ATTN_BLAS_SELECTED; do
+for var in OPENBLAS_CORETYPE OPENBLAS_L2_SIZE; do
   if [ -n "${!var+x}" ]; then
     echo "$var=${!var}" >>"$out/environment.txt"
     unset "$var"
@@ -114,13 +112,12 @@ if has_flag avx512f; then cores+=(SKYLAKEX); fi
 if has_flag avx512_bf16; then cores+=(COOPERLAKE); fi
 if has_flag avx2 && has_flag fma; then cores+=(HASWELL ZEN); fi
 
-# Runs "$@" with OpenBLAS's core type $1: "default" = the library's own choice, untouched even by
-# SelectBlasCore (ATTN_BLAS_CORE=keep).
+# Runs "$@" with OpenBLAS's core type $1: "default" = the library's own choice.
 with_core() {
   local core="$1"
   shift
   if [ "$core" = default ]; then
-    ATTN_BLAS_CORE=keep "$@"
+    "$@"
   else
     OPENBLAS_CORETYPE="$core" "$@"
   fi
@@ -160,27 +157,26 @@ PY
 )
 echo "run.sh: sgemm ceiling: core type $best_core, ${best_n}³" >&2
 
-# 2. The sweep, in the default environment.
+# 2. The sweep.
 flags=(--threads="$threads" --methods=tiled,naive,naive_gemm --sgemm_n="$best_n")
 [ "$quick" = 1 ] && flags+=(--quick)
-echo "run.sh: $bench ${flags[*]} ${bench_args[*]:-}" >&2
-"$bench" "${flags[@]}" ${bench_args[@]+"${bench_args[@]}"} \
+echo "run.sh: OPENBLAS_CORETYPE=$best_core $bench ${flags[*]} ${bench_args[*]:-}" >&2
+with_core "$best_core" "$bench" "${flags[@]}" ${bench_args[@]+"${bench_args[@]}"} \
   --benchmark_out="$out/bench.json" --benchmark_out_format=json >&2
 
 target_shape=(--n=4096 --d=64 --heads=8 --causal=0 --no_refusal --min_time=0.5
   --benchmark_repetitions="$repetitions" --benchmark_enable_random_interleaving=true)
 if [ "$quick" = 0 ] && [ "$targets" = 1 ]; then
-  # 3. Tiled against the ceiling, interleaved, with the ceiling's core type (Tiled has no BLAS
-  # call, so the core type changes only the sgemm rows).
+  # 3. Tiled against the ceiling, interleaved.
   echo "run.sh: Tiled target rows, $repetitions repetitions each, randomly interleaved," \
     "OPENBLAS_CORETYPE=$best_core" >&2
   with_core "$best_core" "$bench" --threads="$threads" --methods=tiled --dtype=fp32,bf16 \
     --sgemm_n="$best_n" "${target_shape[@]}" \
     --benchmark_out="$out/targets.json" --benchmark_out_format=json >&2
-  # 4. Naive and its GEMM phases as attnd runs them.
+  # 4. Naive and its GEMM phases, interleaved.
   echo "run.sh: Naive target rows, $repetitions repetitions each, randomly interleaved," \
-    "default environment" >&2
-  "$bench" --threads="$threads" --methods=naive,naive_gemm --dtype=fp32 --sgemm_n="$best_n" \
+    "OPENBLAS_CORETYPE=$best_core" >&2
+  with_core "$best_core" "$bench" --threads="$threads" --methods=naive,naive_gemm --dtype=fp32 --sgemm_n="$best_n" \
     "${target_shape[@]}" --benchmark_out="$out/naive.json" --benchmark_out_format=json >&2
 fi
 
@@ -194,8 +190,8 @@ if [ "$decode" = 1 ]; then
     decode_flags+=(--min_time=0.5 --benchmark_repetitions=3
       --benchmark_enable_random_interleaving=true)
   fi
-  echo "run.sh: decode rows and memory ceilings, default environment" >&2
-  "$bench" "${decode_flags[@]}" --benchmark_out="$out/decode.json" \
+  echo "run.sh: decode rows and memory ceilings" >&2
+  with_core "$best_core" "$bench" "${decode_flags[@]}" --benchmark_out="$out/decode.json" \
     --benchmark_out_format=json >&2 || echo "run.sh: the decode rows failed" >&2
 fi
 
@@ -301,7 +297,6 @@ load_avg = " ".join(f"{x:.2f}" for x in ctx.get("load_avg", []))
 print(f"CPU {model} (family {family} model {cpu_model}) | {threads} threads | load avg {load_avg}")
 print(f"flags: AVX2+FMA {'yes' if {'avx2', 'fma'} <= flags else 'no'} | AVX-512F {yes('avx512f')} | "
       f"AVX512_BF16 {yes('avx512_bf16')} | AVX512_FP16 {yes('avx512_fp16')}")
-print(f"attnd's BLAS (the sweep, default environment): {ctx.get('attn_blas', ctx.get('openblas_corename', '?'))}")
 print(f"block_k {ctx.get('attn_block_k', '?')} | Naive budget "
       f"{int(ctx.get('attn_naive_budget_bytes', 0)) / MiB / 1024:g} GiB")
 with open(os.path.join(out, "environment.txt")) as f:
@@ -527,7 +522,7 @@ if interleaved:
     count = max((len(v) for k, v in tiled_reps.items() if not k.startswith("sgemm")), default=0)
     print(f"interleaved target rows ({count} repetitions each in random order, one process per "
           "block; GFLOP/s median [min-max]):")
-    print(f"  with OPENBLAS_CORETYPE={ceiling_core} (core {icore}; Tiled makes no BLAS call):")
+    print(f"  Tiled, with OPENBLAS_CORETYPE={ceiling_core} for the sgemm (core {icore}):")
     for label, prefix in (("sgemm", "sgemm/"), ("tiled fp32", "tiled/fp32/"),
                           ("tiled bf16", "tiled/bf16/")):
         v = pooled(tiled_reps, prefix)
@@ -538,7 +533,8 @@ if interleaved:
             print(f"    {label:11s} {spread(v)}{ratio}")
 if naive_run:
     nctx = naive_run.get("context", {})
-    print(f"  default environment ({nctx.get('attn_blas', nctx.get('openblas_corename', '?'))}):")
+    print(f"  Naive, with OPENBLAS_CORETYPE={ceiling_core} for the sgemm "
+          f"(core {nctx.get('openblas_corename', '?')}):")
     for label, prefix in (("sgemm", "sgemm/"), ("naive", "naive/fp32/"),
                           ("naive_gemm", "naive_gemm/fp32/")):
         v = pooled(naive_reps, prefix)

@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The RSS bound, on growth: what attnd holds at start depends on the build (a CUDA build has
 # touched ~150 MiB of its libraries before the first call), what queueing, buffering and leaks
 # move is the growth. On the 2-core development VM (Debian 12, CPU backend, --threads 1) attnd's
-# VmRSS under this load grows by ~70 MiB (22 → 92 MiB in a CPU-only build; 175 → 288 MiB in the
-# CUDA build without a GPU): OpenBLAS's SkylakeX kernels (kernels/cpu/blas_core.h) pack into
-# larger per-thread buffers than the Prescott ones that ran before (growth then ~25 MiB). The
+# VmRSS under this load grows by ~70–75 MiB (19 → 94 MiB in a CPU-only build; 175 → 288 MiB in
+# the CUDA build without a GPU, before Naive's products left OpenBLAS for the project's kernels
+# and attnd stopped linking OpenBLAS: the growth in the CPU-only build stayed the same). The
 # arithmetic worst case of the requests is ~100 MiB: the largest here is ~1.8 MiB (f32 B2 H4
 # N300 d64 ×3), 32 of them can sit in the server at once, plus Naive's kept 5.8 MiB matrices.
 # 256 MiB (the old bound on the whole RSS, now on its growth: the ASan build's quarantine, up to
