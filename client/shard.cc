@@ -215,42 +215,57 @@ std::vector<ShardPart> SplitKeys(const v1::AttentionRequest& request, int max_pa
   const auto in_range = [](int64_t position) { return position >= 0 && position <= kMaxPosition; };
   if (!dims || max_parts < 2 || dims->key_len < 2 || !request.cache_id().empty() ||
       !in_range(options.key_position()) ||
-      (options.has_query_position() && !in_range(options.query_position()))) {
+      (options.has_query_position() && !in_range(options.query_position())) ||
+      (options.has_window_left() && !in_range(options.window_left())) ||
+      (options.has_window_right() && !in_range(options.window_right()))) {
     return {std::move(whole)};
   }
   const int64_t query_len = dims->query_len;
   Geometry geometry =
       Geometry::BottomRight(query_len, dims->key_len, options.causal(), options.key_position());
   if (options.has_query_position()) geometry.query_position = options.query_position();
-  // Row i sees keys [0, VisibleKeys(i)) in every (batch, head), a count that never decreases
-  // with i, so the last row sees every key some row sees.
-  const int64_t seen = geometry.VisibleKeys(query_len - 1);  // Keys [seen, key_len): no row's.
+  if (options.has_window_left()) geometry.window_left = options.window_left();
+  if (options.has_window_right()) geometry.window_right = options.window_right();
+  // Row i sees keys Visible(i) in every (batch, head), a range whose ends never decrease with i
+  // (kernels/geometry.h), so the keys some row sees are [first, seen).
+  const int64_t first = geometry.Visible(0).begin;
+  const int64_t seen = geometry.Visible(query_len - 1).end;
   // Positions may only be shifted together: a negative default query_position moves both up.
   const int64_t shift = geometry.query_position < 0 ? -geometry.query_position : 0;
-  if (seen == 0 || options.key_position() > kMaxPosition - shift - (seen - 1)) {
+  if (seen <= first || options.key_position() > kMaxPosition - shift - (seen - 1)) {
     return {std::move(whole)};
   }
-  // pairs[i] = Σ over rows r < i of VisibleKeys(r).
-  std::vector<int64_t> pairs(query_len + 1, 0);
-  for (int64_t i = 0; i < query_len; ++i) pairs[i + 1] = pairs[i] + geometry.VisibleKeys(i);
-  // Visible pairs among keys [0, x): a row seeing fewer than x keys has all its pairs there,
-  // every other row x.
-  const auto work = [&](int64_t x) {
-    int64_t fewer = 0, rows = query_len;  // The first row that sees at least x keys.
-    while (fewer < rows) {
-      const int64_t mid = fewer + (rows - fewer) / 2;
-      if (geometry.VisibleKeys(mid) < x) {
-        fewer = mid + 1;
+  // Prefix sums over rows r < i of the sizes and the first keys of the rows' ranges.
+  std::vector<int64_t> sizes(query_len + 1, 0), begins(query_len + 1, 0);
+  for (int64_t i = 0; i < query_len; ++i) {
+    const KeyRange visible = geometry.Visible(i);
+    sizes[i + 1] = sizes[i] + visible.size();
+    begins[i + 1] = begins[i] + visible.begin;
+  }
+  // The first row for which `past` holds (it holds for every later row: the ends only grow).
+  const auto first_row = [&](auto past) {
+    int64_t low = 0, high = query_len;
+    while (low < high) {
+      const int64_t mid = low + (high - low) / 2;
+      if (past(geometry.Visible(mid))) {
+        high = mid;
       } else {
-        rows = mid;
+        low = mid + 1;
       }
     }
-    return pairs[fewer] + x * (query_len - fewer);
+    return low;
+  };
+  // Visible pairs among keys [0, x): rows [0, a) end at or before x and have all their pairs
+  // there; rows [a, b) straddle x and have x − begin; rows [b, query_len) begin at or after x.
+  const auto work = [&](int64_t x) {
+    const int64_t b = first_row([x](KeyRange r) { return r.begin >= x; });
+    const int64_t a = std::min(b, first_row([x](KeyRange r) { return r.end > x; }));
+    return sizes[a] + (b - a) * x - (begins[b] - begins[a]);
   };
 
-  const int64_t parts = std::min<int64_t>(max_parts, seen);
+  const int64_t parts = std::min<int64_t>(max_parts, seen - first);
   const int64_t total = work(seen);
-  std::vector<int64_t> bounds{0};
+  std::vector<int64_t> bounds{first};
   for (int64_t s = 1; s < parts; ++s) {
     const int64_t target =
         static_cast<int64_t>((static_cast<__int128>(total) * s + parts - 1) / parts);

@@ -81,15 +81,16 @@ absl::StatusOr<attention::v1::AttentionResponse> MergeResponses(
 
 // Splits `request`'s keys into at most `max_parts` key slices (key_slice true, all units each),
 // balanced by visible work as above. Slice boundaries: with W(x) the visible (query row, key)
-// pairs of one (batch, head) among keys [0, x) (causal: Σᵢ min(x, keys row i sees), which
-// kernels/geometry.h's Geometry::VisibleKeys defines; else N·x), the s-th boundary is the
-// smallest x with W(x) ≥ ⌈s·W(S)/P⌉, S the keys some row sees (the rest are not sent), P =
-// min(max_parts, S); empty slices are dropped. When the default query_position (key_position +
-// key_len − query_len) is negative (more query rows than keys), both positions are shifted up
-// by as much: only their difference matters to the mask. A request that cannot be split — one
-// key, max_parts < 2, a cache_id, shapes that do not agree or data of the wrong length,
-// positions outside [0, 2^62], no key any row sees — comes back as one part holding it
-// unchanged (key_slice false; the server then answers it, or reports what is wrong with it).
+// pairs of one (batch, head) among keys [0, x) (Σᵢ |Visible(i) ∩ [0, x)|, the ranges
+// kernels/geometry.h's Geometry::Visible defines for the causal mask and the window; N·x without
+// either), the keys some row sees [F, S) (the rest are not sent) and P = min(max_parts, S − F),
+// the s-th boundary is the smallest x with W(x) ≥ ⌈s·W(S)/P⌉; empty slices are dropped. When the
+// default query_position (key_position + key_len − query_len) is negative (more query rows than
+// keys), both positions are shifted up by as much: only their difference matters to the mask. A
+// request that cannot be split — one key, max_parts < 2, a cache_id, shapes that do not agree or
+// data of the wrong length, positions or windows outside [0, 2^62], no key any row sees — comes
+// back as one part holding it unchanged (key_slice false; the server then answers it, or reports
+// what is wrong with it).
 std::vector<ShardPart> SplitKeys(const attention::v1::AttentionRequest& request, int max_parts);
 
 // The response to `request` from the responses to its SplitKeys parts (in their order): a

@@ -9,23 +9,43 @@
 // that splits a problem's keys (or queries) across servers sends each slice its own positions,
 // and each slice then computes exactly its part of the whole (README, "Splitting the keys").
 //
-// Causal: a query at position p sees a key at position t iff t ≤ p. Since that is a bound from
-// above, the keys row i sees are always a prefix [0, VisibleKeys(i)) of the request's keys, and
-// VisibleKeys never decreases with i: a block of consecutive rows sees at most what its last row
-// sees, and a key tile past that row's last visible key can be skipped by the whole block.
+// Visibility: a query at position p sees a key at position t iff
+//   t ≤ p                        when causal,
+//   t ≥ p − window_left          when window_left is set (FlashAttention's window_size[0]),
+//   t ≤ p + window_right         when window_right is set (window_size[1]).
+// Every bound is a bound on t − p, so the keys row i sees are always one contiguous range
+// Visible(i) = [begin, end) of the request's keys, and both ends never decrease with i: a block
+// of consecutive rows sees at most keys [Visible(first).begin, Visible(last).end), and a key
+// tile outside that range can be skipped by the whole block.
 //
-// Positions are checked to lie in [0, 2^62] (kMaxPosition) and key_len, query_len < 2^62, so
-// query_position − key_position + row + 1 cannot overflow int64.
+// Positions are checked to lie in [0, 2^62] (kMaxPosition), windows too, and key_len,
+// query_len < 2^62, so p − key_position = query_position − key_position + row stays within
+// (−2^63, 2^63) and no bound below overflows int64.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/host_device.h"
 
 namespace attn {
 
-// The largest position a request may give (both positions, and the lengths, are at most this).
+// The largest position a request may give (both positions, the windows, and the lengths are at
+// most this).
 inline constexpr int64_t kMaxPosition = int64_t{1} << 62;
+
+// A window side with no bound.
+inline constexpr int64_t kUnbounded = -1;
+
+// Keys [begin, end) of the request's keys (or, for tiles, tiles [begin, end)); empty when
+// begin == end.
+struct KeyRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+
+  ATTN_HOST_DEVICE int64_t size() const { return end - begin; }
+  ATTN_HOST_DEVICE bool Contains(int64_t j) const { return j >= begin && j < end; }
+};
 
 struct Geometry {
   int64_t query_len = 1;
@@ -33,6 +53,8 @@ struct Geometry {
   int64_t query_position = 0;  // Position of query row 0 (resolved; may be negative, see above).
   int64_t key_position = 0;    // Position of key 0.
   bool causal = false;
+  int64_t window_left = kUnbounded;   // Else keys at t ≥ p − window_left only.
+  int64_t window_right = kUnbounded;  // Else keys at t ≤ p + window_right only.
 
   // The request defaults: keys at key_position …, queries bottom-right against them.
   static ATTN_HOST_DEVICE Geometry BottomRight(int64_t query_len, int64_t key_len, bool causal,
@@ -40,25 +62,53 @@ struct Geometry {
     return Geometry{query_len, key_len, key_position + key_len - query_len, key_position, causal};
   }
 
-  // Keys query row `row` sees: keys [0, VisibleKeys(row)), all key_len of them unless causal.
-  ATTN_HOST_DEVICE int64_t VisibleKeys(int64_t row) const {
-    if (!causal) return key_len;
-    const int64_t visible = query_position + row - key_position + 1;  // Keys at t ≤ p.
-    return visible < 0 ? 0 : (visible > key_len ? key_len : visible);
+  // The keys query row `row` sees (see above).
+  ATTN_HOST_DEVICE KeyRange Visible(int64_t row) const {
+    const int64_t p = query_position - key_position + row;  // Relative to key 0's position.
+    KeyRange range{0, key_len};
+    if (window_left != kUnbounded && p - window_left > 0) {
+      range.begin = p - window_left < key_len ? p - window_left : key_len;
+    }
+    int64_t right = window_right;  // The bound on t − p, if any.
+    if (causal && (right == kUnbounded || right > 0)) right = 0;
+    if (right != kUnbounded && right < key_len - p) {  // Then p + right + 1 ≤ key_len.
+      range.end = p + right + 1 > 0 ? p + right + 1 : 0;
+    }
+    // begin ≤ end: a clamped begin (key_len) leaves end at key_len, a clamped end (0) begin at 0.
+    return range;
   }
 
   // Of those, the ones in keys [begin, begin + n).
   ATTN_HOST_DEVICE int64_t VisibleKeysIn(int64_t row, int64_t begin, int64_t n) const {
-    const int64_t end = VisibleKeys(row);
-    const int64_t last = begin + n < end ? begin + n : end;
-    return last > begin ? last - begin : 0;
+    const KeyRange visible = Visible(row);
+    const int64_t first = begin > visible.begin ? begin : visible.begin;
+    const int64_t last = begin + n < visible.end ? begin + n : visible.end;
+    return last > first ? last - first : 0;
   }
 
-  // Key tiles of block_k keys holding at least one key row `row` sees (the tiles Tiled visits).
-  ATTN_HOST_DEVICE int64_t VisitedTiles(int64_t row, int64_t block_k) const {
-    return (VisibleKeys(row) + block_k - 1) / block_k;
+  // Key tiles of block_k keys holding a key that some row of [first_row, last_row] sees: the
+  // tiles Tiled visits for that block of rows (for one row, first_row = last_row).
+  ATTN_HOST_DEVICE KeyRange VisitedTiles(int64_t first_row, int64_t last_row,
+                                         int64_t block_k) const {
+    const int64_t begin = Visible(first_row).begin;
+    const int64_t end = Visible(last_row).end;
+    if (end <= begin) return KeyRange{0, 0};
+    return KeyRange{begin / block_k, (end + block_k - 1) / block_k};
+  }
+
+  // Whether a row may see fewer than all the keys (a mask of any kind applies).
+  ATTN_HOST_DEVICE bool Masked() const {
+    return causal || window_left != kUnbounded || window_right != kUnbounded;
   }
 };
+
+// Sets to −inf the scores of a tile of n keys from key_begin that lie outside a row's `visible`
+// keys: the mask as every CPU kernel and trace applies it to a tile.
+ATTN_HOST_DEVICE void MaskTile(KeyRange visible, int64_t key_begin, int64_t n, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (!visible.Contains(key_begin + j)) scores[j] = -INFINITY;
+  }
+}
 
 // Grouped-query attention: kv_heads divides heads, and each consecutive group of
 // heads / kv_heads query heads shares one key/value head.

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "kernels/exp.h"
+#include "kernels/geometry.h"
 #include "kernels/host_device.h"
 #include "kernels/lanes.h"
 
@@ -182,31 +183,35 @@ struct OnlineSoftmax {
 using OnlineSoftmaxRow = OnlineSoftmax<SerialReduce>;
 
 // The full-row stable softmax, Naive's W = softmax(S) and every trace's reference: the row's
-// `visible` leading scores as a single tile, each weight then divided by the denominator (by one
-// multiplication with its inverse); weights[visible, n) are 0. The caller's threads share the
-// row as in VisitShare (first, stride). Returns the finished state (for LogSumExp). On the CPU,
-// Lanes picks VisitTile's vector (void: its default, eight lanes).
+// `visible` scores as a single tile, each weight then divided by the denominator (by one
+// multiplication with its inverse); the other weights of the row's n are 0. The caller's threads
+// share the row as in VisitShare (first, stride). Returns the finished state (for LogSumExp). On
+// the CPU, Lanes picks VisitTile's vector (void: its default, eight lanes).
 template <class Reduce, class Lanes = void>
 ATTN_HOST_DEVICE OnlineSoftmax<Reduce> SoftmaxRow(const float* scores, float* weights, int64_t n,
-                                                  int64_t visible, int64_t first, int64_t stride) {
+                                                  KeyRange visible, int64_t first, int64_t stride) {
   OnlineSoftmax<Reduce> row;
+  const int64_t count = visible.size();
+  const float* s = scores + visible.begin;
+  float* w = weights + visible.begin;
 #if !defined(__CUDA_ARCH__)
   if (first == 0 && stride == 1) {  // One CPU thread: the vector code.
     if constexpr (std::is_void_v<Lanes>) {
-      row.VisitTile(scores, static_cast<int>(visible), weights);
+      row.VisitTile(s, static_cast<int>(count), w);
     } else {
-      row.template VisitTile<Lanes>(scores, static_cast<int>(visible), weights);
+      row.template VisitTile<Lanes>(s, static_cast<int>(count), w);
     }
   } else {
-    row.VisitShare(scores, visible, weights, first, stride);
+    row.VisitShare(s, count, w, first, stride);
   }
 #else
-  row.VisitShare(scores, visible, weights, first, stride);
+  row.VisitShare(s, count, w, first, stride);
 #endif
   row.Finish();
-  const float inverse = visible > 0 ? 1.f / row.denominator : 0.f;
-  for (int64_t j = first; j < visible; j += stride) weights[j] *= inverse;
-  for (int64_t j = visible + first; j < n; j += stride) weights[j] = 0.f;
+  const float inverse = count > 0 ? 1.f / row.denominator : 0.f;
+  for (int64_t j = first; j < count; j += stride) w[j] *= inverse;
+  for (int64_t j = first; j < visible.begin; j += stride) weights[j] = 0.f;
+  for (int64_t j = visible.end + first; j < n; j += stride) weights[j] = 0.f;
   return row;
 }
 

@@ -89,6 +89,10 @@ struct Problem {
   // bottom-right against the keys when unset. Both in [0, kMaxPosition] when set.
   int64_t key_position = 0;
   std::optional<int64_t> query_position;
+  // Sliding window (kernels/geometry.h): keys at t ≥ p − window_left and t ≤ p + window_right
+  // only; kUnbounded (−1) = no bound. Both in [0, kMaxPosition] when set.
+  int64_t window_left = kUnbounded;
+  int64_t window_right = kUnbounded;
   int block_k = 1;  // Keys per tile for Tiled and Trace.
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
@@ -100,18 +104,24 @@ struct Problem {
   Geometry geometry() const {
     Geometry g = Geometry::BottomRight(shape.query_len, shape.key_len, causal, key_position);
     if (query_position) g.query_position = *query_position;
+    g.window_left = window_left;
+    g.window_right = window_right;
     return g;
   }
 
-  // Keys query row i may see: keys [0, VisibleKeys(i)).
-  int64_t VisibleKeys(int64_t row) const { return geometry().VisibleKeys(row); }
+  // The keys query row i sees.
+  KeyRange Visible(int64_t row) const { return geometry().Visible(row); }
   // Of those, the ones in key tile `tile` (of block_k keys).
   int64_t VisibleKeysInTile(int64_t row, int64_t tile) const {
     return geometry().VisibleKeysIn(row, tile * block_k, block_k);
   }
 
-  // Key tiles Tiled visits for a row: the tiles holding at least one visible key.
-  int64_t VisitedTiles(int64_t row) const { return geometry().VisitedTiles(row, block_k); }
+  // Key tiles Tiled visits for rows [first_row, last_row]: the tiles holding a key one of them
+  // sees.
+  KeyRange VisitedTiles(int64_t first_row, int64_t last_row) const {
+    return geometry().VisitedTiles(first_row, last_row, block_k);
+  }
+  KeyRange VisitedTiles(int64_t row) const { return VisitedTiles(row, row); }
   int64_t TilesPerRow() const { return (shape.key_len + block_k - 1) / block_k; }
 
   // Element offsets of the first element of a row.
@@ -139,12 +149,13 @@ struct Problem {
   // Unmasked (query, key) pairs over all batches and heads.
   double VisiblePairs() const {
     double per_head = 0;
-    if (!causal) {
+    const Geometry g = geometry();
+    if (!g.Masked()) {
       per_head = static_cast<double>(shape.query_len) * static_cast<double>(shape.key_len);
     } else {
-      const Geometry g = geometry();
-      for (int64_t i = 0; i < shape.query_len; ++i)
-        per_head += static_cast<double>(g.VisibleKeys(i));
+      for (int64_t i = 0; i < shape.query_len; ++i) {
+        per_head += static_cast<double>(g.Visible(i).size());
+      }
     }
     return per_head * static_cast<double>(shape.batch * shape.heads);
   }
@@ -164,7 +175,7 @@ struct Problem {
     return static_cast<double>(VisibleKeysInTile(row, tile)) * FlopsPerPair();
   }
   double TraceRowFlops(int64_t row) const {
-    return static_cast<double>(VisibleKeys(row)) * FlopsPerPair();
+    return static_cast<double>(Visible(row).size()) * FlopsPerPair();
   }
 
   // What Naive stores: its fp32 score and weight matrices, 2·B·H·Nq·Nk·4 bytes (the caller has

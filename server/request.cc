@@ -5,6 +5,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -111,8 +112,8 @@ float DefaultScale(int64_t head_dim) {
 }
 
 // The options every attention call shares, into *problem: scale (when given; else the caller
-// sets 1/sqrt(head_dim)), causal, positions, block_k (the default for 0; the caller caps it at
-// key_len), return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
+// sets 1/sqrt(head_dim)), causal, positions, windows, block_k (the default for 0; the caller caps
+// it at key_len), return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
 absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& options,
                           DType query_dtype, int default_block_k, Problem* problem) {
   if (options.has_scale() && !std::isfinite(options.scale())) {
@@ -141,6 +142,19 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
           problem);
       !positions.ok()) {
     return positions;
+  }
+  for (const auto& [field, set, value, side] :
+       {std::tuple{"window_left", options.has_window_left(), options.window_left(),
+                   &problem->window_left},
+        std::tuple{"window_right", options.has_window_right(), options.window_right(),
+                   &problem->window_right}}) {
+    if (!set) continue;  // Unbounded.
+    if (value < 0 || value > kMaxPosition) {
+      return Invalid(
+          absl::StrCat(prefix, "options.", field),
+          absl::StrCat("is ", value, "; a window must be in [0, 2^62] (absent = unbounded)"));
+    }
+    *side = value;
   }
   if (options.has_scale()) problem->scale = options.scale();
   problem->causal = options.causal();
@@ -487,7 +501,7 @@ absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& reque
     rows.push_back(RowRef{row.batch(), row.head(), row.row()});
   }
   int64_t steps = 0;
-  for (const RowRef& row : rows) steps += problem.VisitedTiles(row.row);
+  for (const RowRef& row : rows) steps += problem.VisitedTiles(row.row).size();
   if (steps > limits.max_steps) {
     return Invalid("rows", absl::StrCat("the trace would take ", steps, " steps (", rows.size(),
                                         " rows × tiles of block_k=", problem.block_k,
@@ -559,6 +573,8 @@ v1::TraceStart EncodeTraceStart(const Problem& problem) {
   const Geometry geometry = problem.geometry();
   start.set_key_position(geometry.key_position);
   start.set_query_position(geometry.query_position);
+  if (geometry.window_left != kUnbounded) start.set_window_left(geometry.window_left);
+  if (geometry.window_right != kUnbounded) start.set_window_right(geometry.window_right);
   start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
   start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
   start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));

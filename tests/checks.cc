@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "gtest/gtest.h"
@@ -89,6 +90,27 @@ void ExpectUnseeingRowsZero(const KernelRun& run, const HostProblem& host) {
     }
   }
   EXPECT_GT(checked, 0) << "the case was meant to have rows that see no key";
+}
+
+KernelRun RunDecode(Backend& backend, const HostProblem& host) {
+  std::optional<PagedCopy> paged;
+  if (host.shape.batch == 1) {
+    absl::StatusOr<PagedCopy> copy = MakePaged(backend, host, {host.shape.key_len / 2});
+    EXPECT_TRUE(copy.ok()) << copy.status();
+    if (!copy.ok()) return {};
+    paged = *std::move(copy);
+  }
+  PoisonedOutputs poisoned(host);
+  const absl::StatusOr<Stats> stats =
+      backend.Decode({paged ? paged->problem : host.View()}, {poisoned.outputs()});
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  if (!stats.ok()) return {};
+  KernelRun run;
+  run.output = poisoned.Output();
+  run.output_bytes = poisoned.output_bytes;
+  run.lse = poisoned.lse;
+  run.stats = *stats;
+  return run;
 }
 
 absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,

@@ -60,6 +60,11 @@ absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
                                     const std::vector<int64_t>& pieces = {},
                                     const DType* input_dtype = nullptr);
 
+// `host` through Backend::Decode, outputs poisoned first: over a KV store's pages (MakePaged, in
+// two appends) when batch is 1, else over the contiguous tensors. A failed Decode is a test
+// failure and an empty run.
+KernelRun RunDecode(Backend& backend, const HostProblem& host);
+
 // The rule for low-precision outputs (LowPrecisionTest): error against float64 at most twice
 // a same-precision naive baseline's, plus an atol of a couple of output ulps.
 void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host, const Reference& ref);

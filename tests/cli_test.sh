@@ -41,6 +41,13 @@ check trace-follow-final 0 'online output +\[-0\.593223, 0\.406777, -1\.332858, 
   "$attn" "${target[@]}" trace --example seed --block-k 2 --follow --follow-ms 0
 check trace-follow-json 1 '--follow and --json: choose one' -- \
   "$attn" "${target[@]}" trace --example seed --follow --json
+# A causal window of 0: row 0 sees key 0 alone, so its output is value row 0, [-4, -3, -2, -1].
+check window-zero 0 'out\[0\] = \[-4\.000000, -3\.000000, -2\.000000, -1\.000000\]' -- \
+  "$attn" "${target[@]}" tiled --example seed --causal --window 0,
+check window-trace 0 'tile 3, keys \[6, 8\)' -- \
+  "$attn" "${target[@]}" trace --example seed --causal --window 1,-1 --block-k 2 --rows 0:0:7
+check window-bad 1 '--window expects L,R' -- \
+  "$attn" "${target[@]}" tiled --example seed --window 5
 check random-bf16 0 'output \[1, 2, 33, 8\] DTYPE_BFLOAT16' -- \
   "$attn" "${target[@]}" tiled --random 1,2,33,8 --dtype bf16 --causal --lse
 check random-gqa 0 'output \[2, 4, 17, 5\]' -- \

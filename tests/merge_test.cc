@@ -137,6 +137,7 @@ struct SplitCase {
   std::vector<int64_t> bounds;  // 0 = b₀ < b₁ < … < key_len.
   int64_t key_position = 0;
   std::optional<int64_t> query_position;
+  std::optional<int64_t> window_left = std::nullopt, window_right = std::nullopt;
 };
 
 void PrintTo(const SplitCase& c, std::ostream* os) { *os << c.name; }
@@ -150,6 +151,8 @@ TEST_P(MergeSplitTest, MergedSlicesEqualUnsplitTiledAndReference) {
   whole.output_dtype = DType::kFloat32;
   whole.key_position = c.key_position;
   whole.query_position = c.query_position;
+  whole.window_left = c.window_left;
+  whole.window_right = c.window_right;
   CpuBackend backend(2, 0);
   const KernelRun unsplit = RunKernel(backend, Kernel::kTiled, whole);
   const AttentionState merged = SplitAndMerge(backend, whole, c.bounds);
@@ -168,7 +171,7 @@ TEST_P(MergeSplitTest, MergedSlicesEqualUnsplitTiledAndReference) {
   // A row that sees no key at all is zeros with lse −inf, from every part.
   const Problem view = whole.View();
   for (int64_t i = 0; i < c.shape.query_len; ++i) {
-    if (view.VisibleKeys(i) > 0) continue;
+    if (view.Visible(i).size() > 0) continue;
     for (int64_t bh = 0; bh < c.shape.batch * c.shape.heads; ++bh) {
       const int64_t row = bh * c.shape.query_len + i;
       ASSERT_EQ(merged.lse.values[row], -INFINITY) << "row " << i;
@@ -261,7 +264,27 @@ INSTANTIATE_TEST_SUITE_P(
                                 true,
                                 {0, 1, 2, 3, 4, 5, 6},
                                 0,
-                                std::nullopt}));
+                                std::nullopt},
+                      // A causal left window: the early slices are hidden from the late rows
+                      // and the late slices from the early rows.
+                      SplitCase{"CausalWindow",
+                                MakeShape(1, 4, 2, 47, 47, 12, 12),
+                                DType::kFloat32,
+                                true,
+                                {0, 9, 30, 31, 47},
+                                0,
+                                std::nullopt,
+                                8},
+                      // A two-sided window without causal, at explicit positions.
+                      SplitCase{"TwoSidedWindow",
+                                MakeShape(1, 2, 2, 23, 41, 9, 9),
+                                DType::kBFloat16,
+                                false,
+                                {0, 14, 27, 41},
+                                50,
+                                55,
+                                5,
+                                3}));
 
 // ---------------------------------------------------------------------------------------------
 // MergeStates' rule on states written by hand.
@@ -388,26 +411,32 @@ v1::AttentionRequest RandomRequest(int rank, int64_t batch, int64_t heads, int64
 }
 
 // Visible (query row, key) pairs of one (batch, head) among keys [begin, end), by the contract's
-// rule: the query at position p sees the key at position t iff t ≤ p.
+// rule: the query at position p sees the key at position t iff t ≤ p when causal, and
+// p − window_left ≤ t ≤ p + window_right for the sides set.
 int64_t VisiblePairs(const v1::AttentionRequest& request, int64_t begin, int64_t end) {
   const TensorDims query = *NormalizedShape(request.query());
   const TensorDims key = *NormalizedShape(request.key());
   const v1::AttentionOptions& options = request.options();
-  if (!options.causal()) return query.len * (end - begin);
   const int64_t query_position = options.has_query_position()
                                      ? options.query_position()
                                      : options.key_position() + key.len - query.len;
   int64_t pairs = 0;
   for (int64_t i = 0; i < query.len; ++i) {
-    for (int64_t j = begin; j < end; ++j) pairs += options.key_position() + j <= query_position + i;
+    const int64_t p = query_position + i;
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t t = options.key_position() + j;
+      pairs += (!options.causal() || t <= p) &&
+               (!options.has_window_left() || t >= p - options.window_left()) &&
+               (!options.has_window_right() || t <= p + options.window_right());
+    }
   }
   return pairs;
 }
 
-// The slices tile keys [0, covered) in order, each a key slice of all units asking for lse in
-// fp32 with the whole problem's positions; returns `covered`.
+// The slices tile keys [first, covered) in order, each a key slice of all units asking for lse
+// in fp32 with the whole problem's positions and window; returns `covered`.
 int64_t ExpectSlicesTile(const v1::AttentionRequest& request,
-                         const std::vector<client::ShardPart>& parts) {
+                         const std::vector<client::ShardPart>& parts, int64_t first = 0) {
   const TensorDims query = *NormalizedShape(request.query());
   const TensorDims key = *NormalizedShape(request.key());
   const v1::AttentionOptions& options = request.options();
@@ -415,7 +444,7 @@ int64_t ExpectSlicesTile(const v1::AttentionRequest& request,
                                      ? options.query_position()
                                      : options.key_position() + key.len - query.len;
   const int64_t shift = std::max<int64_t>(0, -query_position);
-  int64_t next = 0;
+  int64_t next = first;
   for (const client::ShardPart& part : parts) {
     EXPECT_TRUE(part.key_slice);
     EXPECT_EQ(part.key_begin, next);
@@ -427,6 +456,10 @@ int64_t ExpectSlicesTile(const v1::AttentionRequest& request,
     EXPECT_TRUE(sent.return_lse());
     EXPECT_EQ(sent.output_dtype(), v1::DTYPE_FLOAT32);
     EXPECT_EQ(sent.causal(), options.causal());
+    EXPECT_EQ(sent.has_window_left(), options.has_window_left());
+    EXPECT_EQ(sent.window_left(), options.window_left());
+    EXPECT_EQ(sent.has_window_right(), options.has_window_right());
+    EXPECT_EQ(sent.window_right(), options.window_right());
     EXPECT_EQ(sent.key_position(), options.key_position() + part.key_begin + shift);
     EXPECT_TRUE(sent.has_query_position());
     EXPECT_EQ(sent.query_position(), query_position + shift);
@@ -489,6 +522,41 @@ TEST(SplitKeysTest, CausalSlicesHoldAboutEqualVisibleWork) {
     if (!c.query_position && c.query_len == c.key_len) {
       EXPECT_LT(parts.front().key_end - parts.front().key_begin,
                 parts.back().key_end - parts.back().key_begin);
+    }
+  }
+}
+
+// With a window, the slices cover the keys some row sees — from the first row's first key to the
+// last row's last — in about equal visible work.
+TEST(SplitKeysTest, WindowedSlicesHoldAboutEqualVisibleWork) {
+  struct Case {
+    int64_t query_len, key_len;
+    bool causal;
+    std::optional<int64_t> left, right;
+    int parts;
+  };
+  for (const Case& c :
+       {Case{301, 301, true, 40, std::nullopt, 3}, Case{64, 500, true, 100, std::nullopt, 4},
+        Case{90, 90, false, 10, 20, 5}, Case{50, 200, false, std::nullopt, 0, 2}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << c.query_len << " queries, " << c.key_len << " keys, " << c.parts << " parts");
+    v1::AttentionRequest request =
+        RandomRequest(3, 1, 2, 1, c.query_len, c.key_len, 3, 3, v1::DTYPE_FLOAT32, 7);
+    request.mutable_options()->set_causal(c.causal);
+    if (c.left) request.mutable_options()->set_window_left(*c.left);
+    if (c.right) request.mutable_options()->set_window_right(*c.right);
+    // The first key some row sees, by the contract's rule.
+    int64_t first = 0;
+    while (VisiblePairs(request, first, first + 1) == 0) ++first;
+    const std::vector<client::ShardPart> parts = client::SplitKeys(request, c.parts);
+    ASSERT_EQ(parts.size(), static_cast<size_t>(c.parts));
+    const int64_t covered = ExpectSlicesTile(request, parts, first);
+    EXPECT_EQ(VisiblePairs(request, first, covered), VisiblePairs(request, 0, c.key_len));
+    EXPECT_GT(VisiblePairs(request, covered - 1, covered), 0);
+    const double share = static_cast<double>(VisiblePairs(request, 0, c.key_len)) / c.parts;
+    for (const client::ShardPart& part : parts) {
+      EXPECT_NEAR(VisiblePairs(request, part.key_begin, part.key_end), share, c.query_len + 1)
+          << "keys [" << part.key_begin << ", " << part.key_end << ")";
     }
   }
 }

@@ -65,6 +65,8 @@ v1::TraceRequest RequestOf(const HostProblem& p, const std::vector<RowRef>& rows
   a.mutable_options()->set_block_k(p.block_k);
   a.mutable_options()->set_key_position(p.key_position);
   if (p.query_position) a.mutable_options()->set_query_position(*p.query_position);
+  if (p.window_left) a.mutable_options()->set_window_left(*p.window_left);
+  if (p.window_right) a.mutable_options()->set_window_right(*p.window_right);
   for (const RowRef& row : rows) {
     v1::RowRef& r = *request.add_rows();
     r.set_batch(row.batch);
@@ -151,8 +153,8 @@ class MergeTraceTest : public ::testing::Test {
     EXPECT_EQ(trace->rows.size(), rows.size());
     EXPECT_EQ(trace->key_len, s.key_len);
     EXPECT_EQ(trace->single_server, trace->parts.size() == 1);
-    // The parts tile keys [0, keys_sent) in order.
-    int64_t next = 0;
+    // The parts tile keys [keys_first, keys_sent) in order.
+    int64_t next = trace->keys_first;
     for (const cli::TracedPart& part : trace->parts) {
       EXPECT_EQ(part.key_begin, next);
       EXPECT_LT(part.key_begin, part.key_end);
@@ -302,6 +304,19 @@ TEST_F(MergeTraceTest, CausalMoreQueriesThanKeysAndExplicitPositions) {
   EXPECT_EQ(trace.keys_sent, 10);
   for (const cli::TracedPart& part : trace.parts)
     EXPECT_EQ(part.key_position, 100 + part.key_begin);
+}
+
+TEST_F(MergeTraceTest, CausalWindowSendsOnlyTheKeysSomeRowSees) {
+  // Nq 8 against Nk 40, causal, window_left 6: row i (at position 32 + i) sees keys 26 + i …
+  // 32 + i, so keys [0, 26) go to no server, and the parts tile [26, 40).
+  HostProblem p = testing::RandomProblem(testing::MakeShape(1, 2, 1, 8, 40, 9, 7), DType::kFloat32,
+                                         true, 3, 16);
+  p.window_left = 6;
+  const MergeTrace trace = Check(p, AllRows(p.shape), kServers);
+  EXPECT_EQ(trace.keys_first, 26);
+  EXPECT_EQ(trace.keys_sent, 40);
+  EXPECT_EQ(trace.window_left, 6);
+  EXPECT_FALSE(trace.window_right.has_value());
 }
 
 TEST_F(MergeTraceTest, Bfloat16Inputs) {

@@ -146,34 +146,55 @@ TEST(OnlineSoftmaxRowTest, AFullyMaskedRowHasNoWeightAndZeroOutput) {
 }
 
 // The full-row softmax (Naive's and every trace reference's) against float64: weights that sum
-// to 1, zeros past the visible scores, the log-sum-exp; and one thread's share visited with
-// VisitShare (the GPU's scalar path) gives the vector path's max and, within rounding, its sum.
+// to 1 over the visible range, zeros outside it, the log-sum-exp; and one thread's share visited
+// with VisitShare (the GPU's scalar path) gives the vector path's max and, within rounding, its
+// sum; and a row shared by threads (first, stride) gives the same weights.
 TEST(SoftmaxRowTest, MatchesFloat64AndTheScalarShare) {
   std::mt19937 rng(13);
   std::normal_distribution<float> normal(0.f, 5.f);
-  for (int visible : {0, 1, 7, 8, 9, 31, 100}) {
-    const int n = 103;
+  const int n = 103;
+  for (const KeyRange visible :
+       {KeyRange{0, 0}, KeyRange{0, 1}, KeyRange{0, 7}, KeyRange{0, 8}, KeyRange{3, 12},
+        KeyRange{40, 71}, KeyRange{50, 50}, KeyRange{102, 103}, KeyRange{0, 103}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "visible [" << visible.begin << ", " << visible.end << ")");
     std::vector<float> scores(n);
     for (float& s : scores) s = normal(rng);
     std::vector<float> weights(n, 123.f);
     const OnlineSoftmaxRow row =
         SoftmaxRow<SerialReduce>(scores.data(), weights.data(), n, visible, 0, 1);
     double max = -INFINITY, sum = 0;
-    for (int j = 0; j < visible; ++j) max = std::max<double>(max, scores[j]);
-    for (int j = 0; j < visible; ++j) sum += std::exp(static_cast<double>(scores[j]) - max);
-    for (int j = 0; j < n; ++j) {
-      const double expected = j < visible ? std::exp(scores[j] - max) / sum : 0.0;
-      EXPECT_NEAR(weights[j], expected, 1e-6) << "visible " << visible << " j " << j;
+    for (int64_t j = visible.begin; j < visible.end; ++j) {
+      max = std::max<double>(max, scores[j]);
     }
-    if (visible == 0) {
+    for (int64_t j = visible.begin; j < visible.end; ++j) {
+      sum += std::exp(static_cast<double>(scores[j]) - max);
+    }
+    for (int j = 0; j < n; ++j) {
+      const double expected = visible.Contains(j) ? std::exp(scores[j] - max) / sum : 0.0;
+      EXPECT_NEAR(weights[j], expected, 1e-6) << "j " << j;
+    }
+    // Three threads sharing the row (the CUDA kernels' layout), run one after another.
+    std::vector<float> shared(n, 123.f);
+    for (int first = 0; first < 3; ++first) {
+      SoftmaxRow<SerialReduce>(scores.data(), shared.data(), n, visible, first, 3);
+    }
+    for (int j = 0; j < n; ++j) {
+      if (!visible.Contains(j)) {
+        EXPECT_EQ(shared[j], 0.f) << "j " << j;
+      }
+    }
+    if (visible.size() == 0) {
       EXPECT_EQ(row.LogSumExp(), -kInf);
       continue;
     }
-    EXPECT_NEAR(row.LogSumExp(), max + std::log(sum), 1e-5) << "visible " << visible;
+    EXPECT_NEAR(row.LogSumExp(), max + std::log(sum), 1e-5);
 
     OnlineSoftmaxRow share;
-    std::vector<float> share_weights(visible);
-    EXPECT_EQ(share.VisitShare(scores.data(), visible, share_weights.data(), 0, 1), 0.f);
+    const int count = static_cast<int>(visible.size());
+    std::vector<float> share_weights(count);
+    EXPECT_EQ(share.VisitShare(scores.data() + visible.begin, count, share_weights.data(), 0, 1),
+              0.f);
     EXPECT_EQ(share.max, row.max);
     EXPECT_NEAR(share.denominator / row.denominator, 1.0, 1e-6);
   }

@@ -21,37 +21,66 @@ namespace {
 using namespace attn;
 using namespace attn::testing;
 
-// VisibleKeys against the rule as stated: a key at t is visible to a query at p iff t ≤ p.
-TEST(GeometryTest, VisibleKeysFollowThePositions) {
+// Visible against the rule as stated: a key at t is visible to a query at p iff t ≤ p when
+// causal, t ≥ p − window_left and t ≤ p + window_right when set — key by key, on random
+// geometries, with the properties the kernels rely on: one contiguous range per row, both ends
+// never decreasing with the row, and VisitedTiles covering exactly the tiles holding a key some
+// row of a block sees.
+TEST(GeometryTest, VisibleFollowsThePositionsAndTheWindow) {
   std::mt19937_64 rng(14);
-  std::uniform_int_distribution<int64_t> length(1, 23), position(0, 40);
-  for (int trial = 0; trial < 500; ++trial) {
+  std::uniform_int_distribution<int64_t> length(1, 23), position(0, 40), window(0, 9);
+  for (int trial = 0; trial < 2000; ++trial) {
     Geometry g;
     g.query_len = length(rng);
     g.key_len = length(rng);
     g.key_position = position(rng);
     g.query_position = trial % 3 == 0 ? g.key_position + g.key_len - g.query_len : position(rng);
     g.causal = trial % 5 != 0;
+    g.window_left = trial % 4 == 0 ? kUnbounded : window(rng);
+    g.window_right = trial % 7 < 4 ? kUnbounded : window(rng);
     const int64_t block_k = 1 + trial % 7;
-    int64_t previous = 0;
+    KeyRange previous{0, 0};
     for (int64_t row = 0; row < g.query_len; ++row) {
-      int64_t expected = 0;
+      const int64_t p = g.query_position + row;
+      KeyRange expected{-1, -1};
       for (int64_t key = 0; key < g.key_len; ++key) {
-        const bool sees = !g.causal || g.key_position + key <= g.query_position + row;
-        if (sees) {
-          ASSERT_EQ(key, expected) << "the keys a row sees must be a prefix";
-          ++expected;
-        }
+        const int64_t t = g.key_position + key;
+        const bool sees = (!g.causal || t <= p) &&
+                          (g.window_left == kUnbounded || t >= p - g.window_left) &&
+                          (g.window_right == kUnbounded || t <= p + g.window_right);
+        if (!sees) continue;
+        if (expected.begin < 0) expected = {key, key};
+        ASSERT_EQ(key, expected.end) << "the keys a row sees must be contiguous";
+        expected.end = key + 1;
       }
-      ASSERT_EQ(g.VisibleKeys(row), expected) << "row " << row << " trial " << trial;
-      ASSERT_GE(g.VisibleKeys(row), previous) << "VisibleKeys must not decrease with the row";
-      previous = g.VisibleKeys(row);
+      const KeyRange visible = g.Visible(row);
+      SCOPED_TRACE(::testing::Message() << "row " << row << " trial " << trial);
+      ASSERT_EQ(visible.size(), expected.begin < 0 ? 0 : expected.size());
+      if (expected.begin >= 0) {
+        ASSERT_EQ(visible.begin, expected.begin);
+        ASSERT_EQ(visible.end, expected.end);
+      }
+      ASSERT_GE(visible.begin, previous.begin) << "the range's start must not decrease";
+      ASSERT_GE(visible.end, previous.end) << "the range's end must not decrease";
+      previous = visible;
       int64_t in_tiles = 0;
       for (int64_t begin = 0; begin < g.key_len; begin += block_k) {
         in_tiles += g.VisibleKeysIn(row, begin, block_k);
       }
-      ASSERT_EQ(in_tiles, expected);
-      ASSERT_EQ(g.VisitedTiles(row, block_k), (expected + block_k - 1) / block_k);
+      ASSERT_EQ(in_tiles, visible.size());
+      // VisitedTiles for the block of rows [first, row]: every tile some row sees, and the
+      // first and last of them hold a key a row sees.
+      const int64_t first = row / 3 * 3;
+      const KeyRange tiles = g.VisitedTiles(first, row, block_k);
+      bool any = false;
+      for (int64_t r = first; r <= row; ++r) {
+        const KeyRange v = g.Visible(r);
+        if (v.size() == 0) continue;
+        any = true;
+        ASSERT_GE(v.begin / block_k, tiles.begin);
+        ASSERT_LE((v.end + block_k - 1) / block_k, tiles.end);
+      }
+      ASSERT_EQ(tiles.size() > 0, any);
     }
   }
 }
@@ -59,20 +88,45 @@ TEST(GeometryTest, VisibleKeysFollowThePositions) {
 TEST(GeometryTest, DefaultsAreBottomRight) {
   const Geometry g = Geometry::BottomRight(/*query_len=*/5, /*key_len=*/3, /*causal=*/true);
   EXPECT_EQ(g.query_position, -2);  // The first two rows see no key.
-  EXPECT_EQ(g.VisibleKeys(0), 0);
-  EXPECT_EQ(g.VisibleKeys(1), 0);
-  EXPECT_EQ(g.VisibleKeys(2), 1);
-  EXPECT_EQ(g.VisibleKeys(4), 3);
+  EXPECT_EQ(g.Visible(0).size(), 0);
+  EXPECT_EQ(g.Visible(1).size(), 0);
+  EXPECT_EQ(g.Visible(2).end, 1);
+  EXPECT_EQ(g.Visible(4).end, 3);
   Problem problem;
   problem.shape = MakeShape(1, 1, 1, 5, 3, 4, 4);
   problem.causal = true;
   problem.key_position = 7;  // Moving the keys moves the default queries with them.
   EXPECT_EQ(problem.geometry().query_position, 5);
-  EXPECT_EQ(problem.VisibleKeys(2), 1);
+  EXPECT_EQ(problem.Visible(2).end, 1);
   problem.query_position = 7;  // Row i now sits at key i.
-  EXPECT_EQ(problem.VisibleKeys(0), 1);
-  EXPECT_EQ(problem.VisibleKeys(2), 3);
+  EXPECT_EQ(problem.Visible(0).end, 1);
+  EXPECT_EQ(problem.Visible(2).end, 3);
   EXPECT_EQ(problem.VisiblePairs(), 1 + 2 + 3 + 3 + 3);
+  problem.window_left = 1;  // Row i now sees keys i − 1 and i only.
+  EXPECT_EQ(problem.Visible(2).begin, 1);
+  EXPECT_EQ(problem.VisiblePairs(), 1 + 2 + 2 + 1 + 0);
+}
+
+// Windows at the ends of the position range: no bound overflows.
+TEST(GeometryTest, WindowsAtTheLimitsDoNotOverflow) {
+  Geometry g = Geometry::BottomRight(3, 5, /*causal=*/false, /*key_position=*/kMaxPosition);
+  g.window_left = kMaxPosition;
+  g.window_right = kMaxPosition;
+  EXPECT_EQ(g.Visible(0).begin, 0);
+  EXPECT_EQ(g.Visible(0).end, 5);
+  g.key_position = 0;
+  g.query_position = kMaxPosition;
+  g.window_left = 0;
+  g.window_right = kMaxPosition;
+  EXPECT_EQ(g.Visible(2).size(), 0);  // Every key lies far left of the query.
+  g.query_position = 0;
+  g.key_position = kMaxPosition;
+  g.window_left = kMaxPosition;
+  g.window_right = 0;
+  EXPECT_EQ(g.Visible(2).size(), 0);  // Every key lies far right of the query.
+  g.window_right = kMaxPosition;      // Now keys at t ≤ 2 + 2^62: keys 0, 1 and 2.
+  EXPECT_EQ(g.Visible(2).begin, 0);
+  EXPECT_EQ(g.Visible(2).end, 3);
 }
 
 struct PositionCase {
@@ -123,21 +177,8 @@ TEST_P(PositionsTest, DecodeMatchesTheReference) {
   const PositionCase& c = GetParam();
   const HostProblem host = MakeHost(c);
   CpuBackend backend(2, 0);
-  std::optional<PagedCopy> paged;
-  if (c.shape.batch == 1) {
-    absl::StatusOr<PagedCopy> copy = MakePaged(backend, host, {c.shape.key_len / 2});
-    ASSERT_TRUE(copy.ok()) << copy.status();
-    paged = *std::move(copy);
-  }
-  PoisonedOutputs poisoned(host);
-  const std::vector<Problem> problems = {paged ? paged->problem : host.View()};
-  const std::vector<Outputs> outputs = {poisoned.outputs()};
-  const absl::StatusOr<Stats> stats = backend.Decode(problems, outputs);
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  KernelRun run;
-  run.output = poisoned.Output();
-  run.output_bytes = poisoned.output_bytes;
-  run.lse = poisoned.lse;
+  const KernelRun run = RunDecode(backend, host);
+  ASSERT_FALSE(run.output.empty());
   ExpectMatches(run, host, ReferenceAttention(host));
 }
 

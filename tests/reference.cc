@@ -56,6 +56,8 @@ Problem HostProblem::View() const {
   problem.causal = causal;
   problem.key_position = key_position;
   problem.query_position = query_position;
+  problem.window_left = window_left.value_or(kUnbounded);
+  problem.window_right = window_right.value_or(kUnbounded);
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, shape.key_len));
   problem.return_lse = return_lse;
   problem.output_dtype = output_dtype;
@@ -133,15 +135,39 @@ HostProblem KeyPrefix(const HostProblem& full, int64_t length) {
   return p;
 }
 
-int64_t ReferenceVisibleKeys(const HostProblem& p, int64_t i) {
+bool ReferenceSees(const HostProblem& p, int64_t i, int64_t j) {
   const Shape& s = p.shape;
-  if (!p.causal) return s.key_len;
-  const int64_t query_position =
-      p.query_position.value_or(p.key_position + s.key_len - s.query_len) + i;
-  int64_t visible = 0;
-  while (visible < s.key_len && p.key_position + visible <= query_position) ++visible;
-  return visible;
+  const int64_t query = p.query_position.value_or(p.key_position + s.key_len - s.query_len) + i;
+  const int64_t key = p.key_position + j;
+  if (p.causal && key > query) return false;
+  if (p.window_left && key < query - *p.window_left) return false;
+  if (p.window_right && key > query + *p.window_right) return false;
+  return true;
 }
+
+std::pair<int64_t, int64_t> ReferenceTiles(const HostProblem& p, int64_t i, int64_t block_k) {
+  int64_t first = -1, last = -1;
+  for (int64_t j = 0; j < p.shape.key_len; ++j) {
+    if (!ReferenceSees(p, i, j)) continue;
+    if (first < 0) first = j;
+    last = j;
+  }
+  if (first < 0) return {0, 0};
+  return {first / block_k, last / block_k + 1};
+}
+
+namespace {
+
+// The keys row i sees, ascending (ReferenceSees).
+std::vector<int64_t> SeenKeys(const HostProblem& p, int64_t i) {
+  std::vector<int64_t> seen;
+  for (int64_t j = 0; j < p.shape.key_len; ++j) {
+    if (ReferenceSees(p, i, j)) seen.push_back(j);
+  }
+  return seen;
+}
+
+}  // namespace
 
 Reference ReferenceAttention(const HostProblem& p) {
   const Problem view = p.View();
@@ -154,10 +180,10 @@ Reference ReferenceAttention(const HostProblem& p) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kvh = view.KvHead(h);
       for (int64_t i = 0; i < s.query_len; ++i) {
-        const int64_t visible = ReferenceVisibleKeys(p, i);
-        if (visible == 0) continue;
+        const std::vector<int64_t> seen = SeenKeys(p, i);
+        if (seen.empty()) continue;
         double max = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j : seen) {
           double dot = 0;
           for (int64_t c = 0; c < s.head_dim; ++c) {
             dot += double(p.query[view.QueryOffset(b, h, i) + c]) *
@@ -167,9 +193,9 @@ Reference ReferenceAttention(const HostProblem& p) {
           max = std::max(max, scores[j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j < visible; ++j) sum += std::exp(scores[j] - max);
+        for (int64_t j : seen) sum += std::exp(scores[j] - max);
         double* out = &ref.output[view.OutputOffset(b, h, i)];
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j : seen) {
           const double w = std::exp(scores[j] - max) / sum;
           for (int64_t c = 0; c < s.value_dim; ++c) {
             out[c] += w * double(p.value[view.ValueOffset(b, kvh, j) + c]);
@@ -191,10 +217,10 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kvh = view.KvHead(h);
       for (int64_t i = 0; i < s.query_len; ++i) {
-        const int64_t visible = ReferenceVisibleKeys(p, i);
-        if (visible == 0) continue;
+        const std::vector<int64_t> seen = SeenKeys(p, i);
+        if (seen.empty()) continue;
         float max = -INFINITY;
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j : seen) {
           float dot = 0;
           for (int64_t c = 0; c < s.head_dim; ++c) {
             dot += p.query[view.QueryOffset(b, h, i) + c] * p.key[view.KeyOffset(b, kvh, j) + c];
@@ -203,11 +229,11 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
           max = std::max(max, scores[j]);
         }
         float sum = 0;
-        for (int64_t j = 0; j < visible; ++j) sum += std::exp(scores[j] - max);
+        for (int64_t j : seen) sum += std::exp(scores[j] - max);
         float* out = &output[view.OutputOffset(b, h, i)];
         for (int64_t c = 0; c < s.value_dim; ++c) {
           float acc = 0;
-          for (int64_t j = 0; j < visible; ++j) {
+          for (int64_t j : seen) {
             const float w = Round(std::exp(scores[j] - max) / sum, dtype);
             acc += w * p.value[view.ValueOffset(b, kvh, j) + c];
           }

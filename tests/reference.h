@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -23,6 +24,8 @@ struct HostProblem {
   // (bottom-right when unset).
   int64_t key_position = 0;
   std::optional<int64_t> query_position;
+  // The window (AttentionOptions.window_left/right); unset = unbounded.
+  std::optional<int64_t> window_left, window_right;
   int block_k = 64;
   bool return_lse = true;
   std::vector<uint8_t> query_bytes, key_bytes, value_bytes;
@@ -52,10 +55,14 @@ struct Reference {
   std::vector<double> lse;     // [batch, heads, query_len]; −inf for rows that see no key
 };
 
-// Keys query row i sees, from the positions as the contract states them (a key at position t is
-// visible to a query at p iff t ≤ p), counted key by key, independent of kernels/geometry.h.
-// The keys seen always form a prefix [0, ReferenceVisibleKeys).
-int64_t ReferenceVisibleKeys(const HostProblem& problem, int64_t i);
+// Whether query row i sees key j, from the positions and the window as the contract states them
+// (a query at position p sees a key at position t iff t ≤ p when causal, t ≥ p − window_left
+// and t ≤ p + window_right when set), independent of kernels/geometry.h.
+bool ReferenceSees(const HostProblem& problem, int64_t i, int64_t j);
+
+// The key tiles of block_k keys holding a key row i sees, [first, end) ({0, 0} for none): the
+// tiles a trace of the row steps through, found key by key with ReferenceSees.
+std::pair<int64_t, int64_t> ReferenceTiles(const HostProblem& problem, int64_t i, int64_t block_k);
 
 // Attention in float64 on the problem's (rounded) inputs: the ground truth.
 Reference ReferenceAttention(const HostProblem& problem);

@@ -159,6 +159,8 @@ v1::AttentionRequest ToRequest(const HostProblem& p, bool rank2 = false) {
   request.mutable_options()->set_return_lse(p.return_lse);
   request.mutable_options()->set_key_position(p.key_position);
   if (p.query_position) request.mutable_options()->set_query_position(*p.query_position);
+  if (p.window_left) request.mutable_options()->set_window_left(*p.window_left);
+  if (p.window_right) request.mutable_options()->set_window_right(*p.window_right);
   return request;
 }
 
@@ -301,6 +303,45 @@ TEST_F(ServiceTest, PositionsPlaceSlicesOfTheKeysAndQueries) {
   EXPECT_EQ(start.query_position(), 30 + 17 - 21);
 }
 
+// A sliding window through the service: Naive and Tiled answer the windowed problem, a trace
+// reports the window and starts at the first tile a row sees.
+TEST_F(ServiceTest, WindowsReachTheKernelsAndTheTrace) {
+  HostProblem p = testing::RandomProblem({.batch = 1,
+                                          .heads = 4,
+                                          .kv_heads = 2,
+                                          .query_len = 37,
+                                          .key_len = 37,
+                                          .head_dim = 8,
+                                          .value_dim = 6},
+                                         DType::kFloat32, /*causal=*/true, 4, 13);
+  p.window_left = 6;
+  const testing::Reference ref = testing::ReferenceAttention(p);
+  for (bool naive : {true, false}) {
+    SCOPED_TRACE(naive ? "Naive" : "Tiled");
+    absl::StatusOr<v1::AttentionResponse> response =
+        naive ? client_->Naive(ToRequest(p)) : client_->Tiled(ToRequest(p));
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_LE(testing::MaxAbsError(OutputOf(*response), ref.output),
+              1e-5 * testing::MaxAbs(ref.output));
+  }
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = ToRequest(p);
+  trace.add_rows()->set_row(30);  // Sees keys 24..30: tiles 6 and 7 of 4 keys.
+  v1::TraceStart start;
+  std::vector<int> tiles;
+  ASSERT_TRUE(client_
+                  ->Trace(trace,
+                          [&](const v1::TraceEvent& event) {
+                            if (event.has_start()) start = event.start();
+                            if (event.has_step()) tiles.push_back(event.step().tile());
+                            return true;
+                          })
+                  .ok());
+  EXPECT_EQ(start.window_left(), 6);
+  EXPECT_FALSE(start.has_window_right());
+  EXPECT_EQ(tiles, (std::vector<int>{6, 7}));
+}
+
 TEST_F(ServiceTest, OutputDtypeDefaultsToTheQuerys) {
   HostProblem p = testing::RandomProblem(
       {.heads = 1, .query_len = 5, .key_len = 9, .head_dim = 3, .value_dim = 3}, DType::kFloat16,
@@ -400,6 +441,13 @@ std::vector<BadInput> BadInputs() {
       {"query_position past 2^62",
        [](auto& r) { r.mutable_options()->set_query_position((int64_t{1} << 62) + 1); },
        "options.query_position"},
+      {"negative window_left", [](auto& r) { r.mutable_options()->set_window_left(-1); },
+       "options.window_left"},
+      {"negative window_right", [](auto& r) { r.mutable_options()->set_window_right(-5); },
+       "options.window_right"},
+      {"window_right past 2^62",
+       [](auto& r) { r.mutable_options()->set_window_right((int64_t{1} << 62) + 1); },
+       "options.window_right"},
   };
 }
 

@@ -72,8 +72,8 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
                << "row b=" << ref.batch << " h=" << ref.head << " i=" << ref.row);
   const Shape& s = host.shape;
   const int64_t block_k = problem.block_k;
-  const int64_t visible = ReferenceVisibleKeys(host, ref.row);
-  const int64_t expected_tiles = (visible + block_k - 1) / block_k;
+  const auto [first_tile, end_tile] = ReferenceTiles(host, ref.row, block_k);
+  const int64_t expected_tiles = end_tile - first_tile;
   ASSERT_EQ(static_cast<int64_t>(items.size()), expected_tiles + 1);
 
   const int64_t kv_head = ref.head / (s.heads / s.kv_heads);
@@ -89,13 +89,13 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
   for (int64_t t = 0; t < expected_tiles; ++t) {
     ASSERT_TRUE(std::holds_alternative<TraceStep>(items[t])) << "item " << t;
     const TraceStep& step = std::get<TraceStep>(items[t]);
-    const int tile = static_cast<int>(t);
+    const int tile = static_cast<int>(first_tile + t);
     EXPECT_EQ(step.row.batch, ref.batch);
     EXPECT_EQ(step.row.head, ref.head);
     EXPECT_EQ(step.row.row, ref.row);
-    EXPECT_EQ(step.tile, t);
-    EXPECT_EQ(step.key_begin, t * block_k);
-    EXPECT_EQ(step.key_end, std::min(t * block_k + block_k, s.key_len));
+    EXPECT_EQ(step.tile, tile);
+    EXPECT_EQ(step.key_begin, tile * block_k);
+    EXPECT_EQ(step.key_end, std::min(tile * block_k + block_k, s.key_len));
     const int64_t n = step.key_end - step.key_begin;
     ASSERT_GT(n, 0);
     ASSERT_EQ(static_cast<int64_t>(step.scores.size()), n);
@@ -108,7 +108,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
     int64_t tile_visible = 0;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = step.key_begin + j;
-      if (key >= visible) {
+      if (!ReferenceSees(host, ref.row, key)) {
         EXPECT_EQ(step.scores[j], -INFINITY) << "masked key " << key;
         continue;
       }
@@ -121,7 +121,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
       const double scale = host.scale;
       ExpectWithin(step.scores[j], scale * dot, 1e-5 * scale * magnitude + 1e-30, "score", tile, j);
     }
-    EXPECT_GT(tile_visible, 0) << "a tile the causal mask hides entirely was emitted";
+    EXPECT_GT(tile_visible, 0) << "a tile the mask hides entirely was emitted";
 
     // Running max: exact, since max involves no rounding.
     if (t == 0) {
@@ -228,7 +228,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
   }
   EXPECT_EQ(done.max_abs_error, max_abs_error);
 
-  if (visible == 0) {
+  if (expected_tiles == 0) {  // The row sees no key.
     for (int64_t c = 0; c < s.value_dim; ++c) {
       EXPECT_EQ(done.output[c], 0.f);
       EXPECT_EQ(done.reference[c], 0.f);
@@ -293,6 +293,26 @@ TEST(TraceTest, PositionsPlaceASliceOfTheKeys) {
   host.key_position = 9;
   host.query_position = 7;
   CheckTrace(host, 4, {{0, 0, 0}, {0, 1, 1}, {0, 2, 2}, {0, 3, 6}, {0, 0, 10}});
+}
+
+TEST(TraceTest, CausalLeftWindowSkipsTilesOnBothSides) {
+  // Nq = Nk = 29, causal, window_left 5, block_k 3: row i sees keys [i − 5, i], so its first
+  // step is tile (i − 5) / 3 and its last tile i / 3; every tile before and after is skipped.
+  HostProblem host = RandomProblem(MakeShape(1, 4, 2, 29, 29, 7, 9), DType::kFloat32,
+                                   /*causal=*/true, 3, 106);
+  host.window_left = 5;
+  CheckTrace(host, 3, {{0, 0, 0}, {0, 1, 4}, {0, 2, 5}, {0, 3, 17}, {0, 0, 28}});
+}
+
+TEST(TraceTest, TwoSidedWindowWithoutCausal) {
+  // Non-causal, window (4, 2) on a slice of keys: some rows see nothing of the slice.
+  HostProblem host = RandomProblem(MakeShape(1, 2, 1, 13, 17, 5, 6), DType::kFloat32,
+                                   /*causal=*/false, 4, 107);
+  host.key_position = 20;
+  host.query_position = 12;  // Rows 0..5 (positions 12..17) see no key: the keys start at 20.
+  host.window_left = 4;
+  host.window_right = 2;
+  CheckTrace(host, 4, {{0, 0, 0}, {0, 1, 5}, {0, 0, 6}, {0, 1, 12}});
 }
 
 TEST(TraceTest, BlockKLargerThanKeysAndOddDims) {

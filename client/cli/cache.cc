@@ -156,11 +156,12 @@ int64_t StatelessRequestBytes(const v1::Tensor& query, const v1::AttentionOption
 }
 
 // max |out − ref| / max |ref| for one decode step: softmax(scale · q Kᵀ) V in float64, over the
-// stored keys and values, for query [heads, 1, head_dim] (every key visible to the last row).
+// stored keys and values, for query [heads, 1, head_dim] (the keys the window leaves the last
+// row: all of them without one).
 double StepError(const std::vector<float>& query, const std::vector<float>& output,
                  const std::vector<std::vector<float>>& keys,
                  const std::vector<std::vector<float>>& values, int64_t heads, int64_t head_dim,
-                 int64_t value_dim, double scale) {
+                 int64_t value_dim, double scale, const v1::AttentionOptions& options) {
   const int64_t kv_heads = static_cast<int64_t>(keys.size());
   const int64_t group = heads / kv_heads;
   double worst = 0, largest = 0;
@@ -169,9 +170,13 @@ double StepError(const std::vector<float>& query, const std::vector<float>& outp
     const std::vector<float>& k = keys[h / group];
     const std::vector<float>& v = values[h / group];
     const int64_t length = static_cast<int64_t>(k.size()) / head_dim;
+    // The new token sits at the last position: a left window of L leaves it keys length − 1 − L
+    // on (a right window or the causal mask hides nothing, there being no later key).
+    const int64_t first =
+        options.has_window_left() ? std::max<int64_t>(0, length - 1 - options.window_left()) : 0;
     scores.assign(length, 0);
     double max = -INFINITY;
-    for (int64_t j = 0; j < length; ++j) {
+    for (int64_t j = first; j < length; ++j) {
       double s = 0;
       for (int64_t c = 0; c < head_dim; ++c)
         s += double(query[h * head_dim + c]) * k[j * head_dim + c];
@@ -180,7 +185,7 @@ double StepError(const std::vector<float>& query, const std::vector<float>& outp
     }
     double sum = 0;
     std::fill(row.begin(), row.end(), 0.0);
-    for (int64_t j = 0; j < length; ++j) {
+    for (int64_t j = first; j < length; ++j) {
       const double w = std::exp(scores[j] - max);
       sum += w;
       for (int64_t c = 0; c < value_dim; ++c) row[c] += w * v[j * value_dim + c];
@@ -291,8 +296,8 @@ absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t
                                               output->values.size(), " values, expected ",
                                               heads * value_dim));
     }
-    const double error =
-        StepError(query.stored, output->values, keys, values, heads, head_dim, value_dim, scale);
+    const double error = StepError(query.stored, output->values, keys, values, heads, head_dim,
+                                   value_dim, scale, flags.options);
     worst = std::max(worst, error);
     const int64_t stateless =
         StatelessRequestBytes(query.tensor, flags.options, cache.shape, cache.length());

@@ -1,11 +1,14 @@
 #include "client/cli/inputs.h"
 
+#include <cstdint>
 #include <random>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 
 namespace attn::cli {
 
@@ -63,6 +66,31 @@ absl::StatusOr<Inputs> RandomInputs(const std::string& spec, int64_t kv_heads, u
   fill(inputs.key, {batch, kv_heads, n, d});
   fill(inputs.value, {batch, kv_heads, n, d});
   return inputs;
+}
+
+absl::Status ParseWindow(const std::string& spec, v1::AttentionOptions* options) {
+  if (spec.empty()) return absl::OkStatus();
+  const std::vector<absl::string_view> sides = absl::StrSplit(spec, ',');
+  const auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--window expects L,R: the keys a query at p sees run from p − L to p + R, each side an "
+        "integer ≥ 0, or empty or -1 for unbounded (e.g. 256,0 or 256,), got \"",
+        spec, "\""));
+  };
+  if (sides.size() != 2) return bad();
+  for (int side = 0; side < 2; ++side) {
+    const absl::string_view text = absl::StripAsciiWhitespace(sides[side]);
+    if (text.empty()) continue;
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(text, &value) || value < -1) return bad();
+    if (value == -1) continue;
+    if (side == 0) {
+      options->set_window_left(value);
+    } else {
+      options->set_window_right(value);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::DType> ParseDType(const std::string& name) {

@@ -27,6 +27,12 @@ absl::StatusOr<Inputs> RandomInputs(const std::string& spec, int64_t kv_heads, u
 // Parses "f32", "f16" or "bf16".
 absl::StatusOr<attention::v1::DType> ParseDType(const std::string& name);
 
+// Parses a --window spec "L,R" into options' window_left and window_right (AttentionOptions:
+// a query at p sees keys at p − L … p + R): each side an integer ≥ 0, or empty or −1 for
+// unbounded ("256," or "256,-1": left only; ",8": right only; "" sets neither).
+// INVALID_ARGUMENT naming --window otherwise.
+absl::Status ParseWindow(const std::string& spec, attention::v1::AttentionOptions* options);
+
 // The request for these inputs with the given options.
 attention::v1::AttentionRequest MakeRequest(const Inputs& inputs,
                                             const attention::v1::AttentionOptions& options);

@@ -10,6 +10,7 @@
 //                     [--shard-keys]   each endpoint traces its slice of the keys, then the merge
 //                     (client/cli/merge_trace.h)
 //   attn naive|tiled|trace ... [--key-position P] [--query-position Q]   positions (geometry.h)
+//   attn naive|tiled|trace|decode|bench ... [--window L,R]   a sliding window (geometry.h)
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
 //   attn bench --decode [--lengths 1k,...,32k] [--batches 1,16] [--steps M] [--repeats R]
@@ -87,6 +88,10 @@ ABSL_FLAG(int64_t, key_position, 0,
 ABSL_FLAG(int64_t, query_position, -1,
           "naive/tiled/trace: the position of the first query row; -1 = bottom-right "
           "(key position + key_len − query_len).");
+ABSL_FLAG(std::string, window, "",
+          "Sliding window L,R: a query at position p sees only the keys at p − L … p + R (and "
+          "none after p with --causal); a side empty or -1 is unbounded, e.g. --window 256, "
+          "(AttentionOptions.window_left/right; naive/tiled/trace/decode/bench).");
 ABSL_FLAG(int32_t, block_k, 0, "Keys per tile for tiled/trace; 0 = the server's default.");
 ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
 ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
@@ -190,8 +195,12 @@ absl::StatusOr<Inputs> ReadInputs() {
   return inputs;
 }
 
-v1::AttentionOptions ReadOptions() {
+absl::StatusOr<v1::AttentionOptions> ReadOptions() {
   v1::AttentionOptions options;
+  if (absl::Status window = attn::cli::ParseWindow(absl::GetFlag(FLAGS_window), &options);
+      !window.ok()) {
+    return window;
+  }
   options.set_causal(absl::GetFlag(FLAGS_causal));
   options.set_block_k(absl::GetFlag(FLAGS_block_k));
   options.set_return_lse(absl::GetFlag(FLAGS_lse));
@@ -208,9 +217,11 @@ absl::StatusOr<v1::AttentionRequest> ReadRequest() {
   absl::StatusOr<Inputs> inputs = ReadInputs();
   if (!inputs.ok()) return inputs.status();
   const std::string cache_id = absl::GetFlag(FLAGS_cache);
-  if (cache_id.empty()) return attn::cli::MakeRequest(*inputs, ReadOptions());
+  absl::StatusOr<v1::AttentionOptions> options = ReadOptions();
+  if (!options.ok()) return options.status();
+  if (cache_id.empty()) return attn::cli::MakeRequest(*inputs, *options);
   return attn::client::CacheRequest(cache_id, attn::client::ToTensor(inputs->query, inputs->dtype),
-                                    ReadOptions());
+                                    *options);
 }
 
 // The server to call: `client`, or with --cache the --target endpoint holding that cache (a
@@ -397,7 +408,9 @@ int RunDecodeBench(attn::client::Client& client) {
   config.steps = FlagOr(FLAGS_steps, "steps", int64_t{20});
   config.stateless_repeats = absl::GetFlag(FLAGS_repeats);
   config.seed = absl::GetFlag(FLAGS_seed);
-  config.options = ReadOptions();
+  absl::StatusOr<v1::AttentionOptions> options = ReadOptions();
+  if (!options.ok()) return Fail(options.status());
+  config.options = *std::move(options);
   config.options.set_return_lse(false);
   config.target = absl::GetFlag(FLAGS_target);
   const absl::Status status = attn::cli::RunDecodeBench(client, config, stdout, stderr);
@@ -427,7 +440,9 @@ int RunBench(attn::client::Client& client) {
   config.dim = absl::GetFlag(FLAGS_dim);
   config.repeats = absl::GetFlag(FLAGS_repeats);
   config.seed = absl::GetFlag(FLAGS_seed);
-  config.options = ReadOptions();
+  absl::StatusOr<v1::AttentionOptions> options = ReadOptions();
+  if (!options.ok()) return Fail(options.status());
+  config.options = *std::move(options);
   config.options.set_return_lse(false);
   if (config.batch < 1 || config.heads < 1 || config.dim < 1) {
     return Fail(absl::InvalidArgumentError("--batch, --heads and --dim must be positive"));
@@ -497,7 +512,9 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.seed = absl::GetFlag(FLAGS_seed);
   flags.json = absl::GetFlag(FLAGS_json);
   flags.shard_keys = absl::GetFlag(FLAGS_shard_keys);
-  flags.options = ReadOptions();
+  absl::StatusOr<v1::AttentionOptions> attention_options = ReadOptions();
+  if (!attention_options.ok()) return Fail(attention_options.status());
+  flags.options = *std::move(attention_options);
   attn::client::ShardedClient client(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
                                      options);
   const absl::Status status =

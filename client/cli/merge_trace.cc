@@ -96,30 +96,35 @@ absl::StatusOr<Whole> Decode(const v1::AttentionRequest& request) {
   return whole;
 }
 
-// The float64 answer for one row over every key it sees, from the positions as attention.proto
-// states them: key j at key_position + j, query row i at query_position + i, a causal query at p
-// seeing a key at t iff t ≤ p; query head h reads kv head h / (heads / kv_heads).
-void Reference(const Whole& w, double scale, bool causal, int64_t key_position,
-               int64_t query_position, const v1::RowRef& row, std::vector<double>* output,
-               double* lse) {
+// The float64 answer for one row over every key it sees, from the positions and the window as
+// attention.proto states them: key j at key_position + j, query row i at query_position + i, a
+// query at p seeing a key at t iff t ≤ p when causal and p − window_left ≤ t ≤ p + window_right
+// for the sides set; query head h reads kv head h / (heads / kv_heads).
+void Reference(const Whole& w, const MergeTrace& t, const v1::RowRef& row,
+               std::vector<double>* output, double* lse) {
   const int64_t b = row.batch(), h = row.head(), i = row.row();
   const int64_t kv = h / (w.heads / w.kv_heads);
   const float* q = w.query.values.data() + ((b * w.heads + h) * w.query_len + i) * w.head_dim;
   const float* k = w.key.values.data() + (b * w.kv_heads + kv) * w.key_len * w.head_dim;
   const float* v = w.value.values.data() + (b * w.kv_heads + kv) * w.key_len * w.value_dim;
-  std::vector<double> scores;
+  std::vector<std::pair<int64_t, double>> scores;  // (key, score) of the keys the row sees.
   double max = -INFINITY;
+  const int64_t p = t.query_position + i;
   for (int64_t j = 0; j < w.key_len; ++j) {
-    if (causal && key_position + j > query_position + i) break;  // Later keys are later still.
+    const int64_t position = t.key_position + j;
+    if ((t.causal && position > p) || (t.window_left && position < p - *t.window_left) ||
+        (t.window_right && position > p + *t.window_right)) {
+      continue;
+    }
     double dot = 0;
     for (int64_t c = 0; c < w.head_dim; ++c) dot += double(q[c]) * double(k[j * w.head_dim + c]);
-    scores.push_back(scale * dot);
-    max = std::max(max, scores.back());
+    scores.emplace_back(j, t.scale * dot);
+    max = std::max(max, scores.back().second);
   }
   output->assign(w.value_dim, 0.0);
   double sum = 0;
-  for (size_t j = 0; j < scores.size(); ++j) {
-    const double weight = std::exp(scores[j] - max);
+  for (const auto& [j, score] : scores) {
+    const double weight = std::exp(score - max);
     sum += weight;
     for (int64_t c = 0; c < w.value_dim; ++c)
       (*output)[c] += weight * double(v[j * w.value_dim + c]);
@@ -256,9 +261,12 @@ absl::StatusOr<MergeTrace> MergeTraces(const v1::TraceRequest& request,
   trace.query_position = options.has_query_position()
                              ? options.query_position()
                              : options.key_position() + whole->key_len - whole->query_len;
+  if (options.has_window_left()) trace.window_left = options.window_left();
+  if (options.has_window_right()) trace.window_right = options.window_right();
   trace.block_k = options.block_k();
   trace.endpoints = endpoints;
   trace.single_server = parts.size() == 1;
+  trace.keys_first = parts.front().key_slice ? parts.front().key_begin : 0;
   trace.keys_sent = parts.back().key_slice ? parts.back().key_end : whole->key_len;
   // The scale the servers applied (the request's, or 1/sqrt(head_dim) rounded to fp32 as theirs).
   trace.scale = options.has_scale()
@@ -293,8 +301,7 @@ absl::StatusOr<MergeTrace> MergeTraces(const v1::TraceRequest& request,
       return absl::InvalidArgumentError(
           absl::StrCat("row (", RowName(ref), ") is not in the problem"));
     }
-    Reference(*whole, trace.scale, trace.causal, trace.key_position, trace.query_position, ref,
-              &row.reference, &row.reference_lse);
+    Reference(*whole, trace, ref, &row.reference, &row.reference_lse);
 
     // Each part's final state of this row.
     std::vector<client::AttentionState> finished;
@@ -434,9 +441,11 @@ void PrintMergeTrace(const MergeTrace& t, std::FILE* out) {
                   i + 1, Keys(p.key_begin, p.key_end), p.endpoint, p.key_position, p.query_position,
                   Count(p.tiles_per_row, "tile"), p.block_k);
   }
-  if (t.keys_sent < t.key_len) {
+  for (const auto& [begin, end] :
+       {std::pair{int64_t{0}, t.keys_first}, std::pair{t.keys_sent, t.key_len}}) {
+    if (begin >= end) continue;
     absl::FPrintF(out, "  keys %s: no query row sees them, so no server was sent them.\n",
-                  Keys(t.keys_sent, t.key_len));
+                  Keys(begin, end));
   }
 
   for (const RowMerge& row : t.rows) {
@@ -500,10 +509,13 @@ void PrintMergeTraceJson(const MergeTrace& t, std::FILE* out) {
       "{\"problem\":{\"batch\":%d,\"heads\":%d,\"kvHeads\":%d,\"queryLen\":%d,\"keyLen\":%d,"
       "\"headDim\":%d,\"valueDim\":%d,\"scale\":%s,\"causal\":%s,\"keyPosition\":%d,"
       "\"queryPosition\":%d,\"blockK\":%d,\"endpoints\":[%s],\"parts\":%d,\"singleServer\":%s,"
-      "\"keysSent\":%d}}\n",
+      "\"keysFirst\":%d,\"keysSent\":%d%s}}\n",
       t.batch, t.heads, t.kv_heads, t.query_len, t.key_len, t.head_dim, t.value_dim,
       JsonFloat(t.scale), JsonBool(t.causal), t.key_position, t.query_position, t.block_k,
-      absl::StrJoin(endpoints, ","), t.parts.size(), JsonBool(t.single_server), t.keys_sent);
+      absl::StrJoin(endpoints, ","), t.parts.size(), JsonBool(t.single_server), t.keys_first,
+      t.keys_sent,
+      absl::StrCat(t.window_left ? absl::StrCat(",\"windowLeft\":", *t.window_left) : "",
+                   t.window_right ? absl::StrCat(",\"windowRight\":", *t.window_right) : ""));
   for (const RowMerge& row : t.rows) {
     const std::string row_json = JsonRow(row.row);
     for (size_t i = 0; i < row.parts.size(); ++i) {

@@ -34,8 +34,9 @@
 //   problem:    batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim, scale, causal,
 //               keyPosition, queryPosition (the whole request's, resolved), blockK (0 = each
 //               server's default), endpoints (those given; part i went to endpoints[i]), parts
-//               (count), singleServer (bool: one server traced all of it), keysSent (keys [0,
-//               keysSent) went to some server; no row sees the rest)
+//               (count), singleServer (bool: one server traced all of it), keysFirst and
+//               keysSent (keys [keysFirst, keysSent) went to some server; no row sees the
+//               rest), windowLeft and windowRight (AttentionOptions; absent when unbounded)
 //   part:       row {batch, head, row}, index (0-based), parts, endpoint, keyBegin, keyEnd (of
 //               the whole request's keys), keyPosition, queryPosition (the slice's, as its
 //               TraceStart resolved them), blockK, steps (its TileSteps for this row), max,
@@ -59,6 +60,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,11 +120,13 @@ struct MergeTrace {
           value_dim = 0;
   float scale = 0;
   bool causal = false;
-  int64_t key_position = 0, query_position = 0;  // The whole request's, resolved.
-  int32_t block_k = 0;                           // As requested (0 = each server's default).
-  std::vector<std::string> endpoints;            // Those given: part i went to endpoints[i].
-  bool single_server = false;                    // One part: nothing to merge.
-  int64_t keys_sent = 0;  // Keys [0, keys_sent) went to a server; no row sees the rest.
+  int64_t key_position = 0, query_position = 0;      // The whole request's, resolved.
+  std::optional<int64_t> window_left, window_right;  // Unset: unbounded.
+  int32_t block_k = 0;                               // As requested (0 = each server's default).
+  std::vector<std::string> endpoints;                // Those given: part i went to endpoints[i].
+  bool single_server = false;                        // One part: nothing to merge.
+  // Keys [keys_first, keys_sent) went to a server; no row sees the rest.
+  int64_t keys_first = 0, keys_sent = 0;
   std::vector<TracedPart> parts;
   std::vector<RowMerge> rows;
 };

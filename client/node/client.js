@@ -8,7 +8,8 @@
 //   - int64 fields are JS Numbers (longs: Number): shape dims, stats and limits all fit in
 //     2^53. Enums are their names as strings (DTYPE_FLOAT32), and requests may use either
 //     the name or the number.
-//   - bytes are Buffers; unset scalar fields read as their defaults (defaults: true), and a
+//   - bytes are Buffers; unset scalar fields read as their defaults (defaults: true), but an
+//     unset proto3 optional field (TraceStart.windowLeft, windowRight) is absent, and a
 //     TraceEvent carries `event`, the name of the oneof member it holds ('start', 'step',
 //     'rowDone' or 'end').
 //   - fp32 tensors travel as little-endian bytes; tensor() and toFloat32Array() convert
@@ -49,6 +50,20 @@
 //     options: {causal: true, keyPosition: a, queryPosition: keyLen - queryLen, returnLse: true,
 //               outputDtype: 'DTYPE_FLOAT32'}})));
 //   const {output, lse, shape} = mergeStates(parts);     // Float32Arrays, output's shape
+//
+// Sliding window (attention.proto, AttentionOptions; FlashAttention's window_size):
+// options.windowLeft and options.windowRight, integers in [0, 2^62], absent (undefined or
+// null) = unbounded on that side. A query at position p then sees only the keys at positions t
+// with
+//   p − windowLeft ≤ t ≤ p + windowRight        (and t ≤ p when causal)
+// by the positions above (so a key slice of a windowed problem splits and merges as before).
+// They go in the options of naive, tiled, trace and decode as they are; in Decode the window
+// is the batch's and applies to every item against that item's own positions. The client sends
+// them unchecked (pass integer Numbers: protobufjs truncates 1.5 to 1 and sends true as 0); the
+// server answers a value outside [0, 2^62] with INVALID_ARGUMENT naming options.window_left /
+// options.window_right. Trace's start repeats them (absent when unbounded):
+//   await client.tiled({query, key, value, options: {causal: true, windowLeft: 4095}});
+//   await cache.decode(q1, {key: k1, value: v1, options: {causal: true, windowLeft: 4095}});
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -321,7 +336,8 @@ class Client {
   // decode() over Cache objects: items [{cache, query, key?, value?, keyPosition?,
   // queryPosition?}] → DecodeResponse, each Cache's length updated from the answer. Positions
   // are per item (see Cache.item); attentionOptions.keyPosition / queryPosition are refused
-  // here with a TypeError (the server would refuse them too: INVALID_ARGUMENT).
+  // here with a TypeError (the server would refuse them too: INVALID_ARGUMENT). A window
+  // (attentionOptions.windowLeft, windowRight) is the batch's, against each item's positions.
   async decodeBatch(items, attentionOptions = {}, options) {
     for (const field of ['keyPosition', 'queryPosition']) {
       if (attentionOptions[field] !== undefined && attentionOptions[field] !== null) {
@@ -387,7 +403,8 @@ class Cache {
   }
 
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
-  // this item's positions (item()); options: the AttentionOptions, without positions.
+  // this item's positions (item()); options: the AttentionOptions (a window included), without
+  // positions.
   async decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
                options) {
     const response = await this.client.decodeBatch(

@@ -8,8 +8,11 @@
 // positions (a causal problem split by keys, each slice at its keyPosition with the whole's
 // queryPosition, merged by mergeStates against float64 and the unsplit Tiled; Trace's resolved
 // positions; Decode's per-item positions over one sequence held in two caches; bad positions
-// → INVALID_ARGUMENT naming options.key_position / options.query_position), mergeStates alone,
-// and, when given a TLS server with a token, TLS + bearer token.
+// → INVALID_ARGUMENT naming options.key_position / options.query_position), sliding windows
+// (windowLeft / windowRight through Tiled, Naive and Cache.decode against float64, Trace's start
+// repeating the window and each row's steps starting at the first tile it sees, a bad window →
+// INVALID_ARGUMENT naming options.window_left / options.window_right), mergeStates alone, and,
+// when given a TLS server with a token, TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
 //                                         --token-file FILE]
 const test = require('node:test');
@@ -56,11 +59,13 @@ function seedInputs(n = 8, d = 4) {
   return {q, k, v, dims};
 }
 
-// softmax(scale · Q Kᵀ + mask) V in float64, with grouped-query heads and the causal mask over
+// softmax(scale · Q Kᵀ + mask) V in float64, with grouped-query heads and the mask over
 // positions: key j at keyPosition + j, query row i at queryPosition + i (default bottom-right,
-// keyPosition + keyLen − queryLen), a query at p seeing a key at t iff t ≤ p; a row that sees no
-// key gives zeros and lse −inf.
-function referenceAttention({q, k, v, dims}, scale, causal, {keyPosition = 0, queryPosition} = {}) {
+// keyPosition + keyLen − queryLen), a query at p seeing a key at t iff t ≤ p when causal and
+// p − windowLeft ≤ t ≤ p + windowRight (an absent side unbounded), decided key by key; a row that
+// sees no key gives zeros and lse −inf.
+function referenceAttention({q, k, v, dims}, scale, causal,
+                            {keyPosition = 0, queryPosition, windowLeft, windowRight} = {}) {
   const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
   const firstQuery = queryPosition ?? keyPosition + keyLen - queryLen;
   const out = new Float64Array(batch * heads * queryLen * valueDim);
@@ -72,10 +77,17 @@ function referenceAttention({q, k, v, dims}, scale, causal, {keyPosition = 0, qu
       const kBase = (b * kvHeads + kh) * keyLen;
       for (let i = 0; i < queryLen; ++i) {
         const row = (b * heads + h) * queryLen + i;
-        const visible = causal ? Math.min(keyLen, firstQuery + i - keyPosition + 1) : keyLen;
-        if (visible <= 0) continue;
+        const p = firstQuery + i;
+        const seen = [];
+        for (let j = 0; j < keyLen; ++j) {
+          const t = keyPosition + j;
+          if ((causal && t > p) || (windowLeft != null && t < p - windowLeft) ||
+              (windowRight != null && t > p + windowRight)) continue;
+          seen.push(j);
+        }
+        if (seen.length === 0) continue;
         let max = -Infinity;
-        for (let j = 0; j < visible; ++j) {
+        for (const j of seen) {
           let s = 0;
           for (let c = 0; c < headDim; ++c) {
             s += q[row * headDim + c] * k[(kBase + j) * headDim + c];
@@ -84,7 +96,7 @@ function referenceAttention({q, k, v, dims}, scale, causal, {keyPosition = 0, qu
           max = Math.max(max, scores[j]);
         }
         let sum = 0;
-        for (let j = 0; j < visible; ++j) {
+        for (const j of seen) {
           const w = Math.exp(scores[j] - max);
           sum += w;
           for (let c = 0; c < valueDim; ++c) {
@@ -620,6 +632,119 @@ test('positions: negative or past 2^62 is INVALID_ARGUMENT naming the field', as
   for (const [field, value] of [['keyPosition', -1], ['queryPosition', -5],
                                 ['keyPosition', 2 ** 62 + 2 ** 12]]) {
     const name = field === 'keyPosition' ? 'key_position' : 'query_position';
+    const req = request(seed, {causal: true, [field]: value});
+    for (const call of [() => client.tiled(req), () => client.naive(req),
+                        () => collect(client.trace({attention: req}))]) {
+      await assert.rejects(call(), (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
+        assert.match(err.details, new RegExp(`options\\.${name}`));
+        return true;
+      });
+    }
+  }
+});
+
+// --- sliding windows ----------------------------------------------------------------------------
+test('window: windowed tiled and naive against float64, passed through as options', async () => {
+  const random = mulberry32(positionsSeed + 3);
+  // 13 queries over 13 keys, GQA, valueDim ≠ headDim, block_k 4 (tiles [0,4) … [12,13)).
+  const dims = {batch: 1, heads: 4, kvHeads: 2, queryLen: 13, keyLen: 13, headDim: 8, valueDim: 5};
+  const problem = randomProblem(dims, random);
+  const scale = 1 / Math.sqrt(dims.headDim);
+  for (const [window, positions] of [
+    // Causal with a left window: row r sees keys r − 3 … r.
+    [{causal: true, windowLeft: 3}, {}],
+    // Both sides, not causal, at positions: the query at 45 + i sees 43 + i … 46 + i of the keys
+    // at 40 … 52 (rows 10 … 12 see none: zeros, lse −inf).
+    [{causal: false, windowLeft: 2, windowRight: 1}, {keyPosition: 40, queryPosition: 45}],
+  ]) {
+    const what = JSON.stringify({...window, ...positions});
+    const ref = referenceAttention(problem, scale, window.causal, {...positions, ...window});
+    const unwindowed = referenceAttention(problem, scale, window.causal, positions);
+    assert.ok(ref.out.some((x, i) => Math.abs(x - unwindowed.out[i]) > 1e-3), `${what} matters`);
+    for (const method of ['tiled', 'naive']) {
+      const res = await client[method](request(problem, {...window, ...positions, blockK: 4,
+                                                         returnLse: true}));
+      assertClose(toFloat32Array(res.output), ref.out, 1e-5, `${method} ${what}`);
+      assertClose(toFloat32Array(res.lse), ref.lse, 1e-5, `${method} ${what} lse`);
+    }
+  }
+  // null and undefined sides are unbounded: the plain causal answer.
+  const plain = toFloat32Array((await client.tiled(request(problem, {causal: true}))).output);
+  const open = await client.tiled(request(problem, {causal: true, windowLeft: null,
+                                                    windowRight: undefined}));
+  assert.deepEqual(toFloat32Array(open.output), plain);
+});
+
+test('window: Trace repeats it, each row starting at the first tile it sees', async () => {
+  const random = mulberry32(positionsSeed + 4);
+  const dims = {batch: 1, heads: 4, kvHeads: 2, queryLen: 13, keyLen: 13, headDim: 8, valueDim: 5};
+  const problem = randomProblem(dims, random);
+  const options = {causal: true, windowLeft: 3, blockK: 4};
+  const tiled = toFloat32Array((await client.tiled(request(problem, options))).output);
+  const rows = [{batch: 0, head: 1, row: 12}, {batch: 0, head: 2, row: 2},
+                {batch: 0, head: 3, row: 7}];
+  const events = await collect(client.trace({attention: request(problem, options), rows}));
+  const {start} = events[0];
+  assert.equal(start.windowLeft, 3);
+  assert.equal(start.windowRight, undefined, 'absent: unbounded');
+  for (const [i, ref] of rows.entries()) {
+    const steps = events.filter((e) => e.event === 'step' && e.step.row.head === ref.head &&
+                                       e.step.row.row === ref.row).map((e) => e.step);
+    const first = Math.floor(Math.max(0, ref.row - 3) / 4), last = Math.floor(ref.row / 4);
+    assert.deepEqual(steps.map((s) => s.tile),
+                     Array.from({length: last - first + 1}, (_, t) => first + t), `row ${ref.row}`);
+    for (const s of steps) {
+      s.scores.forEach((score, j) => {
+        const t = s.keyBegin + j;
+        assert.equal(score === -Infinity, t < ref.row - 3 || t > ref.row,
+                     `row ${ref.row} key ${t}`);
+      });
+    }
+    const at = (ref.head * dims.queryLen + ref.row) * dims.valueDim;
+    const done = events.filter((e) => e.event === 'rowDone')[i].rowDone;
+    assertClose(done.output, tiled.subarray(at, at + dims.valueDim), 1e-6, `row ${ref.row}`);
+  }
+  const plain = await collect(client.trace({attention: request(problem, {causal: true})}));
+  assert.equal(plain[0].start.windowLeft, undefined);
+  assert.equal(plain[0].start.windowRight, undefined);
+});
+
+test('window: Cache.decode against float64; bad windows are INVALID_ARGUMENT naming them',
+     async () => {
+  const random = mulberry32(positionsSeed + 5);
+  const [kvHeads, heads, headDim, valueDim, nq] = [2, 4, 8, 5, 2];
+  const held = new HeldTokens(kvHeads, headDim, valueDim);
+  const cache = await client.openCache({kvHeads, headDim, valueDim});
+  try {
+    await cache.append(...held.tokens(11, random));
+    const q = randomNormal(heads * nq * headDim, random);
+    const query = tensor(q, [heads, nq, headDim]);
+    const [k1, v1] = held.tokens(1, random);
+    // Keys at 30 … 41 after the append, queries at 40, 41 (bottom-right): the one at p sees
+    // the keys at p − 4 … p.
+    const step = await cache.decode(query, {key: k1, value: v1, keyPosition: 30,
+                                            options: {causal: true, windowLeft: 4,
+                                                      returnLse: true}});
+    assert.equal(cache.length, 12);
+    const dims = {batch: 1, heads, kvHeads, queryLen: nq, keyLen: 12, headDim, valueDim};
+    const ref = referenceAttention({q, k: Float32Array.from(held.keys.flat()),
+                                    v: Float32Array.from(held.values.flat()), dims},
+                                   1 / Math.sqrt(headDim), true, {keyPosition: 30, windowLeft: 4});
+    assertClose(toFloat32Array(step.output), ref.out, MERGE_TOL, 'windowed Cache.decode');
+    assertClose(toFloat32Array(step.lse), ref.lse, LSE_TOL, 'windowed Cache.decode lse');
+    await assert.rejects(cache.decode(query, {options: {windowLeft: -1}}), (err) => {
+      assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
+      assert.match(err.details, /options\.window_left/);
+      return true;
+    });
+    assert.equal((await cache.refresh()).length, 12);
+  } finally {
+    await cache.delete();
+  }
+  for (const [field, value] of [['windowLeft', -1], ['windowRight', -1],
+                                ['windowLeft', 2 ** 62 + 2 ** 12]]) {
+    const name = field === 'windowLeft' ? 'window_left' : 'window_right';
     const req = request(seed, {causal: true, [field]: value});
     for (const call of [() => client.tiled(req), () => client.naive(req),
                         () => collect(client.trace({attention: req}))]) {

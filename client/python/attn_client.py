@@ -41,7 +41,8 @@ peak_memory_bytes); `.response` the AttentionResponse itself.
 Trace events are plain dicts, one per TraceEvent, with "kind" set to "start", "step",
 "row_done" or "end" and the message's fields by their proto names; repeated floats (scores,
 weights, accumulator, estimate, output, reference) are float32 NumPy arrays, a RowRef is a
-(batch, head, row) tuple and ExecutionStats a dict. `event["message"]` keeps the protobuf
+(batch, head, row) tuple, ExecutionStats a dict and an unset optional field None (the "start"
+event's window_left / window_right when unbounded). `event["message"]` keeps the protobuf
 message for anything else.
 
 Server-resident KV caches keep one sequence's keys and values on attnd, so a decode step sends
@@ -73,6 +74,18 @@ several calls or servers, the parts merged with `merge_states`:
                           query_position=key_len - query_len, return_lse=True,
                           output_dtype="fp32") for a, b in ((0, 100), (100, key_len))]
     output, lse = merge_states([(p.output, p.lse) for p in parts])
+
+Sliding window: naive, tiled, trace and decode also take window_left and window_right
+(FlashAttention's window_size; None, the default: unbounded on that side). A query at position
+p then sees only the keys at positions t with
+
+    p − window_left ≤ t ≤ p + window_right        (and t ≤ p when causal)
+
+so `client.tiled(q, k, v, causal=True, window_left=4095)` gives the query at p the keys at
+p − 4095 … p. Both are ints in [0, 2^62]. The window is over the positions above, so a slice of
+a windowed problem's keys sent at its key_position computes exactly its part of the whole, to
+merge as before. In decode the window is the batch's and applies to every item against that
+item's own positions; the trace's "start" event repeats it.
 
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
@@ -338,6 +351,8 @@ def _event_dict(event):
             value = _message_dict(value)
         elif field.label == field.LABEL_REPEATED:
             value = np.array(value, dtype=np.float32)
+        elif field.containing_oneof is not None and not message.HasField(field.name):
+            value = None  # An unset proto3 optional (its oneof is synthetic): not 0.
         result[field.name] = value
     return result
 
@@ -439,7 +454,8 @@ class Cache:
         """One decode step of this cache alone: appends key/value when given, then attends
         query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
         value_dim]). key_position, query_position: this item's positions (Client.decode).
-        options: causal, scale, block_k, return_lse, dtype, output_dtype."""
+        options: causal, scale, block_k, return_lse, dtype, output_dtype, window_left,
+        window_right."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
         if key is not None or value is not None:
@@ -541,7 +557,7 @@ class Client:
 
     @staticmethod
     def _options(causal, scale, block_k, return_lse, output_dtype, key_position=0,
-                 query_position=None):
+                 query_position=None, window_left=None, window_right=None):
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError("causal must be a bool, not %s" % type(causal).__name__)
@@ -564,14 +580,19 @@ class Client:
         options.key_position = _position("key_position", key_position)
         if query_position is not None:
             options.query_position = _position("query_position", query_position)
+        if window_left is not None:
+            options.window_left = _position("window_left", window_left)
+        if window_right is not None:
+            options.window_right = _position("window_right", window_right)
         return options
 
     @classmethod
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
-                 cache=None, key_position=0, query_position=None):
+                 cache=None, key_position=0, query_position=None, window_left=None,
+                 window_right=None):
         input_dtype = _dtype_enum(dtype, "dtype")
         options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
-                               query_position)
+                               query_position, window_left, window_right)
         if cache is not None:
             if k is not None or v is not None:
                 raise ValueError("give key and value, or cache=, not both")
@@ -587,7 +608,7 @@ class Client:
 
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
-              query_position=None):
+              query_position=None, window_left=None, window_right=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
@@ -597,32 +618,42 @@ class Client:
         query_len (bottom-right). The causal mask compares them: a query at position p sees a
         key at t iff t ≤ p. Both ints in [0, 2^62]. To split a causal problem's keys, send
         keys [a, b) with key_position=a and the whole problem's query_position, return_lse=True
-        and an fp32 output, and combine the parts with merge_states()."""
+        and an fp32 output, and combine the parts with merge_states().
+        window_left, window_right: a sliding window over the same positions, None = unbounded
+        on that side: a query at p sees a key at t only if p − window_left ≤ t ≤ p +
+        window_right (and t ≤ p when causal). Ints in [0, 2^62]."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
-                                output_dtype, cache, key_position, query_position)
+                                output_dtype, cache, key_position, query_position, window_left,
+                                window_right)
         return Result(self._call("Naive", self._stub.Naive, request))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
-              query_position=None):
+              query_position=None, window_left=None, window_right=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
-        → Result. Other arguments (cache=, key_position, query_position too) as for naive()."""
+        → Result; key tiles a window hides from a whole block of rows are skipped. Other
+        arguments (cache=, key_position, query_position, window_left, window_right too) as for
+        naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
-                                output_dtype, cache, key_position, query_position)
+                                output_dtype, cache, key_position, query_position, window_left,
+                                window_right)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
-              scale=None, dtype=None, key_position=0, query_position=None):
+              scale=None, dtype=None, key_position=0, query_position=None, window_left=None,
+              window_right=None):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
-        cache: a Cache or cache id to trace over instead of k and v; key_position and
-        query_position (the "start" event repeats them, resolved) as for naive().
+        cache: a Cache or cache id to trace over instead of k and v; key_position,
+        query_position, window_left and window_right as for naive() (the "start" event repeats
+        them, positions resolved, a window None when unbounded); a row's first "step" is the
+        first tile holding a key it sees, tiles its window hides are not traced.
         Arguments are checked now; the RPC starts on the first next(). Closing the iterator
         early (break, close()) cancels the stream. A failure mid-stream raises AttnError."""
         request = pb.TraceRequest(
             attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache,
-                                    key_position, query_position))
+                                    key_position, query_position, window_left, window_right))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -741,7 +772,8 @@ class Client:
                    pb.DeleteCacheRequest(cache_id=_cache_id(cache)))
 
     def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
-               dtype=None, output_dtype=None, key_position=None, query_position=None):
+               dtype=None, output_dtype=None, key_position=None, query_position=None,
+               window_left=None, window_right=None):
         """Decode: one step of a batch of sequences in one call → DecodeResult.
 
         items: a list, one per sequence (at most one per cache), each a tuple
@@ -756,6 +788,8 @@ class Client:
         is that of the cache's first token and "query_position" (default None: key_position +
         the cache's length after the append − nq) that of the item's first query row, as for
         naive(); key_position= and query_position= here, for the whole batch, are a ValueError.
+        window_left, window_right (as for naive()): one window for the whole batch, applied to
+        each item against that item's own positions.
         dtype converts every query, key and value (None: queries as they are, keys and values
         of a Cache in its dtype); other options as for naive()."""
         if key_position is not None or query_position is not None:
@@ -766,7 +800,8 @@ class Client:
             raise TypeError("items must be a list of (cache, query[, key, value]) tuples or dicts")
         input_dtype = _dtype_enum(dtype, "dtype")
         request = pb.DecodeRequest(
-            options=self._options(causal, scale, block_k, return_lse, output_dtype))
+            options=self._options(causal, scale, block_k, return_lse, output_dtype,
+                                  window_left=window_left, window_right=window_right))
         caches = []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
@@ -826,12 +861,13 @@ def _cache_id(cache):
                     % type(cache).__name__)
 
 
-# Positions are in [0, 2^62] (attention.proto, AttentionOptions).
+# Positions and windows are in [0, 2^62] (attention.proto, AttentionOptions).
 MAX_POSITION = 1 << 62
 
 
 def _position(name, position):
-    """A key_position or query_position → the int to send; TypeError / ValueError naming it."""
+    """A key_position, query_position, window_left or window_right → the int to send;
+    TypeError / ValueError naming it."""
     if isinstance(position, bool) or not isinstance(position, numbers.Integral):
         raise TypeError("%s must be an int, not %s" % (name, type(position).__name__))
     if not 0 <= position <= MAX_POSITION:

@@ -23,8 +23,8 @@ struct DecodeChunk {
   const Problem* problem = nullptr;
   int64_t batch = 0, kv_head = 0;
   int64_t rows = 0, head_dim = 0, value_dim = 0;
-  const float* queries = nullptr;    // [rows, head_dim], fp32, scale folded in.
-  const int64_t* visible = nullptr;  // [rows]: keys each row sees.
+  const float* queries = nullptr;     // [rows, head_dim], fp32, scale folded in.
+  const KeyRange* visible = nullptr;  // [rows]: the keys each row sees.
   int64_t key_begin = 0, key_end = 0;
   float* partial = nullptr;  // [rows, 2 + value_dim]: max, denominator, accumulator.
 };
@@ -32,7 +32,7 @@ struct DecodeChunk {
 // A worker's buffers, reused across its tasks.
 struct DecodeScratch {
   std::vector<float> queries, arranged, scores, acc;
-  std::vector<int64_t> visible;
+  std::vector<KeyRange> visible;
   std::vector<OnlineSoftmaxRow> states;
   std::vector<const void*> key_rows, value_rows;
 
@@ -40,7 +40,7 @@ struct DecodeScratch {
     return static_cast<int64_t>(
         (queries.capacity() + arranged.capacity() + scores.capacity() + acc.capacity()) *
             sizeof(float) +
-        visible.capacity() * sizeof(int64_t) + states.capacity() * sizeof(OnlineSoftmaxRow) +
+        visible.capacity() * sizeof(KeyRange) + states.capacity() * sizeof(OnlineSoftmaxRow) +
         (key_rows.capacity() + value_rows.capacity()) * sizeof(void*));
   }
 };
@@ -235,14 +235,16 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     // The group's rows: query heads kv_head · group … , query_len rows each, consecutive.
     const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
     scratch.visible.resize(item.rows);
-    int64_t most_visible = 0;
+    KeyRange seen{s.key_len, 0};  // The keys some row sees.
     for (int64_t r = 0; r < item.rows; ++r) {
-      scratch.visible[r] = p.VisibleKeys(r % s.query_len);
-      most_visible = std::max(most_visible, scratch.visible[r]);
+      scratch.visible[r] = p.Visible(r % s.query_len);
+      if (scratch.visible[r].size() == 0) continue;
+      seen.begin = std::min(seen.begin, scratch.visible[r].begin);
+      seen.end = std::max(seen.end, scratch.visible[r].end);
     }
     chunk.visible = scratch.visible.data();
-    chunk.key_begin = chunk_index * kDecodeChunkTokens;
-    chunk.key_end = std::min(chunk.key_begin + kDecodeChunkTokens, most_visible);
+    chunk.key_begin = std::max(chunk_index * kDecodeChunkTokens, seen.begin);
+    chunk.key_end = std::min((chunk_index + 1) * kDecodeChunkTokens, seen.end);
     scratch.queries.resize(item.rows * s.head_dim);
     scratch.arranged.resize(item.rows * s.head_dim);
     ConvertToFloat(

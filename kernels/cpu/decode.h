@@ -9,8 +9,8 @@
 // copied to fp32), a tile of kDecodeTile keys at a time through the online-softmax step of
 // online_softmax.h, and leaves each row's state {max, denominator, accumulator}. A second pass
 // merges each row's chunk states in chunk order with OnlineSoftmaxRow::Merge — exact: the same
-// rule as a tile's — and writes output and lse as Tiled does. Causal rows see keys up to their
-// causal limit (kernels/geometry.h); chunks past every row's limit are never read.
+// rule as a tile's — and writes output and lse as Tiled does. Rows see the keys their mask
+// leaves them (causal, window: kernels/geometry.h); chunks no row sees are never read.
 //
 // Chunking depends only on the problem, and a task's arithmetic not on its worker, so results
 // do not depend on the thread count. Cost: keys and values are read once per kv head, so the

@@ -19,7 +19,7 @@ namespace attn {
 
 namespace {
 
-// Each score row: the causal mask, then the full-row stable softmax (SoftmaxRow,
+// Each score row: the mask (kernels/geometry.h), then the full-row stable softmax (SoftmaxRow,
 // online_softmax.h: the row max, e^(s − max), the sum, the normalization) in lanes of Lanes
 // (void: eight; lanes::Floats16 in the AVX-512 clone).
 template <class Lanes>
@@ -28,8 +28,9 @@ ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin,
   const int64_t n = problem.shape.key_len;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
-    const int64_t visible = problem.VisibleKeys(row_begin + r);
-    std::fill(s + visible, s + n, -INFINITY);
+    const KeyRange visible = problem.Visible(row_begin + r);
+    std::fill(s, s + visible.begin, -INFINITY);
+    std::fill(s + visible.end, s + n, -INFINITY);
     const OnlineSoftmaxRow row =
         SoftmaxRow<SerialReduce, Lanes>(s, weights + r * n, n, visible, 0, 1);
     if (lse != nullptr) lse[r] = row.LogSumExp();

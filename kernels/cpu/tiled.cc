@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "kernels/cpu/cpu_dispatch.h"
@@ -22,8 +23,7 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
   const int64_t dv = problem.shape.value_dim;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
-    const int64_t visible_in_tile = problem.VisibleKeys(row_begin + r) - key_begin;
-    for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) s[j] = -INFINITY;
+    MaskTile(problem.Visible(row_begin + r), key_begin, n, s);
     const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     float* a = acc + r * acc_stride;
@@ -74,17 +74,17 @@ namespace {
 
 struct Worker {
   Fp32Rows query, key, value;
-  std::vector<KeyTile> tiles;  // tiles[t]: tile t of head `packed_head`, for t < packed_tiles.
-  int64_t packed_head = -1;    // batch · kv_heads + kv_head; −1: none.
-  int64_t packed_tiles = 0;
-  std::vector<float> scores;  // [rows, block_k]: scores, then weights in place.
-  std::vector<float> acc;     // [rows, AccStride(value_dim)]: the running weighted sums.
-  std::vector<float> lse;     // [rows]
+  std::vector<KeyTile> tiles;   // tiles[t]: tile t of head `packed_head` where packed[t].
+  std::vector<uint8_t> packed;  // [tiles]
+  int64_t packed_head = -1;     // batch · kv_heads + kv_head; −1: none.
+  std::vector<float> scores;    // [rows, block_k]: scores, then weights in place.
+  std::vector<float> acc;       // [rows, AccStride(value_dim)]: the running weighted sums.
+  std::vector<float> lse;       // [rows]
   std::vector<OnlineSoftmaxRow> states;
 
   // Tile `tile` (n keys) of the block's head: packed now, or kept from an earlier block of the
-  // same head. Blocks visit their tiles in order from 0. A head whose packed tiles would pass
-  // max_packed_head_bytes is packed again for every block, one tile at a time.
+  // same head. A head whose packed tiles would pass max_packed_head_bytes is packed again for
+  // every block, one tile at a time.
   const KeyTile& Tile(const Problem& problem, const RowBlock& block, int64_t tile, int n,
                       int64_t max_packed_head_bytes) {
     const Shape& s = problem.shape;
@@ -94,18 +94,19 @@ struct Worker {
         problem.TilesPerRow() * KeyTile::PackedBytes(static_cast<int>(problem.block_k), d, dv) <=
         max_packed_head_bytes;
     const int64_t head = block.batch * s.kv_heads + block.kv_head;
-    if (!keep || head != packed_head) {
-      packed_head = keep ? head : -1;
-      packed_tiles = 0;
-    }
     const size_t slot = keep ? static_cast<size_t>(tile) : 0;
     if (tiles.size() <= slot) tiles.resize(slot + 1);
-    if (tile >= packed_tiles) {
+    if (packed.size() < tiles.size()) packed.resize(tiles.size(), 0);
+    if (!keep || head != packed_head) {
+      packed_head = keep ? head : -1;
+      std::fill(packed.begin(), packed.end(), 0);
+    }
+    if (!packed[slot]) {
       const int64_t key_begin = tile * problem.block_k;
       const float* k = key.LoadKeys(problem, block.batch, block.kv_head, key_begin, n);
       const float* v = value.LoadValues(problem, block.batch, block.kv_head, key_begin, n);
       tiles[slot].Load(k, v, n, d, dv, problem.scale);
-      packed_tiles = tile + 1;
+      packed[slot] = keep ? 1 : 0;
     }
     return tiles[slot];
   }
@@ -133,9 +134,9 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
   worker.scores.resize(rows * problem.block_k);
   worker.acc.assign(rows * acc_stride, 0.f);
   worker.states.assign(rows, OnlineSoftmaxRow{});
-  // The block's last row sees the most keys; tiles past it are hidden from every row.
-  const int64_t tiles = problem.VisitedTiles(block.row_end - 1);
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  // The tiles some row of the block sees: the others are hidden from every row.
+  const KeyRange tiles = problem.VisitedTiles(block.row_begin, block.row_end - 1);
+  for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
     const int64_t key_begin = tile * problem.block_k;
     const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
     const KeyTile& key_tile = worker.Tile(problem, block, tile, n, max_packed_head_bytes);

@@ -1,11 +1,11 @@
 // Tiled attention on the CPU: the explainer's idea 3 (FlashAttention's forward pass). A block
 // of query rows visits block_k keys at a time, keeping only a running max, denominator and
 // weighted sum per row (online_softmax.h); nothing query_len × key_len is ever stored, and
-// tiles the causal mask hides entirely are never visited. Per tile: the scores come from
-// KeyTile::Scores, the online-softmax step runs vectorized over the tile, and the weighted values
-// accumulate with KeyTile::Accumulate. fp16/bf16 keys and values are converted a tile at a time,
-// as they are packed; a worker packs each tile of a head once for all the head's row blocks it
-// runs.
+// tiles the mask (causal, window: kernels/geometry.h) hides entirely are never visited. Per tile:
+// the scores come from KeyTile::Scores, the online-softmax step runs vectorized over the tile, and
+// the weighted values accumulate with KeyTile::Accumulate. fp16/bf16 keys and values are converted
+// a tile at a time, as they are packed; a worker packs each tile of a head once for all the head's
+// row blocks it runs.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +19,7 @@
 namespace attn {
 
 // The online-softmax step for rows [row_begin, row_begin + rows) of a block over the key tile
-// starting at key_begin with n keys: masks scores [rows, n] (scaled) for the causal mask,
+// starting at key_begin with n keys: masks scores [rows, n] (scaled) with MaskTile,
 // turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
 // acc [rows, value_dim] (row stride acc_stride) with OnlineSoftmaxRow::RescaleAccumulator,
 // recording the factors in rescales when not null. The caller then adds weights · V_tile to acc

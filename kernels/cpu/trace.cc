@@ -25,7 +25,7 @@ class CpuTraceCursor final : public TraceCursor {
     if (row_index_ >= rows_.size()) return false;
     const auto start = std::chrono::steady_clock::now();
     if (!row_started_) StartRow();
-    if (tile_ < problem_.VisitedTiles(rows_[row_index_].row)) {
+    if (tile_ < problem_.VisitedTiles(rows_[row_index_].row).end) {
       *item = Step();
     } else {
       *item = FinishRow();
@@ -57,6 +57,7 @@ class CpuTraceCursor final : public TraceCursor {
     key_rows_ = key_.LoadKeys(problem_, ref.batch, kv_head, 0, s.key_len);
     value_rows_ = value_.LoadValues(problem_, ref.batch, kv_head, 0, s.key_len);
     state_ = OnlineSoftmaxRow{};
+    tile_ = problem_.VisitedTiles(ref.row).begin;  // The first tile the row sees a key of.
     scores_.assign(problem_.block_k, 0.f);
     acc_.assign(AccStride(static_cast<int>(s.value_dim)), 0.f);
     row_started_ = true;
@@ -79,8 +80,7 @@ class CpuTraceCursor final : public TraceCursor {
     key_tile_.Scores(q_row_, 1, scores_.data());
     step.scores.assign(scores_.begin(), scores_.begin() + n);
     // The masked scores, as VisitKeyTileRows sees them.
-    const int64_t visible_in_tile = problem_.VisibleKeys(ref.row) - step.key_begin;
-    for (int64_t j = std::max<int64_t>(visible_in_tile, 0); j < n; ++j) step.scores[j] = -INFINITY;
+    MaskTile(problem_.Visible(ref.row), step.key_begin, n, step.scores.data());
     step.max_before = state_.max;
     VisitKeyTileRows(problem_, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(),
                      static_cast<int>(acc_.size()), &state_, &step.rescale);

@@ -146,7 +146,8 @@ class RecordedTraceCursor final : public TraceCursor {
  public:
   struct Records {
     std::vector<RowRef> rows;
-    std::vector<int64_t> first_step, tiles;
+    std::vector<int64_t> first_step;
+    std::vector<KeyRange> tiles;  // [rows]: the tiles each row's steps visit.
     int block_k = 1;
     int64_t key_len = 0, value_dim = 0;
     std::vector<float> scores, weights, scalars, accumulator, estimate, output, reference, lse;
@@ -158,12 +159,13 @@ class RecordedTraceCursor final : public TraceCursor {
     const Records& r = records_;
     if (row_ >= r.rows.size()) return false;
     const int64_t dv = r.value_dim;
-    if (tile_ < r.tiles[row_]) {
+    if (tile_ < r.tiles[row_].size()) {  // tile_: the row's steps so far.
       const int64_t step = r.first_step[row_] + tile_;
+      const int64_t tile = r.tiles[row_].begin + tile_;
       TraceStep out;
       out.row = r.rows[row_];
-      out.tile = static_cast<int>(tile_);
-      out.key_begin = tile_ * r.block_k;
+      out.tile = static_cast<int>(tile);
+      out.key_begin = tile * r.block_k;
       out.key_end = std::min<int64_t>(out.key_begin + r.block_k, r.key_len);
       const int64_t n = out.key_end - out.key_begin;
       out.scores.assign(r.scores.begin() + step * r.block_k,
@@ -222,7 +224,7 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
     row_refs.insert(row_refs.end(), {row.batch, row.head, row.row});
     records.first_step.push_back(steps);
     records.tiles.push_back(problem.VisitedTiles(row.row));
-    steps += records.tiles.back();
+    steps += records.tiles.back().size();
   }
   records.rows = std::move(rows);
   const int64_t n_rows = static_cast<int64_t>(records.rows.size());

@@ -90,20 +90,25 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
     query_tile[i] = q;
   }
 
-  // The chunk's keys, cut at the last key any of the block's rows sees.
-  int64_t last_query_row = 0;
-  for (int r = 0; r < rows; ++r) last_query_row = max(last_query_row, (row0 + r) % nq);
-  const int64_t begin = unit.chunk * item.chunk_keys;
+  // The chunk's keys, cut to those some row of the block sees: the ends of a row's visible range
+  // never decrease with the row (kernels/geometry.h), so its first and last query rows bound them.
+  int64_t first_query_row = nq, last_query_row = 0;
+  for (int r = 0; r < rows; ++r) {
+    first_query_row = min(first_query_row, (row0 + r) % nq);
+    last_query_row = max(last_query_row, (row0 + r) % nq);
+  }
+  const int64_t chunk_begin = unit.chunk * item.chunk_keys;
+  const int64_t begin = max(chunk_begin, item.geometry.Visible(first_query_row).begin);
   const int64_t end =
-      min(min(begin + item.chunk_keys, key_len), item.geometry.VisibleKeys(last_query_row));
+      min(min(chunk_begin + item.chunk_keys, key_len), item.geometry.Visible(last_query_row).end);
 
   OnlineSoftmax<WarpReduce> state[kRowsPerWarp];
   float acc[kRowsPerWarp][P / 32];
-  int64_t visible[kRowsPerWarp];
+  KeyRange visible[kRowsPerWarp];
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int r = warp + kWarps * k;
-    visible[k] = r < rows ? item.geometry.VisibleKeys((row0 + r) % nq) : 0;
+    visible[k] = r < rows ? item.geometry.Visible((row0 + r) % nq) : KeyRange{};
 #pragma unroll
     for (int m = 0; m < P / 32; ++m) acc[k][m] = 0.f;
   }
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       float dot = 0.f;
 #pragma unroll 8
       for (int c = 0; c < P; ++c) dot += q[c] * key[c];
-      const bool seen = lane < n && tile + lane < visible[k];
+      const bool seen = lane < n && visible[k].Contains(tile + lane);
       const float score = seen ? item.scale * dot : -INFINITY;
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);

@@ -18,14 +18,14 @@ namespace {
 
 constexpr int kSoftmaxThreads = 256;
 
-// One block per score row: the causal mask, then the full-row stable softmax (SoftmaxRow,
-// online_softmax.h) shared by the block's threads. A row that sees no key gets zero weights and
-// lse −inf.
+// One block per score row: the mask (kernels/geometry.h), then the full-row stable softmax
+// (SoftmaxRow, online_softmax.h) shared by the block's threads. A row that sees no key gets zero
+// weights and lse −inf.
 __global__ void __launch_bounds__(kSoftmaxThreads)
     SoftmaxKernel(const float* scores, float* weights, float* lse, const Geometry geometry) {
   const int64_t row = blockIdx.x;
   const int64_t key_len = geometry.key_len;
-  const int64_t visible = geometry.VisibleKeys(row % geometry.query_len);
+  const KeyRange visible = geometry.Visible(row % geometry.query_len);
   const OnlineSoftmax<BlockReduce<kSoftmaxThreads>> softmax =
       SoftmaxRow<BlockReduce<kSoftmaxThreads>>(scores + row * key_len, weights + row * key_len,
                                                key_len, visible, threadIdx.x, kSoftmaxThreads);

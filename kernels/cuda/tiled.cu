@@ -22,7 +22,8 @@
 //                    weights: scores are recomputed rather than stored). Runs when the request's
 //                    block_k is not the fused kernels' or their shared memory passes the
 //                    device's opt-in limit; far slower.
-// Causal: tiles past a block's (or row's) last visible key are never loaded. GQA: query head h
+// Masks (causal, window: kernels/geometry.h): tiles holding no key a block's (or row's) rows see
+// are never loaded. GQA: query head h
 // reads key head h / (H / Hkv) in place (KvHeadOf).
 // Measured: not yet on a GPU (see docs/perf.md); the static checks
 // (tests/static/cuda_static_check.sh) hold the fused kernels to no spills and no stack frame.
@@ -66,15 +67,12 @@ struct Params {
   Geometry geometry;
 };
 
-// Keys that query row `row` sees: j < VisibleKeys(row) (kernels/geometry.h).
-__device__ __forceinline__ int64_t VisibleKeys(const Params& p, int64_t row) {
-  return p.geometry.VisibleKeys(row);
-}
-
-// The block's rows and the key tiles they see. batch_head and batch_kv_head are flattened
-// indices (batch · heads + head, batch · kv_heads + kv_head): the first matrix of each.
+// The block's rows and the key tiles they see, [tiles.begin, tiles.end). batch_head and
+// batch_kv_head are flattened indices (batch · heads + head, batch · kv_heads + kv_head): the
+// first matrix of each.
 struct BlockWork {
-  int64_t batch_head, batch_kv_head, row0, tiles;
+  int64_t batch_head, batch_kv_head, row0;
+  KeyRange tiles;
 };
 
 __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
@@ -85,7 +83,7 @@ __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
   const int64_t batch = work.batch_head / p.heads;
   work.batch_kv_head = batch * p.kv_heads + KvHeadOf(head, p.heads, p.kv_heads);
   const int64_t last_row = min(work.row0 + rows, p.query_len) - 1;
-  work.tiles = (VisibleKeys(p, last_row) + kKeys - 1) / kKeys;
+  work.tiles = p.geometry.VisitedTiles(work.row0, last_row, kKeys);
   return work;
 }
 
@@ -132,14 +130,14 @@ __device__ __forceinline__ void LoadTile(T* shared, const T* global, int64_t fir
 // The double-buffered key/value pipeline of both fused kernels: tile t + 1's copies are in
 // flight while tile t is computed. load(buffer, tile) issues the copies of key tile `tile` into
 // buffer 0 or 1; compute(buffer, tile) then uses that buffer. The caller has issued its query
-// tile's copies, which are committed (and waited for) with tile 0's.
+// tile's copies, which are committed (and waited for) with the first tile's.
 template <class Load, class Compute>
-__device__ __forceinline__ void Pipeline(int64_t tiles, Load&& load, Compute&& compute) {
-  if (tiles > 0) load(0, 0);
+__device__ __forceinline__ void Pipeline(KeyRange tiles, Load&& load, Compute&& compute) {
+  if (tiles.size() > 0) load(0, tiles.begin);
   CommitCopies();
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int buffer = tile % 2;
-    if (tile + 1 < tiles) {
+  for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
+    const int buffer = (tile - tiles.begin) % 2;
+    if (tile + 1 < tiles.end) {
       load(1 - buffer, tile + 1);
       CommitCopies();
       WaitCopies<1>();
@@ -232,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
 
   // This thread's two query rows and the keys each sees.
   const int local_row[2] = {warp * 16 + group, warp * 16 + group + 8};
-  int64_t visible[2];
-  for (int r = 0; r < 2; ++r) visible[r] = VisibleKeys(p, work.row0 + local_row[r]);
+  KeyRange visible[2];
+  for (int r = 0; r < 2; ++r) visible[r] = p.geometry.Visible(work.row0 + local_row[r]);
 
   LoadTile<T, kDim, kPitch, kMmaRows, 16>(q_tile, query, work.row0, p.query_len);
   Softmax state[2];
@@ -276,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
         const int64_t key_index = key0 + nb * 8 + quad * 2 + e % 2;
-        const float score = key_index < visible[r] ? scores[nb][e] * p.scale : -INFINITY;
+        const float score = visible[r].Contains(key_index) ? scores[nb][e] * p.scale : -INFINITY;
         scores[nb][e] = score;
         thread_max[r] = fmaxf(thread_max[r], score);
       }
@@ -354,9 +352,9 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
   const float* key = static_cast<const float*>(p.key) + work.batch_kv_head * p.key_len * kDim;
   const float* value = static_cast<const float*>(p.value) + work.batch_kv_head * p.key_len * kDim;
 
-  int64_t visible[kFp32RowsPerWarp];
+  KeyRange visible[kFp32RowsPerWarp];
   for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-    visible[r] = VisibleKeys(p, work.row0 + warp * kFp32RowsPerWarp + r);
+    visible[r] = p.geometry.Visible(work.row0 + warp * kFp32RowsPerWarp + r);
   }
 
   LoadTile<float, kDim, kDim, kFp32Rows, 16>(q_tile, query, work.row0, p.query_len);
@@ -386,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
     float weight[kFp32RowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-      const float s = key_index < visible[r] ? score[r] * p.scale : -INFINITY;
+      const float s = visible[r].Contains(key_index) ? score[r] * p.scale : -INFINITY;
       const float rescale = state[r].Rescale(s);
       Softmax::RescaleAccumulator(rescale, kColumns, [&](int c) -> float& { return out[r][c]; });
       weight[r] = state[r].AddScore(s);
@@ -448,15 +446,18 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1) RowKernel(const RowParams p
   const int64_t batch = batch_head / s.heads, head = batch_head % s.heads;
   const int64_t query_offset = QueryRowOffset(p, batch, head, row);
   const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
-  const int64_t visible = p.geometry.VisibleKeys(row);
+  const KeyRange visible = p.geometry.Visible(row);
+  const KeyRange tiles = p.geometry.VisitedTiles(row, row, params.block_k);
   auto score = [&](int64_t key) {
     return p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
   };
 
   Softmax state;
   float acc[kRowColumnsPerLane] = {};
-  for (int64_t begin = 0; begin < visible; begin += params.block_k) {
-    const int64_t end = min(begin + params.block_k, visible);  // Keys past `visible`: weight 0.
+  for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
+    // The tile's visible keys; the others have weight 0.
+    const int64_t begin = max(tile * params.block_k, visible.begin);
+    const int64_t end = min(tile * params.block_k + params.block_k, visible.end);
     float thread_max = -INFINITY;
     for (int64_t key = begin + lane; key < end; key += 32)
       thread_max = fmaxf(thread_max, score(key));

@@ -38,21 +38,21 @@ __global__ void TraceKernel(const TraceParams params) {
   const int64_t row = rec.row_refs[3 * r + 2];
   const int64_t query_offset = QueryRowOffset(p, batch, head, row);
   const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
-  const int64_t visible = p.geometry.VisibleKeys(row);
-  const int64_t tiles = (visible + rec.block_k - 1) / rec.block_k;
+  const KeyRange visible = p.geometry.Visible(row);
+  const KeyRange tiles = p.geometry.VisitedTiles(row, row, rec.block_k);
 
   OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.
   float acc[kMaxColumnsPerLane] = {};
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t step = rec.first_step[r] + tile;
+  for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
+    const int64_t step = rec.first_step[r] + (tile - tiles.begin);
     const int64_t key_begin = tile * rec.block_k;
     const int n = static_cast<int>(min(key_begin + rec.block_k, s.key_len) - key_begin);
     float* scores = rec.scores + step * rec.block_k;
     float* weights = rec.weights + step * rec.block_k;
     for (int j = lane; j < n; j += 32) {
       const int64_t key = key_begin + j;
-      scores[j] =
-          key < visible ? p.scale * Dot(p, query_offset, kv_offset + key * p.pitch) : -INFINITY;
+      scores[j] = visible.Contains(key) ? p.scale * Dot(p, query_offset, kv_offset + key * p.pitch)
+                                        : -INFINITY;
     }
     __syncwarp();
     float* scalars = rec.scalars + step * kTraceScalars;
@@ -91,7 +91,8 @@ __global__ void TraceKernel(const TraceParams params) {
   // The reference: the whole score row, then its softmax, then the weighted sum.
   float* full = rec.reference_scores + r * s.key_len;
   for (int64_t j = lane; j < s.key_len; j += 32) {
-    full[j] = j < visible ? p.scale * Dot(p, query_offset, kv_offset + j * p.pitch) : -INFINITY;
+    full[j] =
+        visible.Contains(j) ? p.scale * Dot(p, query_offset, kv_offset + j * p.pitch) : -INFINITY;
   }
   SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);
   __syncwarp();  // Every lane's weights are visible to every lane.
@@ -100,7 +101,9 @@ __global__ void TraceKernel(const TraceParams params) {
     const int64_t column = lane + 32 * m;
     if (column >= s.value_dim) break;
     float out = 0.f;
-    for (int64_t j = 0; j < visible; ++j) out += full[j] * ValueAt(p, kv_offset, j, column);
+    for (int64_t j = visible.begin; j < visible.end; ++j) {
+      out += full[j] * ValueAt(p, kv_offset, j, column);
+    }
     rec.reference[r * s.value_dim + column] = out;
   }
 }

@@ -67,6 +67,9 @@
 //                      memory: the memory ceilings without decode rows. The sgemm rows are
 //                      always registered.
 //   --heads=H          fixed heads for every N (default 0: the policy above)
+//   --window_left=L    a sliding window on every attention row (AttentionOptions.window_left;
+//                      default -1: none); the row's name ends /window:L and its GFLOP/s counts
+//                      the pairs the window leaves (Problem::Flops)
 //   --naive_max_n=N    largest N Naive runs at (default 8192; --quick 1024)
 //   --naive_budget_gib=G   the backend's max_naive_bytes (default 4)
 //   --sgemm_n=LIST     the ceiling's sizes (default 2048; --quick 1024)
@@ -136,6 +139,7 @@ struct Options {
   std::vector<int64_t> causal = {0, 1};
   std::vector<std::string> methods = {"tiled", "naive"};
   int64_t heads = 0;
+  int64_t window_left = -1;
   int64_t naive_max_n = 8192;
   double naive_budget_gib = 4;
   std::vector<int64_t> sgemm_n = {2048};
@@ -156,10 +160,12 @@ struct Cell {
   int64_t n = 0;
   int64_t heads = 0;
   int64_t d = 0;
+  int64_t window_left = -1;  // −1: none.
 
   std::string Name() const {
     return absl::StrCat(method, "/", DTypeLabel(dtype), "/causal:", causal ? 1 : 0, "/N:", n,
-                        "/H:", heads, "/d:", d);
+                        "/H:", heads, "/d:", d,
+                        window_left >= 0 ? absl::StrCat("/window:", window_left) : "");
   }
   static const char* DTypeLabel(DType dtype) {
     return dtype == DType::kFloat32 ? "fp32" : attn::DTypeName(dtype);
@@ -183,7 +189,7 @@ bool DeadlinePassed() {
                "attention_bench: %s\n"
                "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
                "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-               "       --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+               "       --heads=H --window_left=L --naive_max_n=N --naive_budget_gib=G\n"
                "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
                "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
                "       --memcopy_mib=M\n"
@@ -326,6 +332,13 @@ Options ParseOptions(int* argc, char** argv) {
     } else if (flag == "--heads") {
       need_value();
       options.heads = ParseInt(flag, value);
+    } else if (flag == "--window_left") {
+      need_value();
+      int64_t window = 0;
+      if (!absl::SimpleAtoi(value, &window) || window < -1) {
+        Usage("--window_left expects an integer >= 0, or -1 for none");
+      }
+      options.window_left = window;
     } else if (flag == "--naive_max_n") {
       need_value();
       options.naive_max_n = ParseInt(flag, value);
@@ -348,7 +361,7 @@ Options ParseOptions(int* argc, char** argv) {
       std::printf(
           "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
           "  --causal=0,1 --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-          "  --heads=H --naive_max_n=N --naive_budget_gib=G\n"
+          "  --heads=H --window_left=L --naive_max_n=N --naive_budget_gib=G\n"
           "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
           "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
           "  --memcopy_mib=M\n"
@@ -389,6 +402,7 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
   attn::testing::HostProblem host = attn::testing::RandomProblem(
       shape, cell.dtype, cell.causal, block_k, /*seed=*/0x5eed0000u + cell.n + cell.d);
   host.return_lse = false;
+  if (cell.window_left >= 0) host.window_left = cell.window_left;
   const attn::Problem problem = host.View();
 
   // The output buffer, poisoned with NaN so that an unwritten element shows after the run.
@@ -424,7 +438,8 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
   }
 
   using benchmark::Counter;
-  state.counters["GFLOP/s"] = Counter(cell.Flops() / 1e9, Counter::kIsIterationInvariantRate);
+  const double flops = cell.window_left >= 0 ? problem.Flops() : cell.Flops();
+  state.counters["GFLOP/s"] = Counter(flops / 1e9, Counter::kIsIterationInvariantRate);
   state.counters["peak_bytes"] =
       Counter(static_cast<double>(stats->peak_memory_bytes), Counter::kDefaults, Counter::kIs1024);
   state.counters["scratch_bytes"] =
@@ -871,7 +886,8 @@ int main(int argc, char** argv) {
                 (dtype != DType::kFloat32 || causal != 0 || n > options.naive_max_n)) {
               continue;
             }
-            const Cell cell{method, dtype, causal != 0, n, HeadsFor(options, n), d};
+            const Cell cell{
+                method, dtype, causal != 0, n, HeadsFor(options, n), d, options.window_left};
             // Past --naive_max_n, Naive only where the backend refuses it before allocating.
             if (method == "naive" && n > options.naive_max_n &&
                 cell.NaiveStorageBytes() <= static_cast<double>(budget)) {

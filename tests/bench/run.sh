@@ -22,7 +22,10 @@
 #     sum and a 1 GiB memcpy, 2 threads; --quick: 256 MiB), repeated in random order (not
 #     --quick). The decode step only reads its cache, so its ceiling is the sum (a read); the
 #     copy (read + write counted) is shown beside it.
-#  6. numpy-<CORE>.json  NumPy's matmul-softmax-matmul at the target shape (--quick: N=1024)
+#  6. window.json      Tiled with a sliding window (causal, window_left 256, H 2, d 64, fp32) at
+#     N = 4096 and 16384 (--quick: 1024 and 4096), 3 repetitions: the cost should grow about
+#     linearly in N (the issue-16 target: under 6x the time for 4x N), not as N^2 (16x).
+#  7. numpy-<CORE>.json  NumPy's matmul-softmax-matmul at the target shape (--quick: N=1024)
 #     under each core type; numpy.json: the whole NumPy column under the best of them.
 # Steps 2-5 run with OPENBLAS_CORETYPE=<best core>, so that their sgemm rows are the ceiling: no
 # attention row makes a BLAS call (the CPU kernels are the project's own, Naive's products too),
@@ -36,6 +39,7 @@
 # --no-numpy     skip the NumPy column
 # --no-targets   skip steps 3-4 (then the targets come from the sweep)
 # --no-decode    skip step 5
+# --no-window    skip step 6
 # --repetitions R  repetitions of each interleaved target row (default 7; decode rows: 3)
 # --out DIR      keep the JSON files and table.txt there (default: a temporary folder)
 # after --        flags for the sweep's attention_bench (see the top of attention_bench.cc), e.g.
@@ -55,6 +59,7 @@ quick=0
 numpy=1
 targets=1
 decode=1
+window=1
 repetitions=7
 out=""
 bench_args=()
@@ -66,12 +71,13 @@ while [ $# -gt 0 ]; do
     --no-numpy) numpy=0 ;;
     --no-targets) targets=0 ;;
     --no-decode) decode=0 ;;
+    --no-window) window=0 ;;
     --repetitions) repetitions="$2"; shift ;;
     --repetitions=*) repetitions="${1#*=}" ;;
     --out) out="$2"; shift ;;
     --out=*) out="${1#*=}" ;;
     --) shift; bench_args=("$@"); break ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1 (bench flags go after --)" >&2; exit 2 ;;
   esac
   shift
@@ -195,7 +201,21 @@ if [ "$decode" = 1 ]; then
     --benchmark_out_format=json >&2 || echo "run.sh: the decode rows failed" >&2
 fi
 
-# 6. NumPy under every core type at the target shape, then its column under the best.
+# 6. The sliding window: Tiled at two lengths, 4x apart.
+if [ "$window" = 1 ]; then
+  if [ "$quick" = 1 ]; then
+    window_flags=(--n=1024,4096 --quick)
+  else
+    window_flags=(--n=4096,16384 --min_time=0.5 --benchmark_repetitions=3)
+  fi
+  echo "run.sh: windowed Tiled rows" >&2
+  with_core "$best_core" "$bench" --threads="$threads" --methods=tiled --dtype=fp32 --causal=1 \
+    --heads=2 --d=64 --window_left=256 --no_refusal --sgemm_n=1024 "${window_flags[@]}" \
+    --benchmark_filter='^tiled/' --benchmark_out="$out/window.json" \
+    --benchmark_out_format=json >&2 || echo "run.sh: the window rows failed" >&2
+fi
+
+# 7. NumPy under every core type at the target shape, then its column under the best.
 if [ "$numpy" = 1 ]; then
   numpy_max_n=8192 probe_shape=4096,8,64,0
   [ "$quick" = 1 ] && numpy_max_n=1024 probe_shape=1024,8,64,0
@@ -240,6 +260,7 @@ bench = load("bench.json")
 interleaved = load("targets.json")
 naive_run = load("naive.json")
 decode_run = load("decode.json")
+window_run = load("window.json")
 numpy = load("numpy.json")
 ctx = bench.get("context", {})
 
@@ -643,6 +664,23 @@ if decode_ratios:
            worst >= 0.5)
 else:
     target("decode cache read >= 50% of the memory ceiling", "-", None)
+
+# Issue 16: a windowed problem's cost grows with N · window, not N².
+window_times = {}  # N -> median ms
+for row in (window_run or {}).get("benchmarks", []):
+    if row.get("run_type") == "aggregate" or row.get("error_occurred"):
+        continue
+    n = int(fields(row["name"])[1]["N"])
+    window_times.setdefault(n, []).append(row["real_time"] * {"ns": 1e-6, "us": 1e-3, "ms": 1.0,
+                                                              "s": 1e3}[row["time_unit"]])
+if len(window_times) == 2:
+    (n0, t0), (n1, t1) = sorted((n, statistics.median(v)) for n, v in window_times.items())
+    growth = t1 / t0
+    target(f"windowed Tiled N {n0} -> {n1}: < 6x the time (N^2: {(n1 / n0) ** 2:.0f}x)",
+           f"{growth:.2f}x ({t0:.1f} -> {t1:.1f} ms; causal, window_left 256, H 2, d 64)",
+           growth < 6.0 if (n0, n1) == (4096, 16384) else None)
+else:
+    target("windowed Tiled N 4096 -> 16384: < 6x the time", "-", None)
 
 # Earlier issues' targets, kept as regression checks.
 pairs = []

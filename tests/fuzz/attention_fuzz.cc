@@ -67,11 +67,11 @@ std::string Describe(const Problem& p) {
   const Shape& s = p.shape;
   return absl::StrFormat(
       "problem [B=%d H=%d Hkv=%d Nq=%d Nk=%d d=%d dv=%d], q/k/v %s/%s/%s → %s, scale %g, "
-      "block_k %d%s%s",
+      "block_k %d%s%s, window (%d, %d)",
       s.batch, s.heads, s.kv_heads, s.query_len, s.key_len, s.head_dim, s.value_dim,
       DTypeName(p.query.dtype), DTypeName(p.key.dtype), DTypeName(p.value.dtype),
       DTypeName(p.output_dtype), p.scale, p.block_k, p.causal ? ", causal" : "",
-      p.return_lse ? ", lse" : "");
+      p.return_lse ? ", lse" : "", p.window_left, p.window_right);
 }
 
 Backend& Cpu() {
@@ -96,11 +96,13 @@ void ExpectRefusal(absl::string_view where, const absl::Status& status) {
 // kernels/problem.h's invariants, which the kernels assume without checking.
 void ExpectInvariants(const Problem& p) {
   const Shape& s = p.shape;
-  const bool ok = s.batch >= 1 && s.heads >= 1 && s.kv_heads >= 1 && s.query_len >= 1 &&
-                  s.key_len >= 1 && s.head_dim >= 1 && s.value_dim >= 1 &&
-                  s.heads % s.kv_heads == 0 && p.block_k >= 1 && p.block_k <= s.key_len &&
-                  std::isfinite(p.scale) && p.query.data != nullptr && p.key.data != nullptr &&
-                  p.value.data != nullptr;
+  const bool ok =
+      s.batch >= 1 && s.heads >= 1 && s.kv_heads >= 1 && s.query_len >= 1 && s.key_len >= 1 &&
+      s.head_dim >= 1 && s.value_dim >= 1 && s.heads % s.kv_heads == 0 && p.block_k >= 1 &&
+      p.block_k <= s.key_len && std::isfinite(p.scale) && p.query.data != nullptr &&
+      p.key.data != nullptr && p.value.data != nullptr &&
+      (p.window_left == kUnbounded || (p.window_left >= 0 && p.window_left <= kMaxPosition)) &&
+      (p.window_right == kUnbounded || (p.window_right >= 0 && p.window_right <= kMaxPosition));
   if (!ok) Fail(absl::StrCat("validation accepted an invalid ", Describe(p)));
 }
 
@@ -128,7 +130,7 @@ double Work(const Problem& p, double rows) {
 //                                                                         at most ε)
 // each doubled for slack. A kernel that mishandles a tile, a mask or a head is off by O(V).
 struct RowReference {
-  int64_t visible = 0;          // Keys the row sees.
+  KeyRange visible;             // Keys the row sees.
   std::vector<double> output;   // value_dim values.
   double lse = -INFINITY;       // −inf when the row sees no key.
   bool tame = false;            // Whether the bounds apply (nothing can overflow in fp32).
@@ -140,9 +142,9 @@ struct RowReference {
 RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   const Shape& s = p.shape;
   RowReference ref;
-  ref.visible = p.VisibleKeys(row.row);
+  ref.visible = p.Visible(row.row);
   ref.output.assign(s.value_dim, 0.0);
-  if (ref.visible == 0) {
+  if (ref.visible.size() == 0) {
     ref.tame = true;
     return ref;
   }
@@ -152,9 +154,9 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   for (int64_t c = 0; c < s.head_dim; ++c) {
     max_abs_query = std::max(max_abs_query, std::abs(double{p.query[q0 + c]}));
   }
-  std::vector<double> scores(ref.visible);
+  std::vector<double> scores(s.key_len);
   double max_score = -INFINITY;
-  for (int64_t j = 0; j < ref.visible; ++j) {
+  for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) {
     const int64_t k0 = p.KeyOffset(row.batch, kv_head, j);
     double dot = 0, abs_dot = 0;
     for (int64_t c = 0; c < s.head_dim; ++c) {
@@ -168,7 +170,7 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
     max_score = std::max(max_score, scores[j]);
   }
   double denominator = 0;
-  for (int64_t j = 0; j < ref.visible; ++j) {
+  for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) {
     const double weight = std::exp(scores[j] - max_score);
     denominator += weight;
     const int64_t v0 = p.ValueOffset(row.batch, kv_head, j);
@@ -182,7 +184,7 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   ref.lse = max_score + std::log(denominator);
 
   const double scale = std::abs(double{p.scale});
-  const double visible = static_cast<double>(ref.visible);
+  const double visible = static_cast<double>(ref.visible.size());
   ref.tame = std::max({max_abs_query, max_abs_key, scale * max_abs_query, products,
                        scale * products, ref.max_abs_value * visible}) <= kMaxTame;
   const double u = kUnitRoundoff;
@@ -211,10 +213,10 @@ void ExpectRowMatches(absl::string_view where, const Problem& p, const RowRef& r
                       const RowReference& ref, DType dtype, Output output, const float* lse) {
   auto fail = [&](const std::string& what) {
     Fail(absl::StrFormat("%s: row (batch %d, head %d, row %d) of %s, %d of %d keys visible: %s",
-                         where, row.batch, row.head, row.row, Describe(p), ref.visible,
+                         where, row.batch, row.head, row.row, Describe(p), ref.visible.size(),
                          p.shape.key_len, what));
   };
-  if (ref.visible == 0) {  // Zeros and −inf, whatever the inputs.
+  if (ref.visible.size() == 0) {  // Zeros and −inf, whatever the inputs.
     for (int64_t c = 0; c < p.shape.value_dim; ++c) {
       if (output(c) != 0.f) fail(absl::StrCat("out[", c, "] = ", output(c), "; expected 0"));
     }
@@ -370,14 +372,15 @@ void ExpectStepMatches(const Problem& p, const RowRef& row, const RowReference& 
                         step.estimate.size(), n, n, dv, dv));
   }
   for (size_t j = 0; j < n; ++j) {
-    if (key_begin + static_cast<int64_t>(j) >= ref.visible &&
+    if (!ref.visible.Contains(key_begin + static_cast<int64_t>(j)) &&
         !(std::isinf(step.scores[j]) && step.scores[j] < 0 && step.weights[j] == 0.f)) {
       fail(absl::StrCat("masked key ", key_begin + j, " has score ", step.scores[j], " and weight ",
                         step.weights[j], "; expected -inf and 0"));
     }
   }
   if (!ref.tame) return;
-  if (tile == 0 && !(std::isinf(step.max_before) && step.max_before < 0 && step.rescale == 0.f)) {
+  if (tile == p.VisitedTiles(row.row).begin &&
+      !(std::isinf(step.max_before) && step.max_before < 0 && step.rescale == 0.f)) {
     fail(absl::StrCat("first tile: max_before ", step.max_before, ", rescale ", step.rescale,
                       "; expected -inf and 0"));
   }
@@ -424,7 +427,8 @@ void FuzzTrace(const v1::TraceRequest& request) {
   v1::TraceEvent event;
   for (const RowRef& row : traced) {
     const RowReference ref = ReferenceRow(p, row);
-    const int64_t tiles = p.VisitedTiles(row.row);
+    const KeyRange visited = p.VisitedTiles(row.row);
+    const int64_t tiles = visited.size();
     TraceItem item;
     std::vector<float> estimate;
     for (int64_t tile = 0; tile <= tiles; ++tile) {
@@ -442,7 +446,7 @@ void FuzzTrace(const v1::TraceRequest& request) {
       }
       if (is_step) {
         const TraceStep& step = std::get<TraceStep>(item);
-        ExpectStepMatches(p, row, ref, tile, step);
+        ExpectStepMatches(p, row, ref, visited.begin + tile, step);
         estimate = step.estimate;
       }
     }

@@ -91,6 +91,10 @@ seeds = {
     "attention-causal-key-slice": ATTENTION + random_request(
         8, [2, 2], 1, 9, 6, 4, 5, causal=True, block_k=4, return_lse=True, key_position=12,
         query_position=9).SerializeToString(),
+    # A causal left window: tiles hidden on both sides of each block's rows.
+    "attention-causal-window": ATTENTION + random_request(
+        10, [2, 2], 1, 13, 19, 5, 4, causal=True, block_k=3, return_lse=True,
+        window_left=4).SerializeToString(),
     "attention-mixed-dtypes": ATTENTION + random_request(
         5, [], 1, 5, 9, 6, 2, (F16, BF16, F32), block_k=3, output_dtype=F16).SerializeToString(),
     # Finite inputs whose scores overflow fp32 (4·1e20·1e20 > 3.4e38): inf − inf in the softmax.
@@ -109,6 +113,10 @@ seeds = {
         attention=random_request(9, [3], 3, 5, 13, 4, 4, causal=True, block_k=3, key_position=2,
                                  query_position=7),
         rows=rows((0, 0, 0), (0, 2, 4))).SerializeToString(),
+    "trace-two-sided-window": TRACE + pb.TraceRequest(
+        attention=random_request(11, [2], 2, 9, 15, 4, 3, block_k=2, window_left=3,
+                                 window_right=2),
+        rows=rows((0, 0, 0), (0, 1, 8))).SerializeToString(),
     "trace-bf16-unseeing-row": TRACE + pb.TraceRequest(
         attention=random_request(7, [2], 1, 6, 4, 4, 4, (BF16, BF16, BF16), causal=True,
                                  block_k=3),

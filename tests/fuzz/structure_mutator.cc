@@ -166,7 +166,7 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
       options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
       return true;
     case 10:
-      switch (Pick(rng, 6)) {
+      switch (Pick(rng, 8)) {
         case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
           const int64_t choice = Pick(rng, 4);
           options->set_key_position(choice == 0   ? 0
@@ -181,6 +181,22 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
             options->set_query_position(static_cast<int64_t>(Pick(rng, 50)) - 2);
           }
           break;
+        case 6:    // window_left: unset, 0, small, or negative (refused)
+        case 7: {  // window_right: the same
+          const int64_t choice = Pick(rng, 4);
+          const int64_t value = choice == 1   ? 0
+                                : choice == 2 ? static_cast<int64_t>(Pick(rng, 20))
+                                              : static_cast<int64_t>(Pick(rng, 3)) - 3;
+          const bool left = Pick(rng, 2) == 0;
+          if (choice == 0) {
+            left ? options->clear_window_left() : options->clear_window_right();
+          } else if (left) {
+            options->set_window_left(value);
+          } else {
+            options->set_window_right(value);
+          }
+          break;
+        }
         case 0:
           options->set_causal(!options->causal());
           break;

@@ -425,9 +425,9 @@ double CheckRows(const attn::Problem& p, const void* output, attn::DType dtype, 
   std::vector<double> scores(s.key_len);
   for (const auto& sample : samples) {
     const int64_t b = sample[0] / s.heads, h = sample[0] % s.heads, row = sample[1];
-    const int64_t visible = p.VisibleKeys(row);
+    const attn::KeyRange visible = p.Visible(row);
     double max_score = -INFINITY;
-    for (int64_t k = 0; k < visible; ++k) {
+    for (int64_t k = visible.begin; k < visible.end; ++k) {
       double dot = 0;
       for (int64_t c = 0; c < s.head_dim; ++c) {
         dot += static_cast<double>(p.query[p.QueryOffset(b, h, row) + c]) *
@@ -437,14 +437,15 @@ double CheckRows(const attn::Problem& p, const void* output, attn::DType dtype, 
       max_score = std::max(max_score, scores[k]);
     }
     double denominator = 0;
-    for (int64_t k = 0; k < visible; ++k) denominator += std::exp(scores[k] - max_score);
+    for (int64_t k = visible.begin; k < visible.end; ++k)
+      denominator += std::exp(scores[k] - max_score);
     for (int64_t c = 0; c < s.value_dim; ++c) {
       double sum = 0;
-      for (int64_t k = 0; k < visible; ++k) {
+      for (int64_t k = visible.begin; k < visible.end; ++k) {
         sum += std::exp(scores[k] - max_score) *
                static_cast<double>(p.value[p.ValueOffset(b, p.KvHead(h), k) + c]);
       }
-      const double expected = visible > 0 ? sum / denominator : 0;
+      const double expected = visible.size() > 0 ? sum / denominator : 0;
       const double actual = attn::LoadElement(output, dtype, p.OutputOffset(b, h, row) + c);
       worst = std::max(worst, std::isnan(actual) ? INFINITY : std::abs(actual - expected));
       largest = std::max(largest, std::abs(expected));

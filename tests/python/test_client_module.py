@@ -6,11 +6,15 @@ through the module only: GetServerInfo and health; the seed example's out[0] fro
 Tiled against a float64 NumPy reference; a random odd-sized GQA problem (rank 4 causal and rank
 3 with key_len ≠ query_len) in fp32, fp16 and bf16 against the reference with the project's
 tolerances (attnd_harness.output_error); the seed trace with block_k 2 (every step's running
-state, the final estimate equal to Tiled's row), a multi-row trace and example.py; errors (a
-bad shape → AttnError INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors
-raise ValueError/TypeError without any RPC); a second attnd with --auth-token-file (no token or a
-wrong one → UNAUTHENTICATED, the token → OK, health without one); and, when openssl is
-present, a third attnd with TLS reached through tls_ca. Run by CTest as
+state, the final estimate equal to Tiled's row), a multi-row trace and example.py; sliding
+windows (window_left / window_right through Naive, Tiled and Decode against a float64 reference
+that applies the window key by key, Trace's start repeating the window and each row's steps
+beginning at the first tile it sees); errors (a bad shape → AttnError INVALID_ARGUMENT naming
+key.shape, on every RPC; local argument errors, bad windows among them, raise
+ValueError/TypeError naming the argument without any RPC); a second attnd with
+--auth-token-file (no token or a wrong one → UNAUTHENTICATED, the token → OK, health without
+one); and, when openssl is present, a third attnd with TLS reached through tls_ca. Run by CTest
+as
 
   /usr/bin/python3 tests/python/test_client_module.py --attnd <attnd> --stubs <stubs dir>
 
@@ -70,6 +74,41 @@ def stored(array, dtype):
         return half, half.astype(np.float64)
     bits = attn_client.float32_to_bf16(array)
     return bits, attn_client.bf16_to_float32(bits).astype(np.float64)
+
+
+def window_reference(q, k, v, causal, window_left=None, window_right=None, key_position=0,
+                     query_position=None):
+    """float64 attention over [B, H, Nq, d] / [B, Hkv, Nk, d] / [B, Hkv, Nk, dv], each row
+    over the keys it sees, decided key by key: key j at t = key_position + j is seen by the
+    query at p = query_position + i (None: key_position + Nk − Nq) iff p − window_left ≤ t ≤
+    p + window_right (a None side unbounded) and, when causal, t ≤ p. → (out, lse); a row that
+    sees no key gives zeros and lse −inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    batch, heads, query_len, head_dim = q.shape
+    kv_heads, key_len = k.shape[1], k.shape[2]
+    if query_position is None:
+        query_position = key_position + key_len - query_len
+    scale = 1.0 / math.sqrt(head_dim)
+    out = np.zeros((batch, heads, query_len, v.shape[3]))
+    lse = np.full((batch, heads, query_len), -math.inf)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            for i in range(query_len):
+                p = query_position + i
+                seen = [j for j in range(key_len)
+                        if not (causal and key_position + j > p)
+                        and not (window_left is not None and key_position + j < p - window_left)
+                        and not (window_right is not None
+                                 and key_position + j > p + window_right)]
+                if not seen:
+                    continue
+                scores = np.array([scale * (q[b, h, i] @ k[b, kv, j]) for j in seen])
+                row_max = scores.max()
+                weights = np.exp(scores - row_max)
+                out[b, h, i] = weights @ v[b, kv, seen] / weights.sum()
+                lse[b, h, i] = row_max + math.log(weights.sum())
+    return out, lse
 
 
 class ServerCase(unittest.TestCase):
@@ -308,6 +347,119 @@ class ClientModuleTest(ServerCase):
         self.assertEqual(text.count("    estimate "), 4, text)  # 8 keys in tiles of 2
         self.assertIn("estimate " + row0, text)
 
+    # Sliding windows.
+
+    def test_window_matches_reference(self):
+        rng = np.random.default_rng()
+        q = rng.uniform(-1, 1, size=(1, 4, 37, 8)).astype(np.float32)
+        k = rng.uniform(-1, 1, size=(1, 2, 37, 8)).astype(np.float32)
+        v = rng.uniform(-1, 1, size=(1, 2, 37, 5)).astype(np.float32)
+        cases = [
+            # A causal left window: row r sees keys r − 6 … r.
+            (dict(causal=True, window_left=6), {}),
+            # Both sides, not causal, at positions: the query at 100 + i sees 97 + i … 102 + i,
+            # the keys being at 90 … 126 (so the last rows see fewer).
+            (dict(causal=False, window_left=3, window_right=2),
+             dict(key_position=90, query_position=100)),
+            # window_left 0 with causal: each row sees only the key at its own position.
+            (dict(causal=True, window_left=0), {}),
+        ]
+        for window, positions in cases:
+            ref, ref_lse = window_reference(q, k, v, **window, **positions)
+            unwindowed, _ = window_reference(q, k, v, window["causal"], **positions)
+            self.assertGreater(float(np.max(np.abs(ref - unwindowed))), 1e-3)  # it matters
+            for name in ("naive", "tiled"):
+                with self.subTest(rpc=name, **window, **positions):
+                    result = getattr(self.client, name)(q, k, v, block_k=5, return_lse=True,
+                                                        **window, **positions)
+                    self.assertEqual(harness.output_error(result.output.astype(np.float64),
+                                                          ref, 1), "")
+                    self.assertEqual(harness.lse_error(result.lse.astype(np.float64), ref_lse),
+                                     "")
+        # 2^62 is a window that hides nothing here: the plain causal answer.
+        plain = self.client.tiled(q, k, v, causal=True, block_k=5)
+        wide = self.client.tiled(q, k, v, causal=True, block_k=5, window_left=2 ** 62,
+                                 window_right=2 ** 62)
+        np.testing.assert_array_equal(wide.output, plain.output)
+
+    def test_window_trace(self):
+        rng = np.random.default_rng()
+        q = rng.uniform(-1, 1, size=(1, 4, 37, 8)).astype(np.float32)
+        k = rng.uniform(-1, 1, size=(1, 2, 37, 8)).astype(np.float32)
+        v = rng.uniform(-1, 1, size=(1, 2, 37, 8)).astype(np.float32)
+        rows = [(0, 1, 36), (0, 3, 4), (0, 0, 20), (0, 2, 6)]
+        block_k = 5
+        tiled = self.client.tiled(q, k, v, causal=True, block_k=block_k, window_left=6)
+        events = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True,
+                                        window_left=6))
+        start = events[0]
+        self.assertEqual(start["kind"], "start")
+        self.assertEqual(start["window_left"], 6)
+        self.assertIsNone(start["window_right"])
+        self.assertTrue(start["message"].HasField("window_left"))
+        self.assertFalse(start["message"].HasField("window_right"))
+        for b, h, r in rows:
+            with self.subTest(row=(b, h, r)):
+                steps = [e for e in events if e["kind"] == "step" and e["row"] == (b, h, r)]
+                # Row r sees keys max(0, r − 6) … r: the tiles holding them, from the first.
+                first, last = max(0, r - 6) // block_k, r // block_k
+                self.assertEqual([e["tile"] for e in steps], list(range(first, last + 1)))
+                self.assertEqual(steps[0]["key_begin"], first * block_k)
+                self.assertEqual(steps[0]["max_before"], -math.inf)
+                for step in steps:
+                    keys = np.arange(step["key_begin"], step["key_end"])
+                    hidden = (keys < r - 6) | (keys > r)
+                    np.testing.assert_array_equal(np.isneginf(step["scores"]), hidden)
+                done = [e for e in events if e["kind"] == "row_done" and e["row"] == (b, h, r)]
+                np.testing.assert_allclose(done[0]["output"], tiled.output[b, h, r], rtol=0,
+                                           atol=1e-6)
+                np.testing.assert_allclose(steps[-1]["estimate"], tiled.output[b, h, r],
+                                           rtol=0, atol=1e-6)
+        self.assertEqual(events[-1]["steps"], sum(e["kind"] == "step" for e in events))
+        # Without a window the start event says so: None, not 0.
+        plain = next(iter(self.client.trace(q, k, v, block_k=block_k, causal=True)))
+        self.assertIsNone(plain["window_left"])
+        self.assertIsNone(plain["window_right"])
+
+    def test_window_decode(self):
+        rng = np.random.default_rng()
+        heads, kv_heads, head_dim, value_dim = 4, 2, 8, 5
+        caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(2)]
+        try:
+            held = []
+            for cache, length in zip(caches, (37, 23)):
+                k = rng.uniform(-1, 1, size=(kv_heads, length, head_dim)).astype(np.float32)
+                v = rng.uniform(-1, 1, size=(kv_heads, length, value_dim)).astype(np.float32)
+                cache.append(k, v)
+                held.append((k, v))
+            queries = [rng.uniform(-1, 1, size=(heads, nq, head_dim)).astype(np.float32)
+                       for nq in (2, 3)]
+            # Item 0 bottom-right at positions 0 …; item 1's keys at 50 … 72, queries at 60 ….
+            result = self.client.decode(
+                [(caches[0], queries[0]),
+                 {"cache": caches[1], "query": queries[1], "key_position": 50,
+                  "query_position": 60}],
+                causal=True, window_left=6, return_lse=True)
+            for index, positions in enumerate(({}, dict(key_position=50, query_position=60))):
+                with self.subTest(item=index):
+                    k, v = held[index]
+                    ref, ref_lse = window_reference(queries[index][None], k[None], v[None], True,
+                                                    window_left=6, **positions)
+                    self.assertEqual(harness.output_error(
+                        result.outputs[index].astype(np.float64), ref[0], 1), "")
+                    self.assertEqual(harness.lse_error(result.lse[index].astype(np.float64),
+                                                       ref_lse[0]), "")
+            # Cache.decode passes the window on too (a two-sided one, not causal).
+            step = caches[1].decode(queries[1], key_position=50, query_position=60,
+                                    window_left=2, window_right=1)
+            k, v = held[1]
+            ref, _ = window_reference(queries[1][None], k[None], v[None], False, window_left=2,
+                                      window_right=1, key_position=50, query_position=60)
+            self.assertEqual(harness.output_error(step.output.astype(np.float64), ref[0], 1), "")
+        finally:
+            for cache in caches:
+                cache.delete()
+
     # Errors.
 
     def test_bad_shape_is_invalid_argument(self):
@@ -354,6 +506,22 @@ class ClientModuleTest(ServerCase):
             for index, (error, call) in enumerate(cases):
                 with self.subTest(case=index):
                     self.assertRaises(error, call)
+            # Bad windows, on every call that takes one: the error names the argument.
+            calls = {
+                "naive": lambda **w: offline.naive(q, k, v, causal=True, **w),
+                "tiled": lambda **w: offline.tiled(q, k, v, **w),
+                "trace": lambda **w: offline.trace(q, k, v, **w),
+                "decode": lambda **w: offline.decode(
+                    [{"cache": "0123", "query": q[None], "expected_length": 8}], **w),
+            }
+            for name in ("window_left", "window_right"):
+                for value, error in ((-1, ValueError), (2 ** 62 + 1, ValueError),
+                                     (True, TypeError), (1.5, TypeError), ("3", TypeError)):
+                    for rpc, call in calls.items():
+                        with self.subTest(rpc=rpc, argument=name, value=value):
+                            with self.assertRaises(error) as caught:
+                                call(**{name: value})
+                            self.assertIn(name, str(caught.exception))
             with self.assertRaises(AttnError) as caught:
                 offline.info()
             self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
