@@ -54,7 +54,8 @@ struct TraceStep {
   int tile = 0;
   int64_t key_begin = 0;
   int64_t key_end = 0;
-  std::vector<float> scores;  // Scaled; −inf where masked.
+  std::vector<float> scores;         // Scaled and transformed (softcap); −inf where masked.
+  std::vector<float> scaled_scores;  // Before the transform; empty when it is the identity.
   float max_before = 0;
   float max_after = 0;
   float rescale = 0;

@@ -17,6 +17,7 @@
 #include "kernels/dtype.h"
 #include "kernels/geometry.h"
 #include "kernels/host_device.h"
+#include "kernels/score_transform.h"
 
 namespace attn {
 
@@ -84,6 +85,9 @@ struct Problem {
   // Set instead of key and value when they come from a cache (server-resident, paged).
   const PagedKv* pages = nullptr;
   float scale = 1.f;
+  // Softcap (kernels/score_transform.h): a scaled score s becomes softcap · tanh(s / softcap);
+  // 0 = none, else finite and > 0.
+  float softcap = 0.f;
   bool causal = false;
   // Positions (kernels/geometry.h): key j at key_position + j; query row i at query_position + i,
   // bottom-right against the keys when unset. Both in [0, kMaxPosition] when set.
@@ -96,6 +100,9 @@ struct Problem {
   int block_k = 1;  // Keys per tile for Tiled and Trace.
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
+
+  // What becomes of every scaled score before the mask.
+  ScoreTransform transform() const { return ScoreTransform{softcap}; }
 
   // The key/value head that query head h reads (KvHeadOf).
   int64_t KvHead(int64_t head) const { return KvHeadOf(head, shape.heads, shape.kv_heads); }

@@ -112,8 +112,8 @@ float DefaultScale(int64_t head_dim) {
 }
 
 // The options every attention call shares, into *problem: scale (when given; else the caller
-// sets 1/sqrt(head_dim)), causal, positions, windows, block_k (the default for 0; the caller caps
-// it at key_len), return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
+// sets 1/sqrt(head_dim)), causal, positions, windows, softcap, block_k (the default for 0; the
+// caller caps it at key_len), return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
 absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& options,
                           DType query_dtype, int default_block_k, Problem* problem) {
   if (options.has_scale() && !std::isfinite(options.scale())) {
@@ -156,6 +156,12 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
     }
     *side = value;
   }
+  if (!std::isfinite(options.softcap()) || options.softcap() < 0.f) {
+    return Invalid(
+        absl::StrCat(prefix, "options.softcap"),
+        absl::StrCat("is ", options.softcap(), "; a softcap must be finite and ≥ 0 (0 = off)"));
+  }
+  problem->softcap = options.softcap();
   if (options.has_scale()) problem->scale = options.scale();
   problem->causal = options.causal();
   problem->block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
@@ -575,6 +581,7 @@ v1::TraceStart EncodeTraceStart(const Problem& problem) {
   start.set_query_position(geometry.query_position);
   if (geometry.window_left != kUnbounded) start.set_window_left(geometry.window_left);
   if (geometry.window_right != kUnbounded) start.set_window_right(geometry.window_right);
+  start.set_softcap(problem.softcap);
   start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
   start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
   start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));
@@ -611,6 +618,7 @@ void EncodeTraceItem(const TraceItem& item, v1::TraceEvent* event) {
     message->set_denominator(step->denominator);
     EncodeFloats(step->accumulator, message->mutable_accumulator());
     EncodeFloats(step->estimate, message->mutable_estimate());
+    EncodeFloats(step->scaled_scores, message->mutable_scaled_scores());
     return;
   }
   const TraceRowDone& done = std::get<TraceRowDone>(item);

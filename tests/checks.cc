@@ -92,6 +92,15 @@ void ExpectUnseeingRowsZero(const KernelRun& run, const HostProblem& host) {
   EXPECT_GT(checked, 0) << "the case was meant to have rows that see no key";
 }
 
+void ExpectMatchesInItsDtype(const KernelRun& run, const HostProblem& host, const Reference& ref) {
+  if (host.dtype == DType::kFloat32) {
+    ExpectMatchesReference(run, ref, 1e-5);
+  } else {
+    ExpectLowPrecisionMatches(run, host, ref);
+  }
+  ExpectLseMatches(run, ref, 1e-5);
+}
+
 KernelRun RunDecode(Backend& backend, const HostProblem& host) {
   std::optional<PagedCopy> paged;
   if (host.shape.batch == 1) {

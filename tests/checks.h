@@ -65,6 +65,10 @@ absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
 // failure and an empty run.
 KernelRun RunDecode(Backend& backend, const HostProblem& host);
 
+// The run against the reference by its dtype's rule: fp32 within 1e-5 (ExpectMatchesReference),
+// fp16/bf16 by ExpectLowPrecisionMatches; its lse within 1e-5 either way.
+void ExpectMatchesInItsDtype(const KernelRun& run, const HostProblem& host, const Reference& ref);
+
 // The rule for low-precision outputs (LowPrecisionTest): error against float64 at most twice
 // a same-precision naive baseline's, plus an atol of a couple of output ulps.
 void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host, const Reference& ref);

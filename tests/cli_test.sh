@@ -46,6 +46,13 @@ check window-zero 0 'out\[0\] = \[-4\.000000, -3\.000000, -2\.000000, -1\.000000
   "$attn" "${target[@]}" tiled --example seed --causal --window 0,
 check window-trace 0 'tile 3, keys \[6, 8\)' -- \
   "$attn" "${target[@]}" trace --example seed --causal --window 1,-1 --block-k 2 --rows 0:0:7
+# Softcap 1 on the seed example: row 0's scores 2, 1, −1.75, … become tanh of them.
+check softcap-seed 0 'out\[0\] = \[-0\.627407, 0\.372593, -0\.488769, 0\.244294\]' -- \
+  "$attn" "${target[@]}" tiled --example seed --softcap 1
+check softcap-trace 0 'scaled +\[2\.000000, 1\.000000\]   \(before the softcap\)' -- \
+  "$attn" "${target[@]}" trace --example seed --softcap 1 --block-k 2
+check softcap-negative 1 'options\.softcap' -- \
+  "$attn" "${target[@]}" tiled --example seed --softcap -1
 check window-bad 1 '--window expects L,R' -- \
   "$attn" "${target[@]}" tiled --example seed --window 5
 check random-bf16 0 'output \[1, 2, 33, 8\] DTYPE_BFLOAT16' -- \

@@ -150,15 +150,6 @@ HostProblem MakeHost(const PositionCase& c) {
   return host;
 }
 
-void ExpectMatches(const KernelRun& run, const HostProblem& host, const Reference& ref) {
-  if (host.dtype == DType::kFloat32) {
-    ExpectMatchesReference(run, ref, 1e-5);
-  } else {
-    ExpectLowPrecisionMatches(run, host, ref);
-  }
-  ExpectLseMatches(run, ref, 1e-5);
-}
-
 TEST_P(PositionsTest, NaiveAndTiledMatchTheReference) {
   const HostProblem host = MakeHost(GetParam());
   const Reference ref = ReferenceAttention(host);
@@ -166,7 +157,7 @@ TEST_P(PositionsTest, NaiveAndTiledMatchTheReference) {
   for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
     SCOPED_TRACE(KernelName(kernel));
     const KernelRun run = RunKernel(backend, kernel, host);
-    ExpectMatches(run, host, ref);
+    ExpectMatchesInItsDtype(run, host, ref);
     EXPECT_EQ(run.stats.flops, host.View().Flops());
   }
 }
@@ -179,7 +170,7 @@ TEST_P(PositionsTest, DecodeMatchesTheReference) {
   CpuBackend backend(2, 0);
   const KernelRun run = RunDecode(backend, host);
   ASSERT_FALSE(run.output.empty());
-  ExpectMatches(run, host, ReferenceAttention(host));
+  ExpectMatchesInItsDtype(run, host, ReferenceAttention(host));
 }
 
 INSTANTIATE_TEST_SUITE_P(

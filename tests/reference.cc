@@ -53,6 +53,7 @@ Problem HostProblem::View() const {
   problem.key = TensorView{key_bytes.data(), dtype};
   problem.value = TensorView{value_bytes.data(), dtype};
   problem.scale = scale;
+  problem.softcap = softcap;
   problem.causal = causal;
   problem.key_position = key_position;
   problem.query_position = query_position;
@@ -190,6 +191,7 @@ Reference ReferenceAttention(const HostProblem& p) {
                    double(p.key[view.KeyOffset(b, kvh, j) + c]);
           }
           scores[j] = double(p.scale) * dot;
+          if (p.softcap > 0) scores[j] = p.softcap * std::tanh(scores[j] / p.softcap);
           max = std::max(max, scores[j]);
         }
         double sum = 0;
@@ -226,6 +228,7 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
             dot += p.query[view.QueryOffset(b, h, i) + c] * p.key[view.KeyOffset(b, kvh, j) + c];
           }
           scores[j] = Round(p.scale * dot, dtype);
+          if (p.softcap > 0) scores[j] = Round(p.softcap * std::tanh(scores[j] / p.softcap), dtype);
           max = std::max(max, scores[j]);
         }
         float sum = 0;

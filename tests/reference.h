@@ -19,6 +19,7 @@ struct HostProblem {
   DType dtype = DType::kFloat32;         // Storage dtype of query, key and value.
   DType output_dtype = DType::kFloat32;  // Dtype the kernel writes.
   float scale = 1.f;
+  float softcap = 0.f;  // AttentionOptions.softcap: s → softcap · tanh(s / softcap); 0 = none.
   bool causal = false;
   // Positions (kernels/geometry.h): key j at key_position + j, query row i at query_position + i
   // (bottom-right when unset).
@@ -64,7 +65,8 @@ bool ReferenceSees(const HostProblem& problem, int64_t i, int64_t j);
 // tiles a trace of the row steps through, found key by key with ReferenceSees.
 std::pair<int64_t, int64_t> ReferenceTiles(const HostProblem& problem, int64_t i, int64_t block_k);
 
-// Attention in float64 on the problem's (rounded) inputs: the ground truth.
+// Attention in float64 on the problem's (rounded) inputs, the softcap by its formula: the ground
+// truth.
 Reference ReferenceAttention(const HostProblem& problem);
 
 // A same-precision naive baseline, as an eager framework computes in fp16/bf16: scores,

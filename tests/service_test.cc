@@ -161,6 +161,7 @@ v1::AttentionRequest ToRequest(const HostProblem& p, bool rank2 = false) {
   if (p.query_position) request.mutable_options()->set_query_position(*p.query_position);
   if (p.window_left) request.mutable_options()->set_window_left(*p.window_left);
   if (p.window_right) request.mutable_options()->set_window_right(*p.window_right);
+  request.mutable_options()->set_softcap(p.softcap);
   return request;
 }
 
@@ -445,6 +446,11 @@ std::vector<BadInput> BadInputs() {
        "options.window_left"},
       {"negative window_right", [](auto& r) { r.mutable_options()->set_window_right(-5); },
        "options.window_right"},
+      {"negative softcap", [](auto& r) { r.mutable_options()->set_softcap(-1.f); },
+       "options.softcap"},
+      {"infinite softcap", [](auto& r) { r.mutable_options()->set_softcap(INFINITY); },
+       "options.softcap"},
+      {"NaN softcap", [nan](auto& r) { r.mutable_options()->set_softcap(nan); }, "options.softcap"},
       {"window_right past 2^62",
        [](auto& r) { r.mutable_options()->set_window_right((int64_t{1} << 62) + 1); },
        "options.window_right"},

@@ -54,15 +54,6 @@ HostProblem MakeHost(const WindowCase& c) {
   return host;
 }
 
-void ExpectMatches(const KernelRun& run, const HostProblem& host, const Reference& ref) {
-  if (host.dtype == DType::kFloat32) {
-    ExpectMatchesReference(run, ref, 1e-5);
-  } else {
-    ExpectLowPrecisionMatches(run, host, ref);
-  }
-  ExpectLseMatches(run, ref, 1e-5);
-}
-
 TEST_P(WindowTest, NaiveAndTiledMatchTheReference) {
   const HostProblem host = MakeHost(GetParam());
   const Reference ref = ReferenceAttention(host);
@@ -70,7 +61,7 @@ TEST_P(WindowTest, NaiveAndTiledMatchTheReference) {
   for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
     SCOPED_TRACE(KernelName(kernel));
     const KernelRun run = RunKernel(backend, kernel, host);
-    ExpectMatches(run, host, ref);
+    ExpectMatchesInItsDtype(run, host, ref);
     // FLOPs count the pairs the window leaves, as the reference sees them.
     double pairs = 0;
     for (int64_t i = 0; i < host.shape.query_len; ++i) {
@@ -88,7 +79,7 @@ TEST_P(WindowTest, DecodeMatchesTheReference) {
   CpuBackend backend(2, 0);
   const KernelRun run = RunDecode(backend, host);
   ASSERT_FALSE(run.output.empty());
-  ExpectMatches(run, host, ReferenceAttention(host));
+  ExpectMatchesInItsDtype(run, host, ReferenceAttention(host));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -10,7 +10,8 @@
 //                     [--shard-keys]   each endpoint traces its slice of the keys, then the merge
 //                     (client/cli/merge_trace.h)
 //   attn naive|tiled|trace ... [--key-position P] [--query-position Q]   positions (geometry.h)
-//   attn naive|tiled|trace|decode|bench ... [--window L,R]   a sliding window (geometry.h)
+//   attn naive|tiled|trace|decode|bench ... [--window L,R] [--softcap C]   a sliding window
+//                     (geometry.h), a softcap (score_transform.h)
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
 //   attn bench --decode [--lengths 1k,...,32k] [--batches 1,16] [--steps M] [--repeats R]
@@ -92,6 +93,9 @@ ABSL_FLAG(std::string, window, "",
           "Sliding window L,R: a query at position p sees only the keys at p − L … p + R (and "
           "none after p with --causal); a side empty or -1 is unbounded, e.g. --window 256, "
           "(AttentionOptions.window_left/right; naive/tiled/trace/decode/bench).");
+ABSL_FLAG(double, softcap, 0,
+          "Softcap C: each scaled score s becomes C · tanh(s / C) before the mask (Gemma 2, "
+          "Grok; AttentionOptions.softcap); 0 = off.");
 ABSL_FLAG(int32_t, block_k, 0, "Keys per tile for tiled/trace; 0 = the server's default.");
 ABSL_FLAG(bool, lse, false, "Also return the log-sum-exp of each row.");
 ABSL_FLAG(std::string, rows, "", "trace: rows to follow as batch:head:row,... (default 0:0:0).");
@@ -202,6 +206,7 @@ absl::StatusOr<v1::AttentionOptions> ReadOptions() {
     return window;
   }
   options.set_causal(absl::GetFlag(FLAGS_causal));
+  options.set_softcap(static_cast<float>(absl::GetFlag(FLAGS_softcap)));
   options.set_block_k(absl::GetFlag(FLAGS_block_k));
   options.set_return_lse(absl::GetFlag(FLAGS_lse));
   options.set_key_position(absl::GetFlag(FLAGS_key_position));

@@ -63,12 +63,22 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
   switch (event.event_case()) {
     case v1::TraceEvent::kStart: {
       start_ = event.start();
-      absl::FPrintF(out_,
-                    "Trace of [batch %d, heads %d (kv %d), %d queries × %d keys], head_dim %d, "
-                    "value_dim %d, scale %g%s\n",
-                    start_.batch(), start_.heads(), start_.kv_heads(), start_.query_len(),
-                    start_.key_len(), start_.head_dim(), start_.value_dim(), start_.scale(),
-                    start_.causal() ? ", causal" : "");
+      absl::FPrintF(
+          out_,
+          "Trace of [batch %d, heads %d (kv %d), %d queries × %d keys], head_dim %d, "
+          "value_dim %d, scale %g%s%s%s\n",
+          start_.batch(), start_.heads(), start_.kv_heads(), start_.query_len(), start_.key_len(),
+          start_.head_dim(), start_.value_dim(), start_.scale(), start_.causal() ? ", causal" : "",
+          start_.has_window_left() || start_.has_window_right()
+              ? absl::StrCat(", window [p − ",
+                             start_.has_window_left() ? absl::StrCat(start_.window_left())
+                                                      : std::string("∞"),
+                             ", p + ",
+                             start_.has_window_right() ? absl::StrCat(start_.window_right())
+                                                       : std::string("∞"),
+                             "]")
+              : std::string(),
+          start_.softcap() > 0 ? absl::StrCat(", softcap ", start_.softcap()) : std::string());
       absl::FPrintF(out_,
                     "Naive moves %s through its score and weight matrices (16·B·H·Nq·Nk); "
                     "Tiled keeps %d floats per query row (block_k %d + value_dim %d + 2), "
@@ -113,6 +123,10 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
   for (const v1::TileStep& step : steps_) {
     absl::FPrintF(out_, "  tile %d, keys [%d, %d)\n", step.tile(), step.key_begin(),
                   step.key_end());
+    if (step.scaled_scores_size() > 0) {
+      absl::FPrintF(out_, "    scaled       %s   (before the softcap)\n",
+                    Vector(step.scaled_scores()));
+    }
     absl::FPrintF(out_, "    scores       %s\n", Vector(step.scores()));
     absl::FPrintF(out_, "    max          %g → %g   rescale %g\n", step.max_before(),
                   step.max_after(), step.rescale());
@@ -166,6 +180,9 @@ void TraceFollower::DrawStep(const v1::TileStep& step) {
   absl::FPrintF(out_, "Row (%s)  tile %d of %d, keys [%d, %d)  [%s%s]\n", Row(step.row()),
                 step.tile() + 1, tiles, step.key_begin(), step.key_end(), std::string(filled, '#'),
                 std::string(kBar - filled, '.'));
+  if (step.scaled_scores_size() > 0) {
+    absl::FPrintF(out_, "  scaled       %s   (before the softcap)\n", Vector(step.scaled_scores()));
+  }
   absl::FPrintF(out_, "  scores       %s\n", Vector(step.scores()));
   absl::FPrintF(out_, "  max          %g → %g   rescale %g\n", step.max_before(), step.max_after(),
                 step.rescale());

@@ -8,10 +8,10 @@
 //   - int64 fields are JS Numbers (longs: Number): shape dims, stats and limits all fit in
 //     2^53. Enums are their names as strings (DTYPE_FLOAT32), and requests may use either
 //     the name or the number.
-//   - bytes are Buffers; unset scalar fields read as their defaults (defaults: true), but an
-//     unset proto3 optional field (TraceStart.windowLeft, windowRight) is absent, and a
-//     TraceEvent carries `event`, the name of the oneof member it holds ('start', 'step',
-//     'rowDone' or 'end').
+//   - bytes are Buffers; unset scalar fields read as their defaults (defaults: true; an empty
+//     repeated field, like TileStep.scaledScores without a softcap, is []), but an unset proto3
+//     optional field (TraceStart.windowLeft, windowRight) is absent, and a TraceEvent carries
+//     `event`, the name of the oneof member it holds ('start', 'step', 'rowDone' or 'end').
 //   - fp32 tensors travel as little-endian bytes; tensor() and toFloat32Array() convert
 //     between Float32Array and a Tensor (fp16 and bf16 too, rounded to nearest even).
 //
@@ -64,6 +64,19 @@
 // options.window_right. Trace's start repeats them (absent when unbounded):
 //   await client.tiled({query, key, value, options: {causal: true, windowLeft: 4095}});
 //   await cache.decode(q1, {key: k1, value: v1, options: {causal: true, windowLeft: 4095}});
+//
+// Softcap (attention.proto, AttentionOptions; Gemma 2, Grok): options.softcap, a Number, 0 or
+// absent = off. Each scaled score s = scale · q·k then becomes
+//   softcap · tanh(s / softcap)
+// after the scale and before the mask (FlashAttention's order), so every score lies within
+// ±softcap (fp32's tanh reaches ±1); the lse is of the capped scores. It goes in the options of
+// naive, tiled, trace and decode as it is (in Decode it applies to every item); the client
+// sends it unchecked (it travels as a proto float), and the server answers a negative or
+// non-finite one with INVALID_ARGUMENT naming options.softcap. Trace's start repeats it
+// (start.softcap, 0: none), and with one each TileStep has scaledScores, the tile's scores
+// before the cap (masked keys included), next to scores, the capped and masked ones; without
+// one scaledScores is [].
+//   await client.tiled({query, key, value, options: {causal: true, softcap: 50}});
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -337,7 +350,8 @@ class Client {
   // queryPosition?}] → DecodeResponse, each Cache's length updated from the answer. Positions
   // are per item (see Cache.item); attentionOptions.keyPosition / queryPosition are refused
   // here with a TypeError (the server would refuse them too: INVALID_ARGUMENT). A window
-  // (attentionOptions.windowLeft, windowRight) is the batch's, against each item's positions.
+  // (attentionOptions.windowLeft, windowRight) is the batch's, against each item's positions;
+  // a softcap (attentionOptions.softcap) the batch's too, applied to every item.
   async decodeBatch(items, attentionOptions = {}, options) {
     for (const field of ['keyPosition', 'queryPosition']) {
       if (attentionOptions[field] !== undefined && attentionOptions[field] !== null) {
@@ -403,8 +417,8 @@ class Cache {
   }
 
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
-  // this item's positions (item()); options: the AttentionOptions (a window included), without
-  // positions.
+  // this item's positions (item()); options: the AttentionOptions (a window and a softcap
+  // included), without positions.
   async decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
                options) {
     const response = await this.client.decodeBatch(

@@ -11,8 +11,11 @@
 // → INVALID_ARGUMENT naming options.key_position / options.query_position), sliding windows
 // (windowLeft / windowRight through Tiled, Naive and Cache.decode against float64, Trace's start
 // repeating the window and each row's steps starting at the first tile it sees, a bad window →
-// INVALID_ARGUMENT naming options.window_left / options.window_right), mergeStates alone, and,
-// when given a TLS server with a token, TLS + bearer token.
+// INVALID_ARGUMENT naming options.window_left / options.window_right), softcaps (softcap through
+// Tiled, Naive and Cache.decode on queries × 32 against float64, Trace's start repeating it and
+// each step's scaledScores and capped scores, a bad softcap → INVALID_ARGUMENT naming
+// options.softcap), mergeStates alone, and, when given a TLS server with a token, TLS + bearer
+// token.
 // Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
 //                                         --token-file FILE]
 const test = require('node:test');
@@ -59,13 +62,16 @@ function seedInputs(n = 8, d = 4) {
   return {q, k, v, dims};
 }
 
-// softmax(scale · Q Kᵀ + mask) V in float64, with grouped-query heads and the mask over
+// softmax(cap(scale · Q Kᵀ) + mask) V in float64, with grouped-query heads and the mask over
 // positions: key j at keyPosition + j, query row i at queryPosition + i (default bottom-right,
 // keyPosition + keyLen − queryLen), a query at p seeing a key at t iff t ≤ p when causal and
 // p − windowLeft ≤ t ≤ p + windowRight (an absent side unbounded), decided key by key; a row that
-// sees no key gives zeros and lse −inf.
+// sees no key gives zeros and lse −inf. cap(s) = softcap · tanh(s / softcap), none when softcap
+// is 0 or absent (it is elementwise, so capping only the seen keys' scores is the contract's
+// scale, then softcap, then mask).
 function referenceAttention({q, k, v, dims}, scale, causal,
-                            {keyPosition = 0, queryPosition, windowLeft, windowRight} = {}) {
+                            {keyPosition = 0, queryPosition, windowLeft, windowRight,
+                             softcap = 0} = {}) {
   const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
   const firstQuery = queryPosition ?? keyPosition + keyLen - queryLen;
   const out = new Float64Array(batch * heads * queryLen * valueDim);
@@ -92,7 +98,7 @@ function referenceAttention({q, k, v, dims}, scale, causal,
           for (let c = 0; c < headDim; ++c) {
             s += q[row * headDim + c] * k[(kBase + j) * headDim + c];
           }
-          scores[j] = s * scale;
+          scores[j] = softcap ? softcap * Math.tanh(s * scale / softcap) : s * scale;
           max = Math.max(max, scores[j]);
         }
         let sum = 0;
@@ -751,6 +757,149 @@ test('window: Cache.decode against float64; bad windows are INVALID_ARGUMENT nam
       await assert.rejects(call(), (err) => {
         assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
         assert.match(err.details, new RegExp(`options\\.${name}`));
+        return true;
+      });
+    }
+  }
+});
+
+// --- softcap ------------------------------------------------------------------------------------
+// A problem whose scores pass the caps: normal inputs, the queries × 32.
+function softcapProblem(dims, random) {
+  const problem = randomProblem(dims, random);
+  problem.q = problem.q.map((x) => 32 * x);
+  return problem;
+}
+// The fp32 tolerance at capped scores up to softcap (attnd_harness.fp32_rtol's rule: 1e-5
+// while |score| ≤ 8, beyond that ∝ the largest score the softmax takes, here ≤ softcap).
+const softcapTol = (softcap) => 1e-5 * Math.max(1, softcap / 8);
+// One float32 ulp at |x| (normal numbers; the smallest subnormal below).
+const f32Ulp = (x) => 2 ** Math.max(Math.floor(Math.log2(Math.abs(x))) - 23, -149);
+
+test('softcap: tiled and naive against float64, passed through as options', async () => {
+  const random = mulberry32(positionsSeed + 6);
+  // Odd sizes, GQA, valueDim ≠ headDim, keyLen ≠ queryLen, block_k 4.
+  const dims = {batch: 1, heads: 4, kvHeads: 2, queryLen: 11, keyLen: 15, headDim: 7, valueDim: 5};
+  const problem = softcapProblem(dims, random);
+  const scale = 1 / Math.sqrt(dims.headDim);
+  for (const options of [{causal: true, softcap: 5}, {causal: false, softcap: 30},
+                         {causal: true, softcap: 30}, {causal: false, softcap: 5}]) {
+    const what = JSON.stringify(options);
+    const ref = referenceAttention(problem, scale, options.causal, options);
+    const uncapped = referenceAttention(problem, scale, options.causal);
+    assert.ok(ref.out.some((x, i) => Math.abs(x - uncapped.out[i]) > 1e-2), `${what} matters`);
+    for (const method of ['tiled', 'naive']) {
+      const res = await client[method](request(problem, {...options, blockK: 4, returnLse: true}));
+      assertClose(toFloat32Array(res.output), ref.out, softcapTol(options.softcap),
+                  `${method} ${what}`);
+      assertClose(toFloat32Array(res.lse), ref.lse, softcapTol(options.softcap),
+                  `${method} ${what} lse`);
+    }
+  }
+  // softcap 0 is none: the plain answer, exactly.
+  const plain = toFloat32Array((await client.tiled(request(problem, {causal: true}))).output);
+  const zero = await client.tiled(request(problem, {causal: true, softcap: 0}));
+  assert.deepEqual(toFloat32Array(zero.output), plain);
+});
+
+test('softcap: Trace repeats it; steps carry scaledScores and the capped scores', async () => {
+  const random = mulberry32(positionsSeed + 7);
+  const dims = {batch: 1, heads: 4, kvHeads: 2, queryLen: 13, keyLen: 13, headDim: 7, valueDim: 5};
+  const problem = softcapProblem(dims, random);
+  const softcap = 5;
+  const options = {causal: true, softcap, blockK: 4};
+  const scale = 1 / Math.sqrt(dims.headDim);
+  const tiled = toFloat32Array((await client.tiled(request(problem, options))).output);
+  const rows = [{batch: 0, head: 1, row: 12}, {batch: 0, head: 2, row: 2},
+                {batch: 0, head: 3, row: 7}];
+  const events = await collect(client.trace({attention: request(problem, options), rows}));
+  assert.equal(events[0].start.softcap, softcap);
+  let largest = 0;
+  for (const [i, ref] of rows.entries()) {
+    const steps = events.filter((e) => e.event === 'step' && e.step.row.head === ref.head &&
+                                       e.step.row.row === ref.row).map((e) => e.step);
+    assert.equal(steps.length, Math.floor(ref.row / 4) + 1, `row ${ref.row} steps`);
+    const kh = Math.floor(ref.head / (dims.heads / dims.kvHeads));
+    for (const s of steps) {
+      assert.equal(s.scaledScores.length, s.keyEnd - s.keyBegin, `row ${ref.row} scaledScores`);
+      assert.equal(s.scores.length, s.keyEnd - s.keyBegin);
+      s.scaledScores.forEach((scaled, j) => {
+        const t = s.keyBegin + j, what = `row ${ref.row} key ${t}`;
+        // scale · q·k (masked keys included) within fp32 dot-product rounding.
+        let dot = 0, magnitude = 0;
+        for (let c = 0; c < dims.headDim; ++c) {
+          const product = problem.q[(ref.head * dims.queryLen + ref.row) * dims.headDim + c] *
+                          problem.k[(kh * dims.keyLen + t) * dims.headDim + c];
+          dot += product;
+          magnitude += Math.abs(product);
+        }
+        assert.ok(Number.isFinite(scaled), `${what}: scaled ${scaled}`);
+        assert.ok(Math.abs(scaled - scale * dot) <= (dims.headDim + 2) * 2 ** -24 * scale *
+                  magnitude, `${what}: scaled ${scaled}, wanted ${scale * dot}`);
+        largest = Math.max(largest, Math.abs(scaled));
+        // The score: −inf where the mask hides the key, else the cap of the scaled score
+        // within float32 rounding.
+        const score = s.scores[j];
+        if (t > ref.row) {
+          assert.equal(score, -Infinity, `${what}: masked`);
+          return;
+        }
+        const capped = softcap * Math.tanh(scaled / softcap);
+        assert.ok(Math.abs(score - capped) <= 4 * f32Ulp(capped),
+                  `${what}: score ${score}, wanted ${capped}`);
+        assert.ok(Math.abs(score) <= softcap, `${what}: |${score}| > the cap`);
+      });
+    }
+    const at = (ref.head * dims.queryLen + ref.row) * dims.valueDim;
+    const done = events.filter((e) => e.event === 'rowDone')[i].rowDone;
+    assertClose(done.output, tiled.subarray(at, at + dims.valueDim), 1e-6, `row ${ref.row}`);
+  }
+  assert.ok(largest > 2 * softcap, `the cap bites: largest scaled score ${largest}`);
+  // Without one: start.softcap 0 and no scaledScores.
+  const plain = await collect(client.trace({attention: request(problem, {causal: true}), rows}));
+  assert.equal(plain[0].start.softcap, 0);
+  for (const e of plain.filter((e) => e.event === 'step')) {
+    assert.deepEqual(e.step.scaledScores, []);
+  }
+});
+
+test('softcap: Cache.decode against float64; bad softcaps are INVALID_ARGUMENT naming it',
+     async () => {
+  const random = mulberry32(positionsSeed + 8);
+  const [kvHeads, heads, headDim, valueDim, nq] = [2, 4, 7, 5, 3];
+  const held = new HeldTokens(kvHeads, headDim, valueDim);
+  const cache = await client.openCache({kvHeads, headDim, valueDim});
+  try {
+    await cache.append(...held.tokens(16, random));
+    const q = randomNormal(heads * nq * headDim, random).map((x) => 32 * x);
+    const query = tensor(q, [heads, nq, headDim]);
+    const [k1, v1] = held.tokens(1, random);
+    const step = await cache.decode(query, {key: k1, value: v1,
+                                            options: {causal: true, softcap: 5, returnLse: true}});
+    assert.equal(cache.length, 17);
+    const dims = {batch: 1, heads, kvHeads, queryLen: nq, keyLen: 17, headDim, valueDim};
+    const ref = referenceAttention({q, k: Float32Array.from(held.keys.flat()),
+                                    v: Float32Array.from(held.values.flat()), dims},
+                                   1 / Math.sqrt(headDim), true, {softcap: 5});
+    assertClose(toFloat32Array(step.output), ref.out, softcapTol(5), 'softcapped Cache.decode');
+    assertClose(toFloat32Array(step.lse), ref.lse, softcapTol(5), 'softcapped Cache.decode lse');
+    await assert.rejects(cache.decode(query, {key: k1, value: v1, options: {softcap: -1}}),
+                         (err) => {
+      assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
+      assert.match(err.details, /options\.softcap/);
+      return true;
+    });
+    assert.equal((await cache.refresh()).length, 17, 'a refused decode appends nothing');
+  } finally {
+    await cache.delete();
+  }
+  for (const softcap of [-1, NaN, Infinity]) {
+    const req = request(seed, {causal: true, softcap});
+    for (const call of [() => client.tiled(req), () => client.naive(req),
+                        () => collect(client.trace({attention: req}))]) {
+      await assert.rejects(call(), (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, `softcap ${softcap}: ${err.message}`);
+        assert.match(err.details, /options\.softcap/);
         return true;
       });
     }

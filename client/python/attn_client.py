@@ -40,10 +40,10 @@ peak_memory_bytes); `.response` the AttentionResponse itself.
 
 Trace events are plain dicts, one per TraceEvent, with "kind" set to "start", "step",
 "row_done" or "end" and the message's fields by their proto names; repeated floats (scores,
-weights, accumulator, estimate, output, reference) are float32 NumPy arrays, a RowRef is a
-(batch, head, row) tuple, ExecutionStats a dict and an unset optional field None (the "start"
-event's window_left / window_right when unbounded). `event["message"]` keeps the protobuf
-message for anything else.
+scaled_scores, weights, accumulator, estimate, output, reference) are float32 NumPy arrays, a
+RowRef is a (batch, head, row) tuple, ExecutionStats a dict and an unset optional field None
+(the "start" event's window_left / window_right when unbounded). `event["message"]` keeps the
+protobuf message for anything else.
 
 Server-resident KV caches keep one sequence's keys and values on attnd, so a decode step sends
 only the new token's q, k and v:
@@ -86,6 +86,19 @@ p − 4095 … p. Both are ints in [0, 2^62]. The window is over the positions a
 a windowed problem's keys sent at its key_position computes exactly its part of the whole, to
 merge as before. In decode the window is the batch's and applies to every item against that
 item's own positions; the trace's "start" event repeats it.
+
+Softcap: naive, tiled, trace and decode also take softcap (Gemma 2, Grok; 0.0, the default:
+off). Each scaled score s = scale · q·k then becomes
+
+    softcap · tanh(s / softcap)
+
+after the scale and before the mask (FlashAttention's order), so every score lies within
+±softcap (fp32's tanh reaches ±1); the lse is of the capped scores. softcap is a real number
+≥ 0, finite in float32 (it is sent as a float): `client.tiled(q, k, v, causal=True,
+softcap=50.0)`. In decode it is the batch's and applies to every item; the trace's "start"
+event repeats it (0.0: none), and with a softcap each "step" has "scaled_scores", the tile's
+scores before the cap (masked keys included), next to "scores", the capped and masked ones;
+without one it is empty.
 
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
@@ -455,7 +468,7 @@ class Cache:
         query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
         value_dim]). key_position, query_position: this item's positions (Client.decode).
         options: causal, scale, block_k, return_lse, dtype, output_dtype, window_left,
-        window_right."""
+        window_right, softcap."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
         if key is not None or value is not None:
@@ -557,7 +570,7 @@ class Client:
 
     @staticmethod
     def _options(causal, scale, block_k, return_lse, output_dtype, key_position=0,
-                 query_position=None, window_left=None, window_right=None):
+                 query_position=None, window_left=None, window_right=None, softcap=0.0):
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError("causal must be a bool, not %s" % type(causal).__name__)
@@ -584,15 +597,16 @@ class Client:
             options.window_left = _position("window_left", window_left)
         if window_right is not None:
             options.window_right = _position("window_right", window_right)
+        options.softcap = _softcap(softcap)
         return options
 
     @classmethod
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
                  cache=None, key_position=0, query_position=None, window_left=None,
-                 window_right=None):
+                 window_right=None, softcap=0.0):
         input_dtype = _dtype_enum(dtype, "dtype")
         options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
-                               query_position, window_left, window_right)
+                               query_position, window_left, window_right, softcap)
         if cache is not None:
             if k is not None or v is not None:
                 raise ValueError("give key and value, or cache=, not both")
@@ -608,7 +622,7 @@ class Client:
 
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
-              query_position=None, window_left=None, window_right=None):
+              query_position=None, window_left=None, window_right=None, softcap=0.0):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
@@ -621,27 +635,30 @@ class Client:
         and an fp32 output, and combine the parts with merge_states().
         window_left, window_right: a sliding window over the same positions, None = unbounded
         on that side: a query at p sees a key at t only if p − window_left ≤ t ≤ p +
-        window_right (and t ≤ p when causal). Ints in [0, 2^62]."""
+        window_right (and t ≤ p when causal). Ints in [0, 2^62].
+        softcap: 0.0 = off, else each scaled score s becomes softcap · tanh(s / softcap), after
+        the scale and before the mask (the lse is of the capped scores). A real number ≥ 0,
+        finite in float32."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right)
+                                window_right, softcap)
         return Result(self._call("Naive", self._stub.Naive, request))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
-              query_position=None, window_left=None, window_right=None):
+              query_position=None, window_left=None, window_right=None, softcap=0.0):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
         → Result; key tiles a window hides from a whole block of rows are skipped. Other
-        arguments (cache=, key_position, query_position, window_left, window_right too) as for
-        naive()."""
+        arguments (cache=, key_position, query_position, window_left, window_right, softcap
+        too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right)
+                                window_right, softcap)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
               scale=None, dtype=None, key_position=0, query_position=None, window_left=None,
-              window_right=None):
+              window_right=None, softcap=0.0):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
@@ -649,11 +666,15 @@ class Client:
         query_position, window_left and window_right as for naive() (the "start" event repeats
         them, positions resolved, a window None when unbounded); a row's first "step" is the
         first tile holding a key it sees, tiles its window hides are not traced.
+        softcap as for naive(): the "start" event repeats it (0.0: none), and with one each
+        "step" has "scaled_scores", the tile's scores before the cap (masked keys included),
+        while "scores" are capped (and −inf where masked); without one scaled_scores is empty.
         Arguments are checked now; the RPC starts on the first next(). Closing the iterator
         early (break, close()) cancels the stream. A failure mid-stream raises AttnError."""
         request = pb.TraceRequest(
             attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache,
-                                    key_position, query_position, window_left, window_right))
+                                    key_position, query_position, window_left, window_right,
+                                    softcap))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -773,7 +794,7 @@ class Client:
 
     def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
                dtype=None, output_dtype=None, key_position=None, query_position=None,
-               window_left=None, window_right=None):
+               window_left=None, window_right=None, softcap=0.0):
         """Decode: one step of a batch of sequences in one call → DecodeResult.
 
         items: a list, one per sequence (at most one per cache), each a tuple
@@ -789,7 +810,8 @@ class Client:
         the cache's length after the append − nq) that of the item's first query row, as for
         naive(); key_position= and query_position= here, for the whole batch, are a ValueError.
         window_left, window_right (as for naive()): one window for the whole batch, applied to
-        each item against that item's own positions.
+        each item against that item's own positions. softcap (as for naive()): the batch's,
+        applied to every item.
         dtype converts every query, key and value (None: queries as they are, keys and values
         of a Cache in its dtype); other options as for naive()."""
         if key_position is not None or query_position is not None:
@@ -801,7 +823,8 @@ class Client:
         input_dtype = _dtype_enum(dtype, "dtype")
         request = pb.DecodeRequest(
             options=self._options(causal, scale, block_k, return_lse, output_dtype,
-                                  window_left=window_left, window_right=window_right))
+                                  window_left=window_left, window_right=window_right,
+                                  softcap=softcap))
         caches = []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
@@ -873,6 +896,27 @@ def _position(name, position):
     if not 0 <= position <= MAX_POSITION:
         raise ValueError("%s must be in [0, 2^62], got %d" % (name, position))
     return int(position)
+
+
+def _softcap(softcap):
+    """A softcap → the float to send (0.0: off); TypeError / ValueError naming it. It travels
+    as a proto float, so it must be finite in float32 too, and a positive one must not round
+    to 0 there (which would turn the cap off)."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError("softcap must be a real number (0.0: off), not %s"
+                        % type(softcap).__name__)
+    value = float(softcap)
+    if not math.isfinite(value):
+        raise ValueError("softcap must be finite, got %r" % value)
+    if value < 0:
+        raise ValueError("softcap must be ≥ 0 (0.0: off), got %r" % value)
+    with np.errstate(over="ignore", under="ignore"):
+        as_float32 = np.float32(value)
+    if not np.isfinite(as_float32):
+        raise ValueError("softcap %r is beyond float32's range" % value)
+    if value > 0 and as_float32 == 0:
+        raise ValueError("softcap %r rounds to 0 (off) in float32" % value)
+    return value + 0.0  # -0.0 → 0.0
 
 
 def _expected_length(cache, expected_length):

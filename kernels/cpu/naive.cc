@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -19,9 +20,9 @@ namespace attn {
 
 namespace {
 
-// Each score row: the mask (kernels/geometry.h), then the full-row stable softmax (SoftmaxRow,
-// online_softmax.h: the row max, e^(s − max), the sum, the normalization) in lanes of Lanes
-// (void: eight; lanes::Floats16 in the AVX-512 clone).
+// Each score row: the transform (score_transform.h) and the mask (geometry.h), then the full-row
+// stable softmax (SoftmaxRow, online_softmax.h: the row max, e^(s − max), the sum, the
+// normalization) in lanes of Lanes (void: eight; lanes::Floats16 in the AVX-512 clone).
 template <class Lanes>
 ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
                                       float* scores, float* weights, float* lse) {
@@ -29,6 +30,9 @@ ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin,
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
     const KeyRange visible = problem.Visible(row_begin + r);
+    problem.transform()
+        .template Apply<std::conditional_t<std::is_void_v<Lanes>, lanes::Floats, Lanes>>(
+            s + visible.begin, visible.size());
     std::fill(s, s + visible.begin, -INFINITY);
     std::fill(s + visible.end, s + n, -INFINITY);
     const OnlineSoftmaxRow row =

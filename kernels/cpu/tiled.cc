@@ -23,6 +23,7 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
   const int64_t dv = problem.shape.value_dim;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
+    problem.transform().template Apply<V>(s, n);
     MaskTile(problem.Visible(row_begin + r), key_begin, n, s);
     const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
@@ -56,6 +57,34 @@ void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t
 }
 
 }  // namespace
+
+namespace {
+
+ATTN_CPU_FAST void TransformTileAvx2(const ScoreTransform& transform, float* scores, int n) {
+  transform.Apply<lanes::Floats>(scores, n);
+}
+
+#if defined(ATTN_CPU_HAS_AVX512_BUILD)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) void TransformTileAvx512(
+    const ScoreTransform& transform, float* scores, int n) {
+  transform.Apply<lanes::Floats16>(scores, n);
+}
+#endif
+
+void TransformTilePortable(const ScoreTransform& transform, float* scores, int n) {
+  transform.Apply<lanes::Floats>(scores, n);
+}
+
+}  // namespace
+
+void TransformTile(const Problem& problem, float* scores, int n) {
+  const ScoreTransform transform = problem.transform();
+  if (transform.Identity()) return;
+#if defined(ATTN_CPU_HAS_AVX512_BUILD)
+  if (CpuHasAvx512()) return TransformTileAvx512(transform, scores, n);
+#endif
+  (CpuHasAvx2Fma() ? TransformTileAvx2 : TransformTilePortable)(transform, scores, n);
+}
 
 void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
                       int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,

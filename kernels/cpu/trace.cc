@@ -79,7 +79,9 @@ class CpuTraceCursor final : public TraceCursor {
                    problem_.scale);
     key_tile_.Scores(q_row_, 1, scores_.data());
     step.scores.assign(scores_.begin(), scores_.begin() + n);
-    // The masked scores, as VisitKeyTileRows sees them.
+    if (!problem_.transform().Identity()) step.scaled_scores = step.scores;
+    // The transformed and masked scores, as VisitKeyTileRows sees them.
+    TransformTile(problem_, step.scores.data(), n);
     MaskTile(problem_.Visible(ref.row), step.key_begin, n, step.scores.data());
     step.max_before = state_.max;
     VisitKeyTileRows(problem_, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(),

@@ -76,7 +76,7 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
           batches, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmStridedBatchedEx (scores)"));
   ATTN_RETURN_IF_ERROR(Check(LaunchSoftmax(scores, weights, lse, s.batch * s.heads * s.query_len,
-                                           problem.geometry(), slot.stream),
+                                           problem.geometry(), problem.transform(), slot.stream),
                              "LaunchSoftmax"));
   // Row-major O[m, dv] = W[m, Nk] · V[Nk, dv] is column-major Oᵀ = Vᵀ · Wᵀ.
   ATTN_RETURN_IF_ERROR(CublasStatus(
@@ -151,6 +151,7 @@ class RecordedTraceCursor final : public TraceCursor {
     int block_k = 1;
     int64_t key_len = 0, value_dim = 0;
     std::vector<float> scores, weights, scalars, accumulator, estimate, output, reference, lse;
+    std::vector<float> scaled_scores;  // Empty when the transform is the identity.
   };
 
   RecordedTraceCursor(Records records, Stats stats) : records_(std::move(records)), stats_(stats) {}
@@ -172,6 +173,10 @@ class RecordedTraceCursor final : public TraceCursor {
                         r.scores.begin() + step * r.block_k + n);
       out.weights.assign(r.weights.begin() + step * r.block_k,
                          r.weights.begin() + step * r.block_k + n);
+      if (!r.scaled_scores.empty()) {
+        out.scaled_scores.assign(r.scaled_scores.begin() + step * r.block_k,
+                                 r.scaled_scores.begin() + step * r.block_k + n);
+      }
       const float* scalars = &r.scalars[step * kTraceScalars];
       out.max_before = scalars[0];
       out.max_after = scalars[1];
@@ -247,7 +252,8 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
     std::vector<float>* host;
     int64_t count;
     float** device;
-  } buffers[] = {
+  };
+  std::vector<Buffer> buffers = {
       {&records.scores, steps * problem.block_k, &device_records.scores},
       {&records.weights, steps * problem.block_k, &device_records.weights},
       {&records.scalars, steps * kTraceScalars, &device_records.scalars},
@@ -257,6 +263,10 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
       {&records.reference, n_rows * s.value_dim, &device_records.reference},
       {&records.lse, n_rows, &device_records.lse},
   };
+  if (!problem.transform().Identity()) {  // The scores before the transform, for TileStep.
+    buffers.push_back(
+        {&records.scaled_scores, steps * problem.block_k, &device_records.scaled_scores});
+  }
   for (Buffer& buffer : buffers) {
     ATTN_ASSIGN_OR_RETURN(*buffer.device, memory.Allocate<float>(buffer.count * 4));
     buffer.host->resize(buffer.count);

@@ -87,6 +87,7 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
   device.shape = s;
   device.pitch = pitch;
   device.scale = problem.scale;
+  device.transform = problem.transform();
   device.geometry = problem.geometry();
   device.dtype = DeviceDType(problem);  // Mixed: all as fp32.
   const int64_t element = ElementSize(device.dtype);

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
 #pragma unroll 8
       for (int c = 0; c < P; ++c) dot += q[c] * key[c];
       const bool seen = lane < n && visible[k].Contains(tile + lane);
-      const float score = seen ? item.scale * dot : -INFINITY;
+      const float score = seen ? item.transform(item.scale * dot) : -INFINITY;
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);
       const float weight = state[k].AddScore(score);

@@ -120,6 +120,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     item.head_dim = s.head_dim;
     item.value_dim = s.value_dim;
     item.scale = p.scale;
+    item.transform = p.transform();
     item.geometry = p.geometry();
     item.chunk_keys = chunk_keys;
     item.chunks = (s.key_len + chunk_keys - 1) / chunk_keys;

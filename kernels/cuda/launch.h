@@ -33,6 +33,7 @@ struct DeviceProblem {
   DType dtype = DType::kFloat32;  // Of query, key and value alike.
   int pitch = 32;                 // Elements per row in memory: PaddedDim(shape).
   float scale = 1.f;
+  ScoreTransform transform;     // Each scaled score's transform (kernels/score_transform.h).
   Geometry geometry;            // Which keys each query row sees (kernels/geometry.h).
   const void* query = nullptr;  // [batch, heads, query_len, pitch]
   const void* key = nullptr;    // [batch, kv_heads, key_len, pitch]
@@ -78,9 +79,11 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
 // --- Naive's pieces (naive.cu); the two matrix products are cuBLAS calls --------------------
 
 // Row-wise stable softmax of scores [B·H·Nq, Nk] (row r is query r % Nq) into weights, with
-// the causal mask (`geometry`) applied here; lse (nullable) gets each row's log-sum-exp.
-cudaError_t LaunchSoftmax(const float* scores, float* weights, float* lse, int64_t rows,
-                          const Geometry& geometry, cudaStream_t stream);
+// the transform (softcap: applied to the scores in place) and the mask (`geometry`) applied
+// here; lse (nullable) gets each row's log-sum-exp.
+cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t rows,
+                          const Geometry& geometry, const ScoreTransform& transform,
+                          cudaStream_t stream);
 
 // Dense fp32 copy [rows, cols] of a pitched tensor in `dtype`.
 cudaError_t LaunchToFloat(const void* input, DType dtype, int64_t pitch, int64_t rows, int64_t cols,
@@ -100,6 +103,7 @@ struct TraceRecords {
   const int64_t* row_refs = nullptr;    // [rows, 3]: batch, head, query row
   const int64_t* first_step = nullptr;  // [rows]
   float* scores = nullptr;              // [steps, block_k]
+  float* scaled_scores = nullptr;       // [steps, block_k]: before the transform; null for identity
   float* weights = nullptr;             // [steps, block_k]
   float* scalars = nullptr;             // [steps, 4]: max_before, max_after, rescale, denominator
   float* accumulator = nullptr;         // [steps, value_dim]
@@ -154,7 +158,8 @@ struct DecodeItem {
   float* lse;  // [heads, query_len], or null
   int64_t heads, kv_heads, query_len, key_len, head_dim, value_dim;
   float scale;
-  Geometry geometry;  // Which keys each query row sees (kernels/geometry.h).
+  ScoreTransform transform;  // Each scaled score's transform (kernels/score_transform.h).
+  Geometry geometry;         // Which keys each query row sees (kernels/geometry.h).
   int64_t chunk_keys, chunks;
   int64_t partial_acc;    // Offset in DecodeBatch::partial_acc of its [rows, chunks, value_dim].
   int64_t partial_state;  // Offset in DecodeBatch::partial_state of its [rows, chunks, 2].

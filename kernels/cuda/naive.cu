@@ -18,14 +18,22 @@ namespace {
 
 constexpr int kSoftmaxThreads = 256;
 
-// One block per score row: the mask (kernels/geometry.h), then the full-row stable softmax
+// One block per score row: the transform (kernels/score_transform.h) and the mask
+// (kernels/geometry.h), then the full-row stable softmax
 // (SoftmaxRow, online_softmax.h) shared by the block's threads. A row that sees no key gets zero
 // weights and lse −inf.
 __global__ void __launch_bounds__(kSoftmaxThreads)
-    SoftmaxKernel(const float* scores, float* weights, float* lse, const Geometry geometry) {
+    SoftmaxKernel(float* scores, float* weights, float* lse, const Geometry geometry,
+                  const ScoreTransform transform) {
   const int64_t row = blockIdx.x;
   const int64_t key_len = geometry.key_len;
   const KeyRange visible = geometry.Visible(row % geometry.query_len);
+  if (!transform.Identity()) {
+    for (int64_t j = visible.begin + threadIdx.x; j < visible.end; j += kSoftmaxThreads) {
+      scores[row * key_len + j] = transform(scores[row * key_len + j]);
+    }
+    __syncthreads();
+  }
   const OnlineSoftmax<BlockReduce<kSoftmaxThreads>> softmax =
       SoftmaxRow<BlockReduce<kSoftmaxThreads>>(scores + row * key_len, weights + row * key_len,
                                                key_len, visible, threadIdx.x, kSoftmaxThreads);
@@ -56,11 +64,12 @@ unsigned GridFor(int64_t count) {
 
 }  // namespace
 
-cudaError_t LaunchSoftmax(const float* scores, float* weights, float* lse, int64_t rows,
-                          const Geometry& geometry, cudaStream_t stream) {
+cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t rows,
+                          const Geometry& geometry, const ScoreTransform& transform,
+                          cudaStream_t stream) {
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
   SoftmaxKernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(scores, weights, lse,
-                                                                             geometry);
+                                                                             geometry, transform);
   return cudaGetLastError();
 }
 

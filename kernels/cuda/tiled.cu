@@ -64,6 +64,7 @@ struct Params {
   int64_t heads, kv_heads, query_len, key_len, value_dim;
   int64_t row_blocks;  // Blocks per (batch, head).
   float scale;
+  ScoreTransform transform;
   Geometry geometry;
 };
 
@@ -274,7 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
         const int64_t key_index = key0 + nb * 8 + quad * 2 + e % 2;
-        const float score = visible[r].Contains(key_index) ? scores[nb][e] * p.scale : -INFINITY;
+        const float score =
+            visible[r].Contains(key_index) ? p.transform(scores[nb][e] * p.scale) : -INFINITY;
         scores[nb][e] = score;
         thread_max[r] = fmaxf(thread_max[r], score);
       }
@@ -384,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
     float weight[kFp32RowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-      const float s = visible[r].Contains(key_index) ? score[r] * p.scale : -INFINITY;
+      const float s = visible[r].Contains(key_index) ? p.transform(score[r] * p.scale) : -INFINITY;
       const float rescale = state[r].Rescale(s);
       Softmax::RescaleAccumulator(rescale, kColumns, [&](int c) -> float& { return out[r][c]; });
       weight[r] = state[r].AddScore(s);
@@ -449,7 +451,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1) RowKernel(const RowParams p
   const KeyRange visible = p.geometry.Visible(row);
   const KeyRange tiles = p.geometry.VisitedTiles(row, row, params.block_k);
   auto score = [&](int64_t key) {
-    return p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
+    return p.transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch));
   };
 
   Softmax state;
@@ -581,6 +583,7 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
                 s.value_dim,
                 (s.query_len + rows - 1) / rows,
                 problem.scale,
+                problem.transform,
                 problem.geometry};
   const int64_t blocks = s.batch * s.heads * params.row_blocks;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;

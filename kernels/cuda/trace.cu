@@ -51,8 +51,15 @@ __global__ void TraceKernel(const TraceParams params) {
     float* weights = rec.weights + step * rec.block_k;
     for (int j = lane; j < n; j += 32) {
       const int64_t key = key_begin + j;
-      scores[j] = visible.Contains(key) ? p.scale * Dot(p, query_offset, kv_offset + key * p.pitch)
-                                        : -INFINITY;
+      if (rec.scaled_scores != nullptr) {  // The scaled score before the transform, every key.
+        const float scaled = p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
+        rec.scaled_scores[step * rec.block_k + j] = scaled;
+        scores[j] = visible.Contains(key) ? p.transform(scaled) : -INFINITY;
+      } else {
+        scores[j] = visible.Contains(key)
+                        ? p.transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch))
+                        : -INFINITY;
+      }
     }
     __syncwarp();
     float* scalars = rec.scalars + step * kTraceScalars;
@@ -91,8 +98,9 @@ __global__ void TraceKernel(const TraceParams params) {
   // The reference: the whole score row, then its softmax, then the weighted sum.
   float* full = rec.reference_scores + r * s.key_len;
   for (int64_t j = lane; j < s.key_len; j += 32) {
-    full[j] =
-        visible.Contains(j) ? p.scale * Dot(p, query_offset, kv_offset + j * p.pitch) : -INFINITY;
+    full[j] = visible.Contains(j)
+                  ? p.transform(p.scale * Dot(p, query_offset, kv_offset + j * p.pitch))
+                  : -INFINITY;
   }
   SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);
   __syncwarp();  // Every lane's weights are visible to every lane.

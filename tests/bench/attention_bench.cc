@@ -70,6 +70,8 @@
 //   --window_left=L    a sliding window on every attention row (AttentionOptions.window_left;
 //                      default -1: none); the row's name ends /window:L and its GFLOP/s counts
 //                      the pairs the window leaves (Problem::Flops)
+//   --softcap=C        a softcap on every attention row (AttentionOptions.softcap; default 0:
+//                      none); the row's name ends /softcap:C
 //   --naive_max_n=N    largest N Naive runs at (default 8192; --quick 1024)
 //   --naive_budget_gib=G   the backend's max_naive_bytes (default 4)
 //   --sgemm_n=LIST     the ceiling's sizes (default 2048; --quick 1024)
@@ -140,6 +142,7 @@ struct Options {
   std::vector<std::string> methods = {"tiled", "naive"};
   int64_t heads = 0;
   int64_t window_left = -1;
+  double softcap = 0;
   int64_t naive_max_n = 8192;
   double naive_budget_gib = 4;
   std::vector<int64_t> sgemm_n = {2048};
@@ -161,11 +164,13 @@ struct Cell {
   int64_t heads = 0;
   int64_t d = 0;
   int64_t window_left = -1;  // −1: none.
+  double softcap = 0;        // 0: none.
 
   std::string Name() const {
     return absl::StrCat(method, "/", DTypeLabel(dtype), "/causal:", causal ? 1 : 0, "/N:", n,
                         "/H:", heads, "/d:", d,
-                        window_left >= 0 ? absl::StrCat("/window:", window_left) : "");
+                        window_left >= 0 ? absl::StrCat("/window:", window_left) : "",
+                        softcap > 0 ? absl::StrCat("/softcap:", softcap) : "");
   }
   static const char* DTypeLabel(DType dtype) {
     return dtype == DType::kFloat32 ? "fp32" : attn::DTypeName(dtype);
@@ -189,7 +194,7 @@ bool DeadlinePassed() {
                "attention_bench: %s\n"
                "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
                "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-               "       --heads=H --window_left=L --naive_max_n=N --naive_budget_gib=G\n"
+               "       --heads=H --window_left=L --softcap=C --naive_max_n=N --naive_budget_gib=G\n"
                "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
                "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
                "       --memcopy_mib=M\n"
@@ -339,6 +344,12 @@ Options ParseOptions(int* argc, char** argv) {
         Usage("--window_left expects an integer >= 0, or -1 for none");
       }
       options.window_left = window;
+    } else if (flag == "--softcap") {
+      need_value();
+      options.softcap = ParseDouble(flag, value);
+      if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) {
+        Usage("--softcap expects a finite value >= 0");
+      }
     } else if (flag == "--naive_max_n") {
       need_value();
       options.naive_max_n = ParseInt(flag, value);
@@ -361,7 +372,7 @@ Options ParseOptions(int* argc, char** argv) {
       std::printf(
           "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
           "  --causal=0,1 --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-          "  --heads=H --window_left=L --naive_max_n=N --naive_budget_gib=G\n"
+          "  --heads=H --window_left=L --softcap=C --naive_max_n=N --naive_budget_gib=G\n"
           "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
           "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
           "  --memcopy_mib=M\n"
@@ -403,6 +414,7 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
       shape, cell.dtype, cell.causal, block_k, /*seed=*/0x5eed0000u + cell.n + cell.d);
   host.return_lse = false;
   if (cell.window_left >= 0) host.window_left = cell.window_left;
+  host.softcap = static_cast<float>(cell.softcap);
   const attn::Problem problem = host.View();
 
   // The output buffer, poisoned with NaN so that an unwritten element shows after the run.
@@ -887,7 +899,8 @@ int main(int argc, char** argv) {
               continue;
             }
             const Cell cell{
-                method, dtype, causal != 0, n, HeadsFor(options, n), d, options.window_left};
+                method,         dtype, causal != 0, n, HeadsFor(options, n), d, options.window_left,
+                options.softcap};
             // Past --naive_max_n, Naive only where the backend refuses it before allocating.
             if (method == "naive" && n > options.naive_max_n &&
                 cell.NaiveStorageBytes() <= static_cast<double>(budget)) {

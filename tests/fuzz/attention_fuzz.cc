@@ -67,11 +67,11 @@ std::string Describe(const Problem& p) {
   const Shape& s = p.shape;
   return absl::StrFormat(
       "problem [B=%d H=%d Hkv=%d Nq=%d Nk=%d d=%d dv=%d], q/k/v %s/%s/%s → %s, scale %g, "
-      "block_k %d%s%s, window (%d, %d)",
+      "block_k %d%s%s, window (%d, %d), softcap %g",
       s.batch, s.heads, s.kv_heads, s.query_len, s.key_len, s.head_dim, s.value_dim,
       DTypeName(p.query.dtype), DTypeName(p.key.dtype), DTypeName(p.value.dtype),
       DTypeName(p.output_dtype), p.scale, p.block_k, p.causal ? ", causal" : "",
-      p.return_lse ? ", lse" : "", p.window_left, p.window_right);
+      p.return_lse ? ", lse" : "", p.window_left, p.window_right, p.softcap);
 }
 
 Backend& Cpu() {
@@ -100,7 +100,8 @@ void ExpectInvariants(const Problem& p) {
       s.batch >= 1 && s.heads >= 1 && s.kv_heads >= 1 && s.query_len >= 1 && s.key_len >= 1 &&
       s.head_dim >= 1 && s.value_dim >= 1 && s.heads % s.kv_heads == 0 && p.block_k >= 1 &&
       p.block_k <= s.key_len && std::isfinite(p.scale) && p.query.data != nullptr &&
-      p.key.data != nullptr && p.value.data != nullptr &&
+      p.key.data != nullptr && p.value.data != nullptr && std::isfinite(p.softcap) &&
+      p.softcap >= 0.f &&
       (p.window_left == kUnbounded || (p.window_left >= 0 && p.window_left <= kMaxPosition)) &&
       (p.window_right == kUnbounded || (p.window_right >= 0 && p.window_right <= kMaxPosition));
   if (!ok) Fail(absl::StrCat("validation accepted an invalid ", Describe(p)));
@@ -119,8 +120,9 @@ double Work(const Problem& p, double rows) {
 // well-scaled random inputs; fuzzed inputs span fp32's range, so the bound follows the row's
 // conditioning instead. With u = 2^-24, P = max_j Σ_c |q_c·k_jc| over the visible keys and
 // V = max |v| over them:
-//   a score              off by at most ε = (d + 2)·u·|scale|·P   (fp32 dot product in any order,
-//                                                                  then the scale)
+//   a score              off by at most ε = (d + 2)·u·|scale|·P + 8u·softcap   (fp32 dot
+//                                                   product in any order, then the scale; the
+//                                                   softcap's tanh, of slope ≤ 1, adds its own)
 //   a normalized weight  off by a factor within e^(±δ), δ = 2ε + 3η, with η = 128u for exp's own
 //                        error and the rounding of (s − max) when the weight is not negligible
 //   the output           |out − ref| ≤ V·(w + (4·Nk + 8)·u·(1 + w)) + subnormal rounding, with
@@ -166,6 +168,7 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
       max_abs_key = std::max(max_abs_key, std::abs(k));
     }
     scores[j] = double{p.scale} * dot;
+    if (p.softcap > 0.f) scores[j] = p.softcap * std::tanh(scores[j] / p.softcap);
     products = std::max(products, abs_dot);
     max_score = std::max(max_score, scores[j]);
   }
@@ -188,7 +191,10 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   ref.tame = std::max({max_abs_query, max_abs_key, scale * max_abs_query, products,
                        scale * products, ref.max_abs_value * visible}) <= kMaxTame;
   const double u = kUnitRoundoff;
-  const double score_error = static_cast<double>(s.head_dim + 2) * u * scale * products;
+  // The softcap's tanh has slope ≤ 1, so it passes the product's error on unchanged and adds
+  // its own (tanhf's few ulps of a result within ±softcap).
+  const double score_error = static_cast<double>(s.head_dim + 2) * u * scale * products +
+                             8 * u * static_cast<double>(p.softcap);
   // Past 2 the weights may be anything: out and ref are both averages of values within ±V.
   const double weight_error = std::min(std::expm1(2 * score_error + 3 * 128 * u), 2.0);
   const double sums = (4 * visible + 8) * u;

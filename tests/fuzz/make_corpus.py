@@ -95,6 +95,10 @@ seeds = {
     "attention-causal-window": ATTENTION + random_request(
         10, [2, 2], 1, 13, 19, 5, 4, causal=True, block_k=3, return_lse=True,
         window_left=4).SerializeToString(),
+    # A softcap below the largest scores, with a causal window.
+    "attention-softcap-window": ATTENTION + random_request(
+        12, [2], 1, 11, 14, 6, 5, causal=True, block_k=4, return_lse=True, window_left=5,
+        softcap=0.5).SerializeToString(),
     "attention-mixed-dtypes": ATTENTION + random_request(
         5, [], 1, 5, 9, 6, 2, (F16, BF16, F32), block_k=3, output_dtype=F16).SerializeToString(),
     # Finite inputs whose scores overflow fp32 (4·1e20·1e20 > 3.4e38): inf − inf in the softmax.

@@ -166,7 +166,7 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
       options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
       return true;
     case 10:
-      switch (Pick(rng, 8)) {
+      switch (Pick(rng, 9)) {
         case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
           const int64_t choice = Pick(rng, 4);
           options->set_key_position(choice == 0   ? 0
@@ -195,6 +195,11 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
           } else {
             options->set_window_right(value);
           }
+          break;
+        }
+        case 8: {  // softcap: off, small, large, or refused (negative, infinite)
+          const float choices[] = {0.f, 0.5f, 5.f, 50.f, -1.f, INFINITY};
+          options->set_softcap(choices[Pick(rng, 6)]);
           break;
         }
         case 0:

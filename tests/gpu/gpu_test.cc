@@ -423,6 +423,9 @@ struct RandomCase {
   int block_k = 16;          // Passed to the kernels as is: Tiled's row kernel unless it is 32.
   int64_t key_position = 0;  // Positions (kernels/geometry.h); query_position −1 = unset.
   int64_t query_position = -1;
+  int64_t window_left = -1;  // AttentionOptions.window_left/right; −1 = unbounded.
+  int64_t window_right = -1;
+  float softcap = 0.f;  // AttentionOptions.softcap (the queries × 32 when set, past the cap).
 };
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
@@ -435,6 +438,15 @@ TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
   HostProblem host = RandomProblem(c.shape, DType::kFloat32, c.causal, c.block_k, seed);
   host.key_position = c.key_position;
   if (c.query_position >= 0) host.query_position = c.query_position;
+  if (c.window_left >= 0) host.window_left = c.window_left;
+  if (c.window_right >= 0) host.window_right = c.window_right;
+  if (c.softcap > 0) {
+    host.softcap = c.softcap;
+    for (size_t i = 0; i < host.query.size(); ++i) {
+      host.query[i] *= 32.f;  // Exact: a power of two.
+      StoreElement(host.query_bytes.data(), host.dtype, static_cast<int64_t>(i), host.query[i]);
+    }
+  }
   Problem problem = host.View();
   problem.block_k = c.block_k;
   const Reference ref = ReferenceAttention(host);
@@ -493,7 +505,15 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"PositionsKeySlice", MakeShape(1, 2, 2, 37, 19, 17, 17), true, 5, 23, 16},
         RandomCase{"PositionsQueriesMidSequence", MakeShape(1, 6, 2, 45, 130, 64, 64), true, 32, 0,
                    60},
-        RandomCase{"PositionsMovedKeys", MakeShape(2, 2, 1, 70, 53, 32, 24), true, 16, 1000}),
+        RandomCase{"PositionsMovedKeys", MakeShape(2, 2, 1, 70, 53, 32, 24), true, 16, 1000},
+        // Sliding windows (the fused kernels skip the tiles a window hides on both sides of a
+        // 64-row block) and softcaps past the scores, alone and together.
+        RandomCase{"WindowCausalLeft", MakeShape(1, 2, 1, 203, 203, 64, 64), true, 16, 0, -1, 40},
+        RandomCase{"WindowTwoSided", MakeShape(1, 2, 2, 97, 131, 32, 32), false, 7, 0, -1, 9, 5},
+        RandomCase{"WindowCausalLeftZero", MakeShape(1, 2, 2, 45, 45, 17, 17), true, 16, 0, -1, 0},
+        RandomCase{"Softcap", MakeShape(1, 2, 2, 70, 97, 64, 64), false, 16, 0, -1, -1, -1, 30.f},
+        RandomCase{"SoftcapCausalWindow", MakeShape(1, 4, 2, 150, 150, 48, 40), true, 16, 0, -1, 33,
+                   -1, 5.f}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
@@ -505,6 +525,8 @@ struct LowPrecisionCase {
   Shape shape;
   bool causal;
   int block_k;
+  int64_t window_left = -1;  // AttentionOptions.window_left; −1 = unbounded.
+  float softcap = 0.f;       // AttentionOptions.softcap (the queries × 32 when set).
 };
 
 void PrintTo(const LowPrecisionCase& c, std::ostream* os) { *os << c.name; }
@@ -523,7 +545,15 @@ class CudaLowPrecisionTest : public CudaFixture<::testing::TestWithParam<LowPrec
 TEST_P(CudaLowPrecisionTest, ErrorWithinTwiceTheSamePrecisionBaseline) {
   const LowPrecisionCase& c = GetParam();
   const uint64_t seed = std::hash<std::string>{}("cuda low precision " + c.name);
-  const HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, seed);
+  HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, seed);
+  if (c.window_left >= 0) host.window_left = c.window_left;
+  if (c.softcap > 0) {
+    host.softcap = c.softcap;
+    for (size_t i = 0; i < host.query.size(); ++i) {
+      host.query[i] *= 32.f;  // Exact in fp16 and bf16: a power of two.
+      StoreElement(host.query_bytes.data(), host.dtype, static_cast<int64_t>(i), host.query[i]);
+    }
+  }
   ASSERT_EQ(host.output_dtype, c.dtype);
   const Reference ref = ReferenceAttention(host);
   const double baseline_error = MaxAbsError(LowPrecisionBaseline(host, c.dtype), ref.output);
@@ -581,7 +611,12 @@ INSTANTIATE_TEST_SUITE_P(
         LowPrecisionCase{"Bf16ManyTilesBatch2", DType::kBFloat16,
                          MakeShape(2, 2, 2, 200, 333, 64, 48), false, 64},
         LowPrecisionCase{"F16ValueDimWider", DType::kFloat16, MakeShape(1, 4, 2, 77, 131, 20, 40),
-                         true, 64}),
+                         true, 64},
+        // The tensor-core kernel with a causal window and with a softcap.
+        LowPrecisionCase{"Bf16CausalWindow", DType::kBFloat16, MakeShape(1, 2, 2, 200, 200, 64, 64),
+                         true, 64, 45},
+        LowPrecisionCase{"F16SoftcapWindow", DType::kFloat16, MakeShape(1, 4, 2, 130, 150, 32, 32),
+                         true, 64, 60, 10.f}),
     [](const ::testing::TestParamInfo<LowPrecisionCase>& info) { return info.param.name; });
 
 class CudaMixedDtypeTest : public CudaTest {};

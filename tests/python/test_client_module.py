@@ -9,12 +9,14 @@ tolerances (attnd_harness.output_error); the seed trace with block_k 2 (every st
 state, the final estimate equal to Tiled's row), a multi-row trace and example.py; sliding
 windows (window_left / window_right through Naive, Tiled and Decode against a float64 reference
 that applies the window key by key, Trace's start repeating the window and each row's steps
-beginning at the first tile it sees); errors (a bad shape → AttnError INVALID_ARGUMENT naming
-key.shape, on every RPC; local argument errors, bad windows among them, raise
-ValueError/TypeError naming the argument without any RPC); a second attnd with
---auth-token-file (no token or a wrong one → UNAUTHENTICATED, the token → OK, health without
-one); and, when openssl is present, a third attnd with TLS reached through tls_ca. Run by CTest
-as
+beginning at the first tile it sees); softcaps (softcap through Naive, Tiled and Decode on
+problems whose scores pass the cap, against a float64 reference that scales, caps and then
+masks; Trace's start repeating it, each step's scaled_scores and capped scores); errors (a bad
+shape → AttnError INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors, bad
+windows and softcaps among them, raise ValueError/TypeError naming the argument without any
+RPC); a second attnd with --auth-token-file (no token or a wrong one → UNAUTHENTICATED, the
+token → OK, health without one); and, when openssl is present, a third attnd with TLS reached
+through tls_ca. Run by CTest as
 
   /usr/bin/python3 tests/python/test_client_module.py --attnd <attnd> --stubs <stubs dir>
 
@@ -109,6 +111,41 @@ def window_reference(q, k, v, causal, window_left=None, window_right=None, key_p
                 out[b, h, i] = weights @ v[b, kv, seen] / weights.sum()
                 lse[b, h, i] = row_max + math.log(weights.sum())
     return out, lse
+
+
+def softcap_reference(q, k, v, causal, softcap, window_left=None, key_position=0,
+                      query_position=None):
+    """float64 attention over [B, H, Nq, d] / [B, Hkv, Nk, d] / [B, Hkv, Nk, dv] in the
+    contract's order: the scores scale · q·k (scale 1/sqrt(d)), then softcap · tanh(s /
+    softcap) (softcap 0: none), then the mask (causal and window_left over positions, as in
+    window_reference) → (out, lse, score_max), score_max the largest |score| the softmax takes
+    (capped, of the keys seen: ≤ softcap), for harness.output_error; a row that sees no key
+    gives zeros and lse −inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    heads, query_len, head_dim = q.shape[1:]
+    kv_heads, key_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    if query_position is None:
+        query_position = key_position + key_len - query_len
+    scaled = (q @ np.swapaxes(k, -1, -2)) / math.sqrt(head_dim)       # [B, H, Nq, Nk]
+    scores = softcap * np.tanh(scaled / softcap) if softcap else scaled.copy()
+    p = query_position + np.arange(query_len)[:, None]
+    t = key_position + np.arange(key_len)[None, :]
+    hidden = np.zeros((query_len, key_len), dtype=bool)
+    if causal:
+        hidden |= t > p
+    if window_left is not None:
+        hidden |= t < p - window_left
+    scores[..., hidden] = -math.inf
+    row_max = scores.max(axis=-1, keepdims=True)
+    seen = np.isfinite(row_max)
+    weights = np.where(seen, np.exp(scores - np.where(seen, row_max, 0.0)), 0.0)
+    total = weights.sum(axis=-1, keepdims=True)
+    out = np.where(seen, weights @ v / np.where(seen, total, 1.0), 0.0)
+    lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -math.inf)[..., 0]
+    visible = np.isfinite(scores)
+    return out, lse, float(np.max(np.abs(scores[visible]))) if visible.any() else 0.0
 
 
 class ServerCase(unittest.TestCase):
@@ -460,6 +497,146 @@ class ClientModuleTest(ServerCase):
             for cache in caches:
                 cache.delete()
 
+    # Softcap.
+
+    def softcap_problem(self, q_shape, k_shape, v_shape):
+        """Random float32 q, k, v in [-1, 1], the queries × 32 so the scores pass the caps."""
+        rng = np.random.default_rng()
+        q = (32 * rng.uniform(-1, 1, size=q_shape)).astype(np.float32)
+        k = rng.uniform(-1, 1, size=k_shape).astype(np.float32)
+        v = rng.uniform(-1, 1, size=v_shape).astype(np.float32)
+        return q, k, v
+
+    def test_softcap_matches_reference(self):
+        cases = [
+            # Rank 4, GQA, causal, value_dim ≠ head_dim, odd sizes.
+            ((2, 4, 37, 9), (2, 2, 53, 9), (2, 2, 53, 6), dict(causal=True, softcap=5.0)),
+            ((2, 4, 37, 9), (2, 2, 53, 9), (2, 2, 53, 6), dict(causal=True, softcap=30)),
+            # Rank 3, not causal, key_len ≠ query_len.
+            ((6, 29, 17), (3, 41, 17), (3, 41, 11), dict(causal=False, softcap=5)),
+            ((6, 29, 17), (3, 41, 17), (3, 41, 11), dict(causal=False, softcap=30.0)),
+            # With a causal window too: the cap before the mask either way.
+            ((1, 2, 31, 9), (1, 1, 31, 9), (1, 1, 31, 7),
+             dict(causal=True, softcap=5.0, window_left=6)),
+        ]
+        for q_shape, k_shape, v_shape, options in cases:
+            q, k, v = self.softcap_problem(q_shape, k_shape, v_shape)
+            out_shape, lse_shape = q_shape[:-1] + v_shape[-1:], q_shape[:-1]
+            ref, ref_lse, score_max = softcap_reference(as4(q), as4(k), as4(v), **options)
+            plain, _, _ = softcap_reference(as4(q), as4(k), as4(v), **dict(options, softcap=0))
+            self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)  # and it matters
+            ref, ref_lse = ref.reshape(out_shape), ref_lse.reshape(lse_shape)
+            for name in ("naive", "tiled"):
+                with self.subTest(rpc=name, shape=q_shape, **options):
+                    result = getattr(self.client, name)(q, k, v, block_k=7, return_lse=True,
+                                                        **options)
+                    # score_max ≤ softcap: the cap's slope sech² shrinks the fp32 error of a
+                    # scaled score s to about |s|·sech²(s/softcap)·ε ≤ softcap·ε.
+                    self.assertEqual(harness.output_error(result.output.astype(np.float64),
+                                                          ref, 1, score_max), "")
+                    self.assertEqual(harness.lse_error(result.lse.astype(np.float64), ref_lse),
+                                     "")
+        # softcap=0 (and the default) is no cap at all.
+        q, k, v = self.softcap_problem((3, 11, 5), (3, 13, 5), (3, 13, 4))
+        np.testing.assert_array_equal(self.client.tiled(q, k, v, softcap=0).output,
+                                      self.client.tiled(q, k, v).output)
+
+    def test_softcap_trace(self):
+        q, k, v = self.softcap_problem((1, 4, 23, 9), (1, 2, 23, 9), (1, 2, 23, 6))
+        block_k, softcap = 5, 5.0
+        rows = [(0, 0, 22), (0, 3, 4), (0, 1, 11)]
+        tiled = self.client.tiled(q, k, v, causal=True, block_k=block_k, softcap=softcap)
+        events = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True,
+                                        softcap=softcap))
+        start = events[0]
+        self.assertEqual(start["kind"], "start")
+        self.assertEqual(start["softcap"], softcap)
+        scale = 1.0 / math.sqrt(9)
+        q64, k64 = q.astype(np.float64), k.astype(np.float64)
+        for b, h, r in rows:
+            with self.subTest(row=(b, h, r)):
+                steps = [e for e in events if e["kind"] == "step" and e["row"] == (b, h, r)]
+                self.assertEqual([e["tile"] for e in steps], list(range(r // block_k + 1)))
+                for step in steps:
+                    keys = np.arange(step["key_begin"], step["key_end"])
+                    products = q64[b, h, r] * k64[b, h // 2, keys]       # [keys, d]
+                    scaled = step["scaled_scores"]
+                    self.assertIsInstance(scaled, np.ndarray)
+                    self.assertEqual(scaled.dtype, np.float32)
+                    self.assertEqual(scaled.shape, keys.shape)
+                    # Every key's scaled score, masked ones included: scale · q·k to within
+                    # fp32 dot-product rounding (γ_(d+2) · scale · Σ|q_i k_i|).
+                    self.assertTrue(np.isfinite(scaled).all())
+                    bound = 11 * 2.0 ** -24 * scale * np.abs(products).sum(axis=1) + 1e-30
+                    np.testing.assert_array_less(np.abs(scaled - scale * products.sum(axis=1)),
+                                                 bound)
+                    # The scores: the cap of those scaled scores, −inf where the mask hides a
+                    # key; within a few float32 ulps of softcap · tanh(scaled / softcap).
+                    hidden = keys > r
+                    scores = step["scores"]
+                    np.testing.assert_array_equal(np.isneginf(scores), hidden)
+                    capped = softcap * np.tanh(scaled.astype(np.float64) / softcap)
+                    visible = ~hidden
+                    ulps = np.abs(scores[visible] - capped[visible]) / np.spacing(
+                        np.abs(capped[visible]).astype(np.float32)).astype(np.float64)
+                    self.assertTrue((ulps <= 4).all(), ulps)
+                    self.assertTrue((np.abs(scores[visible]) <= softcap).all())
+                done = [e for e in events if e["kind"] == "row_done" and e["row"] == (b, h, r)]
+                np.testing.assert_allclose(done[0]["output"], tiled.output[b, h, r], rtol=0,
+                                           atol=1e-6)
+                np.testing.assert_allclose(done[0]["reference"], tiled.output[b, h, r], rtol=0,
+                                           atol=1e-5)
+        # The cap bit: some traced score was past it.
+        self.assertGreater(max(float(np.max(np.abs(e["scaled_scores"]))) for e in events
+                               if e["kind"] == "step"), 2 * softcap)
+        # Without a softcap the start says 0.0 and no step has scaled_scores.
+        plain = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True))
+        self.assertEqual(plain[0]["softcap"], 0.0)
+        for step in (e for e in plain if e["kind"] == "step"):
+            self.assertEqual(step["scaled_scores"].shape, (0,))
+
+    def test_softcap_decode(self):
+        rng = np.random.default_rng()
+        heads, kv_heads, head_dim, value_dim = 4, 2, 9, 5
+        caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(2)]
+        try:
+            held = []
+            for cache, length in zip(caches, (37, 23)):
+                k = rng.uniform(-1, 1, size=(kv_heads, length, head_dim)).astype(np.float32)
+                v = rng.uniform(-1, 1, size=(kv_heads, length, value_dim)).astype(np.float32)
+                cache.append(k, v)
+                held.append((k, v))
+            queries = [(32 * rng.uniform(-1, 1, size=(heads, nq, head_dim))).astype(np.float32)
+                       for nq in (3, 1)]
+            for softcap in (5.0, 30):
+                result = self.client.decode([(caches[0], queries[0]), (caches[1], queries[1])],
+                                            causal=True, softcap=softcap, return_lse=True)
+                for index in range(2):
+                    with self.subTest(softcap=softcap, item=index):
+                        k, v = held[index]
+                        ref, ref_lse, score_max = softcap_reference(
+                            queries[index][None], k[None], v[None], True, softcap)
+                        if softcap == 5.0:  # the cap matters
+                            plain, _, _ = softcap_reference(queries[index][None], k[None],
+                                                            v[None], True, 0)
+                            self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)
+                        self.assertEqual(harness.output_error(
+                            result.outputs[index].astype(np.float64), ref[0], 1, score_max), "")
+                        self.assertEqual(harness.lse_error(
+                            result.lse[index].astype(np.float64), ref_lse[0]), "")
+            # Cache.decode passes it on too (not causal, appending a token first).
+            k1 = rng.uniform(-1, 1, size=(kv_heads, 1, head_dim)).astype(np.float32)
+            v1 = rng.uniform(-1, 1, size=(kv_heads, 1, value_dim)).astype(np.float32)
+            step = caches[1].decode(queries[0], k1, v1, softcap=5.0)
+            k, v = (np.concatenate([a, b], axis=1) for a, b in zip(held[1], (k1, v1)))
+            ref, _, score_max = softcap_reference(queries[0][None], k[None], v[None], False, 5.0)
+            self.assertEqual(caches[1].length, 24)
+            self.assertEqual(harness.output_error(step.output.astype(np.float64), ref[0], 1,
+                                                  score_max), "")
+        finally:
+            for cache in caches:
+                cache.delete()
+
     # Errors.
 
     def test_bad_shape_is_invalid_argument(self):
@@ -522,6 +699,19 @@ class ClientModuleTest(ServerCase):
                             with self.assertRaises(error) as caught:
                                 call(**{name: value})
                             self.assertIn(name, str(caught.exception))
+            # Bad softcaps likewise (Cache.decode too): negative, not finite, not a number.
+            cache = attn_client.Cache(offline, attn_client.pb.CacheInfo(
+                cache_id="0123", kv_heads=1, head_dim=4, value_dim=4, length=8))
+            calls["cache.decode"] = lambda **w: cache.decode(q[None], **w)
+            for value, error in ((-1.0, ValueError), (float("nan"), ValueError),
+                                 (float("inf"), ValueError), (-math.inf, ValueError),
+                                 (1e39, ValueError), (True, TypeError), ("3", TypeError),
+                                 (None, TypeError)):
+                for rpc, call in calls.items():
+                    with self.subTest(rpc=rpc, argument="softcap", value=value):
+                        with self.assertRaises(error) as caught:
+                            call(softcap=value)
+                        self.assertIn("softcap", str(caught.exception))
             with self.assertRaises(AttnError) as caught:
                 offline.info()
             self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
