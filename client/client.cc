@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <cmath>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -204,6 +206,21 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Hea
       Unary(*health_, &grpc::health::v1::Health::Stub::Check, request);
   if (!response.ok()) return response.status();
   return response->status();
+}
+
+std::vector<float> StandardAlibiSlopes(int64_t heads) {
+  std::vector<float> slopes;
+  if (heads < 1) return slopes;
+  int64_t n = 1;
+  while (n * 2 <= heads) n *= 2;
+  for (int64_t h = 0; h < n; ++h) {
+    slopes.push_back(static_cast<float>(std::exp2(-8.0 * static_cast<double>(h + 1) / n)));
+  }
+  for (int64_t i = 0; n + i < heads; ++i) {  // The odd-numbered slopes of 2n heads.
+    slopes.push_back(
+        static_cast<float>(std::exp2(-8.0 * static_cast<double>(2 * i + 1) / (2 * n))));
+  }
+  return slopes;
 }
 
 absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CreateCacheRequest& request) {

@@ -126,6 +126,11 @@ class Client {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
 
+// The standard ALiBi slopes for `heads` query heads (Press et al.; BLOOM's): for a power of two
+// n, head h's slope is 2^(−8(h+1)/n); otherwise the n = 2^⌊log₂ heads⌋ slopes, then every other
+// one of the 2n slopes (2^(−4(2i+1)/n), i = 0, 1, …) for the heads past n.
+std::vector<float> StandardAlibiSlopes(int64_t heads);
+
 // A Naive/Tiled request (or a TraceRequest's attention) over a cache's keys: `query`
 // [heads, query_len, head_dim] (rank 2 or 3), no inline key or value.
 attention::v1::AttentionRequest CacheRequest(const std::string& cache_id,

@@ -124,7 +124,8 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
   const std::optional<Dims> dims = ReadDims(request);
   const int64_t units = dims ? dims->batch * dims->kv_heads : 1;
   const int64_t parts = std::clamp<int64_t>(max_parts, 1, units);
-  if (!dims || parts == 1) {
+  const int slope_count = request.options().alibi_slopes_size();
+  if (!dims || parts == 1 || (slope_count != 0 && slope_count != dims->heads)) {
     return {ShardPart{.first_unit = 0,
                       .units = units,
                       .key_begin = 0,
@@ -136,25 +137,43 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
   const int64_t query_per_unit = group * dims->query_len * dims->head_dim;
   const int64_t key_per_unit = dims->key_len * dims->head_dim;
   const int64_t value_per_unit = dims->key_len * dims->value_dim;
+  // ALiBi slopes belong to query heads, so a part that carries them holds kv heads of one batch
+  // entry, sent as [1, u·G, N, D] × [1, u, M, D] with their heads' slopes (the same elements).
+  const bool slopes = slope_count > 0;
   std::vector<ShardPart> out;
   out.reserve(parts);
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t first = units * p / parts;
-    const int64_t count = units * (p + 1) / parts - first;
+  auto add = [&](int64_t first, int64_t count) {
     ShardPart& part = out.emplace_back();
     part.first_unit = first;
     part.units = count;
     part.key_end = dims->key_len;
+    const int64_t batch = slopes ? 1 : count, heads = slopes ? count : 1;
     *part.request.mutable_query() =
         Slice(request.query(), 1, 0, first * query_per_unit, count * query_per_unit,
-              {count, group, dims->query_len, dims->head_dim});
+              {batch, heads * group, dims->query_len, dims->head_dim});
     *part.request.mutable_key() =
         Slice(request.key(), 1, 0, first * key_per_unit, count * key_per_unit,
-              {count, 1, dims->key_len, dims->head_dim});
+              {batch, heads, dims->key_len, dims->head_dim});
     *part.request.mutable_value() =
         Slice(request.value(), 1, 0, first * value_per_unit, count * value_per_unit,
-              {count, 1, dims->key_len, dims->value_dim});
+              {batch, heads, dims->key_len, dims->value_dim});
     if (request.has_options()) *part.request.mutable_options() = request.options();
+    if (slopes) {
+      const int64_t head = first % dims->kv_heads * group;  // The part's first query head.
+      const auto& all = request.options().alibi_slopes();
+      part.request.mutable_options()->mutable_alibi_slopes()->Assign(
+          all.begin() + head, all.begin() + head + count * group);
+    }
+  };
+  for (int64_t p = 0; p < parts; ++p) {
+    int64_t first = units * p / parts;
+    const int64_t end = units * (p + 1) / parts;
+    while (first < end) {  // With slopes, cut at each batch entry's end.
+      const int64_t stop =
+          slopes ? std::min(end, (first / dims->kv_heads + 1) * dims->kv_heads) : end;
+      add(first, stop - first);
+      first = stop;
+    }
   }
   return out;
 }

@@ -64,10 +64,11 @@ struct ShardPart {
 };
 
 // Splits `request` into at most `max_parts` parts of whole (batch, kv head) units, as even as
-// possible. A request that cannot be split — a single unit, shapes that do not agree, data of
-// the wrong length — comes back as one part holding it unchanged (the server then answers it,
-// or reports what is wrong with it).
-// Each part holds all the keys (key_end = key_len; 0 for a request whose shapes do not agree).
+// possible (with ALiBi slopes, a part crossing from one batch entry to the next is cut in two
+// there, and each piece carries its query heads' slopes). A request that cannot be split — a single
+// unit, shapes that do not agree, data of the wrong length — comes back as one part holding it
+// unchanged (the server then answers it, or reports what is wrong with it). Each part holds all the
+// keys (key_end = key_len; 0 for a request whose shapes do not agree).
 std::vector<ShardPart> SplitRequest(const attention::v1::AttentionRequest& request, int max_parts);
 
 // Reassembles the parts' responses (in the order SplitRequest gave the parts) into the response

@@ -64,7 +64,7 @@ struct Geometry {
 
   // The keys query row `row` sees (see above).
   ATTN_HOST_DEVICE KeyRange Visible(int64_t row) const {
-    const int64_t p = query_position - key_position + row;  // Relative to key 0's position.
+    const int64_t p = Distance(row, 0);  // The row's position relative to key 0's.
     KeyRange range{0, key_len};
     if (window_left != kUnbounded && p - window_left > 0) {
       range.begin = p - window_left < key_len ? p - window_left : key_len;
@@ -84,6 +84,12 @@ struct Geometry {
     const int64_t first = begin > visible.begin ? begin : visible.begin;
     const int64_t last = begin + n < visible.end ? begin + n : visible.end;
     return last > first ? last - first : 0;
+  }
+
+  // p − t for query row `row` and key `key`: the distance an ALiBi bias grows with
+  // (kernels/score_transform.h).
+  ATTN_HOST_DEVICE int64_t Distance(int64_t row, int64_t key) const {
+    return query_position - key_position + row - key;
   }
 
   // Key tiles of block_k keys holding a key that some row of [first_row, last_row] sees: the

@@ -88,6 +88,10 @@ struct Problem {
   // Softcap (kernels/score_transform.h): a scaled score s becomes softcap · tanh(s / softcap);
   // 0 = none, else finite and > 0.
   float softcap = 0.f;
+  // ALiBi (kernels/score_transform.h): [heads] slopes, query head h adding
+  // −alibi_slopes[h] · |p − t| to its scores; null = none, else each finite. Host memory, owned
+  // like the tensors.
+  const float* alibi_slopes = nullptr;
   bool causal = false;
   // Positions (kernels/geometry.h): key j at key_position + j; query row i at query_position + i,
   // bottom-right against the keys when unset. Both in [0, kMaxPosition] when set.
@@ -101,8 +105,9 @@ struct Problem {
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
 
-  // What becomes of every scaled score before the mask.
-  ScoreTransform transform() const { return ScoreTransform{softcap}; }
+  // What becomes of every scaled score before the mask: of every head, of head h.
+  ScoreTransforms transforms() const { return ScoreTransforms{softcap, alibi_slopes}; }
+  ScoreTransform transform(int64_t head) const { return transforms().ForHead(head); }
 
   // The key/value head that query head h reads (KvHeadOf).
   int64_t KvHead(int64_t head) const { return KvHeadOf(head, shape.heads, shape.kv_heads); }

@@ -1,11 +1,16 @@
 // ScoreTransform: what becomes of a scaled score before the mask — the one host-and-device
 // definition every kernel (CPU and CUDA), every trace and the test reference's contract follow.
 //
-// Order (FlashAttention's): the scale, then the softcap, then the mask (kernels/geometry.h).
+// Order (FlashAttention's): the scale, then the softcap, then the ALiBi bias, then the mask
+// (kernels/geometry.h).
 // Softcap (Gemma 2, Grok): a scaled score s becomes softcap · tanh(s / softcap), so every score
 // lies in [−softcap, softcap] however large q·k grows (tanh reaches ±1 in fp32); 0 turns it off.
-// The transform is elementwise, so a key slice of a problem (positions, SplitKeys) transforms its
-// scores exactly as the whole does and the slices' states still merge exactly.
+// ALiBi (BLOOM, MPT): query head h adds −slope_h · |p − t| for a query at position p and a key at
+// t (Geometry::Distance gives p − t); no slopes, no bias. The distance is converted to fp32
+// (exact below 2^24; a tile's keys as float(p − t₀) − j, equal to it there).
+// Both depend only on the score and on positions, so a key slice of a problem (positions,
+// SplitKeys) transforms its scores exactly as the whole does and the slices' states still merge
+// exactly; a slice of the heads (SplitRequest) takes its heads' slopes.
 //
 // tanh on the GPU is tanhf (libdevice). On the CPU a scalar tanhf per score made Tiled 6.7×
 // slower (docs/perf.md), so it is a branch-free version the compiler vectorizes, one template for
@@ -43,14 +48,16 @@ ATTN_HOST_DEVICE F Tanh(F y) {
 }  // namespace score_detail
 #endif
 
+// One query head's transform.
 struct ScoreTransform {
-  float softcap = 0.f;  // > 0, finite; 0: none (the request check's rule, server/request.cc).
+  float softcap = 0.f;      // > 0, finite; 0: none (the request check's rule, server/request.cc).
+  float alibi_slope = 0.f;  // Finite; 0: no bias.
 
   // Whether every score passes unchanged.
-  ATTN_HOST_DEVICE bool Identity() const { return softcap == 0.f; }
+  ATTN_HOST_DEVICE bool Identity() const { return softcap == 0.f && alibi_slope == 0.f; }
 
-  // The score a kernel uses for a scaled score.
-  ATTN_HOST_DEVICE float operator()(float scaled) const {
+  // The softcapped score (the scaled one without a softcap).
+  ATTN_HOST_DEVICE float Cap(float scaled) const {
     if (softcap == 0.f) return scaled;
 #if defined(__CUDA_ARCH__)
     return softcap * tanhf(scaled / softcap);
@@ -59,22 +66,59 @@ struct ScoreTransform {
 #endif
   }
 
+  // The ALiBi bias of a key at distance p − t from the query.
+  ATTN_HOST_DEVICE float Bias(float distance) const {
+    return -alibi_slope * (distance < 0.f ? -distance : distance);
+  }
+
+  // The score a kernel uses for a scaled score of a key at distance p − t.
+  ATTN_HOST_DEVICE float operator()(float scaled, int64_t distance) const {
+    return Cap(scaled) + Bias(static_cast<float>(distance));
+  }
+
 #if !defined(__CUDA_ARCH__)
-  // The transform of n scaled scores in place (a tile, a row), in lanes of V (lanes::Floats or
-  // lanes::Floats16; the tail one float at a time, the same arithmetic).
+  // The transform in place of n scaled scores of consecutive keys (a tile, a row), the first at
+  // distance p − t₀ (key j at p − t₀ − j), in lanes of V (lanes::Floats or lanes::Floats16; the
+  // tail one float at a time, the same arithmetic).
   template <class V = lanes::Floats>
-  ATTN_HOST_DEVICE void Apply(float* scores, int64_t n) const {
+  ATTN_HOST_DEVICE void Apply(float* scores, int64_t n, int64_t distance) const {
     if (Identity()) return;
     constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));
-    const float inverse = 1.f / softcap;
+    const float inverse = softcap == 0.f ? 0.f : 1.f / softcap;
+    const float first = static_cast<float>(distance);
+    V lane{};  // 0, 1, …, kWidth − 1.
+    for (int i = 0; i < kWidth; ++i) lane[i] = static_cast<float>(i);
     int64_t j = 0;
     for (; j + kWidth <= n; j += kWidth) {
-      const V s = lanes::Load<V>(scores + j);
-      lanes::Store(scores + j, softcap * score_detail::Tanh(s * inverse));
+      V s = lanes::Load<V>(scores + j);
+      if (softcap != 0.f) s = softcap * score_detail::Tanh(s * inverse);
+      if (alibi_slope != 0.f) {
+        const V d = first - (lane + static_cast<float>(j));
+        s += -alibi_slope * (d < V{} ? -d : d);
+      }
+      lanes::Store(scores + j, s);
     }
-    for (; j < n; ++j) scores[j] = softcap * score_detail::Tanh(scores[j] * inverse);
+    for (; j < n; ++j) {
+      float s = scores[j];
+      if (softcap != 0.f) s = softcap * score_detail::Tanh(s * inverse);
+      if (alibi_slope != 0.f) s += Bias(first - static_cast<float>(j));
+      scores[j] = s;
+    }
   }
 #endif
+};
+
+// A problem's transforms: one softcap, each query head's slope.
+struct ScoreTransforms {
+  float softcap = 0.f;
+  // [heads] ALiBi slopes, or null for none: host memory for the CPU kernels, device memory in a
+  // CUDA kernel's parameters.
+  const float* alibi_slopes = nullptr;
+
+  ATTN_HOST_DEVICE bool Identity() const { return softcap == 0.f && alibi_slopes == nullptr; }
+  ATTN_HOST_DEVICE ScoreTransform ForHead(int64_t head) const {
+    return ScoreTransform{softcap, alibi_slopes != nullptr ? alibi_slopes[head] : 0.f};
+  }
 };
 
 }  // namespace attn

@@ -112,10 +112,12 @@ float DefaultScale(int64_t head_dim) {
 }
 
 // The options every attention call shares, into *problem: scale (when given; else the caller
-// sets 1/sqrt(head_dim)), causal, positions, windows, softcap, block_k (the default for 0; the
-// caller caps it at key_len), return_lse, output_dtype (the query's for DTYPE_UNSPECIFIED).
+// sets 1/sqrt(head_dim)), causal, positions, windows, softcap, ALiBi slopes (one per query head:
+// `heads`, of the query named prefix + "query"; the problem points at the request's), block_k
+// (the default for 0; the caller caps it at key_len), return_lse, output_dtype (the query's for
+// DTYPE_UNSPECIFIED).
 absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& options,
-                          DType query_dtype, int default_block_k, Problem* problem) {
+                          DType query_dtype, int64_t heads, int default_block_k, Problem* problem) {
   if (options.has_scale() && !std::isfinite(options.scale())) {
     return Invalid(absl::StrCat(prefix, "options.scale"),
                    absl::StrCat("is ", options.scale(), "; it must be finite"));
@@ -162,6 +164,21 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
         absl::StrCat("is ", options.softcap(), "; a softcap must be finite and ≥ 0 (0 = off)"));
   }
   problem->softcap = options.softcap();
+  if (!options.alibi_slopes().empty()) {
+    const std::string field = absl::StrCat(prefix, "options.alibi_slopes");
+    if (options.alibi_slopes_size() != heads) {
+      return Invalid(field, absl::StrCat("has ", options.alibi_slopes_size(), " slopes but ",
+                                         prefix, "query has ", heads,
+                                         " heads; give one slope per query head (or none)"));
+    }
+    for (int h = 0; h < options.alibi_slopes_size(); ++h) {
+      if (!std::isfinite(options.alibi_slopes(h))) {
+        return Invalid(absl::StrCat(field, "[", h, "]"),
+                       absl::StrCat("is ", options.alibi_slopes(h), "; a slope must be finite"));
+      }
+    }
+    problem->alibi_slopes = options.alibi_slopes().data();
+  }
   if (options.has_scale()) problem->scale = options.scale();
   problem->causal = options.causal();
   problem->block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
@@ -170,11 +187,13 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
 }
 
 // Every score and partial sum of q·k (scaled or not) is at most head_dim·max|q|·max|k|·
-// max(1, |scale|), and every weighted sum of values at most key_len·max|v|: both must stay
-// within fp32, or the kernels would meet inf − inf and answer NaN. `query`, `key` and `value`
-// name the fields whose elements are meant.
+// max(1, |scale|), an ALiBi bias at most max|slope|·max|p − t|, and every weighted sum of values
+// at most key_len·max|v|: all must stay within fp32, or the kernels would meet inf − inf and
+// answer NaN. `query`, `key` and `value` name the fields whose elements are meant; `options` the
+// options' prefix.
 absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, double max_v,
-                         absl::string_view query, absl::string_view key, absl::string_view value) {
+                         absl::string_view query, absl::string_view key, absl::string_view value,
+                         absl::string_view options) {
   const Shape& s = problem.shape;
   constexpr double kFloatMax = std::numeric_limits<float>::max();
   const double score_bound = static_cast<double>(s.head_dim) * max_q * max_k *
@@ -185,6 +204,23 @@ absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, dou
         absl::StrCat("max |query| = ", max_q, " and max |key| = ", max_k, " with head_dim ",
                      s.head_dim, " and scale ", problem.scale, " allow scores up to ", score_bound,
                      ", past fp32's largest value ", kFloatMax, "; scale the inputs down"));
+  }
+  if (problem.alibi_slopes != nullptr) {
+    // |p − t| is largest at a corner of the (row, key) grid: it is linear in row − key.
+    const Geometry g = problem.geometry();
+    const double distance = std::max(std::abs(static_cast<double>(g.Distance(0, s.key_len - 1))),
+                                     std::abs(static_cast<double>(g.Distance(s.query_len - 1, 0))));
+    double slope = 0;
+    for (int64_t h = 0; h < s.heads; ++h) {
+      slope = std::max(slope, std::abs(static_cast<double>(problem.alibi_slopes[h])));
+    }
+    if (score_bound + slope * distance > kFloatMax) {
+      return Invalid(
+          absl::StrCat(options, "options.alibi_slopes"),
+          absl::StrCat("max |slope| = ", slope, " over distances up to ", distance,
+                       " allows biases up to ", slope * distance, ", which with scores up to ",
+                       score_bound, " pass fp32's largest value ", kFloatMax));
+    }
   }
   if (static_cast<double>(s.key_len) * max_v > kFloatMax) {
     return Invalid(value, absl::StrCat("max |value| = ", max_v, " over key_len ", s.key_len,
@@ -279,7 +315,7 @@ absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
   }
 
   if (absl::Status options =
-          ParseOptions("", request.options(), query_dtype, default_block_k, &problem);
+          ParseOptions("", request.options(), query_dtype, q->heads, default_block_k, &problem);
       !options.ok()) {
     return options;
   }
@@ -309,7 +345,7 @@ absl::Status CheckAttentionValues(const Problem& problem) {
   const absl::StatusOr<double> v =
       CheckValues("value", problem.value, s.batch * s.kv_heads * s.key_len * s.value_dim);
   if (!v.ok()) return v.status();
-  return CheckBounds(problem, *q, *k, *v, "query.data", "key.data", "value.data");
+  return CheckBounds(problem, *q, *k, *v, "query.data", "key.data", "value.data", "");
 }
 
 absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& request,
@@ -440,7 +476,8 @@ absl::StatusOr<Problem> ParseCacheQuery(absl::string_view prefix, const v1::Tens
                     layout.head_dim);
   }
   Problem problem;
-  if (absl::Status parsed = ParseOptions(prefix, options, query_dtype, default_block_k, &problem);
+  if (absl::Status parsed =
+          ParseOptions(prefix, options, query_dtype, q->heads, default_block_k, &problem);
       !parsed.ok()) {
     return parsed;
   }
@@ -477,7 +514,7 @@ absl::Status BindCache(absl::string_view prefix, const PagedKv& pages, int64_t l
                                                s.heads * s.query_len * s.head_dim);
   if (!q.ok()) return q.status();
   return CheckBounds(*problem, *q, max_abs_key, max_abs_value, absl::StrCat(prefix, "query.data"),
-                     "the cache's keys", "the cache's values");
+                     "the cache's keys", "the cache's values", prefix);
 }
 
 absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& request,
@@ -582,6 +619,9 @@ v1::TraceStart EncodeTraceStart(const Problem& problem) {
   if (geometry.window_left != kUnbounded) start.set_window_left(geometry.window_left);
   if (geometry.window_right != kUnbounded) start.set_window_right(geometry.window_right);
   start.set_softcap(problem.softcap);
+  if (problem.alibi_slopes != nullptr) {
+    start.mutable_alibi_slopes()->Assign(problem.alibi_slopes, problem.alibi_slopes + s.heads);
+  }
   start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
   start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
   start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));
@@ -603,7 +643,7 @@ void EncodeFloats(const std::vector<float>& values,
 
 }  // namespace
 
-void EncodeTraceItem(const TraceItem& item, v1::TraceEvent* event) {
+void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEvent* event) {
   if (const TraceStep* step = std::get_if<TraceStep>(&item)) {
     v1::TileStep* message = event->mutable_step();
     EncodeRow(step->row, message->mutable_row());
@@ -619,6 +659,14 @@ void EncodeTraceItem(const TraceItem& item, v1::TraceEvent* event) {
     EncodeFloats(step->accumulator, message->mutable_accumulator());
     EncodeFloats(step->estimate, message->mutable_estimate());
     EncodeFloats(step->scaled_scores, message->mutable_scaled_scores());
+    if (problem.alibi_slopes != nullptr) {
+      const ScoreTransform transform = problem.transform(step->row.head);
+      const Geometry geometry = problem.geometry();
+      for (int64_t key = step->key_begin; key < step->key_end; ++key) {
+        message->add_biases(
+            transform.Bias(static_cast<float>(geometry.Distance(step->row.row, key))));
+      }
+    }
     return;
   }
   const TraceRowDone& done = std::get<TraceRowDone>(item);

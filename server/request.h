@@ -116,7 +116,9 @@ void EncodeStats(const Stats& stats, attention::v1::ExecutionStats* message);
 // The first event of a trace: the problem's shape and both methods' memory accounting.
 attention::v1::TraceStart EncodeTraceStart(const Problem& problem);
 
-// One cursor item as a TraceEvent (a TileStep or a RowDone).
-void EncodeTraceItem(const TraceItem& item, attention::v1::TraceEvent* event);
+// One cursor item of a trace of `problem` as a TraceEvent (a TileStep or a RowDone; a step's
+// ALiBi biases, TileStep.biases, from the problem's ScoreTransform).
+void EncodeTraceItem(const Problem& problem, const TraceItem& item,
+                     attention::v1::TraceEvent* event);
 
 }  // namespace attn

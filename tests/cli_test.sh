@@ -49,10 +49,20 @@ check window-trace 0 'tile 3, keys \[6, 8\)' -- \
 # Softcap 1 on the seed example: row 0's scores 2, 1, −1.75, … become tanh of them.
 check softcap-seed 0 'out\[0\] = \[-0\.627407, 0\.372593, -0\.488769, 0\.244294\]' -- \
   "$attn" "${target[@]}" tiled --example seed --softcap 1
-check softcap-trace 0 'scaled +\[2\.000000, 1\.000000\]   \(before the softcap\)' -- \
+check softcap-trace 0 'scaled +\[2\.000000, 1\.000000\]   \(before the softcap and bias\)' -- \
   "$attn" "${target[@]}" trace --example seed --softcap 1 --block-k 2
 check softcap-negative 1 'options\.softcap' -- \
   "$attn" "${target[@]}" tiled --example seed --softcap -1
+# ALiBi slope 1 on the seed example: row 0's scores 2, 1, −1.75, … lose 0, 1, 2, … (numpy; fp32
+# may round the last digit up).
+check alibi-seed 0 'out\[0\] = \[-3\.820117, -2\.820117, -1\.827225, -0\.82750[01]\]' -- \
+  "$attn" "${target[@]}" tiled --example seed --alibi 1
+check alibi-trace 0 'bias +\[-0\.000000, -1\.000000\]   \(ALiBi' -- \
+  "$attn" "${target[@]}" trace --example seed --alibi 1 --block-k 2
+check alibi-count 1 '--alibi gives 2 slopes for 1 query heads' -- \
+  "$attn" "${target[@]}" tiled --example seed --alibi 1,2
+check alibi-standard 0 'output \[1, 4, 9, 8\]' -- \
+  "$attn" "${target[@]}" tiled --random 1,4,9,8 --kv-heads 2 --causal --alibi standard
 check window-bad 1 '--window expects L,R' -- \
   "$attn" "${target[@]}" tiled --example seed --window 5
 check random-bf16 0 'output \[1, 2, 33, 8\] DTYPE_BFLOAT16' -- \

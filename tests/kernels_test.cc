@@ -60,7 +60,8 @@ void NaiveRowZero(const HostProblem& host, std::vector<float>& scores, std::vect
   scores.assign(s.key_len, NAN);
   weights.assign(s.key_len, NAN);
   std::vector<float> out(AccStride(static_cast<int>(s.value_dim)), NAN);
-  NaiveRows(problem, host.query.data(), head, 0, 1, scores.data(), weights.data(), lse, out.data());
+  NaiveRows(problem, host.query.data(), head, 0, 0, 1, scores.data(), weights.data(), lse,
+            out.data());
   const Reference ref = ReferenceAttention(host);
   for (int64_t c = 0; c < s.value_dim; ++c) EXPECT_NEAR(out[c], ref.output[c], 1e-5) << "c=" << c;
 }

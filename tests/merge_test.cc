@@ -661,6 +661,10 @@ HostProblem FromRequest(const v1::AttentionRequest& request) {
   p.causal = options.causal();
   p.key_position = options.key_position();
   if (options.has_query_position()) p.query_position = options.query_position();
+  if (options.has_window_left()) p.window_left = options.window_left();
+  if (options.has_window_right()) p.window_right = options.window_right();
+  p.softcap = options.softcap();
+  p.alibi_slopes.assign(options.alibi_slopes().begin(), options.alibi_slopes().end());
   p.block_k = 16;
   p.return_lse = true;
   for (const auto& [tensor, bytes, values] :
@@ -700,6 +704,7 @@ TEST(MergeKeySlicesTest, SlicedAnswerEqualsTheWholeInTheRequestsDtype) {
     v1::DType dtype, output_dtype;
     bool return_lse;
     std::optional<int64_t> query_position;
+    bool alibi = false;  // Slopes 2^−(h+1): each slice biases its keys by their own positions.
   };
   CpuBackend backend(2, 0);
   for (const Case& c : {Case{"f32 rank 4 GQA", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32,
@@ -709,7 +714,9 @@ TEST(MergeKeySlicesTest, SlicedAnswerEqualsTheWholeInTheRequestsDtype) {
                         Case{"f16 in, f32 out, no lse", 3, 2, 1, 12, 40, 5, v1::DTYPE_FLOAT16,
                              v1::DTYPE_FLOAT32, false, std::nullopt},
                         Case{"rank 2, explicit query_position", 2, 1, 1, 9, 44, 6,
-                             v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16, true, 11}}) {
+                             v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16, true, 11},
+                        Case{"f32 rank 4 GQA ALiBi", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32,
+                             v1::DTYPE_UNSPECIFIED, true, std::nullopt, true}}) {
     SCOPED_TRACE(c.name);
     v1::AttentionRequest request =
         RandomRequest(c.rank, c.rank == 4 ? 2 : 1, c.heads, c.kv_heads, c.query_len, c.key_len, 8,
@@ -718,6 +725,9 @@ TEST(MergeKeySlicesTest, SlicedAnswerEqualsTheWholeInTheRequestsDtype) {
     request.mutable_options()->set_return_lse(c.return_lse);
     request.mutable_options()->set_output_dtype(c.output_dtype);
     if (c.query_position) request.mutable_options()->set_query_position(*c.query_position);
+    for (int64_t h = 0; c.alibi && h < c.heads; ++h) {
+      request.mutable_options()->add_alibi_slopes(std::ldexp(1.f, -static_cast<int>(h) - 1));
+    }
     const std::vector<client::ShardPart> parts = client::SplitKeys(request, 3);
     ASSERT_EQ(parts.size(), 3u);
     std::vector<v1::AttentionResponse> responses;
@@ -754,6 +764,39 @@ TEST(MergeKeySlicesTest, SlicedAnswerEqualsTheWholeInTheRequestsDtype) {
     EXPECT_EQ(merged->stats().flops(), flops);
     EXPECT_EQ(merged->stats().flops(), whole.stats().flops());  // Only visible pairs, each once.
   }
+}
+
+// SplitRequest with ALiBi slopes: each part carries its own query heads' slopes (a part that
+// would cross batch entries is cut there), and the reassembled answer is the whole one's bit for
+// bit.
+TEST(SplitRequestTest, AlibiPartsCarryTheirHeadsSlopes) {
+  CpuBackend backend(2, 0);
+  v1::AttentionRequest request =
+      RandomRequest(4, 2, 6, 3, 11, 17, 8, 5, v1::DTYPE_FLOAT32, 23);  // 2 batches × 3 kv heads
+  request.mutable_options()->set_causal(true);
+  for (int h = 0; h < 6; ++h) request.mutable_options()->add_alibi_slopes(0.1f * (h + 1));
+  // Units 0–5 in 3 parts would be [0, 2) [2, 4) [4, 6); the second crosses the batch boundary
+  // at 3 and is cut: [0, 2) [2, 3) [3, 4) [4, 6).
+  const std::vector<client::ShardPart> parts = client::SplitRequest(request, 3);
+  ASSERT_EQ(parts.size(), 4u);
+  EXPECT_EQ(parts[1].first_unit, 2);
+  EXPECT_EQ(parts[2].first_unit, 3);
+  std::vector<v1::AttentionResponse> responses;
+  for (const client::ShardPart& part : parts) {
+    const int64_t first_head = part.first_unit % 3 * 2;
+    const auto& slopes = part.request.options().alibi_slopes();
+    ASSERT_EQ(slopes.size(), part.units * 2);
+    for (int i = 0; i < slopes.size(); ++i) {
+      EXPECT_EQ(slopes[i], request.options().alibi_slopes(first_head + i));
+    }
+    responses.push_back(Answer(backend, part.request));
+  }
+  absl::StatusOr<v1::AttentionResponse> merged = client::MergeResponses(request, parts, responses);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->output().data(), Answer(backend, request).output().data());
+  EXPECT_EQ(client::SplitRequest(request, 2).size(), 2u);  // [0, 3) [3, 6): no cut needed.
+  request.mutable_options()->add_alibi_slopes(1.f);        // 7 slopes for 6 heads: sent whole.
+  EXPECT_EQ(client::SplitRequest(request, 4).size(), 1u);
 }
 
 TEST(MergeKeySlicesTest, AWholePartIsItsOwnAnswerAndBadPartsAreInternal) {

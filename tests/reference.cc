@@ -54,6 +54,7 @@ Problem HostProblem::View() const {
   problem.value = TensorView{value_bytes.data(), dtype};
   problem.scale = scale;
   problem.softcap = softcap;
+  problem.alibi_slopes = alibi_slopes.empty() ? nullptr : alibi_slopes.data();
   problem.causal = causal;
   problem.key_position = key_position;
   problem.query_position = query_position;
@@ -136,13 +137,22 @@ HostProblem KeyPrefix(const HostProblem& full, int64_t length) {
   return p;
 }
 
-bool ReferenceSees(const HostProblem& p, int64_t i, int64_t j) {
+int64_t ReferenceDistance(const HostProblem& p, int64_t i, int64_t j) {
   const Shape& s = p.shape;
   const int64_t query = p.query_position.value_or(p.key_position + s.key_len - s.query_len) + i;
-  const int64_t key = p.key_position + j;
-  if (p.causal && key > query) return false;
-  if (p.window_left && key < query - *p.window_left) return false;
-  if (p.window_right && key > query + *p.window_right) return false;
+  return query - (p.key_position + j);
+}
+
+double ReferenceBias(const HostProblem& p, int64_t h, int64_t i, int64_t j) {
+  if (p.alibi_slopes.empty()) return 0;
+  return -double(p.alibi_slopes[h]) * std::abs(double(ReferenceDistance(p, i, j)));
+}
+
+bool ReferenceSees(const HostProblem& p, int64_t i, int64_t j) {
+  const int64_t distance = ReferenceDistance(p, i, j);  // p − t
+  if (p.causal && distance < 0) return false;
+  if (p.window_left && distance > *p.window_left) return false;
+  if (p.window_right && -distance > *p.window_right) return false;
   return true;
 }
 
@@ -192,6 +202,7 @@ Reference ReferenceAttention(const HostProblem& p) {
           }
           scores[j] = double(p.scale) * dot;
           if (p.softcap > 0) scores[j] = p.softcap * std::tanh(scores[j] / p.softcap);
+          scores[j] += ReferenceBias(p, h, i, j);
           max = std::max(max, scores[j]);
         }
         double sum = 0;
@@ -229,6 +240,7 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
           }
           scores[j] = Round(p.scale * dot, dtype);
           if (p.softcap > 0) scores[j] = Round(p.softcap * std::tanh(scores[j] / p.softcap), dtype);
+          scores[j] = Round(scores[j] + static_cast<float>(ReferenceBias(p, h, i, j)), dtype);
           max = std::max(max, scores[j]);
         }
         float sum = 0;

@@ -20,6 +20,8 @@ struct HostProblem {
   DType output_dtype = DType::kFloat32;  // Dtype the kernel writes.
   float scale = 1.f;
   float softcap = 0.f;  // AttentionOptions.softcap: s → softcap · tanh(s / softcap); 0 = none.
+  // AttentionOptions.alibi_slopes: head h adds −alibi_slopes[h] · |p − t|; empty = none.
+  std::vector<float> alibi_slopes;
   bool causal = false;
   // Positions (kernels/geometry.h): key j at key_position + j, query row i at query_position + i
   // (bottom-right when unset).
@@ -61,12 +63,18 @@ struct Reference {
 // and t ≤ p + window_right when set), independent of kernels/geometry.h.
 bool ReferenceSees(const HostProblem& problem, int64_t i, int64_t j);
 
+// p − t for query row i and key j, from the positions as the contract states them.
+int64_t ReferenceDistance(const HostProblem& problem, int64_t i, int64_t j);
+
+// Head h's ALiBi bias for query row i and key j, in float64 (0 without slopes).
+double ReferenceBias(const HostProblem& problem, int64_t h, int64_t i, int64_t j);
+
 // The key tiles of block_k keys holding a key row i sees, [first, end) ({0, 0} for none): the
 // tiles a trace of the row steps through, found key by key with ReferenceSees.
 std::pair<int64_t, int64_t> ReferenceTiles(const HostProblem& problem, int64_t i, int64_t block_k);
 
-// Attention in float64 on the problem's (rounded) inputs, the softcap by its formula: the ground
-// truth.
+// Attention in float64 on the problem's (rounded) inputs, the softcap and the ALiBi bias by their
+// formulas: the ground truth.
 Reference ReferenceAttention(const HostProblem& problem);
 
 // A same-precision naive baseline, as an eager framework computes in fp16/bf16: scores,

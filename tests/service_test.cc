@@ -162,6 +162,8 @@ v1::AttentionRequest ToRequest(const HostProblem& p, bool rank2 = false) {
   if (p.window_left) request.mutable_options()->set_window_left(*p.window_left);
   if (p.window_right) request.mutable_options()->set_window_right(*p.window_right);
   request.mutable_options()->set_softcap(p.softcap);
+  request.mutable_options()->mutable_alibi_slopes()->Assign(p.alibi_slopes.begin(),
+                                                            p.alibi_slopes.end());
   return request;
 }
 
@@ -343,6 +345,56 @@ TEST_F(ServiceTest, WindowsReachTheKernelsAndTheTrace) {
   EXPECT_EQ(tiles, (std::vector<int>{6, 7}));
 }
 
+// ALiBi through the service: Naive and Tiled answer the biased problem, a trace repeats the
+// slopes and gives each key's bias, −slope · |p − t| of the traced row's head.
+TEST_F(ServiceTest, AlibiReachesTheKernelsAndTheTrace) {
+  HostProblem p = testing::RandomProblem({.batch = 1,
+                                          .heads = 4,
+                                          .kv_heads = 2,
+                                          .query_len = 19,
+                                          .key_len = 23,
+                                          .head_dim = 8,
+                                          .value_dim = 6},
+                                         DType::kFloat32, /*causal=*/true, 4, 17);
+  p.alibi_slopes = {0.5f, 0.25f, 0.125f, 0.0625f};
+  const testing::Reference ref = testing::ReferenceAttention(p);
+  for (bool naive : {true, false}) {
+    SCOPED_TRACE(naive ? "Naive" : "Tiled");
+    absl::StatusOr<v1::AttentionResponse> response =
+        naive ? client_->Naive(ToRequest(p)) : client_->Tiled(ToRequest(p));
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_LE(testing::MaxAbsError(OutputOf(*response), ref.output),
+              1e-5 * testing::MaxAbs(ref.output));
+  }
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = ToRequest(p);
+  v1::RowRef* row = trace.add_rows();
+  row->set_head(1);
+  row->set_row(11);
+  v1::TraceStart start;
+  int biases = 0;
+  ASSERT_TRUE(client_
+                  ->Trace(trace,
+                          [&](const v1::TraceEvent& event) {
+                            if (event.has_start()) start = event.start();
+                            if (!event.has_step()) return true;
+                            const v1::TileStep& step = event.step();
+                            EXPECT_EQ(step.biases_size(), step.key_end() - step.key_begin());
+                            EXPECT_EQ(step.scaled_scores_size(), step.biases_size());
+                            for (int j = 0; j < step.biases_size(); ++j) {
+                              EXPECT_NEAR(step.biases(j),
+                                          testing::ReferenceBias(p, 1, 11, step.key_begin() + j),
+                                          1e-6);
+                              ++biases;
+                            }
+                            return true;
+                          })
+                  .ok());
+  EXPECT_EQ(std::vector<float>(start.alibi_slopes().begin(), start.alibi_slopes().end()),
+            p.alibi_slopes);
+  EXPECT_GT(biases, 0);
+}
+
 TEST_F(ServiceTest, OutputDtypeDefaultsToTheQuerys) {
   HostProblem p = testing::RandomProblem(
       {.heads = 1, .query_len = 5, .key_len = 9, .head_dim = 3, .value_dim = 3}, DType::kFloat16,
@@ -451,6 +503,23 @@ std::vector<BadInput> BadInputs() {
       {"infinite softcap", [](auto& r) { r.mutable_options()->set_softcap(INFINITY); },
        "options.softcap"},
       {"NaN softcap", [nan](auto& r) { r.mutable_options()->set_softcap(nan); }, "options.softcap"},
+      {"one ALiBi slope for 6 heads", [](auto& r) { r.mutable_options()->add_alibi_slopes(0.5f); },
+       "options.alibi_slopes"},
+      {"7 ALiBi slopes for 6 heads",
+       [](auto& r) {
+         for (int h = 0; h < 7; ++h) r.mutable_options()->add_alibi_slopes(0.5f);
+       },
+       "options.alibi_slopes"},
+      {"NaN ALiBi slope",
+       [nan](auto& r) {
+         for (int h = 0; h < 6; ++h) r.mutable_options()->add_alibi_slopes(h == 2 ? nan : 0.5f);
+       },
+       "options.alibi_slopes[2]"},
+      {"ALiBi slopes whose biases overflow fp32",
+       [](auto& r) {
+         for (int h = 0; h < 6; ++h) r.mutable_options()->add_alibi_slopes(1e38f);
+       },
+       "options.alibi_slopes"},
       {"window_right past 2^62",
        [](auto& r) { r.mutable_options()->set_window_right((int64_t{1} << 62) + 1); },
        "options.window_right"},

@@ -111,7 +111,7 @@ TEST_P(SoftcapTest, TraceShowsTheScoreBeforeAndAfterTheCap) {
         if (!ReferenceSees(host, row.row, key)) {
           EXPECT_EQ(step->scores[j], -INFINITY) << "key " << key;
         } else {
-          EXPECT_EQ(step->scores[j], cap(step->scaled_scores[j])) << "key " << key;
+          EXPECT_EQ(step->scores[j], cap.Cap(step->scaled_scores[j])) << "key " << key;
           EXPECT_LE(std::abs(step->scores[j]), host.softcap) << "key " << key;
         }
       }

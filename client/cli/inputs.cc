@@ -1,5 +1,6 @@
 #include "client/cli/inputs.h"
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -90,6 +91,32 @@ absl::Status ParseWindow(const std::string& spec, v1::AttentionOptions* options)
       options->set_window_right(value);
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status ParseAlibi(const std::string& spec, int64_t heads, v1::AttentionOptions* options) {
+  if (spec.empty()) return absl::OkStatus();
+  std::vector<float> slopes;
+  if (spec == "standard") {
+    slopes = client::StandardAlibiSlopes(heads);
+  } else {
+    for (absl::string_view text : absl::StrSplit(spec, ',')) {
+      float slope = 0;
+      if (!absl::SimpleAtof(absl::StripAsciiWhitespace(text), &slope) || !std::isfinite(slope)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--alibi expects \"standard\" or one finite slope per query head, comma-separated; "
+            "got \"",
+            spec, "\""));
+      }
+      slopes.push_back(slope);
+    }
+  }
+  if (static_cast<int64_t>(slopes.size()) != heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--alibi gives ", slopes.size(), " slopes for ", heads,
+                     " query heads; give one per head or \"standard\""));
+  }
+  options->mutable_alibi_slopes()->Assign(slopes.begin(), slopes.end());
   return absl::OkStatus();
 }
 

@@ -33,6 +33,12 @@ absl::StatusOr<attention::v1::DType> ParseDType(const std::string& name);
 // INVALID_ARGUMENT naming --window otherwise.
 absl::Status ParseWindow(const std::string& spec, attention::v1::AttentionOptions* options);
 
+// Parses an --alibi spec into options' alibi_slopes for `heads` query heads: "" sets none;
+// "standard" the standard geometric slopes (client::StandardAlibiSlopes); else one finite slope
+// per head, comma-separated. INVALID_ARGUMENT naming --alibi otherwise.
+absl::Status ParseAlibi(const std::string& spec, int64_t heads,
+                        attention::v1::AttentionOptions* options);
+
 // The request for these inputs with the given options.
 attention::v1::AttentionRequest MakeRequest(const Inputs& inputs,
                                             const attention::v1::AttentionOptions& options);

@@ -10,8 +10,8 @@
 //                     [--shard-keys]   each endpoint traces its slice of the keys, then the merge
 //                     (client/cli/merge_trace.h)
 //   attn naive|tiled|trace ... [--key-position P] [--query-position Q]   positions (geometry.h)
-//   attn naive|tiled|trace|decode|bench ... [--window L,R] [--softcap C]   a sliding window
-//                     (geometry.h), a softcap (score_transform.h)
+//   attn naive|tiled|trace|decode|bench ... [--window L,R] [--softcap C] [--alibi standard|s,…]
+//                     a sliding window (geometry.h), a softcap, ALiBi biases (score_transform.h)
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
 //   attn bench --decode [--lengths 1k,...,32k] [--batches 1,16] [--steps M] [--repeats R]
@@ -93,6 +93,11 @@ ABSL_FLAG(std::string, window, "",
           "Sliding window L,R: a query at position p sees only the keys at p − L … p + R (and "
           "none after p with --causal); a side empty or -1 is unbounded, e.g. --window 256, "
           "(AttentionOptions.window_left/right; naive/tiled/trace/decode/bench).");
+ABSL_FLAG(std::string, alibi, "",
+          "ALiBi biases: \"standard\" (the geometric slopes 2^(-8(h+1)/H) for the request's H "
+          "query heads) or one slope per query head, comma-separated; query head h adds "
+          "-slope_h * |p - t| to its scores (AttentionOptions.alibi_slopes; "
+          "naive/tiled/trace/decode/bench).");
 ABSL_FLAG(double, softcap, 0,
           "Softcap C: each scaled score s becomes C · tanh(s / C) before the mask (Gemma 2, "
           "Grok; AttentionOptions.softcap); 0 = off.");
@@ -199,11 +204,16 @@ absl::StatusOr<Inputs> ReadInputs() {
   return inputs;
 }
 
-absl::StatusOr<v1::AttentionOptions> ReadOptions() {
+// The options the flags give, for a request of `heads` query heads (--alibi's slopes).
+absl::StatusOr<v1::AttentionOptions> ReadOptions(int64_t heads) {
   v1::AttentionOptions options;
   if (absl::Status window = attn::cli::ParseWindow(absl::GetFlag(FLAGS_window), &options);
       !window.ok()) {
     return window;
+  }
+  if (absl::Status alibi = attn::cli::ParseAlibi(absl::GetFlag(FLAGS_alibi), heads, &options);
+      !alibi.ok()) {
+    return alibi;
   }
   options.set_causal(absl::GetFlag(FLAGS_causal));
   options.set_softcap(static_cast<float>(absl::GetFlag(FLAGS_softcap)));
@@ -222,7 +232,9 @@ absl::StatusOr<v1::AttentionRequest> ReadRequest() {
   absl::StatusOr<Inputs> inputs = ReadInputs();
   if (!inputs.ok()) return inputs.status();
   const std::string cache_id = absl::GetFlag(FLAGS_cache);
-  absl::StatusOr<v1::AttentionOptions> options = ReadOptions();
+  const std::vector<int64_t>& shape = inputs->query.shape;  // [heads,] query_len, head_dim
+  absl::StatusOr<v1::AttentionOptions> options =
+      ReadOptions(shape.size() >= 3 ? shape[shape.size() - 3] : 1);
   if (!options.ok()) return options.status();
   if (cache_id.empty()) return attn::cli::MakeRequest(*inputs, *options);
   return attn::client::CacheRequest(cache_id, attn::client::ToTensor(inputs->query, inputs->dtype),
@@ -413,7 +425,7 @@ int RunDecodeBench(attn::client::Client& client) {
   config.steps = FlagOr(FLAGS_steps, "steps", int64_t{20});
   config.stateless_repeats = absl::GetFlag(FLAGS_repeats);
   config.seed = absl::GetFlag(FLAGS_seed);
-  absl::StatusOr<v1::AttentionOptions> options = ReadOptions();
+  absl::StatusOr<v1::AttentionOptions> options = ReadOptions(config.heads);
   if (!options.ok()) return Fail(options.status());
   config.options = *std::move(options);
   config.options.set_return_lse(false);
@@ -445,7 +457,7 @@ int RunBench(attn::client::Client& client) {
   config.dim = absl::GetFlag(FLAGS_dim);
   config.repeats = absl::GetFlag(FLAGS_repeats);
   config.seed = absl::GetFlag(FLAGS_seed);
-  absl::StatusOr<v1::AttentionOptions> options = ReadOptions();
+  absl::StatusOr<v1::AttentionOptions> options = ReadOptions(config.heads);
   if (!options.ok()) return Fail(options.status());
   config.options = *std::move(options);
   config.options.set_return_lse(false);
@@ -517,7 +529,7 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.seed = absl::GetFlag(FLAGS_seed);
   flags.json = absl::GetFlag(FLAGS_json);
   flags.shard_keys = absl::GetFlag(FLAGS_shard_keys);
-  absl::StatusOr<v1::AttentionOptions> attention_options = ReadOptions();
+  absl::StatusOr<v1::AttentionOptions> attention_options = ReadOptions(flags.heads);
   if (!attention_options.ok()) return Fail(attention_options.status());
   flags.options = *std::move(attention_options);
   attn::client::ShardedClient client(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),

@@ -66,7 +66,7 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
       absl::FPrintF(
           out_,
           "Trace of [batch %d, heads %d (kv %d), %d queries × %d keys], head_dim %d, "
-          "value_dim %d, scale %g%s%s%s\n",
+          "value_dim %d, scale %g%s%s%s%s\n",
           start_.batch(), start_.heads(), start_.kv_heads(), start_.query_len(), start_.key_len(),
           start_.head_dim(), start_.value_dim(), start_.scale(), start_.causal() ? ", causal" : "",
           start_.has_window_left() || start_.has_window_right()
@@ -78,7 +78,10 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
                                                        : std::string("∞"),
                              "]")
               : std::string(),
-          start_.softcap() > 0 ? absl::StrCat(", softcap ", start_.softcap()) : std::string());
+          start_.softcap() > 0 ? absl::StrCat(", softcap ", start_.softcap()) : std::string(),
+          start_.alibi_slopes_size() > 0
+              ? absl::StrCat(", ALiBi slopes ", Vector(start_.alibi_slopes()))
+              : std::string());
       absl::FPrintF(out_,
                     "Naive moves %s through its score and weight matrices (16·B·H·Nq·Nk); "
                     "Tiled keeps %d floats per query row (block_k %d + value_dim %d + 2), "
@@ -124,8 +127,12 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
     absl::FPrintF(out_, "  tile %d, keys [%d, %d)\n", step.tile(), step.key_begin(),
                   step.key_end());
     if (step.scaled_scores_size() > 0) {
-      absl::FPrintF(out_, "    scaled       %s   (before the softcap)\n",
+      absl::FPrintF(out_, "    scaled       %s   (before the softcap and bias)\n",
                     Vector(step.scaled_scores()));
+    }
+    if (step.biases_size() > 0) {
+      absl::FPrintF(out_, "    bias         %s   (ALiBi: −slope · |p − t|)\n",
+                    Vector(step.biases()));
     }
     absl::FPrintF(out_, "    scores       %s\n", Vector(step.scores()));
     absl::FPrintF(out_, "    max          %g → %g   rescale %g\n", step.max_before(),
@@ -181,7 +188,11 @@ void TraceFollower::DrawStep(const v1::TileStep& step) {
                 step.tile() + 1, tiles, step.key_begin(), step.key_end(), std::string(filled, '#'),
                 std::string(kBar - filled, '.'));
   if (step.scaled_scores_size() > 0) {
-    absl::FPrintF(out_, "  scaled       %s   (before the softcap)\n", Vector(step.scaled_scores()));
+    absl::FPrintF(out_, "  scaled       %s   (before the softcap and bias)\n",
+                  Vector(step.scaled_scores()));
+  }
+  if (step.biases_size() > 0) {
+    absl::FPrintF(out_, "  bias         %s   (ALiBi: −slope · |p − t|)\n", Vector(step.biases()));
   }
   absl::FPrintF(out_, "  scores       %s\n", Vector(step.scores()));
   absl::FPrintF(out_, "  max          %g → %g   rescale %g\n", step.max_before(), step.max_after(),

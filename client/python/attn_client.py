@@ -40,7 +40,8 @@ peak_memory_bytes); `.response` the AttentionResponse itself.
 
 Trace events are plain dicts, one per TraceEvent, with "kind" set to "start", "step",
 "row_done" or "end" and the message's fields by their proto names; repeated floats (scores,
-scaled_scores, weights, accumulator, estimate, output, reference) are float32 NumPy arrays, a
+scaled_scores, biases, weights, accumulator, estimate, output, reference, and the "start"
+event's alibi_slopes) are float32 NumPy arrays, a
 RowRef is a (batch, head, row) tuple, ExecutionStats a dict and an unset optional field None
 (the "start" event's window_left / window_right when unbounded). `event["message"]` keeps the
 protobuf message for anything else.
@@ -100,6 +101,25 @@ event repeats it (0.0: none), and with a softcap each "step" has "scaled_scores"
 scores before the cap (masked keys included), next to "scores", the capped and masked ones;
 without one it is empty.
 
+ALiBi: naive, tiled, trace and decode also take alibi_slopes (BLOOM, MPT; None, the default:
+no bias), one slope per query head. Query head h adds
+
+    −alibi_slopes[h] · |p − t|
+
+to the score of the key at position t for the query at position p (the positions above), after
+the softcap and before the mask: score = softcap(scale · q·k) − slope · |p − t|; the lse is of
+the biased scores. alibi_slopes is a sequence or 1-D array of finite numbers (sent as floats, so
+finite in float32 too), or "standard": `standard_alibi_slopes(heads)` for the query's head
+count, the geometric slopes 2^(−8(h+1)/H) of BLOOM for a power of two H:
+`client.tiled(q, k, v, causal=True, alibi_slopes="standard")`. The server checks the count
+(INVALID_ARGUMENT naming options.alibi_slopes). A key slice sent at its key_position is biased
+as in the whole problem, so split problems still merge. In decode the slopes are the batch's
+(every item's query must have that many heads; "standard" counts the first item's). The trace's
+"start" event repeats them as "alibi_slopes" (empty: none), and with them each "step" has
+"biases", each key's −slope · |p − t| (masked keys included), and "scaled_scores", the scores
+before softcap and bias, next to "scores" = softcap(scaled_scores) + biases (−inf where
+masked); without ALiBi "biases" is empty.
+
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
 check itself (rank, element type, option types) raise ValueError or TypeError before any RPC.
@@ -118,8 +138,8 @@ from attention.v1 import attention_pb2 as pb
 from attention.v1 import attention_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_float32",
-           "float32_to_bf16", "merge_states", "seed_example", "MAX_MESSAGE_BYTES",
-           "MAX_POSITION"]
+           "float32_to_bf16", "merge_states", "seed_example", "standard_alibi_slopes",
+           "MAX_MESSAGE_BYTES", "MAX_POSITION"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -468,7 +488,7 @@ class Cache:
         query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
         value_dim]). key_position, query_position: this item's positions (Client.decode).
         options: causal, scale, block_k, return_lse, dtype, output_dtype, window_left,
-        window_right, softcap."""
+        window_right, softcap, alibi_slopes."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
         if key is not None or value is not None:
@@ -570,7 +590,10 @@ class Client:
 
     @staticmethod
     def _options(causal, scale, block_k, return_lse, output_dtype, key_position=0,
-                 query_position=None, window_left=None, window_right=None, softcap=0.0):
+                 query_position=None, window_left=None, window_right=None, softcap=0.0,
+                 alibi_slopes=None, query=None):
+        """The AttentionOptions of a call; `query` (the call's query, for decode its first
+        item's) gives the head count for alibi_slopes="standard"."""
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError("causal must be a bool, not %s" % type(causal).__name__)
@@ -598,15 +621,17 @@ class Client:
         if window_right is not None:
             options.window_right = _position("window_right", window_right)
         options.softcap = _softcap(softcap)
+        options.alibi_slopes.extend(_alibi_slopes(alibi_slopes, query))
         return options
 
     @classmethod
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
                  cache=None, key_position=0, query_position=None, window_left=None,
-                 window_right=None, softcap=0.0):
+                 window_right=None, softcap=0.0, alibi_slopes=None):
         input_dtype = _dtype_enum(dtype, "dtype")
         options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
-                               query_position, window_left, window_right, softcap)
+                               query_position, window_left, window_right, softcap, alibi_slopes,
+                               q)
         if cache is not None:
             if k is not None or v is not None:
                 raise ValueError("give key and value, or cache=, not both")
@@ -622,7 +647,8 @@ class Client:
 
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
-              query_position=None, window_left=None, window_right=None, softcap=0.0):
+              query_position=None, window_left=None, window_right=None, softcap=0.0,
+              alibi_slopes=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
@@ -638,27 +664,32 @@ class Client:
         window_right (and t ≤ p when causal). Ints in [0, 2^62].
         softcap: 0.0 = off, else each scaled score s becomes softcap · tanh(s / softcap), after
         the scale and before the mask (the lse is of the capped scores). A real number ≥ 0,
-        finite in float32."""
+        finite in float32.
+        alibi_slopes: None or empty = no bias, else one slope per query head: head h adds
+        −alibi_slopes[h] · |p − t| to the score of the key at t for the query at p (the
+        positions above), after the softcap and before the mask. A sequence or 1-D array of
+        numbers finite in float32, or "standard": standard_alibi_slopes(the query's heads)."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right, softcap)
+                                window_right, softcap, alibi_slopes)
         return Result(self._call("Naive", self._stub.Naive, request))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
-              query_position=None, window_left=None, window_right=None, softcap=0.0):
+              query_position=None, window_left=None, window_right=None, softcap=0.0,
+              alibi_slopes=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
         → Result; key tiles a window hides from a whole block of rows are skipped. Other
-        arguments (cache=, key_position, query_position, window_left, window_right, softcap
-        too) as for naive()."""
+        arguments (cache=, key_position, query_position, window_left, window_right, softcap,
+        alibi_slopes too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right, softcap)
+                                window_right, softcap, alibi_slopes)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
               scale=None, dtype=None, key_position=0, query_position=None, window_left=None,
-              window_right=None, softcap=0.0):
+              window_right=None, softcap=0.0, alibi_slopes=None):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
@@ -669,12 +700,16 @@ class Client:
         softcap as for naive(): the "start" event repeats it (0.0: none), and with one each
         "step" has "scaled_scores", the tile's scores before the cap (masked keys included),
         while "scores" are capped (and −inf where masked); without one scaled_scores is empty.
+        alibi_slopes as for naive(): the "start" event repeats them as "alibi_slopes" (empty:
+        none), and with them each "step" has "biases", each key's −slope · |p − t| (masked keys
+        included), and "scaled_scores" (before softcap and bias), with "scores" =
+        softcap(scaled_scores) + biases where visible; without ALiBi biases is empty.
         Arguments are checked now; the RPC starts on the first next(). Closing the iterator
         early (break, close()) cancels the stream. A failure mid-stream raises AttnError."""
         request = pb.TraceRequest(
             attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache,
                                     key_position, query_position, window_left, window_right,
-                                    softcap))
+                                    softcap, alibi_slopes))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -794,7 +829,7 @@ class Client:
 
     def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
                dtype=None, output_dtype=None, key_position=None, query_position=None,
-               window_left=None, window_right=None, softcap=0.0):
+               window_left=None, window_right=None, softcap=0.0, alibi_slopes=None):
         """Decode: one step of a batch of sequences in one call → DecodeResult.
 
         items: a list, one per sequence (at most one per cache), each a tuple
@@ -811,7 +846,9 @@ class Client:
         naive(); key_position= and query_position= here, for the whole batch, are a ValueError.
         window_left, window_right (as for naive()): one window for the whole batch, applied to
         each item against that item's own positions. softcap (as for naive()): the batch's,
-        applied to every item.
+        applied to every item. alibi_slopes (as for naive()): the batch's, one per query head
+        of every item (all items' queries must then have the same head count), each item biased
+        by its own positions; "standard" takes the head count of the first item's query.
         dtype converts every query, key and value (None: queries as they are, keys and values
         of a Cache in its dtype); other options as for naive()."""
         if key_position is not None or query_position is not None:
@@ -820,11 +857,13 @@ class Client:
                              "Cache.decode(..., key_position=, query_position=))")
         if isinstance(items, (dict, tuple)) or not hasattr(items, "__iter__"):
             raise TypeError("items must be a list of (cache, query[, key, value]) tuples or dicts")
+        items = list(items)
         input_dtype = _dtype_enum(dtype, "dtype")
         request = pb.DecodeRequest(
             options=self._options(causal, scale, block_k, return_lse, output_dtype,
                                   window_left=window_left, window_right=window_right,
-                                  softcap=softcap))
+                                  softcap=softcap, alibi_slopes=alibi_slopes,
+                                  query=_item_query(items[0]) if items else None))
         caches = []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
@@ -917,6 +956,94 @@ def _softcap(softcap):
     if value > 0 and as_float32 == 0:
         raise ValueError("softcap %r rounds to 0 (off) in float32" % value)
     return value + 0.0  # -0.0 → 0.0
+
+
+def standard_alibi_slopes(heads):
+    """The standard ALiBi slopes for `heads` query heads (Press et al.; BLOOM's), as
+    attn::client::StandardAlibiSlopes computes them → a list of floats (float32 values, as they
+    are sent). For a power of two n, head h's slope is 2^(−8(h+1)/n); otherwise the n =
+    2^⌊log₂ heads⌋ slopes, then every other one of the 2n slopes, 2^(−8(2i+1)/(2n)) for
+    i = 0, 1, …, for the heads past n. 0 heads: []."""
+    if isinstance(heads, (bool, np.bool_)) or not isinstance(heads, numbers.Integral):
+        raise TypeError("heads must be an int, not %s" % type(heads).__name__)
+    if heads < 0:
+        raise ValueError("heads must be ≥ 0, got %d" % heads)
+    heads = int(heads)
+    if heads == 0:
+        return []
+    n = 1
+    while n * 2 <= heads:
+        n *= 2
+    exponents = [-8.0 * (h + 1) / n for h in range(n)]
+    exponents += [-8.0 * (2 * i + 1) / (2 * n) for i in range(heads - n)]
+    exp2 = getattr(math, "exp2", lambda x: 2.0 ** x)  # math.exp2: Python ≥ 3.11, C's exp2.
+    return [float(np.float32(exp2(x))) for x in exponents]
+
+
+def _query_heads(query):
+    """The query head count of a query (a NumPy array, a list or a Tensor): rank 4 [B, H, N, D]
+    → H, rank 3 [H, N, D] → H, rank 2 → 1; the rank errors _encode gives."""
+    if isinstance(query, pb.Tensor):
+        shape = tuple(int(n) for n in query.shape)
+    elif isinstance(query, np.ndarray):
+        shape = query.shape
+    elif isinstance(query, (list, tuple)):
+        shape = np.asarray(query).shape
+    else:
+        raise TypeError("query must be a NumPy array, not %s" % type(query).__name__)
+    if not 2 <= len(shape) <= 4:
+        raise ValueError("query has rank %d (shape %s); expected rank 2 [seq, dim], 3 [heads, "
+                         "seq, dim] or 4 [batch, heads, seq, dim]" % (len(shape), shape))
+    return 1 if len(shape) == 2 else int(shape[-3])
+
+
+def _item_query(item):
+    """A decode item's query, or None when the item is malformed (the items loop says how)."""
+    if isinstance(item, dict):
+        return item.get("query")
+    if isinstance(item, (tuple, list)) and len(item) in (2, 4):
+        return item[1]
+    return None
+
+
+def _alibi_slopes(alibi_slopes, query):
+    """alibi_slopes → the list of floats to send ([]: no bias); TypeError / ValueError naming
+    it. "standard" needs `query` for its head count. Each slope travels as a proto float, so it
+    must be finite in float32 too; the count (one per query head) is the server's check."""
+    if alibi_slopes is None:
+        return []
+    if isinstance(alibi_slopes, str):
+        if alibi_slopes != "standard":
+            raise ValueError("alibi_slopes must be None, one slope per query head or "
+                             "\"standard\", not %r" % alibi_slopes)
+        if query is None:
+            raise ValueError("alibi_slopes=\"standard\" needs a query to count its heads")
+        return standard_alibi_slopes(_query_heads(query))
+    if isinstance(alibi_slopes, np.ndarray):
+        if alibi_slopes.ndim != 1:
+            raise ValueError("alibi_slopes must be 1-D (one slope per query head), got shape %s"
+                             % (alibi_slopes.shape,))
+        if alibi_slopes.dtype.kind not in "fiu":
+            raise TypeError("alibi_slopes has element type %s; expected real numbers"
+                            % alibi_slopes.dtype)
+        alibi_slopes = alibi_slopes.tolist()
+    elif isinstance(alibi_slopes, (bytes, dict, set)) or not hasattr(alibi_slopes, "__iter__"):
+        raise TypeError("alibi_slopes must be a sequence of numbers (one per query head), "
+                        "\"standard\" or None, not %s" % type(alibi_slopes).__name__)
+    slopes = []
+    for h, slope in enumerate(alibi_slopes):
+        if isinstance(slope, (bool, np.bool_)) or not isinstance(slope, numbers.Real):
+            raise TypeError("alibi_slopes[%d] must be a real number, not %s"
+                            % (h, type(slope).__name__))
+        value = float(slope)
+        if not math.isfinite(value):
+            raise ValueError("alibi_slopes[%d] must be finite, got %r" % (h, value))
+        with np.errstate(over="ignore", under="ignore"):
+            as_float32 = np.float32(value)
+        if not np.isfinite(as_float32):
+            raise ValueError("alibi_slopes[%d] = %r is beyond float32's range" % (h, value))
+        slopes.append(value)
+    return slopes
 
 
 def _expected_length(cache, expected_length):

@@ -18,13 +18,21 @@
 namespace attn {
 namespace {
 
+// One row of a task's GQA group: the keys it sees, its head's score transform, and its distance
+// p − t to key 0 (Geometry::Distance).
+struct DecodeRow {
+  KeyRange visible;
+  ScoreTransform transform;
+  int64_t distance = 0;
+};
+
 // One task: a chunk of one kv head's keys for the rows of its GQA group.
 struct DecodeChunk {
   const Problem* problem = nullptr;
   int64_t batch = 0, kv_head = 0;
   int64_t rows = 0, head_dim = 0, value_dim = 0;
-  const float* queries = nullptr;     // [rows, head_dim], fp32, scale folded in.
-  const KeyRange* visible = nullptr;  // [rows]: the keys each row sees.
+  const float* queries = nullptr;  // [rows, head_dim], fp32, scale folded in.
+  const DecodeRow* row = nullptr;  // [rows]
   int64_t key_begin = 0, key_end = 0;
   float* partial = nullptr;  // [rows, 2 + value_dim]: max, denominator, accumulator.
 };
@@ -32,7 +40,7 @@ struct DecodeChunk {
 // A worker's buffers, reused across its tasks.
 struct DecodeScratch {
   std::vector<float> queries, arranged, scores, acc;
-  std::vector<KeyRange> visible;
+  std::vector<DecodeRow> row;
   std::vector<OnlineSoftmaxRow> states;
   std::vector<const void*> key_rows, value_rows;
 
@@ -40,7 +48,7 @@ struct DecodeScratch {
     return static_cast<int64_t>(
         (queries.capacity() + arranged.capacity() + scores.capacity() + acc.capacity()) *
             sizeof(float) +
-        visible.capacity() * sizeof(KeyRange) + states.capacity() * sizeof(OnlineSoftmaxRow) +
+        row.capacity() * sizeof(DecodeRow) + states.capacity() * sizeof(OnlineSoftmaxRow) +
         (key_rows.capacity() + value_rows.capacity()) * sizeof(void*));
   }
 };
@@ -234,15 +242,20 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     DecodeScratch& scratch = workers[worker];
     // The group's rows: query heads kv_head · group … , query_len rows each, consecutive.
     const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
-    scratch.visible.resize(item.rows);
+    const Geometry geometry = p.geometry();
+    scratch.row.resize(item.rows);
     KeyRange seen{s.key_len, 0};  // The keys some row sees.
     for (int64_t r = 0; r < item.rows; ++r) {
-      scratch.visible[r] = p.Visible(r % s.query_len);
-      if (scratch.visible[r].size() == 0) continue;
-      seen.begin = std::min(seen.begin, scratch.visible[r].begin);
-      seen.end = std::max(seen.end, scratch.visible[r].end);
+      const int64_t row = r % s.query_len;
+      scratch.row[r] =
+          DecodeRow{geometry.Visible(row), p.transform(chunk.kv_head * group + r / s.query_len),
+                    geometry.Distance(row, 0)};
+      const KeyRange& visible = scratch.row[r].visible;
+      if (visible.size() == 0) continue;
+      seen.begin = std::min(seen.begin, visible.begin);
+      seen.end = std::max(seen.end, visible.end);
     }
-    chunk.visible = scratch.visible.data();
+    chunk.row = scratch.row.data();
     chunk.key_begin = std::max(chunk_index * kDecodeChunkTokens, seen.begin);
     chunk.key_end = std::min((chunk_index + 1) * kDecodeChunkTokens, seen.end);
     scratch.queries.resize(item.rows * s.head_dim);

@@ -24,15 +24,16 @@ namespace {
 // stable softmax (SoftmaxRow, online_softmax.h: the row max, e^(s − max), the sum, the
 // normalization) in lanes of Lanes (void: eight; lanes::Floats16 in the AVX-512 clone).
 template <class Lanes>
-ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
-                                      float* scores, float* weights, float* lse) {
+ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
+                                      int64_t rows, float* scores, float* weights, float* lse) {
   const int64_t n = problem.shape.key_len;
+  const ScoreTransform transform = problem.transform(head);
+  const Geometry geometry = problem.geometry();
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
-    const KeyRange visible = problem.Visible(row_begin + r);
-    problem.transform()
-        .template Apply<std::conditional_t<std::is_void_v<Lanes>, lanes::Floats, Lanes>>(
-            s + visible.begin, visible.size());
+    const KeyRange visible = geometry.Visible(row_begin + r);
+    transform.template Apply<std::conditional_t<std::is_void_v<Lanes>, lanes::Floats, Lanes>>(
+        s + visible.begin, visible.size(), geometry.Distance(row_begin + r, visible.begin));
     std::fill(s, s + visible.begin, -INFINITY);
     std::fill(s + visible.end, s + n, -INFINITY);
     const OnlineSoftmaxRow row =
@@ -41,22 +42,22 @@ ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t row_begin,
   }
 }
 
-ATTN_CPU_FAST void SoftmaxRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
-                                   float* scores, float* weights, float* lse) {
-  SoftmaxRowsBody<void>(problem, row_begin, rows, scores, weights, lse);
+ATTN_CPU_FAST void SoftmaxRowsAvx2(const Problem& problem, int64_t head, int64_t row_begin,
+                                   int64_t rows, float* scores, float* weights, float* lse) {
+  SoftmaxRowsBody<void>(problem, head, row_begin, rows, scores, weights, lse);
 }
 
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) void SoftmaxRowsAvx512(
-    const Problem& problem, int64_t row_begin, int64_t rows, float* scores, float* weights,
-    float* lse) {
-  SoftmaxRowsBody<lanes::Floats16>(problem, row_begin, rows, scores, weights, lse);
+    const Problem& problem, int64_t head, int64_t row_begin, int64_t rows, float* scores,
+    float* weights, float* lse) {
+  SoftmaxRowsBody<lanes::Floats16>(problem, head, row_begin, rows, scores, weights, lse);
 }
 #endif
 
-void SoftmaxRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows, float* scores,
-                         float* weights, float* lse) {
-  SoftmaxRowsBody<void>(problem, row_begin, rows, scores, weights, lse);
+void SoftmaxRowsPortable(const Problem& problem, int64_t head, int64_t row_begin, int64_t rows,
+                         float* scores, float* weights, float* lse) {
+  SoftmaxRowsBody<void>(problem, head, row_begin, rows, scores, weights, lse);
 }
 
 }  // namespace
@@ -95,24 +96,25 @@ void NaiveStorage::Give(Block block, int64_t count) {
   }
 }
 
-void NaiveRows(const Problem& problem, const float* query, const KeyTile& head, int64_t row_begin,
-               int64_t rows, float* scores, float* weights, float* lse, float* out) {
+void NaiveRows(const Problem& problem, const float* query, const KeyTile& keys, int64_t head,
+               int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
+               float* out) {
   const int m = static_cast<int>(rows);
   const int dv = static_cast<int>(problem.shape.value_dim);
   const int stride = AccStride(dv);
   // S = scale · Q Kᵀ, W = softmax(S), O = W V.
-  head.Scores(query, m, scores);
+  keys.Scores(query, m, scores);
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
   if (CpuHasAvx512()) {
-    SoftmaxRowsAvx512(problem, row_begin, rows, scores, weights, lse);
+    SoftmaxRowsAvx512(problem, head, row_begin, rows, scores, weights, lse);
   } else
 #endif
   {
-    (CpuHasAvx2Fma() ? SoftmaxRowsAvx2 : SoftmaxRowsPortable)(problem, row_begin, rows, scores,
-                                                              weights, lse);
+    (CpuHasAvx2Fma() ? SoftmaxRowsAvx2 : SoftmaxRowsPortable)(problem, head, row_begin, rows,
+                                                              scores, weights, lse);
   }
   std::fill(out, out + rows * stride, 0.f);
-  head.Accumulate(weights, m, out);
+  keys.Accumulate(weights, m, out);
   // Row r moves down to r · value_dim (in order: a row never overwrites one not yet moved).
   if (stride != dv) {
     for (int64_t r = 1; r < rows; ++r) {
@@ -192,8 +194,8 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
             ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
         worker.out.resize(rows * AccStride(static_cast<int>(s.value_dim)));
         worker.lse.resize(rows);
-        NaiveRows(problem, query, head, block.row_begin, rows, scores + offset, weights + offset,
-                  worker.lse.data(), worker.out.data());
+        NaiveRows(problem, query, head, block.head, block.row_begin, rows, scores + offset,
+                  weights + offset, worker.lse.data(), worker.out.data());
         StoreFloats(worker.out.data(), rows * s.value_dim, outputs.output,
                     problem.OutputOffset(block.batch, block.head, block.row_begin));
         if (outputs.lse != nullptr) {

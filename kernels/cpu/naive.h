@@ -25,14 +25,16 @@
 
 namespace attn {
 
-// Full-matrix attention for query rows [row_begin, row_begin + rows) of one head, all fp32:
-// query [rows, head_dim]; `head`: the head's key_len keys and values packed as one KeyTile
-// (with the problem's scale). Writes the scaled and masked scores [rows, key_len], the weights
+// Full-matrix attention for query rows [row_begin, row_begin + rows) of query head `head`, all
+// fp32: query [rows, head_dim]; `keys`: its kv head's key_len keys and values packed as one
+// KeyTile (with the problem's scale). Writes the scaled, transformed (softcap, ALiBi:
+// score_transform.h) and masked scores [rows, key_len], the weights
 // [rows, key_len], each row's log-sum-exp into lse (when not null; −inf for a row that sees no
 // key) and the output [rows, value_dim] into `out`, which must hold rows · AccStride(value_dim)
 // floats (the product's own row stride, packed to value_dim columns before NaiveRows returns).
-void NaiveRows(const Problem& problem, const float* query, const KeyTile& head, int64_t row_begin,
-               int64_t rows, float* scores, float* weights, float* lse, float* out);
+void NaiveRows(const Problem& problem, const float* query, const KeyTile& keys, int64_t head,
+               int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
+               float* out);
 
 // Memory for Naive's score and weight matrices, kept from one call for the next. A fresh
 // gigabyte costs the operating system's zeroing of every page first (on the development VM a

@@ -16,15 +16,17 @@ namespace {
 
 // V: the lanes of the softmax's vector loops (lanes::Floats, or lanes::Floats16 under AVX-512).
 template <class V>
-ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_begin, int64_t rows,
-                                           int64_t key_begin, int n, float* scores, float* acc,
-                                           int acc_stride, OnlineSoftmaxRow* states,
+ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
+                                           int64_t rows, int64_t key_begin, int n, float* scores,
+                                           float* acc, int acc_stride, OnlineSoftmaxRow* states,
                                            float* rescales) {
   const int64_t dv = problem.shape.value_dim;
+  const ScoreTransform transform = problem.transform(head);
+  const Geometry geometry = problem.geometry();
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
-    problem.transform().template Apply<V>(s, n);
-    MaskTile(problem.Visible(row_begin + r), key_begin, n, s);
+    transform.template Apply<V>(s, n, geometry.Distance(row_begin + r, key_begin));
+    MaskTile(geometry.Visible(row_begin + r), key_begin, n, s);
     const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     float* a = acc + r * acc_stride;
@@ -33,26 +35,27 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t row_b
   }
 }
 
-ATTN_CPU_FAST void VisitKeyTileRowsAvx2(const Problem& problem, int64_t row_begin, int64_t rows,
-                                        int64_t key_begin, int n, float* scores, float* acc,
-                                        int acc_stride, OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody<lanes::Floats>(problem, row_begin, rows, key_begin, n, scores, acc,
+ATTN_CPU_FAST void VisitKeyTileRowsAvx2(const Problem& problem, int64_t head, int64_t row_begin,
+                                        int64_t rows, int64_t key_begin, int n, float* scores,
+                                        float* acc, int acc_stride, OnlineSoftmaxRow* states,
+                                        float* rescales) {
+  VisitKeyTileRowsBody<lanes::Floats>(problem, head, row_begin, rows, key_begin, n, scores, acc,
                                       acc_stride, states, rescales);
 }
 
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) void VisitKeyTileRowsAvx512(
-    const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin, int n,
+    const Problem& problem, int64_t head, int64_t row_begin, int64_t rows, int64_t key_begin, int n,
     float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody<lanes::Floats16>(problem, row_begin, rows, key_begin, n, scores, acc,
+  VisitKeyTileRowsBody<lanes::Floats16>(problem, head, row_begin, rows, key_begin, n, scores, acc,
                                         acc_stride, states, rescales);
 }
 #endif
 
-void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t rows,
+void VisitKeyTileRowsPortable(const Problem& problem, int64_t head, int64_t row_begin, int64_t rows,
                               int64_t key_begin, int n, float* scores, float* acc, int acc_stride,
                               OnlineSoftmaxRow* states, float* rescales) {
-  VisitKeyTileRowsBody<lanes::Floats>(problem, row_begin, rows, key_begin, n, scores, acc,
+  VisitKeyTileRowsBody<lanes::Floats>(problem, head, row_begin, rows, key_begin, n, scores, acc,
                                       acc_stride, states, rescales);
 }
 
@@ -60,43 +63,47 @@ void VisitKeyTileRowsPortable(const Problem& problem, int64_t row_begin, int64_t
 
 namespace {
 
-ATTN_CPU_FAST void TransformTileAvx2(const ScoreTransform& transform, float* scores, int n) {
-  transform.Apply<lanes::Floats>(scores, n);
+ATTN_CPU_FAST void TransformTileAvx2(const ScoreTransform& transform, float* scores, int n,
+                                     int64_t distance) {
+  transform.Apply<lanes::Floats>(scores, n, distance);
 }
 
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))) void TransformTileAvx512(
-    const ScoreTransform& transform, float* scores, int n) {
-  transform.Apply<lanes::Floats16>(scores, n);
+    const ScoreTransform& transform, float* scores, int n, int64_t distance) {
+  transform.Apply<lanes::Floats16>(scores, n, distance);
 }
 #endif
 
-void TransformTilePortable(const ScoreTransform& transform, float* scores, int n) {
-  transform.Apply<lanes::Floats>(scores, n);
+void TransformTilePortable(const ScoreTransform& transform, float* scores, int n,
+                           int64_t distance) {
+  transform.Apply<lanes::Floats>(scores, n, distance);
 }
 
 }  // namespace
 
-void TransformTile(const Problem& problem, float* scores, int n) {
-  const ScoreTransform transform = problem.transform();
+void TransformTile(const Problem& problem, int64_t head, int64_t row, int64_t key_begin,
+                   float* scores, int n) {
+  const ScoreTransform transform = problem.transform(head);
   if (transform.Identity()) return;
+  const int64_t distance = problem.geometry().Distance(row, key_begin);
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
-  if (CpuHasAvx512()) return TransformTileAvx512(transform, scores, n);
+  if (CpuHasAvx512()) return TransformTileAvx512(transform, scores, n, distance);
 #endif
-  (CpuHasAvx2Fma() ? TransformTileAvx2 : TransformTilePortable)(transform, scores, n);
+  (CpuHasAvx2Fma() ? TransformTileAvx2 : TransformTilePortable)(transform, scores, n, distance);
 }
 
-void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
-                      int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
-                      float* rescales) {
+void VisitKeyTileRows(const Problem& problem, int64_t head, int64_t row_begin, int64_t rows,
+                      int64_t key_begin, int n, float* scores, float* acc, int acc_stride,
+                      OnlineSoftmaxRow* states, float* rescales) {
 #if defined(ATTN_CPU_HAS_AVX512_BUILD)
   if (CpuHasAvx512()) {
-    return VisitKeyTileRowsAvx512(problem, row_begin, rows, key_begin, n, scores, acc, acc_stride,
-                                  states, rescales);
+    return VisitKeyTileRowsAvx512(problem, head, row_begin, rows, key_begin, n, scores, acc,
+                                  acc_stride, states, rescales);
   }
 #endif
   (CpuHasAvx2Fma() ? VisitKeyTileRowsAvx2 : VisitKeyTileRowsPortable)(
-      problem, row_begin, rows, key_begin, n, scores, acc, acc_stride, states, rescales);
+      problem, head, row_begin, rows, key_begin, n, scores, acc, acc_stride, states, rescales);
 }
 
 namespace {
@@ -170,7 +177,7 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
     const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
     const KeyTile& key_tile = worker.Tile(problem, block, tile, n, max_packed_head_bytes);
     key_tile.Scores(query, m, worker.scores.data());
-    VisitKeyTileRows(problem, block.row_begin, rows, key_begin, n, worker.scores.data(),
+    VisitKeyTileRows(problem, block.head, block.row_begin, rows, key_begin, n, worker.scores.data(),
                      worker.acc.data(), acc_stride, worker.states.data());
     key_tile.Accumulate(worker.scores.data(), m, worker.acc.data());
   }

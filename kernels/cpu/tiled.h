@@ -18,20 +18,22 @@
 
 namespace attn {
 
-// The online-softmax step for rows [row_begin, row_begin + rows) of a block over the key tile
-// starting at key_begin with n keys: transforms scores [rows, n] (scaled) with the problem's
-// ScoreTransform and masks them with MaskTile,
+// The online-softmax step for rows [row_begin, row_begin + rows) of query head `head` of a block
+// over the key tile starting at key_begin with n keys: transforms scores [rows, n] (scaled) with
+// the head's ScoreTransform and masks them with MaskTile,
 // turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
 // acc [rows, value_dim] (row stride acc_stride) with OnlineSoftmaxRow::RescaleAccumulator,
 // recording the factors in rescales when not null. The caller then adds weights · V_tile to acc
 // (KeyTile::Accumulate).
-void VisitKeyTileRows(const Problem& problem, int64_t row_begin, int64_t rows, int64_t key_begin,
-                      int n, float* scores, float* acc, int acc_stride, OnlineSoftmaxRow* states,
-                      float* rescales = nullptr);
+void VisitKeyTileRows(const Problem& problem, int64_t head, int64_t row_begin, int64_t rows,
+                      int64_t key_begin, int n, float* scores, float* acc, int acc_stride,
+                      OnlineSoftmaxRow* states, float* rescales = nullptr);
 
-// The problem's ScoreTransform on n scaled scores in place, with the vector code
-// VisitKeyTileRows runs (the same dispatch), so a trace shows exactly the scores Tiled used.
-void TransformTile(const Problem& problem, float* scores, int n);
+// Query head `head`'s ScoreTransform on the n scaled scores of row `row` for keys key_begin … in
+// place, with the vector code VisitKeyTileRows runs (the same dispatch), so a trace shows
+// exactly the scores Tiled used.
+void TransformTile(const Problem& problem, int64_t head, int64_t row, int64_t key_begin,
+                   float* scores, int n);
 
 // Online-softmax attention on `pool`. Never fails for a valid Problem.
 //

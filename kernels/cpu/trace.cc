@@ -79,12 +79,12 @@ class CpuTraceCursor final : public TraceCursor {
                    problem_.scale);
     key_tile_.Scores(q_row_, 1, scores_.data());
     step.scores.assign(scores_.begin(), scores_.begin() + n);
-    if (!problem_.transform().Identity()) step.scaled_scores = step.scores;
+    if (!problem_.transforms().Identity()) step.scaled_scores = step.scores;
     // The transformed and masked scores, as VisitKeyTileRows sees them.
-    TransformTile(problem_, step.scores.data(), n);
+    TransformTile(problem_, ref.head, ref.row, step.key_begin, step.scores.data(), n);
     MaskTile(problem_.Visible(ref.row), step.key_begin, n, step.scores.data());
     step.max_before = state_.max;
-    VisitKeyTileRows(problem_, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(),
+    VisitKeyTileRows(problem_, ref.head, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(),
                      static_cast<int>(acc_.size()), &state_, &step.rescale);
     step.max_after = state_.max;
     step.weights.assign(scores_.begin(), scores_.begin() + n);
@@ -111,7 +111,7 @@ class CpuTraceCursor final : public TraceCursor {
     key_tile_.Load(key_rows_, value_rows_, static_cast<int>(s.key_len),
                    static_cast<int>(s.head_dim), static_cast<int>(s.value_dim), problem_.scale);
     reference_.resize(2 * s.key_len + AccStride(static_cast<int>(s.value_dim)));
-    NaiveRows(problem_, q_row_, key_tile_, ref.row, 1, reference_.data(),
+    NaiveRows(problem_, q_row_, key_tile_, ref.head, ref.row, 1, reference_.data(),
               reference_.data() + s.key_len, nullptr, reference_.data() + 2 * s.key_len);
     done.reference.assign(reference_.begin() + 2 * s.key_len,
                           reference_.begin() + 2 * s.key_len + s.value_dim);

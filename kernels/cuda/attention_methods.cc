@@ -75,9 +75,10 @@ absl::StatusOr<Stats> CudaBackend::Naive(const Problem& problem, const Outputs& 
           rows_per_kv_head * pitch, &zero, scores, CUDA_R_32F, n_keys, rows_per_kv_head * s.key_len,
           batches, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmStridedBatchedEx (scores)"));
-  ATTN_RETURN_IF_ERROR(Check(LaunchSoftmax(scores, weights, lse, s.batch * s.heads * s.query_len,
-                                           problem.geometry(), problem.transform(), slot.stream),
-                             "LaunchSoftmax"));
+  ATTN_RETURN_IF_ERROR(
+      Check(LaunchSoftmax(scores, weights, lse, s.batch * s.heads * s.query_len, s.heads,
+                          device.geometry, device.transforms, slot.stream),
+            "LaunchSoftmax"));
   // Row-major O[m, dv] = W[m, Nk] · V[Nk, dv] is column-major Oᵀ = Vᵀ · Wᵀ.
   ATTN_RETURN_IF_ERROR(CublasStatus(
       cublasGemmStridedBatchedEx(slot.blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(s.value_dim),
@@ -263,7 +264,7 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
       {&records.reference, n_rows * s.value_dim, &device_records.reference},
       {&records.lse, n_rows, &device_records.lse},
   };
-  if (!problem.transform().Identity()) {  // The scores before the transform, for TileStep.
+  if (!problem.transforms().Identity()) {  // The scores before the transform, for TileStep.
     buffers.push_back(
         {&records.scaled_scores, steps * problem.block_k, &device_records.scaled_scores});
   }

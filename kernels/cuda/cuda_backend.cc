@@ -41,7 +41,8 @@ int64_t StagingBytes(const Problem& problem, bool lse) {
   int64_t inputs = s.batch * s.heads * s.query_len * s.head_dim;
   if (problem.pages == nullptr)
     inputs += s.batch * s.kv_heads * s.key_len * (s.head_dim + s.value_dim);
-  return std::max(inputs * element, ResultBytes(problem, lse));
+  const int64_t slopes = problem.alibi_slopes != nullptr ? s.heads * 4 : 0;
+  return std::max(inputs * element + slopes, ResultBytes(problem, lse));
 }
 
 }  // namespace
@@ -87,7 +88,7 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
   device.shape = s;
   device.pitch = pitch;
   device.scale = problem.scale;
-  device.transform = problem.transform();
+  device.transforms = problem.transforms();  // Its slopes, if any, copied below.
   device.geometry = problem.geometry();
   device.dtype = DeviceDType(problem);  // Mixed: all as fp32.
   const int64_t element = ElementSize(device.dtype);
@@ -130,6 +131,15 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
                           input.width * element, input.rows, cudaMemcpyHostToDevice, slot.stream),
         "cudaMemcpy2DAsync (input)"));
     staged += dense_bytes;
+  }
+  if (problem.alibi_slopes != nullptr) {
+    const int64_t bytes = s.heads * 4;
+    ATTN_ASSIGN_OR_RETURN(float* slopes, memory.Allocate<float>(bytes));
+    std::memcpy(staged, problem.alibi_slopes, bytes);
+    ATTN_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slopes, staged, bytes, cudaMemcpyHostToDevice, slot.stream),
+              "cudaMemcpyAsync (ALiBi slopes)"));
+    device.transforms.alibi_slopes = slopes;
   }
   return device;
 }

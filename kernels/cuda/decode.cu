@@ -105,10 +105,15 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   OnlineSoftmax<WarpReduce> state[kRowsPerWarp];
   float acc[kRowsPerWarp][P / 32];
   KeyRange visible[kRowsPerWarp];
+  ScoreTransform transform[kRowsPerWarp];
+  int64_t distance[kRowsPerWarp];  // p − t of key 0 (Geometry::Distance).
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int r = warp + kWarps * k;
     visible[k] = r < rows ? item.geometry.Visible((row0 + r) % nq) : KeyRange{};
+    transform[k] = r < rows ? item.transforms.ForHead(unit.kv_head * group + (row0 + r) / nq)
+                            : ScoreTransform{};
+    distance[k] = item.geometry.Distance((row0 + r) % nq, 0);
 #pragma unroll
     for (int m = 0; m < P / 32; ++m) acc[k][m] = 0.f;
   }
@@ -144,7 +149,8 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
 #pragma unroll 8
       for (int c = 0; c < P; ++c) dot += q[c] * key[c];
       const bool seen = lane < n && visible[k].Contains(tile + lane);
-      const float score = seen ? item.transform(item.scale * dot) : -INFINITY;
+      const float score =
+          seen ? transform[k](item.scale * dot, distance[k] - (tile + lane)) : -INFINITY;
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);
       const float weight = state[k].AddScore(score);

@@ -33,7 +33,8 @@ struct DeviceProblem {
   DType dtype = DType::kFloat32;  // Of query, key and value alike.
   int pitch = 32;                 // Elements per row in memory: PaddedDim(shape).
   float scale = 1.f;
-  ScoreTransform transform;     // Each scaled score's transform (kernels/score_transform.h).
+  ScoreTransforms transforms;   // Each head's score transform (kernels/score_transform.h);
+                                // alibi_slopes in device memory.
   Geometry geometry;            // Which keys each query row sees (kernels/geometry.h).
   const void* query = nullptr;  // [batch, heads, query_len, pitch]
   const void* key = nullptr;    // [batch, kv_heads, key_len, pitch]
@@ -78,11 +79,12 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
 
 // --- Naive's pieces (naive.cu); the two matrix products are cuBLAS calls --------------------
 
-// Row-wise stable softmax of scores [B·H·Nq, Nk] (row r is query r % Nq) into weights, with
-// the transform (softcap: applied to the scores in place) and the mask (`geometry`) applied
-// here; lse (nullable) gets each row's log-sum-exp.
-cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t rows,
-                          const Geometry& geometry, const ScoreTransform& transform,
+// Row-wise stable softmax of scores [B·H·Nq, Nk] (row r is query r % Nq of head r / Nq % heads)
+// into weights, with the transforms (softcap, ALiBi: applied to the scores in place; slopes in
+// device memory) and the mask (`geometry`) applied here; lse (nullable) gets each row's
+// log-sum-exp.
+cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t rows, int64_t heads,
+                          const Geometry& geometry, const ScoreTransforms& transforms,
                           cudaStream_t stream);
 
 // Dense fp32 copy [rows, cols] of a pitched tensor in `dtype`.
@@ -158,8 +160,9 @@ struct DecodeItem {
   float* lse;  // [heads, query_len], or null
   int64_t heads, kv_heads, query_len, key_len, head_dim, value_dim;
   float scale;
-  ScoreTransform transform;  // Each scaled score's transform (kernels/score_transform.h).
-  Geometry geometry;         // Which keys each query row sees (kernels/geometry.h).
+  ScoreTransforms transforms;  // Each head's score transform (kernels/score_transform.h);
+                               // alibi_slopes in device memory.
+  Geometry geometry;           // Which keys each query row sees (kernels/geometry.h).
   int64_t chunk_keys, chunks;
   int64_t partial_acc;    // Offset in DecodeBatch::partial_acc of its [rows, chunks, value_dim].
   int64_t partial_state;  // Offset in DecodeBatch::partial_state of its [rows, chunks, 2].

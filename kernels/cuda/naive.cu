@@ -23,14 +23,17 @@ constexpr int kSoftmaxThreads = 256;
 // (SoftmaxRow, online_softmax.h) shared by the block's threads. A row that sees no key gets zero
 // weights and lse −inf.
 __global__ void __launch_bounds__(kSoftmaxThreads)
-    SoftmaxKernel(float* scores, float* weights, float* lse, const Geometry geometry,
-                  const ScoreTransform transform) {
+    SoftmaxKernel(float* scores, float* weights, float* lse, int64_t heads, const Geometry geometry,
+                  const ScoreTransforms transforms) {
   const int64_t row = blockIdx.x;
   const int64_t key_len = geometry.key_len;
-  const KeyRange visible = geometry.Visible(row % geometry.query_len);
+  const int64_t query_row = row % geometry.query_len;
+  const KeyRange visible = geometry.Visible(query_row);
+  const ScoreTransform transform = transforms.ForHead(row / geometry.query_len % heads);
   if (!transform.Identity()) {
     for (int64_t j = visible.begin + threadIdx.x; j < visible.end; j += kSoftmaxThreads) {
-      scores[row * key_len + j] = transform(scores[row * key_len + j]);
+      scores[row * key_len + j] =
+          transform(scores[row * key_len + j], geometry.Distance(query_row, j));
     }
     __syncthreads();
   }
@@ -64,12 +67,12 @@ unsigned GridFor(int64_t count) {
 
 }  // namespace
 
-cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t rows,
-                          const Geometry& geometry, const ScoreTransform& transform,
+cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t rows, int64_t heads,
+                          const Geometry& geometry, const ScoreTransforms& transforms,
                           cudaStream_t stream) {
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
-  SoftmaxKernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(scores, weights, lse,
-                                                                             geometry, transform);
+  SoftmaxKernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(
+      scores, weights, lse, heads, geometry, transforms);
   return cudaGetLastError();
 }
 

@@ -64,7 +64,7 @@ struct Params {
   int64_t heads, kv_heads, query_len, key_len, value_dim;
   int64_t row_blocks;  // Blocks per (batch, head).
   float scale;
-  ScoreTransform transform;
+  ScoreTransforms transforms;  // alibi_slopes in device memory.
   Geometry geometry;
 };
 
@@ -74,6 +74,7 @@ struct Params {
 struct BlockWork {
   int64_t batch_head, batch_kv_head, row0;
   KeyRange tiles;
+  ScoreTransform transform;  // The head's.
 };
 
 __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
@@ -83,6 +84,7 @@ __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
   const int64_t head = work.batch_head % p.heads;
   const int64_t batch = work.batch_head / p.heads;
   work.batch_kv_head = batch * p.kv_heads + KvHeadOf(head, p.heads, p.kv_heads);
+  work.transform = p.transforms.ForHead(head);
   const int64_t last_row = min(work.row0 + rows, p.query_len) - 1;
   work.tiles = p.geometry.VisitedTiles(work.row0, last_row, kKeys);
   return work;
@@ -276,7 +278,10 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
         const int r = e / 2;
         const int64_t key_index = key0 + nb * 8 + quad * 2 + e % 2;
         const float score =
-            visible[r].Contains(key_index) ? p.transform(scores[nb][e] * p.scale) : -INFINITY;
+            visible[r].Contains(key_index)
+                ? work.transform(scores[nb][e] * p.scale,
+                                 p.geometry.Distance(work.row0 + local_row[r], key_index))
+                : -INFINITY;
         scores[nb][e] = score;
         thread_max[r] = fmaxf(thread_max[r], score);
       }
@@ -386,7 +391,10 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
     float weight[kFp32RowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-      const float s = visible[r].Contains(key_index) ? p.transform(score[r] * p.scale) : -INFINITY;
+      const int64_t row = work.row0 + warp * kFp32RowsPerWarp + r;
+      const float s = visible[r].Contains(key_index)
+                          ? work.transform(score[r] * p.scale, p.geometry.Distance(row, key_index))
+                          : -INFINITY;
       const float rescale = state[r].Rescale(s);
       Softmax::RescaleAccumulator(rescale, kColumns, [&](int c) -> float& { return out[r][c]; });
       weight[r] = state[r].AddScore(s);
@@ -450,8 +458,10 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1) RowKernel(const RowParams p
   const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
   const KeyRange visible = p.geometry.Visible(row);
   const KeyRange tiles = p.geometry.VisitedTiles(row, row, params.block_k);
+  const ScoreTransform transform = p.transforms.ForHead(head);
   auto score = [&](int64_t key) {
-    return p.transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch));
+    return transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch),
+                     p.geometry.Distance(row, key));
   };
 
   Softmax state;
@@ -583,7 +593,7 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
                 s.value_dim,
                 (s.query_len + rows - 1) / rows,
                 problem.scale,
-                problem.transform,
+                problem.transforms,
                 problem.geometry};
   const int64_t blocks = s.batch * s.heads * params.row_blocks;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;

@@ -40,6 +40,10 @@ __global__ void TraceKernel(const TraceParams params) {
   const int64_t kv_offset = KeyValueHeadOffset(p, batch, head);
   const KeyRange visible = p.geometry.Visible(row);
   const KeyRange tiles = p.geometry.VisitedTiles(row, row, rec.block_k);
+  const ScoreTransform transform = p.transforms.ForHead(head);
+  auto transformed = [&](float scaled, int64_t key) {
+    return transform(scaled, p.geometry.Distance(row, key));
+  };
 
   OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.
   float acc[kMaxColumnsPerLane] = {};
@@ -54,11 +58,12 @@ __global__ void TraceKernel(const TraceParams params) {
       if (rec.scaled_scores != nullptr) {  // The scaled score before the transform, every key.
         const float scaled = p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
         rec.scaled_scores[step * rec.block_k + j] = scaled;
-        scores[j] = visible.Contains(key) ? p.transform(scaled) : -INFINITY;
+        scores[j] = visible.Contains(key) ? transformed(scaled, key) : -INFINITY;
       } else {
-        scores[j] = visible.Contains(key)
-                        ? p.transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch))
-                        : -INFINITY;
+        scores[j] =
+            visible.Contains(key)
+                ? transformed(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch), key)
+                : -INFINITY;
       }
     }
     __syncwarp();
@@ -99,7 +104,7 @@ __global__ void TraceKernel(const TraceParams params) {
   float* full = rec.reference_scores + r * s.key_len;
   for (int64_t j = lane; j < s.key_len; j += 32) {
     full[j] = visible.Contains(j)
-                  ? p.transform(p.scale * Dot(p, query_offset, kv_offset + j * p.pitch))
+                  ? transformed(p.scale * Dot(p, query_offset, kv_offset + j * p.pitch), j)
                   : -INFINITY;
   }
   SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);

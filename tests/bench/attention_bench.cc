@@ -72,6 +72,8 @@
 //                      the pairs the window leaves (Problem::Flops)
 //   --softcap=C        a softcap on every attention row (AttentionOptions.softcap; default 0:
 //                      none); the row's name ends /softcap:C
+//   --alibi            ALiBi on every attention row: head h's slope 2^(−8(h+1)/H)
+//                      (AttentionOptions.alibi_slopes); the row's name ends /alibi
 //   --naive_max_n=N    largest N Naive runs at (default 8192; --quick 1024)
 //   --naive_budget_gib=G   the backend's max_naive_bytes (default 4)
 //   --sgemm_n=LIST     the ceiling's sizes (default 2048; --quick 1024)
@@ -143,6 +145,7 @@ struct Options {
   int64_t heads = 0;
   int64_t window_left = -1;
   double softcap = 0;
+  bool alibi = false;
   int64_t naive_max_n = 8192;
   double naive_budget_gib = 4;
   std::vector<int64_t> sgemm_n = {2048};
@@ -165,12 +168,13 @@ struct Cell {
   int64_t d = 0;
   int64_t window_left = -1;  // −1: none.
   double softcap = 0;        // 0: none.
+  bool alibi = false;
 
   std::string Name() const {
-    return absl::StrCat(method, "/", DTypeLabel(dtype), "/causal:", causal ? 1 : 0, "/N:", n,
-                        "/H:", heads, "/d:", d,
-                        window_left >= 0 ? absl::StrCat("/window:", window_left) : "",
-                        softcap > 0 ? absl::StrCat("/softcap:", softcap) : "");
+    return absl::StrCat(
+        method, "/", DTypeLabel(dtype), "/causal:", causal ? 1 : 0, "/N:", n, "/H:", heads,
+        "/d:", d, window_left >= 0 ? absl::StrCat("/window:", window_left) : "",
+        softcap > 0 ? absl::StrCat("/softcap:", softcap) : "", alibi ? "/alibi" : "");
   }
   static const char* DTypeLabel(DType dtype) {
     return dtype == DType::kFloat32 ? "fp32" : attn::DTypeName(dtype);
@@ -190,16 +194,17 @@ bool DeadlinePassed() {
 }
 
 [[noreturn]] void Usage(const std::string& problem) {
-  std::fprintf(stderr,
-               "attention_bench: %s\n"
-               "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
-               "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-               "       --heads=H --window_left=L --softcap=C --naive_max_n=N --naive_budget_gib=G\n"
-               "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-               "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
-               "       --memcopy_mib=M\n"
-               "       and Google Benchmark's --benchmark_* flags\n",
-               problem.c_str());
+  std::fprintf(
+      stderr,
+      "attention_bench: %s\n"
+      "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
+      "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
+      "       --heads=H --window_left=L --softcap=C --alibi --naive_max_n=N --naive_budget_gib=G\n"
+      "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+      "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
+      "       --memcopy_mib=M\n"
+      "       and Google Benchmark's --benchmark_* flags\n",
+      problem.c_str());
   std::exit(2);
 }
 
@@ -350,6 +355,8 @@ Options ParseOptions(int* argc, char** argv) {
       if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) {
         Usage("--softcap expects a finite value >= 0");
       }
+    } else if (flag == "--alibi") {
+      options.alibi = true;
     } else if (flag == "--naive_max_n") {
       need_value();
       options.naive_max_n = ParseInt(flag, value);
@@ -372,7 +379,7 @@ Options ParseOptions(int* argc, char** argv) {
       std::printf(
           "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
           "  --causal=0,1 --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-          "  --heads=H --window_left=L --softcap=C --naive_max_n=N --naive_budget_gib=G\n"
+          "  --heads=H --window_left=L --softcap=C --alibi --naive_max_n=N --naive_budget_gib=G\n"
           "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
           "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
           "  --memcopy_mib=M\n"
@@ -415,6 +422,9 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
   host.return_lse = false;
   if (cell.window_left >= 0) host.window_left = cell.window_left;
   host.softcap = static_cast<float>(cell.softcap);
+  for (int64_t h = 0; cell.alibi && h < cell.heads; ++h) {
+    host.alibi_slopes.push_back(static_cast<float>(std::exp2(-8.0 * (h + 1) / cell.heads)));
+  }
   const attn::Problem problem = host.View();
 
   // The output buffer, poisoned with NaN so that an unwritten element shows after the run.
@@ -898,9 +908,15 @@ int main(int argc, char** argv) {
                 (dtype != DType::kFloat32 || causal != 0 || n > options.naive_max_n)) {
               continue;
             }
-            const Cell cell{
-                method,         dtype, causal != 0, n, HeadsFor(options, n), d, options.window_left,
-                options.softcap};
+            const Cell cell{method,
+                            dtype,
+                            causal != 0,
+                            n,
+                            HeadsFor(options, n),
+                            d,
+                            options.window_left,
+                            options.softcap,
+                            options.alibi};
             // Past --naive_max_n, Naive only where the backend refuses it before allocating.
             if (method == "naive" && n > options.naive_max_n &&
                 cell.NaiveStorageBytes() <= static_cast<double>(budget)) {

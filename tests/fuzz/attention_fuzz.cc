@@ -67,11 +67,13 @@ std::string Describe(const Problem& p) {
   const Shape& s = p.shape;
   return absl::StrFormat(
       "problem [B=%d H=%d Hkv=%d Nq=%d Nk=%d d=%d dv=%d], q/k/v %s/%s/%s → %s, scale %g, "
-      "block_k %d%s%s, window (%d, %d), softcap %g",
+      "block_k %d%s%s, window (%d, %d), softcap %g%s",
       s.batch, s.heads, s.kv_heads, s.query_len, s.key_len, s.head_dim, s.value_dim,
       DTypeName(p.query.dtype), DTypeName(p.key.dtype), DTypeName(p.value.dtype),
       DTypeName(p.output_dtype), p.scale, p.block_k, p.causal ? ", causal" : "",
-      p.return_lse ? ", lse" : "", p.window_left, p.window_right, p.softcap);
+      p.return_lse ? ", lse" : "", p.window_left, p.window_right, p.softcap,
+      p.alibi_slopes != nullptr ? absl::StrFormat(", ALiBi (slope 0: %g)", p.alibi_slopes[0])
+                                : std::string());
 }
 
 Backend& Cpu() {
@@ -102,6 +104,9 @@ void ExpectInvariants(const Problem& p) {
       p.block_k <= s.key_len && std::isfinite(p.scale) && p.query.data != nullptr &&
       p.key.data != nullptr && p.value.data != nullptr && std::isfinite(p.softcap) &&
       p.softcap >= 0.f &&
+      (p.alibi_slopes == nullptr ||
+       std::all_of(p.alibi_slopes, p.alibi_slopes + s.heads,
+                   [](float slope) { return std::isfinite(slope); })) &&
       (p.window_left == kUnbounded || (p.window_left >= 0 && p.window_left <= kMaxPosition)) &&
       (p.window_right == kUnbounded || (p.window_right >= 0 && p.window_right <= kMaxPosition));
   if (!ok) Fail(absl::StrCat("validation accepted an invalid ", Describe(p)));
@@ -120,9 +125,11 @@ double Work(const Problem& p, double rows) {
 // well-scaled random inputs; fuzzed inputs span fp32's range, so the bound follows the row's
 // conditioning instead. With u = 2^-24, P = max_j Σ_c |q_c·k_jc| over the visible keys and
 // V = max |v| over them:
-//   a score              off by at most ε = (d + 2)·u·|scale|·P + 8u·softcap   (fp32 dot
+//   a score              off by at most ε = (d + 2)·u·|scale|·P + 8u·softcap + 4u·A   (fp32 dot
 //                                                   product in any order, then the scale; the
-//                                                   softcap's tanh, of slope ≤ 1, adds its own)
+//                                                   softcap's tanh, of slope ≤ 1, adds its own;
+//                                                   A = the largest |ALiBi bias|, rounded in
+//                                                   fp32 and added)
 //   a normalized weight  off by a factor within e^(±δ), δ = 2ε + 3η, with η = 128u for exp's own
 //                        error and the rounding of (s − max) when the weight is not negligible
 //   the output           |out − ref| ≤ V·(w + (4·Nk + 8)·u·(1 + w)) + subnormal rounding, with
@@ -157,7 +164,9 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
     max_abs_query = std::max(max_abs_query, std::abs(double{p.query[q0 + c]}));
   }
   std::vector<double> scores(s.key_len);
-  double max_score = -INFINITY;
+  double max_score = -INFINITY, max_bias = 0;
+  const double slope = p.alibi_slopes != nullptr ? double{p.alibi_slopes[row.head]} : 0.0;
+  const Geometry geometry = p.geometry();
   for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) {
     const int64_t k0 = p.KeyOffset(row.batch, kv_head, j);
     double dot = 0, abs_dot = 0;
@@ -169,6 +178,9 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
     }
     scores[j] = double{p.scale} * dot;
     if (p.softcap > 0.f) scores[j] = p.softcap * std::tanh(scores[j] / p.softcap);
+    const double bias = -slope * std::abs(static_cast<double>(geometry.Distance(row.row, j)));
+    scores[j] += bias;
+    max_bias = std::max(max_bias, std::abs(bias));
     products = std::max(products, abs_dot);
     max_score = std::max(max_score, scores[j]);
   }
@@ -189,12 +201,12 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   const double scale = std::abs(double{p.scale});
   const double visible = static_cast<double>(ref.visible.size());
   ref.tame = std::max({max_abs_query, max_abs_key, scale * max_abs_query, products,
-                       scale * products, ref.max_abs_value * visible}) <= kMaxTame;
+                       scale * products, ref.max_abs_value * visible, max_bias}) <= kMaxTame;
   const double u = kUnitRoundoff;
   // The softcap's tanh has slope ≤ 1, so it passes the product's error on unchanged and adds
   // its own (tanhf's few ulps of a result within ±softcap).
   const double score_error = static_cast<double>(s.head_dim + 2) * u * scale * products +
-                             8 * u * static_cast<double>(p.softcap);
+                             8 * u * static_cast<double>(p.softcap) + 4 * u * max_bias;
   // Past 2 the weights may be anything: out and ref are both averages of values within ±V.
   const double weight_error = std::min(std::expm1(2 * score_error + 3 * 128 * u), 2.0);
   const double sums = (4 * visible + 8) * u;
@@ -442,7 +454,7 @@ void FuzzTrace(const v1::TraceRequest& request) {
         Fail(absl::StrFormat("Trace ended early: row (%d, %d, %d) has %d of %d steps, %s",
                              row.batch, row.head, row.row, tile, tiles, Describe(p)));
       }
-      EncodeTraceItem(item, &event);
+      EncodeTraceItem(p, item, &event);
       const bool is_step = std::holds_alternative<TraceStep>(item);
       if (is_step != (tile < tiles)) {
         Fail(absl::StrFormat(

@@ -99,6 +99,13 @@ seeds = {
     "attention-softcap-window": ATTENTION + random_request(
         12, [2], 1, 11, 14, 6, 5, causal=True, block_k=4, return_lse=True, window_left=5,
         softcap=0.5).SerializeToString(),
+    # ALiBi with GQA, causal, and a key slice placed by positions (distances on both sides).
+    "attention-alibi-gqa": ATTENTION + random_request(
+        14, [1, 4], 2, 9, 13, 5, 4, causal=True, block_k=3, return_lse=True,
+        alibi_slopes=[0.5, 0.25, 0.125, 0.0625]).SerializeToString(),
+    "attention-alibi-key-slice": ATTENTION + random_request(
+        15, [2], 1, 7, 8, 4, 3, block_k=5, return_lse=True, key_position=6, query_position=3,
+        alibi_slopes=[0.7, -0.3], softcap=2.0).SerializeToString(),
     "attention-mixed-dtypes": ATTENTION + random_request(
         5, [], 1, 5, 9, 6, 2, (F16, BF16, F32), block_k=3, output_dtype=F16).SerializeToString(),
     # Finite inputs whose scores overflow fp32 (4·1e20·1e20 > 3.4e38): inf − inf in the softmax.

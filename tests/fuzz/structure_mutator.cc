@@ -166,7 +166,7 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
       options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
       return true;
     case 10:
-      switch (Pick(rng, 9)) {
+      switch (Pick(rng, 10)) {
         case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
           const int64_t choice = Pick(rng, 4);
           options->set_key_position(choice == 0   ? 0
@@ -200,6 +200,20 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
         case 8: {  // softcap: off, small, large, or refused (negative, infinite)
           const float choices[] = {0.f, 0.5f, 5.f, 50.f, -1.f, INFINITY};
           options->set_softcap(choices[Pick(rng, 6)]);
+          break;
+        }
+        case 9: {  // ALiBi: none, one slope per query head (geometric, or negative), one too
+                   // many, or a refused (non-finite) one
+          const int rank = q->shape_size();
+          const int64_t heads = rank >= 3 ? q->shape(rank - 3) : 1;
+          const int64_t choice = Pick(rng, 5);
+          options->clear_alibi_slopes();
+          if (choice == 0 || heads < 1 || heads > 64) break;
+          for (int64_t h = 0; h < heads + (choice == 3); ++h) {
+            options->add_alibi_slopes((choice == 2 ? -1.f : 1.f) *
+                                      std::ldexp(1.f, -static_cast<int>(h % 8) - 1));
+          }
+          if (choice == 4) options->set_alibi_slopes(Pick(rng, heads), NAN);
           break;
         }
         case 0:

@@ -425,8 +425,17 @@ struct RandomCase {
   int64_t query_position = -1;
   int64_t window_left = -1;  // AttentionOptions.window_left/right; −1 = unbounded.
   int64_t window_right = -1;
-  float softcap = 0.f;  // AttentionOptions.softcap (the queries × 32 when set, past the cap).
+  float softcap = 0.f;     // AttentionOptions.softcap (the queries × 32 when set, past the cap).
+  float alibi_base = 0.f;  // ALiBi: head h's slope alibi_base^(h + 1); 0 = none.
 };
+
+// ALiBi slopes base^(h + 1) for the problem's heads (none for base 0).
+void SetAlibi(HostProblem& host, float base) {
+  float slope = 1.f;
+  for (int64_t h = 0; base > 0 && h < host.shape.heads; ++h) {
+    host.alibi_slopes.push_back(slope *= base);
+  }
+}
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
 
@@ -440,6 +449,7 @@ TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
   if (c.query_position >= 0) host.query_position = c.query_position;
   if (c.window_left >= 0) host.window_left = c.window_left;
   if (c.window_right >= 0) host.window_right = c.window_right;
+  SetAlibi(host, c.alibi_base);
   if (c.softcap > 0) {
     host.softcap = c.softcap;
     for (size_t i = 0; i < host.query.size(); ++i) {
@@ -513,7 +523,15 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"WindowCausalLeftZero", MakeShape(1, 2, 2, 45, 45, 17, 17), true, 16, 0, -1, 0},
         RandomCase{"Softcap", MakeShape(1, 2, 2, 70, 97, 64, 64), false, 16, 0, -1, -1, -1, 30.f},
         RandomCase{"SoftcapCausalWindow", MakeShape(1, 4, 2, 150, 150, 48, 40), true, 16, 0, -1, 33,
-                   -1, 5.f}),
+                   -1, 5.f},
+        // ALiBi: the fused fp32 kernel (block_k 32) with GQA and causal, the row kernel on a key
+        // slice, and all three with a window and a softcap.
+        RandomCase{"AlibiCausalGqa", MakeShape(1, 4, 2, 97, 131, 64, 64), true, 32, 0, -1, -1, -1,
+                   0.f, 0.5f},
+        RandomCase{"AlibiKeySlice", MakeShape(1, 2, 2, 37, 19, 17, 17), false, 5, 23, 16, -1, -1,
+                   0.f, 0.7f},
+        RandomCase{"AlibiSoftcapWindow", MakeShape(1, 4, 2, 150, 150, 48, 40), true, 32, 0, -1, 33,
+                   -1, 5.f, 0.6f}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
@@ -527,6 +545,7 @@ struct LowPrecisionCase {
   int block_k;
   int64_t window_left = -1;  // AttentionOptions.window_left; −1 = unbounded.
   float softcap = 0.f;       // AttentionOptions.softcap (the queries × 32 when set).
+  float alibi_base = 0.f;    // ALiBi: head h's slope alibi_base^(h + 1); 0 = none.
 };
 
 void PrintTo(const LowPrecisionCase& c, std::ostream* os) { *os << c.name; }
@@ -547,6 +566,7 @@ TEST_P(CudaLowPrecisionTest, ErrorWithinTwiceTheSamePrecisionBaseline) {
   const uint64_t seed = std::hash<std::string>{}("cuda low precision " + c.name);
   HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, seed);
   if (c.window_left >= 0) host.window_left = c.window_left;
+  SetAlibi(host, c.alibi_base);
   if (c.softcap > 0) {
     host.softcap = c.softcap;
     for (size_t i = 0; i < host.query.size(); ++i) {
@@ -616,7 +636,12 @@ INSTANTIATE_TEST_SUITE_P(
         LowPrecisionCase{"Bf16CausalWindow", DType::kBFloat16, MakeShape(1, 2, 2, 200, 200, 64, 64),
                          true, 64, 45},
         LowPrecisionCase{"F16SoftcapWindow", DType::kFloat16, MakeShape(1, 4, 2, 130, 150, 32, 32),
-                         true, 64, 60, 10.f}),
+                         true, 64, 60, 10.f},
+        // The tensor-core kernel with ALiBi (GQA, causal), and with a window and a softcap.
+        LowPrecisionCase{"Bf16AlibiCausalGqa", DType::kBFloat16,
+                         MakeShape(1, 4, 2, 200, 200, 64, 64), true, 64, -1, 0.f, 0.5f},
+        LowPrecisionCase{"F16AlibiSoftcapWindow", DType::kFloat16,
+                         MakeShape(1, 4, 2, 130, 150, 32, 32), true, 64, 60, 10.f, 0.7f}),
     [](const ::testing::TestParamInfo<LowPrecisionCase>& info) { return info.param.name; });
 
 class CudaMixedDtypeTest : public CudaTest {};

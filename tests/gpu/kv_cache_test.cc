@@ -248,6 +248,7 @@ struct DecodeCase {
   DType dtype;
   std::vector<Shape> items;  // Batch 1 each; key_len is the cache's length.
   bool causal = false;
+  bool alibi = false;  // ALiBi slopes 2^−(h+1) on every item (the split kernel's rows by head).
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
@@ -268,6 +269,9 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
   std::vector<std::unique_ptr<KvStore>> stores;
   for (size_t i = 0; i < c.items.size(); ++i) {
     hosts.push_back(RandomProblem(c.items[i], c.dtype, c.causal, 8, seed + i));
+    for (int64_t h = 0; c.alibi && h < c.items[i].heads; ++h) {
+      hosts.back().alibi_slopes.push_back(std::ldexp(1.f, -static_cast<int>(h) - 1));
+    }
   }
   std::vector<Problem> problems;
   std::vector<PoisonedOutputs> poisoned;
@@ -347,6 +351,11 @@ INSTANTIATE_TEST_SUITE_P(
                    DType::kFloat32,
                    {MakeShape(1, 4, 2, 2, 77, 30, 30), MakeShape(1, 2, 2, 1, 290, 100, 64),
                     MakeShape(1, 6, 3, 1, 45, 17, 5)},
+                   true},
+        DecodeCase{"AlibiCausalRowGroupsBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 12, 2, 5, 97, 64, 48), MakeShape(1, 12, 2, 1, 600, 64, 48)},
+                   true,
                    true}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
 

@@ -11,10 +11,15 @@ windows (window_left / window_right through Naive, Tiled and Decode against a fl
 that applies the window key by key, Trace's start repeating the window and each row's steps
 beginning at the first tile it sees); softcaps (softcap through Naive, Tiled and Decode on
 problems whose scores pass the cap, against a float64 reference that scales, caps and then
-masks; Trace's start repeating it, each step's scaled_scores and capped scores); errors (a bad
-shape → AttnError INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors, bad
-windows and softcaps among them, raise ValueError/TypeError naming the argument without any
-RPC); a second attnd with --auth-token-file (no token or a wrong one → UNAUTHENTICATED, the
+masks; Trace's start repeating it, each step's scaled_scores and capped scores); ALiBi
+(alibi_slopes through Naive, Tiled and Decode, GQA, causal, windowed, softcapped and at
+positions, against a float64 reference that adds −slope·|p − t| after the cap and before the
+mask; "standard" equal to standard_alibi_slopes and its known values; Trace's start repeating
+the slopes, each step's biases −slope·|p − t| and scores softcap(scaled) + bias; a wrong count
+→ INVALID_ARGUMENT naming options.alibi_slopes); errors (a bad shape → AttnError
+INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors, bad windows, softcaps
+and ALiBi slopes among them, raise ValueError/TypeError naming the argument without any RPC);
+a second attnd with --auth-token-file (no token or a wrong one → UNAUTHENTICATED, the
 token → OK, health without one); and, when openssl is present, a third attnd with TLS reached
 through tls_ca. Run by CTest as
 
@@ -114,13 +119,15 @@ def window_reference(q, k, v, causal, window_left=None, window_right=None, key_p
 
 
 def softcap_reference(q, k, v, causal, softcap, window_left=None, key_position=0,
-                      query_position=None):
+                      query_position=None, alibi_slopes=None):
     """float64 attention over [B, H, Nq, d] / [B, Hkv, Nk, d] / [B, Hkv, Nk, dv] in the
     contract's order: the scores scale · q·k (scale 1/sqrt(d)), then softcap · tanh(s /
-    softcap) (softcap 0: none), then the mask (causal and window_left over positions, as in
-    window_reference) → (out, lse, score_max), score_max the largest |score| the softmax takes
-    (capped, of the keys seen: ≤ softcap), for harness.output_error; a row that sees no key
-    gives zeros and lse −inf."""
+    softcap) (softcap 0: none), then the ALiBi bias −alibi_slopes[h] · |p − t| (None: none),
+    then the mask (causal and window_left over positions, as in window_reference) →
+    (out, lse, score_max), score_max the largest |capped score| + |bias| the softmax takes (of
+    the keys seen; without a bias the largest |score|, ≤ softcap when capped), which bounds the
+    fp32 error of a score, for harness.output_error; a row that sees no key gives zeros and lse
+    −inf."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     heads, query_len, head_dim = q.shape[1:]
     kv_heads, key_len = k.shape[1], k.shape[2]
@@ -132,6 +139,12 @@ def softcap_reference(q, k, v, causal, softcap, window_left=None, key_position=0
     scores = softcap * np.tanh(scaled / softcap) if softcap else scaled.copy()
     p = query_position + np.arange(query_len)[:, None]
     t = key_position + np.arange(key_len)[None, :]
+    magnitude = np.abs(scores)
+    if alibi_slopes is not None and len(alibi_slopes):
+        slopes = np.asarray(alibi_slopes, dtype=np.float64).reshape(1, heads, 1, 1)
+        bias = -slopes * np.abs(p - t)                                  # [1, H, Nq, Nk]
+        scores = scores + bias
+        magnitude = magnitude + np.abs(bias)
     hidden = np.zeros((query_len, key_len), dtype=bool)
     if causal:
         hidden |= t > p
@@ -145,7 +158,7 @@ def softcap_reference(q, k, v, causal, softcap, window_left=None, key_position=0
     out = np.where(seen, weights @ v / np.where(seen, total, 1.0), 0.0)
     lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -math.inf)[..., 0]
     visible = np.isfinite(scores)
-    return out, lse, float(np.max(np.abs(scores[visible]))) if visible.any() else 0.0
+    return out, lse, float(np.max(magnitude[visible])) if visible.any() else 0.0
 
 
 class ServerCase(unittest.TestCase):
@@ -637,6 +650,246 @@ class ClientModuleTest(ServerCase):
             for cache in caches:
                 cache.delete()
 
+    # ALiBi.
+
+    def alibi_problem(self, q_shape, k_shape, v_shape):
+        """Random float32 q, k, v in [-1, 1]."""
+        rng = np.random.default_rng()
+        return tuple(rng.uniform(-1, 1, size=shape).astype(np.float32)
+                     for shape in (q_shape, k_shape, v_shape))
+
+    def test_alibi_matches_reference(self):
+        rng = np.random.default_rng()
+        random4 = rng.uniform(0.05, 1.0, size=4).astype(np.float32)   # a NumPy array
+        cases = [
+            # Rank 4, GQA, causal, value_dim ≠ head_dim, odd sizes, key_len ≠ query_len.
+            ((2, 4, 37, 9), (2, 2, 53, 9), (2, 2, 53, 6), dict(causal=True),
+             "standard"),
+            ((2, 4, 37, 9), (2, 2, 53, 9), (2, 2, 53, 6), dict(causal=True), random4),
+            # Rank 3 (H = 6, not a power of two), not causal: keys on both sides of p.
+            ((6, 29, 17), (3, 41, 17), (3, 41, 11), dict(causal=False), "standard"),
+            ((6, 29, 17), (3, 41, 17), (3, 41, 11), dict(causal=False),
+             [0.5, 0.3, 1, 0.0, 0.125, 0.75]),
+            # At positions (the bias is of p − t, not of the indices), not causal.
+            ((6, 29, 17), (3, 41, 17), (3, 41, 11),
+             dict(causal=False, key_position=90, query_position=100), "standard"),
+            # With a softcap and a causal window: cap, then bias, then mask.
+            ((1, 2, 31, 9), (1, 1, 31, 9), (1, 1, 31, 7),
+             dict(causal=True, softcap=2.0, window_left=6), [0.7, 0.25]),
+            # Rank 2: one head.
+            ((19, 8), (27, 8), (27, 5), dict(causal=True), [0.6]),
+        ]
+        for q_shape, k_shape, v_shape, options, slopes in cases:
+            q, k, v = self.alibi_problem(q_shape, k_shape, v_shape)
+            heads = 1 if len(q_shape) == 2 else q_shape[-3]
+            sent = attn_client.standard_alibi_slopes(heads) if isinstance(slopes, str) else \
+                np.asarray(slopes, dtype=np.float32).astype(np.float64)  # the server's fp32
+            out_shape, lse_shape = q_shape[:-1] + v_shape[-1:], q_shape[:-1]
+            reference_options = dict(options)
+            softcap = reference_options.pop("softcap", 0.0)
+            ref, ref_lse, score_max = softcap_reference(as4(q), as4(k), as4(v),
+                                                        softcap=softcap, alibi_slopes=sent,
+                                                        **reference_options)
+            plain, _, _ = softcap_reference(as4(q), as4(k), as4(v), softcap=softcap,
+                                            **reference_options)
+            self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)  # and it matters
+            ref, ref_lse = ref.reshape(out_shape), ref_lse.reshape(lse_shape)
+            for name in ("naive", "tiled"):
+                with self.subTest(rpc=name, shape=q_shape, slopes=str(slopes), **options):
+                    result = getattr(self.client, name)(q, k, v, block_k=7, return_lse=True,
+                                                        alibi_slopes=slopes, **options)
+                    self.assertEqual(harness.output_error(result.output.astype(np.float64),
+                                                          ref, 1, score_max), "")
+                    self.assertEqual(harness.lse_error(result.lse.astype(np.float64), ref_lse),
+                                     "")
+        # None, [] and an empty array are no bias at all; "standard" is standard_alibi_slopes.
+        q, k, v = self.alibi_problem((3, 11, 5), (3, 13, 5), (3, 13, 4))
+        plain = self.client.tiled(q, k, v, causal=True).output
+        for empty in (None, [], (), np.zeros(0, dtype=np.float32)):
+            np.testing.assert_array_equal(
+                self.client.tiled(q, k, v, causal=True, alibi_slopes=empty).output, plain)
+        np.testing.assert_array_equal(
+            self.client.tiled(q, k, v, causal=True, alibi_slopes="standard").output,
+            self.client.tiled(q, k, v, causal=True,
+                              alibi_slopes=attn_client.standard_alibi_slopes(3)).output)
+
+    def test_standard_alibi_slopes(self):
+        slopes = attn_client.standard_alibi_slopes(8)
+        self.assertIsInstance(slopes, list)
+        self.assertEqual(len(slopes), 8)
+        self.assertEqual(slopes[0], 0.5)
+        self.assertEqual(slopes[-1], 2.0 ** -8)
+        self.assertEqual(slopes, [2.0 ** (-(h + 1)) for h in range(8)])
+        self.assertEqual(attn_client.standard_alibi_slopes(6),
+                         [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+        self.assertEqual(attn_client.standard_alibi_slopes(1), [2.0 ** -8])
+        self.assertEqual(attn_client.standard_alibi_slopes(0), [])
+        # 12 heads: the 8 of n = 8, then 2^(−8(2i+1)/16) for i = 0 … 3 (float32 values).
+        twelve = attn_client.standard_alibi_slopes(12)
+        self.assertEqual(twelve[:8], slopes)
+        self.assertEqual(twelve[8:], [float(np.float32(2.0 ** (-(2 * i + 1) / 2)))
+                                      for i in range(4)])
+        # 16 heads: 2^(−(h+1)/2), rounded to float32 (what is sent).
+        self.assertEqual(attn_client.standard_alibi_slopes(16),
+                         [float(np.float32(2.0 ** (-(h + 1) / 2))) for h in range(16)])
+        self.assertRaises(TypeError, attn_client.standard_alibi_slopes, 2.0)
+        self.assertRaises(ValueError, attn_client.standard_alibi_slopes, -1)
+        # "standard" counts the query's heads at every rank; the trace's start repeats them.
+        for q_shape, k_shape, heads in (((1, 6, 5, 4), (1, 3, 7, 4), 6), ((5, 5, 4), (1, 7, 4), 5),
+                                        ((5, 4), (7, 4), 1)):
+            q, k, v = self.alibi_problem(q_shape, k_shape, k_shape)
+            with self.subTest(shape=q_shape):
+                start = next(iter(self.client.trace(q, k, v, alibi_slopes="standard")))
+                self.assertEqual(start["kind"], "start")
+                self.assertEqual(start["alibi_slopes"].dtype, np.float32)
+                self.assertEqual(start["alibi_slopes"].tolist(),
+                                 attn_client.standard_alibi_slopes(heads))
+
+    def test_alibi_trace(self):
+        # query_len 17 < key_len 23: bottom-right, query row r is at p = 6 + r.
+        q, k, v = self.alibi_problem((1, 4, 17, 9), (1, 2, 23, 9), (1, 2, 23, 6))
+        block_k, offset = 5, 23 - 17
+        slopes = np.float32([0.5, 0.25, 1.0, 0.125])
+        rows = [(0, 0, 16), (0, 3, 2), (0, 1, 9), (0, 2, 0)]
+        scale = 1.0 / math.sqrt(9)
+        q64, k64 = q.astype(np.float64), k.astype(np.float64)
+        for softcap in (0.0, 2.0):
+            tiled = self.client.tiled(q, k, v, causal=True, block_k=block_k, softcap=softcap,
+                                      alibi_slopes=slopes)
+            events = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True,
+                                            softcap=softcap, alibi_slopes=slopes))
+            start = events[0]
+            self.assertEqual(start["kind"], "start")
+            np.testing.assert_array_equal(start["alibi_slopes"], slopes)
+            self.assertEqual(start["softcap"], softcap)
+            for b, h, r in rows:
+                with self.subTest(softcap=softcap, row=(b, h, r)):
+                    p = offset + r
+                    steps = [e for e in events if e["kind"] == "step" and e["row"] == (b, h, r)]
+                    self.assertEqual([e["tile"] for e in steps], list(range(p // block_k + 1)))
+                    for step in steps:
+                        keys = np.arange(step["key_begin"], step["key_end"])
+                        # Each key's bias, masked keys included: −slope · |p − t| in fp32 (one
+                        # rounding of the product of the fp32 slope and an exact distance).
+                        biases = step["biases"]
+                        self.assertIsInstance(biases, np.ndarray)
+                        self.assertEqual(biases.dtype, np.float32)
+                        self.assertEqual(biases.shape, keys.shape)
+                        expected = (-slopes[h].astype(np.float64) * np.abs(p - keys)).astype(
+                            np.float32)
+                        np.testing.assert_array_equal(biases, expected)
+                        # scaled_scores: scale · q·k, before softcap and bias.
+                        products = q64[b, h, r] * k64[b, h // 2, keys]
+                        scaled = step["scaled_scores"]
+                        self.assertEqual(scaled.shape, keys.shape)
+                        bound = 11 * 2.0 ** -24 * scale * np.abs(products).sum(axis=1) + 1e-30
+                        np.testing.assert_array_less(
+                            np.abs(scaled - scale * products.sum(axis=1)), bound)
+                        # scores: softcap(scaled) + bias, −inf where the causal mask hides.
+                        hidden = keys > p
+                        scores = step["scores"]
+                        np.testing.assert_array_equal(np.isneginf(scores), hidden)
+                        scaled64 = scaled.astype(np.float64)
+                        capped = softcap * np.tanh(scaled64 / softcap) if softcap else scaled64
+                        want = capped + biases
+                        visible = ~hidden
+                        size = (np.abs(capped) + np.abs(biases))[visible].astype(np.float32)
+                        miss = np.abs(scores[visible] - want[visible])
+                        np.testing.assert_array_less(miss, 4 * np.spacing(size) + 1e-30)
+                    done = [e for e in events
+                            if e["kind"] == "row_done" and e["row"] == (b, h, r)]
+                    np.testing.assert_allclose(done[0]["output"], tiled.output[b, h, r],
+                                               rtol=0, atol=1e-6)
+                    np.testing.assert_allclose(done[0]["reference"], tiled.output[b, h, r],
+                                               rtol=0, atol=1e-5)
+        # Without ALiBi the start has no slopes and no step has biases.
+        plain = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True))
+        self.assertEqual(plain[0]["alibi_slopes"].shape, (0,))
+        for step in (e for e in plain if e["kind"] == "step"):
+            self.assertEqual(step["biases"].shape, (0,))
+
+    def test_alibi_decode(self):
+        rng = np.random.default_rng()
+        heads, kv_heads, head_dim, value_dim = 4, 2, 9, 5
+        caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(2)]
+        try:
+            held = []
+            for cache, length in zip(caches, (37, 23)):
+                k = rng.uniform(-1, 1, size=(kv_heads, length, head_dim)).astype(np.float32)
+                v = rng.uniform(-1, 1, size=(kv_heads, length, value_dim)).astype(np.float32)
+                cache.append(k, v)
+                held.append((k, v))
+            queries = [rng.uniform(-1, 1, size=(heads, nq, head_dim)).astype(np.float32)
+                       for nq in (3, 1)]
+            slopes = [0.5, 0.2, 0.9, 0.05]
+            # Item 0 bottom-right at positions 0 …; item 1's keys at 50 … 72, its query at 80
+            # (not causal: every key, biased by its distance from 80).
+            for causal in (True, False):
+                result = self.client.decode(
+                    [(caches[0], queries[0]),
+                     {"cache": caches[1], "query": queries[1], "key_position": 50,
+                      "query_position": 80}],
+                    causal=causal, alibi_slopes=slopes, return_lse=True)
+                for index, positions in enumerate(({}, dict(key_position=50,
+                                                            query_position=80))):
+                    with self.subTest(causal=causal, item=index):
+                        k, v = held[index]
+                        ref, ref_lse, score_max = softcap_reference(
+                            queries[index][None], k[None], v[None], causal, 0,
+                            alibi_slopes=np.float32(slopes), **positions)
+                        plain, _, _ = softcap_reference(queries[index][None], k[None], v[None],
+                                                        causal, 0, **positions)
+                        self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)
+                        self.assertEqual(harness.output_error(
+                            result.outputs[index].astype(np.float64), ref[0], 1, score_max), "")
+                        self.assertEqual(harness.lse_error(
+                            result.lse[index].astype(np.float64), ref_lse[0]), "")
+            # Cache.decode passes it on too: "standard" from the query's 4 heads, appending a
+            # token first (causal: the query is the last token).
+            k1 = rng.uniform(-1, 1, size=(kv_heads, 1, head_dim)).astype(np.float32)
+            v1 = rng.uniform(-1, 1, size=(kv_heads, 1, value_dim)).astype(np.float32)
+            step = caches[0].decode(queries[1], k1, v1, causal=True, alibi_slopes="standard")
+            k, v = (np.concatenate([a, b], axis=1) for a, b in zip(held[0], (k1, v1)))
+            ref, _, score_max = softcap_reference(
+                queries[1][None], k[None], v[None], True, 0,
+                alibi_slopes=attn_client.standard_alibi_slopes(heads))
+            self.assertEqual(caches[0].length, 38)
+            self.assertEqual(harness.output_error(step.output.astype(np.float64), ref[0], 1,
+                                                  score_max), "")
+        finally:
+            for cache in caches:
+                cache.delete()
+
+    def test_alibi_wrong_count_is_invalid_argument(self):
+        q, k, v = self.alibi_problem((1, 4, 5, 8), (1, 2, 7, 8), (1, 2, 7, 8))
+        calls = {"naive": lambda s: self.client.naive(q, k, v, alibi_slopes=s),
+                 "tiled": lambda s: self.client.tiled(q, k, v, alibi_slopes=s),
+                 "trace": lambda s: list(self.client.trace(q, k, v, alibi_slopes=s))}
+        cache = self.client.create_cache(2, 8)
+        try:
+            cache.append(k[0], v[0])
+            calls["decode"] = lambda s: self.client.decode([(cache, q[0])], alibi_slopes=s)
+            for slopes in ([0.5, 0.25, 0.125], [0.5] * 5):
+                for name, call in calls.items():
+                    with self.subTest(rpc=name, count=len(slopes)):
+                        with self.assertRaises(AttnError) as caught:
+                            call(slopes)
+                        self.assertEqual(caught.exception.code,
+                                         grpc.StatusCode.INVALID_ARGUMENT,
+                                         caught.exception.message)
+                        self.assertIn("options.alibi_slopes", caught.exception.message)
+            self.assertEqual(cache.length, 7)  # the refused decode kept nothing
+            # A non-finite slope never leaves the client; sent anyway, the server names it.
+            request = Client._request(q, k, v, False, None, 0, False, None, None,
+                                      alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+            request.options.alibi_slopes[2] = math.nan
+            with self.assertRaises(AttnError) as caught:
+                self.client._call("Tiled", self.client._stub.Tiled, request)
+            self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("options.alibi_slopes[2]", caught.exception.message)
+        finally:
+            cache.delete()
+
     # Errors.
 
     def test_bad_shape_is_invalid_argument(self):
@@ -712,6 +965,24 @@ class ClientModuleTest(ServerCase):
                         with self.assertRaises(error) as caught:
                             call(softcap=value)
                         self.assertIn("softcap", str(caught.exception))
+            # Bad ALiBi slopes likewise: not finite (in float32 too), not numbers, not 1-D, an
+            # unknown name.
+            for value, error in (([float("nan")], ValueError), ([1.0, math.inf], ValueError),
+                                 ([-math.inf], ValueError), ([0.5, 1e39], ValueError),
+                                 (np.float32([0.5, np.nan]), ValueError),
+                                 (np.float64([[0.5]]), ValueError), ("geometric", ValueError),
+                                 ("", ValueError), ([True], TypeError), (["0.5"], TypeError),
+                                 ([None], TypeError), (0.5, TypeError), (b"standard", TypeError),
+                                 (np.array(["a"]), TypeError), ([1j], TypeError)):
+                for rpc, call in calls.items():
+                    with self.subTest(rpc=rpc, argument="alibi_slopes", value=repr(value)):
+                        with self.assertRaises(error) as caught:
+                            call(alibi_slopes=value)
+                        self.assertIn("alibi_slopes", str(caught.exception))
+            # "standard" needs a query to count: decode of no items says so.
+            with self.assertRaises(ValueError) as caught:
+                offline.decode([], alibi_slopes="standard")
+            self.assertIn("alibi_slopes", str(caught.exception))
             with self.assertRaises(AttnError) as caught:
                 offline.info()
             self.assertIn(caught.exception.code, (grpc.StatusCode.UNAVAILABLE,
