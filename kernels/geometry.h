@@ -47,6 +47,13 @@ struct KeyRange {
   ATTN_HOST_DEVICE bool Contains(int64_t j) const { return j >= begin && j < end; }
 };
 
+// Why a key is hidden from a query row (Geometry::HiddenBy; TileStep.hidden in a trace).
+enum class Hidden : int {
+  kNone = 0,    // The row sees the key.
+  kCausal = 1,  // t > p under the causal mask (first: causal wins over a window).
+  kWindow = 2,  // Outside p − window_left … p + window_right.
+};
+
 struct Geometry {
   int64_t query_len = 1;
   int64_t key_len = 1;
@@ -90,6 +97,15 @@ struct Geometry {
   // (kernels/score_transform.h).
   ATTN_HOST_DEVICE int64_t Distance(int64_t row, int64_t key) const {
     return query_position - key_position + row - key;
+  }
+
+  // What hides key `key` from row `row` (kNone exactly when Visible(row) contains it).
+  ATTN_HOST_DEVICE Hidden HiddenBy(int64_t row, int64_t key) const {
+    const int64_t d = Distance(row, key);  // p − t
+    if (causal && d < 0) return Hidden::kCausal;
+    if (window_left != kUnbounded && d > window_left) return Hidden::kWindow;
+    if (window_right != kUnbounded && -d > window_right) return Hidden::kWindow;
+    return Hidden::kNone;
   }
 
   // Key tiles of block_k keys holding a key that some row of [first_row, last_row] sees: the

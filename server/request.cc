@@ -643,6 +643,11 @@ void EncodeFloats(const std::vector<float>& values,
 
 }  // namespace
 
+static_assert(static_cast<int>(Hidden::kNone) == v1::HIDDEN_NONE &&
+                  static_cast<int>(Hidden::kCausal) == v1::HIDDEN_CAUSAL &&
+                  static_cast<int>(Hidden::kWindow) == v1::HIDDEN_WINDOW,
+              "kernels/geometry.h's Hidden must number its reasons as the proto does");
+
 void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEvent* event) {
   if (const TraceStep* step = std::get_if<TraceStep>(&item)) {
     v1::TileStep* message = event->mutable_step();
@@ -659,12 +664,17 @@ void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEve
     EncodeFloats(step->accumulator, message->mutable_accumulator());
     EncodeFloats(step->estimate, message->mutable_estimate());
     EncodeFloats(step->scaled_scores, message->mutable_scaled_scores());
+    const Geometry geometry = problem.geometry();
     if (problem.alibi_slopes != nullptr) {
       const ScoreTransform transform = problem.transform(step->row.head);
-      const Geometry geometry = problem.geometry();
       for (int64_t key = step->key_begin; key < step->key_end; ++key) {
         message->add_biases(
             transform.Bias(static_cast<float>(geometry.Distance(step->row.row, key))));
+      }
+    }
+    if (geometry.Masked()) {
+      for (int64_t key = step->key_begin; key < step->key_end; ++key) {
+        message->add_hidden(static_cast<v1::Hidden>(geometry.HiddenBy(step->row.row, key)));
       }
     }
     return;

@@ -117,7 +117,8 @@ void EncodeStats(const Stats& stats, attention::v1::ExecutionStats* message);
 attention::v1::TraceStart EncodeTraceStart(const Problem& problem);
 
 // One cursor item of a trace of `problem` as a TraceEvent (a TileStep or a RowDone; a step's
-// ALiBi biases, TileStep.biases, from the problem's ScoreTransform).
+// ALiBi biases, TileStep.biases, from the problem's ScoreTransform, and what hides each key,
+// TileStep.hidden, from its Geometry).
 void EncodeTraceItem(const Problem& problem, const TraceItem& item,
                      attention::v1::TraceEvent* event);
 

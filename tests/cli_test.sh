@@ -46,6 +46,11 @@ check window-zero 0 'out\[0\] = \[-4\.000000, -3\.000000, -2\.000000, -1\.000000
   "$attn" "${target[@]}" tiled --example seed --causal --window 0,
 check window-trace 0 'tile 3, keys \[6, 8\)' -- \
   "$attn" "${target[@]}" trace --example seed --causal --window 1,-1 --block-k 2 --rows 0:0:7
+# A causal window of 0 traced at row 2: tile 0 holds keys 0, 1 (window) and 3 (causal) hidden.
+check hidden-window 0 ' 1 +-inf +0\.000000  \(hidden: window\)' -- \
+  "$attn" "${target[@]}" trace --example seed --causal --window 0, --block-k 4 --rows 0:0:2
+check hidden-causal 0 ' 3 +-inf +0\.000000  \(hidden: causal\)' -- \
+  "$attn" "${target[@]}" trace --example seed --causal --window 0, --block-k 4 --rows 0:0:2
 # Softcap 1 on the seed example: row 0's scores 2, 1, −1.75, … become tanh of them.
 check softcap-seed 0 'out\[0\] = \[-0\.627407, 0\.372593, -0\.488769, 0\.244294\]' -- \
   "$attn" "${target[@]}" tiled --example seed --softcap 1

@@ -331,18 +331,25 @@ TEST_F(ServiceTest, WindowsReachTheKernelsAndTheTrace) {
   *trace.mutable_attention() = ToRequest(p);
   trace.add_rows()->set_row(30);  // Sees keys 24..30: tiles 6 and 7 of 4 keys.
   v1::TraceStart start;
-  std::vector<int> tiles;
+  std::vector<int> tiles, hidden;
   ASSERT_TRUE(client_
                   ->Trace(trace,
                           [&](const v1::TraceEvent& event) {
                             if (event.has_start()) start = event.start();
-                            if (event.has_step()) tiles.push_back(event.step().tile());
+                            if (!event.has_step()) return true;
+                            tiles.push_back(event.step().tile());
+                            hidden.insert(hidden.end(), event.step().hidden().begin(),
+                                          event.step().hidden().end());
                             return true;
                           })
                   .ok());
   EXPECT_EQ(start.window_left(), 6);
   EXPECT_FALSE(start.has_window_right());
   EXPECT_EQ(tiles, (std::vector<int>{6, 7}));
+  // Keys 24 … 31: the row sees 24 … 30; 31 is past it (causal).
+  EXPECT_EQ(hidden, (std::vector<int>{v1::HIDDEN_NONE, v1::HIDDEN_NONE, v1::HIDDEN_NONE,
+                                      v1::HIDDEN_NONE, v1::HIDDEN_NONE, v1::HIDDEN_NONE,
+                                      v1::HIDDEN_NONE, v1::HIDDEN_CAUSAL}));
 }
 
 // ALiBi through the service: Naive and Tiled answer the biased problem, a trace repeats the
@@ -381,7 +388,12 @@ TEST_F(ServiceTest, AlibiReachesTheKernelsAndTheTrace) {
                             const v1::TileStep& step = event.step();
                             EXPECT_EQ(step.biases_size(), step.key_end() - step.key_begin());
                             EXPECT_EQ(step.scaled_scores_size(), step.biases_size());
+                            EXPECT_EQ(step.hidden_size(), step.biases_size());
                             for (int j = 0; j < step.biases_size(); ++j) {
+                              const int64_t key = step.key_begin() + j;
+                              EXPECT_EQ(step.hidden(j), testing::ReferenceSees(p, 11, key)
+                                                            ? v1::HIDDEN_NONE
+                                                            : v1::HIDDEN_CAUSAL);
                               EXPECT_NEAR(step.biases(j),
                                           testing::ReferenceBias(p, 1, 11, step.key_begin() + j),
                                           1e-6);

@@ -117,7 +117,11 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
       const float score = step.scores(j);
       // The final weight of a key is exp(score − lse): its share of the whole row's softmax.
       const double weight = std::isinf(score) ? 0.0 : std::exp(double(score) - done.lse());
-      absl::FPrintF(out_, "  %6d  %12.6f  %10.6f\n", step.key_begin() + j, score, weight);
+      const v1::Hidden hidden = j < step.hidden_size() ? step.hidden(j) : v1::HIDDEN_NONE;
+      absl::FPrintF(out_, "  %6d  %12.6f  %10.6f%s\n", step.key_begin() + j, score, weight,
+                    hidden == v1::HIDDEN_CAUSAL   ? "  (hidden: causal)"
+                    : hidden == v1::HIDDEN_WINDOW ? "  (hidden: window)"
+                                                  : "");
     }
   }
   absl::FPrintF(out_, "  result = Σ weight · value = %s\n", Vector(done.reference()));
