@@ -9,9 +9,10 @@
 //     2^53. Enums are their names as strings (DTYPE_FLOAT32), and requests may use either
 //     the name or the number.
 //   - bytes are Buffers; unset scalar fields read as their defaults (defaults: true; an empty
-//     repeated field, like TileStep.scaledScores without a softcap, is []), but an unset proto3
-//     optional field (TraceStart.windowLeft, windowRight) is absent, and a TraceEvent carries
-//     `event`, the name of the oneof member it holds ('start', 'step', 'rowDone' or 'end').
+//     repeated field, like TileStep.scaledScores without a softcap or ALiBi, is []), but an
+//     unset proto3 optional field (TraceStart.windowLeft, windowRight) is absent, and a
+//     TraceEvent carries `event`, the name of the oneof member it holds ('start', 'step',
+//     'rowDone' or 'end').
 //   - fp32 tensors travel as little-endian bytes; tensor() and toFloat32Array() convert
 //     between Float32Array and a Tensor (fp16 and bf16 too, rounded to nearest even).
 //
@@ -77,6 +78,24 @@
 // before the cap (masked keys included), next to scores, the capped and masked ones; without
 // one scaledScores is [].
 //   await client.tiled({query, key, value, options: {causal: true, softcap: 50}});
+//
+// ALiBi (attention.proto, AttentionOptions; BLOOM, MPT; FlashAttention's alibi_slopes):
+// options.alibiSlopes, an Array of Numbers (a plain Array: protobufjs refuses a Float32Array;
+// Array.from one), one per query head; empty or absent = no bias. Query head h adds
+//   −alibiSlopes[h] · |p − t|
+// to the score of the key at position t for the query at position p (the positions above), after
+// the softcap and before the mask: score = softcap(scale · q·k) − slope · |p − t|; the lse is of
+// the biased scores. standardAlibiSlopes(heads) gives the standard slopes (2^(−8(h+1)/H) for H a
+// power of two). They go in the options of naive, tiled, trace and decode as they are (in Decode
+// every item's query head count must match); the client sends them unchecked (each travels as a
+// proto float, so is rounded to fp32), and the server answers a count other than the query's
+// head count with INVALID_ARGUMENT naming options.alibi_slopes, and a slope that is not finite
+// with one naming options.alibi_slopes[h]. Trace's start repeats them (start.alibiSlopes, []:
+// none), and with them each TileStep has biases, each key's −slope · |p − t| (masked keys
+// included), and scaledScores, the scores before the softcap and the bias; scores are then
+// softcap(scaledScores) + biases where the mask shows the key. Without them biases is [].
+//   const alibiSlopes = standardAlibiSlopes(32);
+//   await client.tiled({query, key, value, options: {causal: true, alibiSlopes}});
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -351,7 +370,8 @@ class Client {
   // are per item (see Cache.item); attentionOptions.keyPosition / queryPosition are refused
   // here with a TypeError (the server would refuse them too: INVALID_ARGUMENT). A window
   // (attentionOptions.windowLeft, windowRight) is the batch's, against each item's positions;
-  // a softcap (attentionOptions.softcap) the batch's too, applied to every item.
+  // a softcap (attentionOptions.softcap) and ALiBi slopes (attentionOptions.alibiSlopes) the
+  // batch's too, applied to every item (each item's query head count must be the slopes').
   async decodeBatch(items, attentionOptions = {}, options) {
     for (const field of ['keyPosition', 'queryPosition']) {
       if (attentionOptions[field] !== undefined && attentionOptions[field] !== null) {
@@ -417,8 +437,8 @@ class Cache {
   }
 
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
-  // this item's positions (item()); options: the AttentionOptions (a window and a softcap
-  // included), without positions.
+  // this item's positions (item()); options: the AttentionOptions (a window, a softcap and ALiBi
+  // slopes included), without positions.
   async decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
                options) {
     const response = await this.client.decodeBatch(
@@ -449,6 +469,28 @@ function seedExample(n = 8, d = 4) {
     }
   }
   return {q, k, v};
+}
+
+// The standard ALiBi slopes (Press et al.; BLOOM's) for `heads` query heads, as
+// attn::client::StandardAlibiSlopes computes them → an Array of Numbers (float32 values, as they
+// are sent). For a power of two n, head h's slope is 2^(−8(h+1)/n); otherwise the
+// n = 2^⌊log₂ heads⌋ slopes, then every other one of the 2n slopes, 2^(−8(2i+1)/(2n)) for
+// i = 0, 1, …, for the heads past n. 0 heads: []. Throws a TypeError unless heads is an integer
+// Number, a RangeError when it is negative.
+function standardAlibiSlopes(heads) {
+  if (typeof heads !== 'number' || !Number.isInteger(heads)) {
+    throw new TypeError(`standardAlibiSlopes: heads must be an integer, not ${String(heads)}`);
+  }
+  if (heads < 0) throw new RangeError(`standardAlibiSlopes: heads must be ≥ 0, got ${heads}`);
+  const slopes = [];
+  if (heads === 0) return slopes;
+  let n = 1;
+  while (n * 2 <= heads) n *= 2;
+  for (let h = 0; h < n; ++h) slopes.push(Math.fround(2 ** (-8 * (h + 1) / n)));
+  for (let i = 0; n + i < heads; ++i) {  // The odd-numbered slopes of 2n heads.
+    slopes.push(Math.fround(2 ** (-8 * (2 * i + 1) / (2 * n))));
+  }
+  return slopes;
 }
 
 // --- merging the parts of a split problem ---------------------------------------------------
@@ -553,6 +595,7 @@ module.exports = {
   Cache,
   mergeStates,
   seedExample,
+  standardAlibiSlopes,
   AttndError,
   tensor,
   toFloat32Array,

@@ -14,8 +14,12 @@
 // INVALID_ARGUMENT naming options.window_left / options.window_right), softcaps (softcap through
 // Tiled, Naive and Cache.decode on queries × 32 against float64, Trace's start repeating it and
 // each step's scaledScores and capped scores, a bad softcap → INVALID_ARGUMENT naming
-// options.softcap), mergeStates alone, and, when given a TLS server with a token, TLS + bearer
-// token.
+// options.softcap), ALiBi (alibiSlopes through Tiled, Naive and Cache.decode against float64,
+// GQA, causal, odd sizes, bottom-right and at positions, with a softcap and a window;
+// standardAlibiSlopes' values; Trace's start repeating the slopes and each step's biases
+// −slope·|p − t| and scaledScores before softcap and bias; a wrong slope count → INVALID_ARGUMENT
+// naming options.alibi_slopes, a non-finite slope one naming options.alibi_slopes[h]),
+// mergeStates alone, and, when given a TLS server with a token, TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
 //                                         --token-file FILE]
 const test = require('node:test');
@@ -67,20 +71,24 @@ function seedInputs(n = 8, d = 4) {
 // keyPosition + keyLen − queryLen), a query at p seeing a key at t iff t ≤ p when causal and
 // p − windowLeft ≤ t ≤ p + windowRight (an absent side unbounded), decided key by key; a row that
 // sees no key gives zeros and lse −inf. cap(s) = softcap · tanh(s / softcap), none when softcap
-// is 0 or absent (it is elementwise, so capping only the seen keys' scores is the contract's
-// scale, then softcap, then mask).
+// is 0 or absent, then query head h's ALiBi bias −alibiSlopes[h] · |p − t| (none when absent or
+// empty); both are elementwise, so transforming only the seen keys' scores is the contract's
+// scale, then softcap, then bias, then mask. Also returns scoreMax, the largest |score| the
+// softmax takes.
 function referenceAttention({q, k, v, dims}, scale, causal,
                             {keyPosition = 0, queryPosition, windowLeft, windowRight,
-                             softcap = 0} = {}) {
+                             softcap = 0, alibiSlopes = []} = {}) {
   const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
   const firstQuery = queryPosition ?? keyPosition + keyLen - queryLen;
   const out = new Float64Array(batch * heads * queryLen * valueDim);
   const lse = new Float64Array(batch * heads * queryLen).fill(-Infinity);
   const scores = new Float64Array(keyLen);
+  let scoreMax = 0;
   for (let b = 0; b < batch; ++b) {
     for (let h = 0; h < heads; ++h) {
       const kh = Math.floor(h / (heads / kvHeads));
       const kBase = (b * kvHeads + kh) * keyLen;
+      const slope = alibiSlopes.length ? alibiSlopes[h] : 0;
       for (let i = 0; i < queryLen; ++i) {
         const row = (b * heads + h) * queryLen + i;
         const p = firstQuery + i;
@@ -99,7 +107,9 @@ function referenceAttention({q, k, v, dims}, scale, causal,
             s += q[row * headDim + c] * k[(kBase + j) * headDim + c];
           }
           scores[j] = softcap ? softcap * Math.tanh(s * scale / softcap) : s * scale;
+          scores[j] -= slope * Math.abs(p - (keyPosition + j));
           max = Math.max(max, scores[j]);
+          scoreMax = Math.max(scoreMax, Math.abs(scores[j]));
         }
         let sum = 0;
         for (const j of seen) {
@@ -114,7 +124,7 @@ function referenceAttention({q, k, v, dims}, scale, causal,
       }
     }
   }
-  return {out, lse};
+  return {out, lse, scoreMax};
 }
 
 // |got − want| ≤ tol · (1 + |want|) everywhere; NaN never passes; −inf only where wanted.
@@ -900,6 +910,208 @@ test('softcap: Cache.decode against float64; bad softcaps are INVALID_ARGUMENT n
       await assert.rejects(call(), (err) => {
         assert.equal(err.code, status.INVALID_ARGUMENT, `softcap ${softcap}: ${err.message}`);
         assert.match(err.details, /options\.softcap/);
+        return true;
+      });
+    }
+  }
+});
+
+// --- ALiBi --------------------------------------------------------------------------------------
+// The fp32 tolerance at scores up to scoreMax (attnd_harness.fp32_rtol's rule, as softcapTol).
+const alibiTol = (scoreMax) => 1e-5 * Math.max(1, scoreMax / 8);
+// n random slopes in [0.05, 1), as the float32 values the server gets.
+const randomSlopes = (n, random) =>
+  Array.from({length: n}, () => Math.fround(0.05 + 0.95 * random()));
+
+test('alibi: tiled and naive against float64, passed through as options', async () => {
+  const random = mulberry32(positionsSeed + 9);
+  // Odd sizes, GQA, valueDim ≠ headDim, queryLen < keyLen (bottom-right: query row i at
+  // 6 + i), block_k 4.
+  const dims = {batch: 2, heads: 4, kvHeads: 2, queryLen: 11, keyLen: 17, headDim: 7, valueDim: 5};
+  const problem = randomProblem(dims, random);
+  const scale = 1 / Math.sqrt(dims.headDim);
+  const cases = [
+    {causal: true, alibiSlopes: attnd.standardAlibiSlopes(4)},
+    {causal: true, alibiSlopes: randomSlopes(4, random)},
+    {causal: false, alibiSlopes: [0.5, 0, 0.9, Math.fround(0.3)]},  // A zero slope: no bias.
+    // At positions, not causal: keys at 90 … 106 on both sides of the queries' 100 … 110.
+    {causal: false, keyPosition: 90, queryPosition: 100, alibiSlopes: randomSlopes(4, random)},
+    // With a softcap and a causal window: cap, then bias, then mask.
+    {causal: true, softcap: 2, windowLeft: 6, alibiSlopes: randomSlopes(4, random)},
+  ];
+  for (const options of cases) {
+    const what = JSON.stringify(options);
+    const ref = referenceAttention(problem, scale, options.causal, options);
+    const plain = referenceAttention(problem, scale, options.causal, {...options, alibiSlopes: []});
+    assert.ok(ref.out.some((x, i) => Math.abs(x - plain.out[i]) > 1e-2), `${what} matters`);
+    for (const method of ['tiled', 'naive']) {
+      const res = await client[method](request(problem, {...options, blockK: 4, returnLse: true}));
+      const tol = alibiTol(ref.scoreMax);
+      assertClose(toFloat32Array(res.output), ref.out, tol, `${method} ${what}`);
+      assertClose(toFloat32Array(res.lse), ref.lse, tol, `${method} ${what} lse`);
+    }
+  }
+  // Empty slopes are no bias: the plain answer, exactly.
+  const plain = toFloat32Array((await client.tiled(request(problem, {causal: true}))).output);
+  const empty = await client.tiled(request(problem, {causal: true, alibiSlopes: []}));
+  assert.deepEqual(toFloat32Array(empty.output), plain);
+});
+
+test('alibi: standardAlibiSlopes values; Trace\'s start repeats them', async () => {
+  const {standardAlibiSlopes} = attnd;
+  const eight = standardAlibiSlopes(8);
+  assert.ok(Array.isArray(eight));
+  assert.equal(eight.length, 8);
+  assert.equal(eight[0], 0.5);
+  assert.equal(eight.at(-1), 2 ** -8);
+  assert.deepEqual(eight, Array.from({length: 8}, (_, h) => 2 ** -(h + 1)));
+  assert.deepEqual(standardAlibiSlopes(6), [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]);
+  assert.deepEqual(standardAlibiSlopes(1), [2 ** -8]);
+  assert.deepEqual(standardAlibiSlopes(2), [2 ** -4, 2 ** -8]);
+  assert.deepEqual(standardAlibiSlopes(0), []);
+  // 12 heads: the 8 of n = 8, then 2^(−8(2i+1)/16) for i = 0 … 3, as float32 values.
+  const twelve = standardAlibiSlopes(12);
+  assert.deepEqual(twelve.slice(0, 8), eight);
+  assert.deepEqual(twelve.slice(8), [0, 1, 2, 3].map((i) => Math.fround(2 ** (-(2 * i + 1) / 2))));
+  // 16 heads: 2^(−(h+1)/2), float32 values.
+  assert.deepEqual(standardAlibiSlopes(16),
+                   Array.from({length: 16}, (_, h) => Math.fround(2 ** (-(h + 1) / 2))));
+  assert.throws(() => standardAlibiSlopes(2.5), TypeError);
+  assert.throws(() => standardAlibiSlopes('8'), TypeError);
+  assert.throws(() => standardAlibiSlopes(-1), RangeError);
+  // What is sent comes back unchanged (they are float32 values already).
+  const random = mulberry32(positionsSeed + 10);
+  const dims = {batch: 1, heads: 6, kvHeads: 3, queryLen: 5, keyLen: 7, headDim: 4, valueDim: 4};
+  const alibiSlopes = standardAlibiSlopes(6);
+  const events = await collect(client.trace({
+    attention: request(randomProblem(dims, random), {alibiSlopes}), rows: [{head: 5, row: 4}]}));
+  assert.equal(events[0].event, 'start');
+  assert.deepEqual(events[0].start.alibiSlopes, alibiSlopes);
+});
+
+test('alibi: Trace\'s steps carry biases −slope·|p − t| and scaledScores before them', async () => {
+  const random = mulberry32(positionsSeed + 11);
+  // queryLen 11 < keyLen 17: bottom-right, query row r is at p = 6 + r.
+  const dims = {batch: 1, heads: 4, kvHeads: 2, queryLen: 11, keyLen: 17, headDim: 7, valueDim: 5};
+  const problem = randomProblem(dims, random);
+  const [blockK, offset] = [5, dims.keyLen - dims.queryLen];
+  const alibiSlopes = [0.5, 0.25, 1, Math.fround(0.3)];
+  const scale = 1 / Math.sqrt(dims.headDim);
+  const rows = [{batch: 0, head: 0, row: 10}, {batch: 0, head: 3, row: 2},
+                {batch: 0, head: 1, row: 5}, {batch: 0, head: 2, row: 0}];
+  for (const softcap of [0, 2]) {
+    const options = {causal: true, softcap, alibiSlopes, blockK};
+    const tiled = toFloat32Array((await client.tiled(request(problem, options))).output);
+    const events = await collect(client.trace({attention: request(problem, options), rows}));
+    assert.deepEqual(events[0].start.alibiSlopes, alibiSlopes);
+    assert.equal(events[0].start.softcap, softcap);
+    for (const [i, ref] of rows.entries()) {
+      const p = offset + ref.row, slope = alibiSlopes[ref.head];
+      const steps = events.filter((e) => e.event === 'step' && e.step.row.head === ref.head &&
+                                         e.step.row.row === ref.row).map((e) => e.step);
+      assert.deepEqual(steps.map((s) => s.tile),
+                       Array.from({length: Math.floor(p / blockK) + 1}, (_, t) => t),
+                       `softcap ${softcap} row ${ref.row} tiles`);
+      const kh = Math.floor(ref.head / (dims.heads / dims.kvHeads));
+      for (const s of steps) {
+        const n = s.keyEnd - s.keyBegin;
+        assert.equal(s.biases.length, n, `row ${ref.row} biases`);
+        assert.equal(s.scaledScores.length, n, `row ${ref.row} scaledScores`);
+        assert.equal(s.scores.length, n);
+        for (let j = 0; j < n; ++j) {
+          const t = s.keyBegin + j, what = `softcap ${softcap} row ${ref.row} key ${t}`;
+          // The bias, masked keys included: −slope · |p − t| in fp32 (one rounding of the
+          // product of the fp32 slope and an exact distance).
+          const bias = s.biases[j];
+          assert.equal(bias, Math.fround(-slope * Math.abs(p - t)), `${what}: bias`);
+          // scaledScores: scale · q·k, before softcap and bias, within fp32 dot rounding.
+          let dot = 0, magnitude = 0;
+          for (let c = 0; c < dims.headDim; ++c) {
+            const product = problem.q[(ref.head * dims.queryLen + ref.row) * dims.headDim + c] *
+                            problem.k[(kh * dims.keyLen + t) * dims.headDim + c];
+            dot += product;
+            magnitude += Math.abs(product);
+          }
+          const scaled = s.scaledScores[j];
+          assert.ok(Math.abs(scaled - scale * dot) <= (dims.headDim + 2) * 2 ** -24 * scale *
+                    magnitude + 1e-30, `${what}: scaled ${scaled}, wanted ${scale * dot}`);
+          // scores: softcap(scaled) + bias, −inf where the causal mask hides the key.
+          const score = s.scores[j];
+          if (t > p) {
+            assert.equal(score, -Infinity, `${what}: masked`);
+            continue;
+          }
+          const capped = softcap ? softcap * Math.tanh(scaled / softcap) : scaled;
+          const size = Math.abs(capped) + Math.abs(bias);
+          assert.ok(Math.abs(score - (capped + bias)) <= 4 * f32Ulp(size) + 1e-30,
+                    `${what}: score ${score}, wanted ${capped + bias}`);
+        }
+      }
+      const at = (ref.head * dims.queryLen + ref.row) * dims.valueDim;
+      const done = events.filter((e) => e.event === 'rowDone')[i].rowDone;
+      assertClose(done.output, tiled.subarray(at, at + dims.valueDim), 1e-6, `row ${ref.row}`);
+    }
+  }
+  // Without slopes: start.alibiSlopes [] and no biases (nor scaledScores).
+  const plain = await collect(client.trace({attention: request(problem, {causal: true}), rows}));
+  assert.deepEqual(plain[0].start.alibiSlopes, []);
+  for (const e of plain.filter((e) => e.event === 'step')) {
+    assert.deepEqual(e.step.biases, []);
+    assert.deepEqual(e.step.scaledScores, []);
+  }
+});
+
+test('alibi: Cache.decode against float64; bad slopes are INVALID_ARGUMENT naming them',
+     async () => {
+  const random = mulberry32(positionsSeed + 12);
+  const [kvHeads, heads, headDim, valueDim, nq] = [2, 4, 7, 5, 3];
+  const held = new HeldTokens(kvHeads, headDim, valueDim);
+  const alibiSlopes = randomSlopes(heads, random);
+  const cache = await client.openCache({kvHeads, headDim, valueDim});
+  try {
+    await cache.append(...held.tokens(16, random));
+    const q = randomNormal(heads * nq * headDim, random);
+    const query = tensor(q, [heads, nq, headDim]);
+    const [k1, v1] = held.tokens(1, random);
+    const step = await cache.decode(query, {key: k1, value: v1,
+                                            options: {causal: true, alibiSlopes, returnLse: true}});
+    assert.equal(cache.length, 17);
+    const dims = {batch: 1, heads, kvHeads, queryLen: nq, keyLen: 17, headDim, valueDim};
+    const ref = referenceAttention({q, k: Float32Array.from(held.keys.flat()),
+                                    v: Float32Array.from(held.values.flat()), dims},
+                                   1 / Math.sqrt(headDim), true, {alibiSlopes});
+    assertClose(toFloat32Array(step.output), ref.out, alibiTol(ref.scoreMax), 'ALiBi Cache.decode');
+    assertClose(toFloat32Array(step.lse), ref.lse, alibiTol(ref.scoreMax),
+                'ALiBi Cache.decode lse');
+    await assert.rejects(cache.decode(query, {key: k1, value: v1,
+                                              options: {alibiSlopes: alibiSlopes.slice(1)}}),
+                         (err) => {
+      assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
+      assert.match(err.details, /options\.alibi_slopes\b(?!\[)/);
+      return true;
+    });
+    assert.equal((await cache.refresh()).length, 17, 'a refused decode appends nothing');
+  } finally {
+    await cache.delete();
+  }
+  // The seed has one query head: two slopes (or none but a NaN) are refused; a 4-head problem
+  // with a non-finite second slope names it.
+  const four = randomProblem({batch: 1, heads: 4, kvHeads: 2, queryLen: 3, keyLen: 5, headDim: 4,
+                              valueDim: 4}, random);
+  for (const [problem, alibiSlopes, pattern] of [
+    [seed, [0.5, 0.25], /options\.alibi_slopes\b(?!\[)/],
+    [four, [0.5, 0.25, 0.125], /options\.alibi_slopes\b(?!\[)/],
+    [four, [0.5, 0.25, 0.125, 0.0625, 0.03125], /options\.alibi_slopes\b(?!\[)/],
+    [seed, [NaN], /options\.alibi_slopes\[0\]/],
+    [four, [0.5, Infinity, 0.125, 0.0625], /options\.alibi_slopes\[1\]/],
+    [four, [0.5, 0.25, 0.125, -Infinity], /options\.alibi_slopes\[3\]/],
+  ]) {
+    const req = request(problem, {causal: true, alibiSlopes});
+    for (const call of [() => client.tiled(req), () => client.naive(req),
+                        () => collect(client.trace({attention: req}))]) {
+      await assert.rejects(call(), (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, `slopes ${alibiSlopes}: ${err.message}`);
+        assert.match(err.details, pattern);
         return true;
       });
     }
