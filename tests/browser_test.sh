@@ -3,7 +3,9 @@
 # Debian's chromium driven by playwright-core (tests/browser/viewer_test.js). Starts attnd on free
 # ports, loads the page, runs the seed trace with block_k 2, steps to the end, checks the final
 # output against the seed's out[0], the 1024 bytes of Naive at N = 8, no console errors, and that a
-# server error is shown; saves a screenshot as viewer.png.
+# server error is shown; saves a screenshot as viewer.png. Then (tests/browser/mask_test.js) a
+# causal window with ALiBi: the hidden keys' reasons, the window band, each key's bias and the
+# final output; saves viewer-masks.png.
 # Usage: browser_test.sh ATTND [SCREENSHOT_DIR]   (the screenshot goes to $ATTN_SCREENSHOT_DIR when
 # set, else SCREENSHOT_DIR, else ATTND's directory)
 # Exit 77 (skipped) when chromium or node is absent; deploy/install-deps.sh installs both and
@@ -49,6 +51,8 @@ mkdir -p "$shots"
 rc=0
 timeout 120 node "$here/browser/viewer_test.js" "http://127.0.0.1:$http_port/" "$shots/viewer.png" ||
   rc=$?
+timeout 120 node "$here/browser/mask_test.js" \
+  "http://127.0.0.1:$http_port/" "$shots/viewer-masks.png" || rc=$?
 if [ "$rc" -ne 0 ]; then
   echo "--- attnd stderr (last 20 lines)"
   tail -n 20 "$dir/err"

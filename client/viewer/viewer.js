@@ -143,8 +143,91 @@
       key: tensor(problem.k),
       value: tensor(problem.v),
       // No scale: the server's default 1/sqrt(d), the seed's `/ d**0.5`.
-      options: {causal: cfg.causal, blockK: cfg.blockK, returnLse: true},
+      options: maskOptions(cfg, {causal: cfg.causal, blockK: cfg.blockK, returnLse: true}),
     };
+  }
+
+  // The window, softcap and ALiBi of the form, added to an options object (AttentionOptions
+  // JSON): windowLeft/windowRight only when bounded, softcap only when on, alibiSlopes only with
+  // "standard slopes" (the page's problems have one head).
+  function maskOptions(cfg, options) {
+    if (cfg.windowLeft !== null) options.windowLeft = cfg.windowLeft;
+    if (cfg.windowRight !== null) options.windowRight = cfg.windowRight;
+    if (cfg.softcap > 0) options.softcap = cfg.softcap;
+    if (cfg.alibi) options.alibiSlopes = standardAlibiSlopes(1);
+    return options;
+  }
+
+  // The standard ALiBi slopes for H heads (attn::client::StandardAlibiSlopes): 2^(−8(h+1)/H) for
+  // a power of two; otherwise the n = 2^floor(log2 H) slopes 2^(−8(h+1)/n), then
+  // 2^(−8(2i+1)/(2n)) for i = 0, 1, … for the heads past n.
+  function standardAlibiSlopes(heads) {
+    const n = Math.pow(2, Math.floor(Math.log2(heads)));
+    const slopes = [];
+    for (let h = 0; h < n; ++h) slopes.push(Math.pow(2, (-8 * (h + 1)) / n));
+    for (let i = 0; slopes.length < heads; ++i) slopes.push(Math.pow(2, (-8 * (2 * i + 1)) / (2 * n)));
+    return slopes;
+  }
+
+  // TileStep.hidden as the gateway prints it (enum names; numbers accepted too): 'causal',
+  // 'window' or '' (seen).
+  function hiddenName(x) {
+    if (x === 'HIDDEN_CAUSAL' || x === 1) return 'causal';
+    if (x === 'HIDDEN_WINDOW' || x === 2) return 'window';
+    return '';
+  }
+
+  // What hides key j from query row `row` by the trace's geometry (kernels/geometry.h), for keys
+  // no step carries (tiles the mask hides entirely are not traced): causal first.
+  function hiddenByGeometry(start, row, j) {
+    const p = start.queryPosition + row, t = start.keyPosition + j;
+    if (start.causal && t > p) return 'causal';
+    if (start.windowLeft !== null && t < p - start.windowLeft) return 'window';
+    if (start.windowRight !== null && t > p + start.windowRight) return 'window';
+    return '';
+  }
+
+  // The row's window as a key range [lo, hi] (key indices, clipped to the keys), or null when
+  // unbounded on both sides.
+  function windowRange(start, row, n) {
+    if (!start || (start.windowLeft === null && start.windowRight === null)) return null;
+    const p = start.queryPosition + row - start.keyPosition;
+    const lo = start.windowLeft === null ? 0 : Math.max(0, p - start.windowLeft);
+    const hi = start.windowRight === null ? n - 1 : Math.min(n - 1, p + start.windowRight);
+    return {lo, hi};
+  }
+
+  // A strip of the row's n keys: each key coloured by what hides it, the window's visible range
+  // as a band, and (tile) the current tile outlined.
+  function drawKeyBand(chart, n, hidden, range, tile) {
+    const W = 1000, T = 4, H = 24, L = 4, R = 4;
+    const w = (W - L - R) / Math.max(1, n);
+    const x = (j) => L + j * w;
+    const nodes = [];
+    for (let j = 0; j < n; ++j) {
+      const why = hidden[j] || '';
+      const r = svg('rect', {x: x(j), y: T, width: w, height: H, class: `key ${why}`,
+                             'data-key': j, 'data-hidden': why || 'none'});
+      r.append(svg('title', {}, `key ${j}${why ? `: hidden (${why})` : ''}`));
+      nodes.push(r);
+      if (n <= 64) {
+        nodes.push(svg('text', {x: x(j) + w / 2, y: T + 16, class: 'key-label', 'text-anchor': 'middle'},
+                       why === 'causal' ? `${j}c` : why === 'window' ? `${j}w` : String(j)));
+      }
+    }
+    if (range && range.hi >= range.lo) {
+      nodes.push(svg('rect', {x: x(range.lo), y: T - 2, width: (range.hi - range.lo + 1) * w,
+                              height: H + 4, class: 'band', 'data-lo': range.lo, 'data-hi': range.hi}));
+    }
+    if (tile) {
+      nodes.push(svg('rect', {x: x(tile.begin), y: T - 3, width: (tile.end - tile.begin) * w,
+                              height: H + 6, class: 'tile'}));
+    }
+    const legend = range ? `band: the window, keys ${range.lo}…${range.hi}` +
+        (range.hi < range.lo ? ' (none)' : '') : 'no window';
+    nodes.push(svg('text', {x: L, y: T + H + 13, class: 'key-label'},
+                   `${legend}; c: hidden by the causal mask, w: hidden by the window`));
+    chart.replaceChildren(...nodes);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -299,7 +382,24 @@
       showError('The query multiplier must be a number.');
       return false;
     }
+    for (const [name, value] of [['Window left', cfg.windowLeft], ['Window right', cfg.windowRight]]) {
+      if (value !== null && !(Number.isInteger(value) && value >= 0 && value <= Math.pow(2, 53))) {
+        showError(`${name} must be a whole number ≥ 0, or empty for unbounded.`);
+        return false;
+      }
+    }
+    if (!(Number.isFinite(cfg.softcap) && cfg.softcap >= 0)) {
+      showError('Softcap must be a finite number ≥ 0 (0 turns it off).');
+      return false;
+    }
     return true;
+  }
+
+  // A number input's value: null when empty, NaN when the browser cannot read it as a number.
+  function optionalNumber(id) {
+    const input = $(id);
+    if (input.value.trim() === '') return input.validity && input.validity.badInput ? NaN : null;
+    return Number(input.value);
   }
 
   function readConfig() {
@@ -314,6 +414,11 @@
       row: int('row'),
       randomSeed: int('random-seed'),
       useCache: $('use-cache').checked,
+      // Empty = unbounded (null); otherwise the number as typed, checked by configIsUsable.
+      windowLeft: optionalNumber('window-left'),
+      windowRight: optionalNumber('window-right'),
+      softcap: $('softcap').value.trim() === '' ? 0 : Number($('softcap').value),
+      alibi: $('alibi').checked,
     };
   }
 
@@ -420,6 +525,38 @@
     return {colour, max};
   }
 
+  // A score cell: the score, or −∞ with why the key is hidden (class hidden-causal/-window,
+  // data-hidden) when the mask hides it.
+  function scoreCell(score, why, cls) {
+    const td = el('td', {class: cls || '', 'data-hidden': why || 'none'});
+    if (why) {
+      td.textContent = `−∞ (${why})`;
+      td.classList.add(`hidden-${why}`);
+      td.title = why === 'causal' ? 'hidden by the causal mask: the key is after the query'
+                                  : 'hidden by the window: outside p − left … p + right';
+    } else {
+      td.textContent = score === -Infinity ? '−∞ (masked)' : fmt(score);
+    }
+    return td;
+  }
+  // A cell of a number shown beside the score (bias, scaled score), its exact value in data-value.
+  function valueCell(x, cls) {
+    const td = el('td', {class: cls}, Number.isNaN(x) ? '—' : fmt(x, 6));
+    if (!Number.isNaN(x)) td.dataset.value = String(x);
+    return td;
+  }
+  function maskCaption(start, range) {
+    const parts = [];
+    if (range) {
+      const side = (v) => (v === null ? '∞' : String(v));
+      parts.push(`window left ${side(start.windowLeft)}, right ${side(start.windowRight)}: ` +
+                 `keys ${range.lo}…${range.hi} visible`);
+    }
+    if (start.softcap > 0) parts.push(`softcap ${fmt(start.softcap)}`);
+    if (start.alibiSlopes.length) parts.push(`ALiBi slope ${fmt(start.alibiSlopes[0], 8)}`);
+    return parts.length ? parts.join('; ') + '; ' : '';
+  }
+
   function drawIdea1() {
     const table = $('score-table');
     const p = state.problem, cfg = state.cfg;
@@ -433,10 +570,27 @@
     }
     const n = p.n, d = p.d;
     const scores = new Float64Array(n).fill(-Infinity);
+    // Per key, from the row's steps: what hides it, its ALiBi bias and its scaled score before
+    // softcap and bias; keys of tiles not traced (hidden entirely) take the geometry's answer and
+    // the bias −slope·|p − t| computed here.
+    const start = state.start;
+    const hidden = Array.from({length: n}, (_, j) => hiddenByGeometry(start, cfg.row, j));
+    const alibi = start.alibiSlopes.length > 0;
+    const slope = alibi ? start.alibiSlopes[0] : 0;
+    const p0 = start.queryPosition + cfg.row;
+    const biases = Array.from({length: n},
+                              (_, j) => (alibi ? Math.fround(-slope * Math.abs(p0 - (start.keyPosition + j))) : NaN));
+    const scaled = new Array(n).fill(NaN);
+    let anyScaled = false;
     for (const s of state.steps) {
       if (rowKey(s.row) !== key) continue;
       s.scores.forEach((x, i) => { scores[s.keyBegin + i] = x; });
+      s.hidden.forEach((h, i) => { hidden[s.keyBegin + i] = h; });
+      s.biases.forEach((b, i) => { biases[s.keyBegin + i] = b; });
+      s.scaledScores.forEach((x, i) => { scaled[s.keyBegin + i] = x; anyScaled = true; });
     }
+    const range = windowRange(start, cfg.row, n);
+    drawKeyBand($('idea1-band'), n, hidden, range, null);
     const weights = Array.from(scores, (s) => (done.lse === -Infinity ? 0 : Math.exp(s - done.lse)));
     const {colour, max} = tieGroups(scores);
     let keys = Array.from(scores.keys());
@@ -446,24 +600,32 @@
     }
     const dc = Math.min(d, MAX_IDEA1_COMPONENTS);
     const part = dc < d ? ` (components 0–${dc - 1} of ${d})` : '';
-    const head = el('tr', {}, el('th', {}, 'key j'), el('th', {}, 'score'),
-                    el('th', {}, 'weight'), el('th', {colspan: dc}, `value row v_j${part}`),
-                    el('th', {colspan: dc}, 'weight · v_j'));
+    const extra = (anyScaled ? 1 : 0) + (alibi ? 1 : 0);
+    const head = el('tr', {}, el('th', {}, 'key j'));
+    if (anyScaled) head.append(el('th', {title: 'scale · q·k, before softcap and bias'}, 'scaled'));
+    if (alibi) head.append(el('th', {title: `ALiBi: −${fmt(slope, 8)} · |p − t|`}, 'bias'));
+    head.append(el('th', {}, 'score'),
+                el('th', {}, 'weight'), el('th', {colspan: dc}, `value row v_j${part}`),
+                el('th', {colspan: dc}, 'weight · v_j'));
     const rows = [el('thead', {}, head)];
     const body = el('tbody');
     const row = cfg.row;
     for (const j of keys) {
       const w = weights[j];
-      const tr = el('tr', {class: max.has(j) ? 'max' : ''});
-      const sc = el('td', {class: 'score'}, scores[j] === -Infinity ? '−∞ (masked)' : fmt(scores[j]));
+      const inWindow = range && j >= range.lo && j <= range.hi;
+      const tr = el('tr', {class: (max.has(j) ? 'max' : '') + (inWindow ? ' in-window' : ''),
+                           'data-key': j});
+      const sc = scoreCell(scores[j], hidden[j], 'score');
       if (colour.has(j)) {
         sc.style.background = colour.get(j);
         sc.title = 'tied with another key\'s score';
         sc.classList.add('tie');
       }
       const bar = el('span', {class: 'bar', style: `width:${(w * 100).toFixed(1)}%`});
-      tr.append(el('td', {}, String(j)), sc,
-                el('td', {class: 'weight'}, el('span', {class: 'barbox'}, bar), ' ', fmt(w)));
+      tr.append(el('td', {}, String(j)));
+      if (anyScaled) tr.append(valueCell(scaled[j], 'scaled'));
+      if (alibi) tr.append(valueCell(biases[j], 'bias'));
+      tr.append(sc, el('td', {class: 'weight'}, el('span', {class: 'barbox'}, bar), ' ', fmt(w)));
       for (let c = 0; c < dc; ++c) tr.append(el('td', {class: 'v'}, fmt(p.v[j * d + c], 2)));
       for (let c = 0; c < dc; ++c) tr.append(el('td', {}, fmt(w * p.v[j * d + c])));
       body.append(tr);
@@ -471,14 +633,14 @@
     rows.push(body);
     const result = new Float64Array(dc);
     for (let j = 0; j < n; ++j) for (let c = 0; c < dc; ++c) result[c] += weights[j] * p.v[j * d + c];
-    const foot = el('tr', {}, el('th', {colspan: 3 + dc},
+    const foot = el('tr', {}, el('th', {colspan: 3 + extra + dc},
                                  n > keys.length ? `Σ over all ${n} keys (${n - keys.length} not listed)`
                                                  : 'Σ over keys = weighted result'));
     for (let c = 0; c < dc; ++c) foot.append(el('th', {}, fmt(result[c])));
     rows.push(el('tfoot', {}, foot));
     const ties = new Set(colour.values()).size;
     rows.unshift(el('caption', {},
-                    `lse = ${fmt(done.lse)}; ` +
+                    `lse = ${fmt(done.lse)}; ` + maskCaption(start, range) +
                     (max.size > 1 ? `${max.size} keys tie for the largest score and share its weight; `
                                   : '') +
                     (ties ? `${ties} group(s) of equal scores highlighted.` : 'no equal scores.')));
@@ -534,18 +696,38 @@
 
     // The tile's scores and weights.
     const {colour, max} = tieGroups(s.scores);
-    const tileRows = [el('thead', {}, el('tr', {}, el('th', {}, 'key'), el('th', {}, 'score'),
-                                              el('th', {}, 'exp(score − max_after)')))];
+    const start = state.start;
+    const n = start ? start.keyLen : s.keyEnd;
+    const row = num(s.row.row);
+    const range = windowRange(start, row, n);
+    if (start) {
+      const hiddenRow = Array.from({length: n}, (_, j) => hiddenByGeometry(start, row, j));
+      s.hidden.forEach((h, i) => { hiddenRow[s.keyBegin + i] = h; });
+      drawKeyBand($('tile-band'), n, hiddenRow, range, {begin: s.keyBegin, end: s.keyEnd});
+    }
+    const withScaled = s.scaledScores.length > 0, withBias = s.biases.length > 0;
+    const th = el('tr', {}, el('th', {}, 'key'));
+    if (withScaled) th.append(el('th', {title: 'scale · q·k, before softcap and bias'}, 'scaled'));
+    if (withBias) th.append(el('th', {title: 'ALiBi: −slope · |p − t|'}, 'bias'));
+    th.append(el('th', {}, 'score'), el('th', {}, 'exp(score − max_after)'));
+    const tileRows = [el('thead', {}, th)];
     const tb = el('tbody');
     const shown = Math.min(s.scores.length, MAX_TABLE_KEYS);
     for (let i = 0; i < shown; ++i) {
-      const sc = el('td', {}, s.scores[i] === -Infinity ? '−∞ (masked)' : fmt(s.scores[i]));
+      const j = s.keyBegin + i;
+      const sc = scoreCell(s.scores[i], s.hidden[i] || '', 'score');
       if (colour.has(i)) { sc.style.background = colour.get(i); sc.classList.add('tie'); }
-      tb.append(el('tr', {class: max.has(i) ? 'max' : ''}, el('td', {}, String(s.keyBegin + i)), sc,
-                   el('td', {}, fmt(s.weights[i]))));
+      const inWindow = range && j >= range.lo && j <= range.hi;
+      const tr = el('tr', {class: (max.has(i) ? 'max' : '') + (inWindow ? ' in-window' : ''),
+                           'data-key': j}, el('td', {}, String(j)));
+      if (withScaled) tr.append(valueCell(s.scaledScores[i], 'scaled'));
+      if (withBias) tr.append(valueCell(s.biases[i], 'bias'));
+      tr.append(sc, el('td', {}, fmt(s.weights[i])));
+      tb.append(tr);
     }
     if (shown < s.scores.length) {
-      tb.append(el('tr', {}, el('td', {colspan: 3}, `… ${s.scores.length - shown} more keys`)));
+      tb.append(el('tr', {}, el('td', {colspan: 3 + (withScaled ? 1 : 0) + (withBias ? 1 : 0)},
+                                `… ${s.scores.length - shown} more keys`)));
     }
     tileRows.push(tb);
     $('tile-table').replaceChildren(...tileRows);
@@ -706,6 +888,10 @@
         valueDim: num(s.valueDim), blockK: num(s.blockK), scale: num(s.scale), causal: !!s.causal,
         naiveBytes: num(s.naiveIntermediateBytes), perRowFloats: num(s.tiledScratchFloatsPerRow),
         tilesPerRow: num(s.tilesPerRow),
+        keyPosition: num(s.keyPosition), queryPosition: num(s.queryPosition),
+        windowLeft: s.windowLeft === undefined || s.windowLeft === null ? null : num(s.windowLeft),
+        windowRight: s.windowRight === undefined || s.windowRight === null ? null : num(s.windowRight),
+        softcap: num(s.softcap), alibiSlopes: nums(s.alibiSlopes),
       };
       drawBytes(state.cfg, state.start);
       setStatus(`Trace started: N = ${state.start.keyLen}, d = ${state.start.headDim}, ` +
@@ -718,6 +904,8 @@
         scores: nums(s.scores), maxBefore: num(s.maxBefore), maxAfter: num(s.maxAfter),
         rescale: num(s.rescale), weights: nums(s.weights), denominator: num(s.denominator),
         accumulator: nums(s.accumulator), estimate: nums(s.estimate),
+        scaledScores: nums(s.scaledScores), biases: nums(s.biases),
+        hidden: (s.hidden || []).map(hiddenName),
       };
       state.steps.push(step);
       state.lastStepOfRow.set(rowKey(step.row), state.steps.length - 1);
@@ -764,6 +952,8 @@
     $('naive-output').textContent = '—';
     $('server-stats').textContent = '—';
     $('score-table').replaceChildren();
+    $('idea1-band').replaceChildren();
+    $('tile-band').replaceChildren();
     drawBytes(cfg, null);
     scheduleDraw();
     setStatus('Running…');
