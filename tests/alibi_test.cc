@@ -53,17 +53,8 @@ HostProblem MakeHost(const AlibiCase& c) {
 }
 
 TEST_P(AlibiTest, NaiveTiledAndDecodeMatchTheReference) {
-  const HostProblem host = MakeHost(GetParam());
-  const Reference ref = ReferenceAttention(host);
   CpuBackend backend(2, 0);
-  for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
-    SCOPED_TRACE(KernelName(kernel));
-    ExpectMatchesInItsDtype(RunKernel(backend, kernel, host), host, ref);
-  }
-  SCOPED_TRACE("Decode");
-  const KernelRun decoded = RunDecode(backend, host);
-  ASSERT_FALSE(decoded.output.empty());
-  ExpectMatchesInItsDtype(decoded, host, ref);
+  ExpectNaiveTiledAndDecodeMatch(backend, MakeHost(GetParam()));
 }
 
 // The biased answer differs from the unbiased one: the test would notice a kernel ignoring it.
@@ -72,11 +63,7 @@ TEST_P(AlibiTest, TheBiasChangesTheAnswer) {
   const Reference biased = ReferenceAttention(host);
   host.alibi_slopes.clear();
   const Reference plain = ReferenceAttention(host);
-  double largest = 0;
-  for (size_t i = 0; i < biased.output.size(); ++i) {
-    largest = std::max(largest, std::abs(biased.output[i] - plain.output[i]));
-  }
-  EXPECT_GT(largest, 1e-2);
+  EXPECT_GT(LargestOutputDifference(biased, plain), 1e-2);
 }
 
 // Traced rows of the first and last heads (two slopes): each step's scores are the head's

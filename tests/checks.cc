@@ -122,6 +122,26 @@ KernelRun RunDecode(Backend& backend, const HostProblem& host) {
   return run;
 }
 
+void ExpectNaiveTiledAndDecodeMatch(Backend& backend, const HostProblem& host) {
+  const Reference ref = ReferenceAttention(host);
+  for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
+    SCOPED_TRACE(KernelName(kernel));
+    ExpectMatchesInItsDtype(RunKernel(backend, kernel, host), host, ref);
+  }
+  SCOPED_TRACE("Decode");
+  const KernelRun decoded = RunDecode(backend, host);
+  ASSERT_FALSE(decoded.output.empty());
+  ExpectMatchesInItsDtype(decoded, host, ref);
+}
+
+double LargestOutputDifference(const Reference& a, const Reference& b) {
+  double largest = 0;
+  for (size_t i = 0; i < a.output.size() && i < b.output.size(); ++i) {
+    largest = std::max(largest, std::abs(a.output[i] - b.output[i]));
+  }
+  return largest;
+}
+
 absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
                                     const std::vector<int64_t>& pieces, const DType* input_dtype) {
   const Shape& s = host.shape;

@@ -69,6 +69,14 @@ KernelRun RunDecode(Backend& backend, const HostProblem& host);
 // fp16/bf16 by ExpectLowPrecisionMatches; its lse within 1e-5 either way.
 void ExpectMatchesInItsDtype(const KernelRun& run, const HostProblem& host, const Reference& ref);
 
+// Naive and Tiled (RunKernel) and Decode (RunDecode) on `backend`, each against the float64
+// reference by ExpectMatchesInItsDtype.
+void ExpectNaiveTiledAndDecodeMatch(Backend& backend, const HostProblem& host);
+
+// The largest |a − b| over two references' outputs (the same shape): how much an option changes
+// the answer, so a test can show that a kernel ignoring it would be caught.
+double LargestOutputDifference(const Reference& a, const Reference& b);
+
 // The rule for low-precision outputs (LowPrecisionTest): error against float64 at most twice
 // a same-precision naive baseline's, plus an atol of a couple of output ulps.
 void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host, const Reference& ref);

@@ -52,17 +52,8 @@ HostProblem MakeHost(const SoftcapCase& c) {
 }
 
 TEST_P(SoftcapTest, NaiveTiledAndDecodeMatchTheReference) {
-  const HostProblem host = MakeHost(GetParam());
-  const Reference ref = ReferenceAttention(host);
   CpuBackend backend(2, 0);
-  for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
-    SCOPED_TRACE(KernelName(kernel));
-    ExpectMatchesInItsDtype(RunKernel(backend, kernel, host), host, ref);
-  }
-  SCOPED_TRACE("Decode");
-  const KernelRun decoded = RunDecode(backend, host);
-  ASSERT_FALSE(decoded.output.empty());
-  ExpectMatchesInItsDtype(decoded, host, ref);
+  ExpectNaiveTiledAndDecodeMatch(backend, MakeHost(GetParam()));
 }
 
 // The capped answer differs from the uncapped one: the test would notice a kernel ignoring it.
@@ -71,11 +62,7 @@ TEST_P(SoftcapTest, TheCapChangesTheAnswer) {
   const Reference capped = ReferenceAttention(host);
   host.softcap = 0.f;
   const Reference uncapped = ReferenceAttention(host);
-  double largest = 0;
-  for (size_t i = 0; i < capped.output.size(); ++i) {
-    largest = std::max(largest, std::abs(capped.output[i] - uncapped.output[i]));
-  }
-  EXPECT_GT(largest, 1e-2);
+  EXPECT_GT(LargestOutputDifference(capped, uncapped), 1e-2);
 }
 
 // A traced row: each step's scaled_scores are scale · q·k, its scores the cap of them (−inf where
