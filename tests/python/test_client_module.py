@@ -161,6 +161,18 @@ def softcap_reference(q, k, v, causal, softcap, window_left=None, key_position=0
     return out, lse, float(np.max(magnitude[visible])) if visible.any() else 0.0
 
 
+def fill_caches(rng, caches, lengths):
+    """Appends uniform(-1, 1) fp32 keys and values of each length to each cache (its kv_heads,
+    head_dim and value_dim) → [(k, v)], what each now holds."""
+    held = []
+    for cache, length in zip(caches, lengths):
+        k = rng.uniform(-1, 1, size=(cache.kv_heads, length, cache.head_dim)).astype(np.float32)
+        v = rng.uniform(-1, 1, size=(cache.kv_heads, length, cache.value_dim)).astype(np.float32)
+        cache.append(k, v)
+        held.append((k, v))
+    return held
+
+
 class ServerCase(unittest.TestCase):
     """Base: one attnd for the class (started with `server_args`), its stderr shown on failure."""
 
@@ -476,12 +488,7 @@ class ClientModuleTest(ServerCase):
         heads, kv_heads, head_dim, value_dim = 4, 2, 8, 5
         caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(2)]
         try:
-            held = []
-            for cache, length in zip(caches, (37, 23)):
-                k = rng.uniform(-1, 1, size=(kv_heads, length, head_dim)).astype(np.float32)
-                v = rng.uniform(-1, 1, size=(kv_heads, length, value_dim)).astype(np.float32)
-                cache.append(k, v)
-                held.append((k, v))
+            held = fill_caches(rng, caches, (37, 23))
             queries = [rng.uniform(-1, 1, size=(heads, nq, head_dim)).astype(np.float32)
                        for nq in (2, 3)]
             # Item 0 bottom-right at positions 0 …; item 1's keys at 50 … 72, queries at 60 ….
@@ -613,12 +620,7 @@ class ClientModuleTest(ServerCase):
         heads, kv_heads, head_dim, value_dim = 4, 2, 9, 5
         caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(2)]
         try:
-            held = []
-            for cache, length in zip(caches, (37, 23)):
-                k = rng.uniform(-1, 1, size=(kv_heads, length, head_dim)).astype(np.float32)
-                v = rng.uniform(-1, 1, size=(kv_heads, length, value_dim)).astype(np.float32)
-                cache.append(k, v)
-                held.append((k, v))
+            held = fill_caches(rng, caches, (37, 23))
             queries = [(32 * rng.uniform(-1, 1, size=(heads, nq, head_dim))).astype(np.float32)
                        for nq in (3, 1)]
             for softcap in (5.0, 30):
@@ -813,12 +815,7 @@ class ClientModuleTest(ServerCase):
         heads, kv_heads, head_dim, value_dim = 4, 2, 9, 5
         caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(2)]
         try:
-            held = []
-            for cache, length in zip(caches, (37, 23)):
-                k = rng.uniform(-1, 1, size=(kv_heads, length, head_dim)).astype(np.float32)
-                v = rng.uniform(-1, 1, size=(kv_heads, length, value_dim)).astype(np.float32)
-                cache.append(k, v)
-                held.append((k, v))
+            held = fill_caches(rng, caches, (37, 23))
             queries = [rng.uniform(-1, 1, size=(heads, nq, head_dim)).astype(np.float32)
                        for nq in (3, 1)]
             slopes = [0.5, 0.2, 0.9, 0.05]
