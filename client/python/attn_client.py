@@ -42,7 +42,9 @@ Trace events are plain dicts, one per TraceEvent, with "kind" set to "start", "s
 "row_done" or "end" and the message's fields by their proto names; repeated floats (scores,
 scaled_scores, biases, weights, accumulator, estimate, output, reference, and the "start"
 event's alibi_slopes) are float32 NumPy arrays, a
-RowRef is a (batch, head, row) tuple, ExecutionStats a dict and an unset optional field None
+step's "hidden" (why each key is hidden: "HIDDEN_NONE", "HIDDEN_CAUSAL" or "HIDDEN_WINDOW";
+empty without a mask) a list of names, a RowRef is a (batch, head, row) tuple, ExecutionStats a
+dict and an unset optional field None
 (the "start" event's window_left / window_right when unbounded). `event["message"]` keeps the
 protobuf message for anything else.
 
@@ -382,6 +384,8 @@ def _event_dict(event):
             value = _row_tuple(value)
         elif field.name == "stats":
             value = _message_dict(value)
+        elif field.label == field.LABEL_REPEATED and field.type == field.TYPE_ENUM:
+            value = [field.enum_type.values_by_number[int(x)].name for x in value]
         elif field.label == field.LABEL_REPEATED:
             value = np.array(value, dtype=np.float32)
         elif field.containing_oneof is not None and not message.HasField(field.name):

@@ -472,6 +472,9 @@ class ClientModuleTest(ServerCase):
                     keys = np.arange(step["key_begin"], step["key_end"])
                     hidden = (keys < r - 6) | (keys > r)
                     np.testing.assert_array_equal(np.isneginf(step["scores"]), hidden)
+                    self.assertEqual(step["hidden"], ["HIDDEN_WINDOW" if key < r - 6 else
+                                                      "HIDDEN_CAUSAL" if key > r else
+                                                      "HIDDEN_NONE" for key in keys])
                 done = [e for e in events if e["kind"] == "row_done" and e["row"] == (b, h, r)]
                 np.testing.assert_allclose(done[0]["output"], tiled.output[b, h, r], rtol=0,
                                            atol=1e-6)
