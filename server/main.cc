@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -233,6 +234,10 @@ int main(int argc, char** argv) {
   // Graceful drain: the first signal marks the server NOT_SERVING, refuses new calls
   // (UNAVAILABLE) and gives those in flight --shutdown-grace seconds, after which gRPC cancels
   // them (and the computations stop at their next row block). A second signal exits at once.
+  // gRPC's own shutdown starts only once the calls in flight have answered, and a moment after:
+  // it sends GOAWAY and closes each connection as its last stream ends, and a connection closed
+  // with the client's frames unread is reset, which can lose an answer still on its way (an 8 MiB
+  // Tiled output through docker's port proxy did, once).
   std::thread stopper([&] {
     const int signal = WaitForSignal();
     std::printf("attnd: signal %d, draining (in-flight calls get %d s; signal again to exit now)\n",
@@ -250,6 +255,11 @@ int main(int argc, char** argv) {
     // The JSON gateway first: /v1 answers 503 from now on, and its calls in flight get the grace
     // (shutting gRPC down would end its in-process calls at once).
     gateway.Drain(deadline);
+    const bool answering = !service.Idle();
+    if (service.WaitUntilIdle(deadline) && answering) {
+      std::this_thread::sleep_until(
+          std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(1)));
+    }
     server->Shutdown(deadline);
     std::printf("attnd: drained, exiting\n");
     std::fflush(stdout);

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -186,6 +187,14 @@ AttentionService::AttentionService(Backend& backend, ServiceConfig config)
 absl::Status AttentionService::CheckAccepting() const {
   if (!draining_.load()) return absl::OkStatus();
   return absl::UnavailableError("attnd is shutting down and takes no new calls; retry elsewhere");
+}
+
+bool AttentionService::WaitUntilIdle(std::chrono::system_clock::time_point deadline) const {
+  while (!Idle()) {
+    if (std::chrono::system_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
 }
 
 absl::Status AttentionService::CheckDevice() {

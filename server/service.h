@@ -82,6 +82,10 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // From now on every new Naive, Tiled and Trace call is refused with UNAVAILABLE (the server
   // is shutting down); calls already accepted run to the end. Thread-safe.
   void StartDrain() { draining_.store(true); }
+  // Waits until no Naive, Tiled or Trace call is queued, computing or streaming (their answers
+  // handed to gRPC), or until `deadline`; whether it got there. Thread-safe.
+  bool WaitUntilIdle(std::chrono::system_clock::time_point deadline) const;
+  bool Idle() const { return queue_.queued() + queue_.running() + open_traces_.load() == 0; }
   const AdmissionLimits& admission() const { return queue_.limits(); }
 
   // Naive and Tiled calls waiting for a compute worker, and computing now (for metrics).
