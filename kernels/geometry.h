@@ -18,6 +18,14 @@
 // of consecutive rows sees at most keys [Visible(first).begin, Visible(last).end), and a key
 // tile outside that range can be skipped by the whole block.
 //
+// Ragged batches (cu_seqlens): S sequences packed along the rows and the keys. Sequence s is
+// rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) and keys [cu_seqlens_k[s], cu_seqlens_k[s+1]); its
+// rows see none of the other sequences' keys, and among its own the rules above apply with the
+// sequence's own positions: its keys at 0 … and its rows bottom-right against them (Sequence()
+// gives that geometry). Ranges stay contiguous and never decrease with the row, within a
+// sequence as above and across sequences since the cumulative lengths never decrease; and for
+// one row, p − t is still linear in the key index (Distance(row, key) = Distance(row, 0) − key).
+//
 // Positions are checked to lie in [0, 2^62] (kMaxPosition), windows too, and key_len,
 // query_len < 2^62, so p − key_position = query_position − key_position + row stays within
 // (−2^63, 2^63) and no bound below overflows int64.
@@ -49,9 +57,10 @@ struct KeyRange {
 
 // Why a key is hidden from a query row (Geometry::HiddenBy; TileStep.hidden in a trace).
 enum class Hidden : int {
-  kNone = 0,    // The row sees the key.
-  kCausal = 1,  // t > p under the causal mask (first: causal wins over a window).
-  kWindow = 2,  // Outside p − window_left … p + window_right.
+  kNone = 0,      // The row sees the key.
+  kCausal = 1,    // t > p under the causal mask (first: causal wins over a window).
+  kWindow = 2,    // Outside p − window_left … p + window_right.
+  kSequence = 3,  // In another sequence of a ragged batch.
 };
 
 struct Geometry {
@@ -62,6 +71,11 @@ struct Geometry {
   bool causal = false;
   int64_t window_left = kUnbounded;   // Else keys at t ≥ p − window_left only.
   int64_t window_right = kUnbounded;  // Else keys at t ≤ p + window_right only.
+  // A ragged batch (see above): sequences + 1 cumulative lengths each, in memory the kernel
+  // reading them can (host or device); sequences 0 = one sequence, and the pointers unset.
+  const int64_t* cu_seqlens_q = nullptr;
+  const int64_t* cu_seqlens_k = nullptr;
+  int64_t sequences = 0;
 
   // The request defaults: keys at key_position …, queries bottom-right against them.
   static ATTN_HOST_DEVICE Geometry BottomRight(int64_t query_len, int64_t key_len, bool causal,
@@ -69,20 +83,43 @@ struct Geometry {
     return Geometry{query_len, key_len, key_position + key_len - query_len, key_position, causal};
   }
 
+  // The sequence holding query row `row`: the last s with cu_seqlens_q[s] ≤ row (so the one
+  // non-empty sequence holding it); 0 when not ragged.
+  ATTN_HOST_DEVICE int64_t SequenceOf(int64_t row) const {
+    int64_t low = 0, high = sequences - 1;
+    while (low < high) {
+      const int64_t mid = (low + high + 1) / 2;
+      if (cu_seqlens_q[mid] <= row) {
+        low = mid;
+      } else {
+        high = mid - 1;
+      }
+    }
+    return low;
+  }
+
+  // Sequence s as a geometry of its own (one sequence: its positions, the mask and window), and
+  // the packed indices of its first row and first key. Not ragged: this one, from 0 and 0.
+  ATTN_HOST_DEVICE Geometry Sequence(int64_t s, int64_t& first_row, int64_t& first_key) const {
+    if (sequences == 0) {
+      first_row = first_key = 0;
+      return *this;
+    }
+    first_row = cu_seqlens_q[s];
+    first_key = cu_seqlens_k[s];
+    Geometry own =
+        BottomRight(cu_seqlens_q[s + 1] - first_row, cu_seqlens_k[s + 1] - first_key, causal);
+    own.window_left = window_left;
+    own.window_right = window_right;
+    return own;
+  }
+
   // The keys query row `row` sees (see above).
   ATTN_HOST_DEVICE KeyRange Visible(int64_t row) const {
-    const int64_t p = Distance(row, 0);  // The row's position relative to key 0's.
-    KeyRange range{0, key_len};
-    if (window_left != kUnbounded && p - window_left > 0) {
-      range.begin = p - window_left < key_len ? p - window_left : key_len;
-    }
-    int64_t right = window_right;  // The bound on t − p, if any.
-    if (causal && (right == kUnbounded || right > 0)) right = 0;
-    if (right != kUnbounded && right < key_len - p) {  // Then p + right + 1 ≤ key_len.
-      range.end = p + right + 1 > 0 ? p + right + 1 : 0;
-    }
-    // begin ≤ end: a clamped begin (key_len) leaves end at key_len, a clamped end (0) begin at 0.
-    return range;
+    int64_t first_row, first_key;
+    const Geometry own = Sequence(SequenceOf(row), first_row, first_key);
+    const KeyRange range = own.VisibleInSequence(row - first_row);
+    return KeyRange{range.begin + first_key, range.end + first_key};
   }
 
   // Of those, the ones in keys [begin, begin + n).
@@ -93,14 +130,20 @@ struct Geometry {
     return last > first ? last - first : 0;
   }
 
-  // p − t for query row `row` and key `key`: the distance an ALiBi bias grows with
+  // p − t for query row `row` and key `key` (the key taken at the row's sequence's positions
+  // even when it lies in another sequence): the distance an ALiBi bias grows with
   // (kernels/score_transform.h).
   ATTN_HOST_DEVICE int64_t Distance(int64_t row, int64_t key) const {
-    return query_position - key_position + row - key;
+    int64_t first_row, first_key;
+    const Geometry own = Sequence(SequenceOf(row), first_row, first_key);
+    return own.query_position - own.key_position + (row - first_row) - (key - first_key);
   }
 
   // What hides key `key` from row `row` (kNone exactly when Visible(row) contains it).
   ATTN_HOST_DEVICE Hidden HiddenBy(int64_t row, int64_t key) const {
+    int64_t first_row, first_key;
+    const Geometry own = Sequence(SequenceOf(row), first_row, first_key);
+    if (key < first_key || key >= first_key + own.key_len) return Hidden::kSequence;
     const int64_t d = Distance(row, key);  // p − t
     if (causal && d < 0) return Hidden::kCausal;
     if (window_left != kUnbounded && d > window_left) return Hidden::kWindow;
@@ -120,7 +163,25 @@ struct Geometry {
 
   // Whether a row may see fewer than all the keys (a mask of any kind applies).
   ATTN_HOST_DEVICE bool Masked() const {
-    return causal || window_left != kUnbounded || window_right != kUnbounded;
+    return causal || window_left != kUnbounded || window_right != kUnbounded || sequences > 1;
+  }
+
+ private:
+  // Visible(row) of one sequence: keys [0, key_len) at key_position …, row at query_position + row.
+  ATTN_HOST_DEVICE KeyRange VisibleInSequence(int64_t row) const {
+    const int64_t p =
+        query_position - key_position + row;  // The row's position relative to key 0's.
+    KeyRange range{0, key_len};
+    if (window_left != kUnbounded && p - window_left > 0) {
+      range.begin = p - window_left < key_len ? p - window_left : key_len;
+    }
+    int64_t right = window_right;  // The bound on t − p, if any.
+    if (causal && (right == kUnbounded || right > 0)) right = 0;
+    if (right != kUnbounded && right < key_len - p) {  // Then p + right + 1 ≤ key_len.
+      range.end = p + right + 1 > 0 ? p + right + 1 : 0;
+    }
+    // begin ≤ end: a clamped begin (key_len) leaves end at key_len, a clamped end (0) begin at 0.
+    return range;
   }
 };
 

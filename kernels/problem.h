@@ -101,6 +101,13 @@ struct Problem {
   // only; kUnbounded (−1) = no bound. Both in [0, kMaxPosition] when set.
   int64_t window_left = kUnbounded;
   int64_t window_right = kUnbounded;
+  // A ragged batch (kernels/geometry.h): batch is 1, and sequences + 1 cumulative lengths each
+  // (starting at 0, never decreasing, ending at query_len and key_len) split the rows and keys
+  // into sequences; the positions are then unset. sequences 0 = one sequence. Host memory, owned
+  // like the tensors.
+  const int64_t* cu_seqlens_q = nullptr;
+  const int64_t* cu_seqlens_k = nullptr;
+  int64_t sequences = 0;
   int block_k = 1;  // Keys per tile for Tiled and Trace.
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
@@ -118,6 +125,9 @@ struct Problem {
     if (query_position) g.query_position = *query_position;
     g.window_left = window_left;
     g.window_right = window_right;
+    g.cu_seqlens_q = cu_seqlens_q;
+    g.cu_seqlens_k = cu_seqlens_k;
+    g.sequences = sequences;
     return g;
   }
 

@@ -206,10 +206,17 @@ absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, dou
                      ", past fp32's largest value ", kFloatMax, "; scale the inputs down"));
   }
   if (problem.alibi_slopes != nullptr) {
-    // |p − t| is largest at a corner of the (row, key) grid: it is linear in row − key.
+    // |p − t| is largest at a corner of a sequence's (row, key) grid: it is linear in row − key.
     const Geometry g = problem.geometry();
-    const double distance = std::max(std::abs(static_cast<double>(g.Distance(0, s.key_len - 1))),
-                                     std::abs(static_cast<double>(g.Distance(s.query_len - 1, 0))));
+    double distance = 0;
+    for (int64_t sequence = 0; sequence < std::max<int64_t>(g.sequences, 1); ++sequence) {
+      int64_t first_row, first_key;
+      const Geometry own = g.Sequence(sequence, first_row, first_key);
+      if (own.query_len == 0 || own.key_len == 0) continue;
+      distance =
+          std::max({distance, std::abs(static_cast<double>(own.Distance(0, own.key_len - 1))),
+                    std::abs(static_cast<double>(own.Distance(own.query_len - 1, 0)))});
+    }
     double slope = 0;
     for (int64_t h = 0; h < s.heads; ++h) {
       slope = std::max(slope, std::abs(static_cast<double>(problem.alibi_slopes[h])));
@@ -230,7 +237,79 @@ absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, dou
   return absl::OkStatus();
 }
 
+// A ragged batch's cumulative lengths (AttentionRequest.cu_seqlens_q, cu_seqlens_k) into
+// *problem, whose shape (batch 1, the packed query_len and key_len) and positions are parsed.
+absl::Status ParseSequences(const v1::AttentionRequest& request, int rank, Problem* problem) {
+  const auto& q = request.cu_seqlens_q();
+  const auto& k = request.cu_seqlens_k();
+  if (q.empty() && k.empty()) return absl::OkStatus();
+  if (q.size() != k.size()) {
+    return Invalid(q.empty() ? "cu_seqlens_q" : "cu_seqlens_k",
+                   absl::StrCat("has ", q.empty() ? 0 : k.size(), " entries but ",
+                                q.empty() ? "cu_seqlens_k" : "cu_seqlens_q", " has ",
+                                q.empty() ? k.size() : q.size(),
+                                "; a ragged batch of S sequences gives both, S + 1 each"));
+  }
+  if (q.size() < 2) {
+    return Invalid("cu_seqlens_q",
+                   "has 1 entry; a ragged batch of S ≥ 1 sequences gives S + 1 cumulative "
+                   "lengths, from 0 to the packed length");
+  }
+  if (problem->shape.batch != 1) {
+    return Invalid("query.shape[0]",
+                   absl::StrCat("is batch ", problem->shape.batch,
+                                "; a ragged batch (cu_seqlens_q) packs its sequences into one: "
+                                "query [heads, total_q, head_dim]"));
+  }
+  for (const auto& [field, set] :
+       {std::pair{"options.key_position", problem->key_position != 0},
+        std::pair{"options.query_position", problem->query_position.has_value()}}) {
+    if (set) {
+      return Invalid(field,
+                     "is set; in a ragged batch (cu_seqlens_q) each sequence has its own "
+                     "positions: its keys at 0 …, its queries bottom-right");
+    }
+  }
+  for (const auto& [field, values, total, what] :
+       {std::tuple{"cu_seqlens_q", &q, problem->shape.query_len,
+                   absl::StrCat("query has ", problem->shape.query_len, " rows (query.shape[",
+                                rank - 2, "])")},
+        std::tuple{"cu_seqlens_k", &k, problem->shape.key_len,
+                   absl::StrCat("key has ", problem->shape.key_len, " keys (key.shape[", rank - 2,
+                                "])")}}) {
+    if ((*values)[0] != 0) {
+      return Invalid(absl::StrCat(field, "[0]"),
+                     absl::StrCat("is ", (*values)[0], "; cumulative lengths start at 0"));
+    }
+    for (int i = 1; i < values->size(); ++i) {
+      if ((*values)[i] < (*values)[i - 1]) {
+        return Invalid(absl::StrCat(field, "[", i, "]"),
+                       absl::StrCat("is ", (*values)[i], ", less than ", field, "[", i - 1, "] = ",
+                                    (*values)[i - 1], "; cumulative lengths never decrease"));
+      }
+    }
+    const int last = values->size() - 1;
+    if ((*values)[last] != total) {
+      return Invalid(absl::StrCat(field, "[", last, "]"),
+                     absl::StrCat("is ", (*values)[last], " but ", what,
+                                  "; the last cumulative length is the packed length"));
+    }
+  }
+  problem->cu_seqlens_q = q.data();
+  problem->cu_seqlens_k = k.data();
+  problem->sequences = q.size() - 1;
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status CheckOneSequence(absl::string_view prefix, const v1::AttentionRequest& request) {
+  if (request.cu_seqlens_q().empty() && request.cu_seqlens_k().empty()) return absl::OkStatus();
+  return Invalid(
+      absl::StrCat(prefix, request.cu_seqlens_q().empty() ? "cu_seqlens_k" : "cu_seqlens_q"),
+      "is set with cache_id; a cache holds one sequence (send a ragged batch's keys "
+      "and values inline)");
+}
 
 absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
                             std::optional<int64_t> query_position, Problem* problem) {
@@ -326,6 +405,9 @@ absl::StatusOr<Problem> ParseAttentionShape(const v1::AttentionRequest& request,
                         .key_len = k->len,
                         .head_dim = q->dim,
                         .value_dim = v->dim};
+  if (absl::Status sequences = ParseSequences(request, rank, &problem); !sequences.ok()) {
+    return sequences;
+  }
   problem.query = TensorView{request.query().data().data(), query_dtype};
   problem.key = TensorView{request.key().data().data(), key_dtype};
   problem.value = TensorView{request.value().data().data(), value_dtype};
@@ -614,8 +696,16 @@ v1::TraceStart EncodeTraceStart(const Problem& problem) {
   start.set_scale(problem.scale);
   start.set_causal(problem.causal);
   const Geometry geometry = problem.geometry();
-  start.set_key_position(geometry.key_position);
-  start.set_query_position(geometry.query_position);
+  if (problem.sequences == 0) {  // Else each sequence's own, from cu_seqlens.
+    start.set_key_position(geometry.key_position);
+    start.set_query_position(geometry.query_position);
+  }
+  if (problem.sequences > 0) {
+    start.mutable_cu_seqlens_q()->Assign(problem.cu_seqlens_q,
+                                         problem.cu_seqlens_q + problem.sequences + 1);
+    start.mutable_cu_seqlens_k()->Assign(problem.cu_seqlens_k,
+                                         problem.cu_seqlens_k + problem.sequences + 1);
+  }
   if (geometry.window_left != kUnbounded) start.set_window_left(geometry.window_left);
   if (geometry.window_right != kUnbounded) start.set_window_right(geometry.window_right);
   start.set_softcap(problem.softcap);
@@ -645,7 +735,8 @@ void EncodeFloats(const std::vector<float>& values,
 
 static_assert(static_cast<int>(Hidden::kNone) == v1::HIDDEN_NONE &&
                   static_cast<int>(Hidden::kCausal) == v1::HIDDEN_CAUSAL &&
-                  static_cast<int>(Hidden::kWindow) == v1::HIDDEN_WINDOW,
+                  static_cast<int>(Hidden::kWindow) == v1::HIDDEN_WINDOW &&
+                  static_cast<int>(Hidden::kSequence) == v1::HIDDEN_SEQUENCE,
               "kernels/geometry.h's Hidden must number its reasons as the proto does");
 
 void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEvent* event) {

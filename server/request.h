@@ -52,6 +52,11 @@ absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
                             std::optional<int64_t> query_position, Problem* problem);
 // Decode's options: its positions come per item, so options.key_position and query_position
 // must be unset (INVALID_ARGUMENT naming them).
+// INVALID_ARGUMENT when a request over a cache (cache_id) gives cu_seqlens: a cache is one
+// sequence. prefix: the request's field path ("" or "attention.").
+absl::Status CheckOneSequence(absl::string_view prefix,
+                              const attention::v1::AttentionRequest& request);
+
 absl::Status CheckDecodeOptions(const attention::v1::AttentionOptions& options);
 
 // --- KV caches ----------------------------------------------------------------------------

@@ -428,6 +428,10 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
     fail(layout.status());
     return reactor;
   }
+  if (absl::Status one = CheckOneSequence("", *request); !one.ok()) {
+    fail(one);
+    return reactor;
+  }
   absl::StatusOr<Problem> problem =
       ParseCacheQuery("", Present(request->has_query(), request->query()), request->options(),
                       *layout, backend_.default_block_k());
@@ -481,6 +485,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
   const absl::StatusOr<KvLayout> layout =
       caches_.LayoutOf(owner, attention.cache_id(), "attention.cache_id");
   if (!layout.ok()) return fail(layout.status());
+  if (absl::Status one = CheckOneSequence("attention.", attention); !one.ok()) return fail(one);
   absl::StatusOr<Problem> problem =
       ParseCacheQuery("attention.", Present(attention.has_query(), attention.query()),
                       attention.options(), *layout, backend_.default_block_k());

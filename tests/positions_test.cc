@@ -50,8 +50,10 @@ TEST(GeometryTest, VisibleFollowsThePositionsAndTheWindow) {
                           (g.window_right == kUnbounded || t <= p + g.window_right);
         const Hidden why = g.HiddenBy(row, key);
         ASSERT_EQ(why == Hidden::kNone, sees) << "row " << row << " key " << key;
-        if (!sees) ASSERT_EQ(why == Hidden::kCausal, g.causal && t > p);
-        if (!sees) continue;
+        if (!sees) {
+          ASSERT_EQ(why == Hidden::kCausal, g.causal && t > p);
+          continue;
+        }
         if (expected.begin < 0) expected = {key, key};
         ASSERT_EQ(key, expected.end) << "the keys a row sees must be contiguous";
         expected.end = key + 1;

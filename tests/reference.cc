@@ -60,6 +60,11 @@ Problem HostProblem::View() const {
   problem.query_position = query_position;
   problem.window_left = window_left.value_or(kUnbounded);
   problem.window_right = window_right.value_or(kUnbounded);
+  if (!cu_seqlens_q.empty()) {
+    problem.cu_seqlens_q = cu_seqlens_q.data();
+    problem.cu_seqlens_k = cu_seqlens_k.data();
+    problem.sequences = static_cast<int64_t>(cu_seqlens_q.size()) - 1;
+  }
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, shape.key_len));
   problem.return_lse = return_lse;
   problem.output_dtype = output_dtype;
@@ -137,9 +142,31 @@ HostProblem KeyPrefix(const HostProblem& full, int64_t length) {
   return p;
 }
 
+namespace {
+
+// Row i's sequence of a ragged batch, found by scanning: its first row and key, its lengths.
+struct ReferenceSequence {
+  int64_t first_row = 0, first_key = 0, query_len = 0, key_len = 0;
+};
+
+ReferenceSequence SequenceOfRow(const HostProblem& p, int64_t i) {
+  if (p.cu_seqlens_q.empty()) return {0, 0, p.shape.query_len, p.shape.key_len};
+  for (size_t s = 0; s + 1 < p.cu_seqlens_q.size(); ++s) {
+    if (p.cu_seqlens_q[s] <= i && i < p.cu_seqlens_q[s + 1]) {
+      return {p.cu_seqlens_q[s], p.cu_seqlens_k[s], p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s],
+              p.cu_seqlens_k[s + 1] - p.cu_seqlens_k[s]};
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 int64_t ReferenceDistance(const HostProblem& p, int64_t i, int64_t j) {
-  const Shape& s = p.shape;
-  const int64_t query = p.query_position.value_or(p.key_position + s.key_len - s.query_len) + i;
+  const ReferenceSequence q = SequenceOfRow(p, i);
+  i -= q.first_row;
+  j -= q.first_key;
+  const int64_t query = p.query_position.value_or(p.key_position + q.key_len - q.query_len) + i;
   return query - (p.key_position + j);
 }
 
@@ -149,6 +176,8 @@ double ReferenceBias(const HostProblem& p, int64_t h, int64_t i, int64_t j) {
 }
 
 bool ReferenceSees(const HostProblem& p, int64_t i, int64_t j) {
+  const ReferenceSequence q = SequenceOfRow(p, i);
+  if (j < q.first_key || j >= q.first_key + q.key_len) return false;
   const int64_t distance = ReferenceDistance(p, i, j);  // p − t
   if (p.causal && distance < 0) return false;
   if (p.window_left && distance > *p.window_left) return false;

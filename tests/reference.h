@@ -29,6 +29,10 @@ struct HostProblem {
   std::optional<int64_t> query_position;
   // The window (AttentionOptions.window_left/right); unset = unbounded.
   std::optional<int64_t> window_left, window_right;
+  // A ragged batch (AttentionRequest.cu_seqlens_q/k): cumulative lengths splitting the rows and
+  // keys into sequences, each with its own positions (keys from 0, queries bottom-right); empty =
+  // one sequence.
+  std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;
   int block_k = 64;
   bool return_lse = true;
   std::vector<uint8_t> query_bytes, key_bytes, value_bytes;
@@ -60,10 +64,12 @@ struct Reference {
 
 // Whether query row i sees key j, from the positions and the window as the contract states them
 // (a query at position p sees a key at position t iff t ≤ p when causal, t ≥ p − window_left
-// and t ≤ p + window_right when set), independent of kernels/geometry.h.
+// and t ≤ p + window_right when set; in a ragged batch, only keys of row i's own sequence),
+// independent of kernels/geometry.h.
 bool ReferenceSees(const HostProblem& problem, int64_t i, int64_t j);
 
-// p − t for query row i and key j, from the positions as the contract states them.
+// p − t for query row i and key j, from the positions as the contract states them (in a ragged
+// batch, those of row i's sequence, whichever sequence key j lies in).
 int64_t ReferenceDistance(const HostProblem& problem, int64_t i, int64_t j);
 
 // Head h's ALiBi bias for query row i and key j, in float64 (0 without slopes).

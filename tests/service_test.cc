@@ -425,9 +425,60 @@ struct BadInput {
   const char* field;
 };
 
+// The valid request below (batch 2 of 16 rows and keys) as one packed batch of 32 rows and keys
+// (rank 3), with these cumulative lengths.
+void MakeRagged(v1::AttentionRequest& r, std::vector<int64_t> q, std::vector<int64_t> k) {
+  for (v1::Tensor* tensor : {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
+    const int64_t heads = tensor->shape(0) * tensor->shape(1), dim = tensor->shape(3);
+    tensor->clear_shape();
+    for (int64_t d : {heads / 2, int64_t{32}, dim}) tensor->add_shape(d);
+  }
+  r.mutable_cu_seqlens_q()->Assign(q.begin(), q.end());
+  r.mutable_cu_seqlens_k()->Assign(k.begin(), k.end());
+}
+
 std::vector<BadInput> BadInputs() {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   return {
+      {"cu_seqlens_q without cu_seqlens_k",
+       [](auto& r) {
+         MakeRagged(r, {0, 10, 32}, {});
+       },
+       "cu_seqlens_k"},
+      {"cu_seqlens of different counts",
+       [](auto& r) {
+         MakeRagged(r, {0, 10, 32}, {0, 32});
+       },
+       "cu_seqlens_k"},
+      {"cu_seqlens of one entry", [](auto& r) { MakeRagged(r, {32}, {32}); }, "cu_seqlens_q"},
+      {"cu_seqlens_q not from 0",
+       [](auto& r) {
+         MakeRagged(r, {1, 10, 32}, {0, 10, 32});
+       },
+       "cu_seqlens_q[0]"},
+      {"decreasing cu_seqlens_q",
+       [](auto& r) {
+         MakeRagged(r, {0, 20, 10, 32}, {0, 1, 2, 32});
+       },
+       "cu_seqlens_q[2]"},
+      {"cu_seqlens_k short of the packed keys",
+       [](auto& r) {
+         MakeRagged(r, {0, 10, 32}, {0, 10, 31});
+       },
+       "cu_seqlens_k[2]"},
+      {"cu_seqlens with batch 2",
+       [](auto& r) {
+         for (auto* cu : {r.mutable_cu_seqlens_q(), r.mutable_cu_seqlens_k()}) {
+           for (int64_t length : {0, 16}) cu->Add(length);
+         }
+       },
+       "query.shape[0]"},
+      {"cu_seqlens with a key_position",
+       [](auto& r) {
+         MakeRagged(r, {0, 10, 32}, {0, 12, 32});
+         r.mutable_options()->set_key_position(4);
+       },
+       "options.key_position"},
       {"missing query", [](auto& r) { r.clear_query(); }, "query"},
       {"missing key", [](auto& r) { r.clear_key(); }, "key"},
       {"missing value", [](auto& r) { r.clear_value(); }, "value"},

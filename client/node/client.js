@@ -96,6 +96,35 @@
 // softcap(scaledScores) + biases where the mask shows the key. Without them biases is [].
 //   const alibiSlopes = standardAlibiSlopes(32);
 //   await client.tiled({query, key, value, options: {causal: true, alibiSlopes}});
+//
+// Ragged batches (attention.proto, AttentionRequest; FlashAttention's varlen cu_seqlens):
+// request.cuSeqlensQ and request.cuSeqlensK, Arrays of integer Numbers at the request's top
+// level (they are AttentionRequest fields, not options); absent (undefined or null) or empty =
+// one sequence. For S sequences packed along the rows both hold S + 1 cumulative lengths:
+// starting at 0, never decreasing, ending at the packed length (totalQ, totalK);
+// cumulativeLengths([5, 1, 40]) gives [0, 5, 6, 46]. Query is then [heads, totalQ, headDim]
+// (rank 2 or 3, or rank 4 with batch 1), key and value [kvHeads, totalK, ·], output
+// [heads, totalQ, valueDim] and lse [heads, totalQ]. Sequence s is query rows
+// [cuSeqlensQ[s], cuSeqlensQ[s+1]) over keys [cuSeqlensK[s], cuSeqlensK[s+1]): its rows see
+// only its keys, with its own positions (its keys at 0 …, its queries bottom-right against
+// them), so causal, a window, a softcap and ALiBi apply per sequence as if each were a request
+// of its own; a row whose sequence has no key it sees gives zeros and lse −inf. A sequence may
+// be empty. options.keyPosition and queryPosition must then be unset, and cacheId empty. They
+// go in the requests of naive, tiled and trace (request.attention) as they are; the client
+// checks only that each is an Array of integer Numbers (a plain Array: Array.from a typed
+// array), else a TypeError (naive and tiled reject with it, trace throws it from the loop), and
+// the server answers bad values with INVALID_ARGUMENT naming the field: cu_seqlens_q[i] /
+// cu_seqlens_k[i] for a first entry other than 0, a decrease or a last entry other than the
+// packed length (query.shape / key.shape's length dim), cu_seqlens_q / cu_seqlens_k for one
+// given without the other, counts that differ or fewer than 2 entries, query.shape[0] for a
+// batch other than 1, options.key_position / options.query_position when set. Trace's start
+// repeats them (start.cuSeqlensQ, cuSeqlensK: Arrays of Numbers, [] for one sequence; its
+// keyPosition and queryPosition are then 0, each sequence having its own), and where a mask
+// applies a step's hidden is HIDDEN_SEQUENCE for a key of its tile in another sequence.
+//   const [qLens, kLens] = [[5, 1, 40], [7, 1, 33]];      // 46 query rows, 41 keys
+//   await client.tiled({query: tensor(q, [heads, 46, d]), key: tensor(k, [kvHeads, 41, d]),
+//                       value: tensor(v, [kvHeads, 41, d]), cuSeqlensQ: cumulativeLengths(qLens),
+//                       cuSeqlensK: cumulativeLengths(kLens), options: {causal: true}});
 
 const fs = require('node:fs');
 const os = require('node:os');
@@ -312,12 +341,25 @@ class Client {
     });
   }
 
-  // Full-matrix attention. request: an AttentionRequest ({query, key, value, options}).
-  // Resolves to the AttentionResponse ({output, lse, stats}); rejects with an AttndError.
-  naive(request, options) { return this.unary_('Naive', request, options); }
+  // naive / tiled: a TypeError for ragged-batch fields that are not Arrays of integers, as a
+  // rejection (like the call's own errors), else the call.
+  attention_(method, request, options) {
+    try {
+      checkSequences(request, method.toLowerCase());
+    } catch (err) {
+      return Promise.reject(err);
+    }
+    return this.unary_(method, request, options);
+  }
+
+  // Full-matrix attention. request: an AttentionRequest ({query, key, value, options}, and for a
+  // ragged batch cuSeqlensQ, cuSeqlensK). Resolves to the AttentionResponse ({output, lse,
+  // stats}); rejects with an AttndError (a TypeError for cuSeqlensQ / cuSeqlensK that are not
+  // Arrays of integers).
+  naive(request, options) { return this.attention_('Naive', request, options); }
 
   // Online-softmax attention over key tiles; same request and answer as naive().
-  tiled(request, options) { return this.unary_('Tiled', request, options); }
+  tiled(request, options) { return this.attention_('Tiled', request, options); }
 
   // The server's ServerInfo: version, backend, device and limits.
   info(options) { return this.unary_('GetServerInfo', {}, options); }
@@ -325,8 +367,10 @@ class Client {
   // Streams a TraceRequest's events ({attention, rows}) as an async iterator of TraceEvents,
   // each with `event` naming its member: 'start', then per row one 'step' per key tile and a
   // 'rowDone', then 'end'. Throws an AttndError from the loop when the call fails; leaving the
-  // loop early (break, return, throw) cancels the call.
+  // loop early (break, return, throw) cancels the call. request.attention's cuSeqlensQ and
+  // cuSeqlensK are checked as naive()'s (a TypeError from the loop, before any call).
   async* trace(request, options) {
+    checkSequences(request?.attention, 'trace: attention');
     const call = this.stub.Trace(request, this.metadata_(), this.callOptions_(options));
     let finished = false;
     try {
@@ -493,6 +537,54 @@ function standardAlibiSlopes(heads) {
   return slopes;
 }
 
+// --- ragged batches ------------------------------------------------------------------------------
+// Sequence lengths → the cumulative lengths AttentionRequest.cuSeqlensQ / cuSeqlensK take, an
+// Array of Numbers one longer: cumulativeLengths([5, 1, 40]) is [0, 5, 6, 46], and
+// cumulativeLengths([]) is [0] (no sequence; the server wants at least one). lengths: any
+// iterable of integer Numbers (an Array, an Int32Array, ...). Throws a TypeError for a length
+// that is not an integer Number (or lengths that are not iterable), a RangeError for a negative
+// one.
+function cumulativeLengths(lengths) {
+  if (lengths === null || lengths === undefined || typeof lengths === 'string' ||
+      typeof lengths[Symbol.iterator] !== 'function') {
+    throw new TypeError(`cumulativeLengths: lengths must be an array of integers, not ` +
+                        `${String(lengths)}`);
+  }
+  const out = [0];
+  let i = 0;
+  for (const n of lengths) {
+    if (typeof n !== 'number' || !Number.isInteger(n)) {
+      throw new TypeError(`cumulativeLengths: lengths[${i}] is ${String(n)}; expected an integer`);
+    }
+    if (n < 0) throw new RangeError(`cumulativeLengths: lengths[${i}] is ${n}; expected ≥ 0`);
+    out.push(out[out.length - 1] + n);
+    ++i;
+  }
+  return out;
+}
+
+// An AttentionRequest's cuSeqlensQ / cuSeqlensK, checked for type only (the server checks the
+// values): each absent (undefined, null) or an Array of integer Numbers. Throws a TypeError
+// naming the field (`what`: the call, for the message).
+function checkSequences(request, what) {
+  if (request === null || request === undefined || typeof request !== 'object') return;
+  for (const field of ['cuSeqlensQ', 'cuSeqlensK']) {
+    const values = request[field];
+    if (values === undefined || values === null) continue;
+    if (!Array.isArray(values)) {
+      const kind = Object.prototype.toString.call(values);
+      throw new TypeError(`${what}: ${field} must be an Array of integers (cumulative lengths; ` +
+                          `Array.from a typed array), not ${kind}`);
+    }
+    values.forEach((x, i) => {
+      if (typeof x !== 'number' || !Number.isInteger(x)) {
+        const shown = typeof x === 'string' ? `'${x}'` : String(x);
+        throw new TypeError(`${what}: ${field}[${i}] is ${shown}; expected an integer Number`);
+      }
+    });
+  }
+}
+
 // --- merging the parts of a split problem ---------------------------------------------------
 // One part's output or lse as {values, shape}: a Tensor message (shape known) or an array-like
 // of numbers (Float32Array, Float64Array, Array; shape unknown, null).
@@ -596,6 +688,7 @@ module.exports = {
   mergeStates,
   seedExample,
   standardAlibiSlopes,
+  cumulativeLengths,
   AttndError,
   tensor,
   toFloat32Array,

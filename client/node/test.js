@@ -18,8 +18,13 @@
 // GQA, causal, odd sizes, bottom-right and at positions, with a softcap and a window;
 // standardAlibiSlopes' values; Trace's start repeating the slopes and each step's biases
 // −slope·|p − t| and scaledScores before softcap and bias; a wrong slope count → INVALID_ARGUMENT
-// naming options.alibi_slopes, a non-finite slope one naming options.alibi_slopes[h]),
-// mergeStates alone, and, when given a TLS server with a token, TLS + bearer token.
+// naming options.alibi_slopes, a non-finite slope one naming options.alibi_slopes[h]), ragged
+// batches (cuSeqlensQ / cuSeqlensK from cumulativeLengths through Tiled and Naive against the
+// float64 reference run per sequence, causal, GQA, odd sizes, with a window, ALiBi and a softcap,
+// empty sequences; Trace's start repeating them and HIDDEN_SEQUENCE for other sequences' keys;
+// bad cumulative lengths → INVALID_ARGUMENT naming cu_seqlens_q[i] / cu_seqlens_k[i], client-side
+// TypeErrors for non-integers), mergeStates alone, and, when given a TLS server with a token,
+// TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
 //                                         --token-file FILE]
 const test = require('node:test');
@@ -1114,6 +1119,208 @@ test('alibi: Cache.decode against float64; bad slopes are INVALID_ARGUMENT namin
         assert.match(err.details, pattern);
         return true;
       });
+    }
+  }
+});
+
+// --- ragged batches -----------------------------------------------------------------------------
+// The float64 reference of a ragged batch: problem (batch 1, queryLen totalQ, keyLen totalK)
+// split by cumulative lengths cuQ and cuK, each sequence its own referenceAttention problem
+// (its keys at 0 …, its queries bottom-right: the default positions; options as there), the
+// answers put back in the packed rows. Rows of an empty sequence do not exist; a sequence with
+// queries but no key it sees gives zeros and lse −inf, as referenceAttention does.
+function raggedReference(problem, cuQ, cuK, scale, causal, options = {}) {
+  const {heads, queryLen, headDim, valueDim} = problem.dims;
+  const out = new Float64Array(heads * queryLen * valueDim);
+  const lse = new Float64Array(heads * queryLen).fill(-Infinity);
+  let scoreMax = 0;
+  for (let s = 0; s + 1 < cuQ.length; ++s) {
+    const [a, b] = [cuQ[s], cuQ[s + 1]], n = b - a;
+    const keys = sliceKeys(problem, cuK[s], cuK[s + 1]);
+    const q = new Float32Array(heads * n * headDim);
+    for (let h = 0; h < heads; ++h) {
+      q.set(problem.q.subarray((h * queryLen + a) * headDim, (h * queryLen + b) * headDim),
+            h * n * headDim);
+    }
+    const ref = referenceAttention({...keys, q, dims: {...keys.dims, queryLen: n}}, scale, causal,
+                                   options);
+    for (let h = 0; h < heads; ++h) {
+      out.set(ref.out.subarray(h * n * valueDim, (h + 1) * n * valueDim),
+              (h * queryLen + a) * valueDim);
+      lse.set(ref.lse.subarray(h * n, (h + 1) * n), h * queryLen + a);
+    }
+    scoreMax = Math.max(scoreMax, ref.scoreMax);
+  }
+  return {out, lse, scoreMax};
+}
+
+// A packed problem of the given sequence lengths: {problem (batch 1), cuQ, cuK, and req(options),
+// the rank-3 AttentionRequest with cuSeqlensQ / cuSeqlensK}.
+function raggedProblem(queryLengths, keyLengths, {heads, kvHeads, headDim, valueDim}, random) {
+  const cuQ = attnd.cumulativeLengths(queryLengths), cuK = attnd.cumulativeLengths(keyLengths);
+  const dims = {batch: 1, heads, kvHeads, queryLen: cuQ.at(-1), keyLen: cuK.at(-1), headDim,
+                valueDim};
+  const problem = randomProblem(dims, random);
+  const req = (options) => ({
+    query: tensor(problem.q, [heads, dims.queryLen, headDim]),
+    key: tensor(problem.k, [kvHeads, dims.keyLen, headDim]),
+    value: tensor(problem.v, [kvHeads, dims.keyLen, valueDim]),
+    cuSeqlensQ: cuQ, cuSeqlensK: cuK, options,
+  });
+  return {problem, cuQ, cuK, req};
+}
+
+test('ragged: tiled and naive against float64 run per sequence, causal, GQA, odd sizes',
+     async () => {
+  const random = mulberry32(positionsSeed + 13);
+  // q lengths [5, 1, 40] over k lengths [7, 1, 33]: 46 rows over 41 keys; sequence 2's rows
+  // 0 … 6 (packed 6 … 12) see no key when causal (40 queries bottom-right over 33 keys).
+  const sizes = {heads: 4, kvHeads: 2, headDim: 7, valueDim: 5};
+  const {problem, cuQ, cuK, req} = raggedProblem([5, 1, 40], [7, 1, 33], sizes, random);
+  assert.deepEqual([cuQ, cuK], [[0, 5, 6, 46], [0, 7, 8, 41]]);
+  const scale = 1 / Math.sqrt(sizes.headDim);
+  const cases = [
+    {causal: true},
+    // Per-sequence positions: ALiBi's |p − t| and the window are each sequence's own.
+    {causal: true, windowLeft: 3, alibiSlopes: randomSlopes(4, random)},
+    {causal: false, softcap: 2, alibiSlopes: attnd.standardAlibiSlopes(4)},
+  ];
+  for (const options of cases) {
+    const what = JSON.stringify(options);
+    const ref = raggedReference(problem, cuQ, cuK, scale, options.causal, options);
+    const packed = referenceAttention(problem, scale, options.causal, options);
+    assert.ok(ref.out.some((x, i) => Math.abs(x - packed.out[i]) > 1e-2),
+              `${what}: the sequences matter`);
+    if (options.causal && !options.windowLeft) {
+      for (let h = 0; h < sizes.heads; ++h) {
+        for (let r = 0; r < 46; ++r) {
+          assert.equal(ref.lse[h * 46 + r] === -Infinity, r >= 6 && r < 13, `${what} row ${r}`);
+        }
+      }
+    }
+    for (const method of ['tiled', 'naive']) {
+      const res = await client[method](req({...options, blockK: 4, returnLse: true}));
+      assert.deepEqual(res.output.shape, [4, 46, 5], `${method} ${what} output shape`);
+      assert.deepEqual(res.lse.shape, [4, 46], `${method} ${what} lse shape`);
+      const tol = alibiTol(ref.scoreMax);
+      assertClose(toFloat32Array(res.output), ref.out, tol, `${method} ${what}`);
+      assertClose(toFloat32Array(res.lse), ref.lse, tol, `${method} ${what} lse`);
+    }
+  }
+  // Empty sequences: one with queries but no keys (zeros, lse −inf), one with keys but no
+  // queries, and a one-sequence batch equal to the plain request.
+  const empty = raggedProblem([3, 0, 4], [0, 6, 5], sizes, random);
+  const emptyRef = raggedReference(empty.problem, empty.cuQ, empty.cuK, scale, true);
+  for (const method of ['tiled', 'naive']) {
+    const res = await client[method](empty.req({causal: true, blockK: 4, returnLse: true}));
+    assertClose(toFloat32Array(res.output), emptyRef.out, 1e-5, `${method} empty sequences`);
+    assertClose(toFloat32Array(res.lse), emptyRef.lse, 1e-5, `${method} empty sequences lse`);
+  }
+  const one = raggedProblem([6], [9], sizes, random);
+  const plainReq = {...one.req({causal: true}), cuSeqlensQ: undefined, cuSeqlensK: null};
+  assertClose(toFloat32Array((await client.tiled(one.req({causal: true}))).output),
+              toFloat32Array((await client.tiled(plainReq)).output), 1e-6, 'one sequence');
+});
+
+test('ragged: Trace\'s start repeats the lengths; other sequences\' keys are HIDDEN_SEQUENCE',
+     async () => {
+  const random = mulberry32(positionsSeed + 14);
+  const sizes = {heads: 4, kvHeads: 2, headDim: 7, valueDim: 5};
+  const {problem, cuQ, cuK, req} = raggedProblem([5, 1, 40], [7, 1, 33], sizes, random);
+  // block_k 5: tile [5, 10) holds keys of all three sequences.
+  const options = {causal: true, blockK: 5};
+  const tiled = toFloat32Array((await client.tiled(req(options))).output);
+  const ref = raggedReference(problem, cuQ, cuK, 1 / Math.sqrt(sizes.headDim), true);
+  // Sequence 0's last row, sequence 1's only row, sequence 2's last row and its row 3 (no key).
+  const rows = [{head: 0, row: 4}, {head: 1, row: 5}, {head: 3, row: 45}, {head: 2, row: 9}];
+  const events = await collect(client.trace({attention: req(options), rows}));
+  const {start} = events[0];
+  assert.equal(events[0].event, 'start');
+  assert.deepEqual(start.cuSeqlensQ, [0, 5, 6, 46]);
+  assert.deepEqual(start.cuSeqlensK, [0, 7, 8, 41]);
+  for (const lengths of [start.cuSeqlensQ, start.cuSeqlensK]) {
+    assert.ok(Array.isArray(lengths) && lengths.every((x) => typeof x === 'number'), 'Numbers');
+  }
+  assert.deepEqual([start.queryLen, start.keyLen, start.keyPosition, start.queryPosition],
+                   [46, 41, 0, 0]);
+  const done = events.filter((e) => e.event === 'rowDone').map((e) => e.rowDone);
+  let others = 0;
+  for (const [i, {head, row}] of rows.entries()) {
+    const s = cuQ.findLastIndex((c, j) => j < cuQ.length - 1 && c <= row);
+    const [kBegin, kEnd] = [cuK[s], cuK[s + 1]];
+    const steps = events.filter((e) => e.event === 'step' && e.step.row.head === head &&
+                                       e.step.row.row === row).map((e) => e.step);
+    for (const st of steps) {
+      st.scores.forEach((score, j) => {
+        const t = st.keyBegin + j, what = `row ${row} key ${t}`;
+        if (t < kBegin || t >= kEnd) {
+          assert.equal(st.hidden[j], 'HIDDEN_SEQUENCE', `${what}: hidden`);
+          assert.equal(score, -Infinity, `${what}: score`);
+          ++others;
+        } else {
+          assert.notEqual(st.hidden[j], 'HIDDEN_SEQUENCE', `${what}: own key`);
+        }
+      });
+    }
+    const at = (head * 46 + row) * sizes.valueDim;
+    assertClose(done[i].output, tiled.subarray(at, at + sizes.valueDim), 1e-6, `row ${row}`);
+    assertClose(done[i].output, ref.out.subarray(at, at + sizes.valueDim), 1e-5,
+                `row ${row} vs float64`);
+  }
+  assert.ok(others > 0, 'some traced tile holds another sequence\'s keys');
+  assert.equal(done[3].lse, -Infinity, 'sequence 2 row 3 sees no key');
+  // One sequence: [] for both.
+  const plain = await collect(client.trace({attention: request(seed, {blockK: 2})}));
+  assert.deepEqual([plain[0].start.cuSeqlensQ, plain[0].start.cuSeqlensK], [[], []]);
+});
+
+test('ragged: bad cumulative lengths are INVALID_ARGUMENT naming cu_seqlens_q[i] and others',
+     async () => {
+  // The seed: 8 query rows over 8 keys, batch 1.
+  for (const [cuSeqlensQ, cuSeqlensK, pattern, extra = {}] of [
+    [[0, 5, 4, 8], [0, 2, 6, 8], /cu_seqlens_q\[2\]/],  // Decreasing.
+    [[1, 5, 8], [0, 2, 8], /cu_seqlens_q\[0\]/],        // Not starting at 0.
+    [[0, 5, 7], [0, 2, 8], /cu_seqlens_q\[2\]/],        // Not ending at query_len (8).
+    [[0, 5, 8], [0, 2, 9], /cu_seqlens_k\[2\]/],        // Not ending at key_len (8).
+    [[0, 5, 8], [0, 8], /cu_seqlens_k(?!\[)/],           // Counts differ.
+    [[0, 5, 8], [], /cu_seqlens_k(?!\[)/],               // One without the other.
+    [[0, 5, 8], [0, 2, 8], /options\.key_position/, {keyPosition: 3}],
+  ]) {
+    const what = JSON.stringify({cuSeqlensQ, cuSeqlensK, ...extra});
+    const req = {...request(seed, {causal: true, ...extra}), cuSeqlensQ, cuSeqlensK};
+    for (const call of [() => client.tiled(req), () => client.naive(req),
+                        () => collect(client.trace({attention: req}))]) {
+      await assert.rejects(call(), (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, `${what}: ${err.message}`);
+        assert.match(err.details, pattern, what);
+        return true;
+      });
+    }
+  }
+  // Batch 2 (rank 4): query.shape[0].
+  const batched = {...request(problem, {causal: true}), cuSeqlensQ: [0, 41], cuSeqlensK: [0, 29]};
+  await assert.rejects(client.tiled(batched), (err) => err.code === status.INVALID_ARGUMENT &&
+                                                       /query\.shape\[0\]/.test(err.details));
+});
+
+test('ragged: cumulativeLengths; non-integer lengths are TypeErrors before any call', async () => {
+  const {cumulativeLengths} = attnd;
+  assert.deepEqual(cumulativeLengths([5, 1, 40]), [0, 5, 6, 46]);
+  assert.deepEqual(cumulativeLengths([0, 3, 0]), [0, 0, 3, 3]);
+  assert.deepEqual(cumulativeLengths(Int32Array.from([2, 2])), [0, 2, 4]);
+  assert.deepEqual(cumulativeLengths([]), [0]);
+  assert.throws(() => cumulativeLengths([1, 2.5]), TypeError);
+  assert.throws(() => cumulativeLengths(['3']), TypeError);
+  assert.throws(() => cumulativeLengths(5), TypeError);
+  assert.throws(() => cumulativeLengths([4, -1]), RangeError);
+  const good = {...request(seed, {}), cuSeqlensQ: [0, 8], cuSeqlensK: [0, 8]};
+  for (const [field, value, pattern] of [['cuSeqlensQ', [0, 1.5, 8], /cuSeqlensQ\[1\]/],
+                                         ['cuSeqlensK', [0, '8'], /cuSeqlensK\[1\]/],
+                                         ['cuSeqlensK', Int32Array.from([0, 8]), /cuSeqlensK/]]) {
+    const bad = {...good, [field]: value};
+    for (const call of [() => client.tiled(bad), () => client.naive(bad),
+                        () => collect(client.trace({attention: bad}))]) {
+      await assert.rejects(call(), (err) => err instanceof TypeError && pattern.test(err.message));
     }
   }
 });

@@ -41,10 +41,11 @@ peak_memory_bytes); `.response` the AttentionResponse itself.
 Trace events are plain dicts, one per TraceEvent, with "kind" set to "start", "step",
 "row_done" or "end" and the message's fields by their proto names; repeated floats (scores,
 scaled_scores, biases, weights, accumulator, estimate, output, reference, and the "start"
-event's alibi_slopes) are float32 NumPy arrays, a
-step's "hidden" (why each key is hidden: "HIDDEN_NONE", "HIDDEN_CAUSAL" or "HIDDEN_WINDOW";
-empty without a mask) a list of names, a RowRef is a (batch, head, row) tuple, ExecutionStats a
-dict and an unset optional field None
+event's alibi_slopes) are float32 NumPy arrays, repeated integers (the "start" event's
+cu_seqlens_q and cu_seqlens_k) lists of ints, a step's "hidden" (why each key is hidden:
+"HIDDEN_NONE", "HIDDEN_CAUSAL", "HIDDEN_WINDOW" or "HIDDEN_SEQUENCE"; empty without a mask) a
+list of names, a RowRef is a (batch, head, row) tuple, ExecutionStats a dict and an unset
+optional field None
 (the "start" event's window_left / window_right when unbounded). `event["message"]` keeps the
 protobuf message for anything else.
 
@@ -122,6 +123,33 @@ as in the whole problem, so split problems still merge. In decode the slopes are
 before softcap and bias, next to "scores" = softcap(scaled_scores) + biases (−inf where
 masked); without ALiBi "biases" is empty.
 
+Ragged batches: naive, tiled and trace (with inline keys, not cache=) also take cu_seqlens_q
+and cu_seqlens_k (FlashAttention's varlen; None, the default: one sequence), S sequences of
+different lengths packed along the rows: both sequences or 1-D arrays of ints, S + 1 each,
+cumulative lengths from 0 to the packed length (`cumulative_lengths([5, 1, 40])` = [0, 5, 6,
+46]). q is then [heads, total_q, head_dim] (rank 2 or 3, or rank 4 with batch 1), k and v
+[kv_heads, total_k, ·]; the output is [heads, total_q, value_dim] and the lse [heads, total_q].
+Sequence s is query rows and keys
+
+    [cu_seqlens_q[s], cu_seqlens_q[s+1])  and  [cu_seqlens_k[s], cu_seqlens_k[s+1])
+
+and its rows see only its keys, at its own positions: its keys at 0 …, its queries bottom-right
+against them (its last row at its last key), so causal, the window, softcap and ALiBi apply to
+each sequence exactly as if it were a request of its own:
+
+    cu_q, cu_k = cumulative_lengths(q_lens), cumulative_lengths(k_lens)
+    client.tiled(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+A sequence may be empty; a row that sees no key gives zeros and lse −inf. key_position and
+query_position must be left unset (each sequence has its own), and the server checks the values
+(INVALID_ARGUMENT naming the field: "cu_seqlens_q[0]" not 0, "cu_seqlens_k[2]" decreasing,
+"cu_seqlens_q[3]" not ending at the packed length, "cu_seqlens_k" with a different count,
+"query.shape[0]" for a batch > 1, "options.key_position"); the client raises ValueError only
+for what cannot be sent (a non-integer, or one of the two without the other). The trace's
+"start" event repeats them as "cu_seqlens_q" and "cu_seqlens_k" (empty: one sequence; its
+key_position and query_position are then 0), rows are (0, head, packed row), and a step's
+"hidden" marks the keys of other sequences "HIDDEN_SEQUENCE".
+
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
 check itself (rank, element type, option types) raise ValueError or TypeError before any RPC.
@@ -135,13 +163,14 @@ import numbers
 
 import grpc
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
 
 from attention.v1 import attention_pb2 as pb
 from attention.v1 import attention_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_float32",
            "float32_to_bf16", "merge_states", "seed_example", "standard_alibi_slopes",
-           "MAX_MESSAGE_BYTES", "MAX_POSITION"]
+           "cumulative_lengths", "MAX_MESSAGE_BYTES", "MAX_POSITION"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -372,6 +401,10 @@ def _row_tuple(row):
     return (int(row.batch), int(row.head), int(row.row))
 
 
+_INTEGER_CPP_TYPES = frozenset((FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64,
+                                FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64))
+
+
 def _event_dict(event):
     kind = event.WhichOneof("event")
     message = getattr(event, kind) if kind else None
@@ -386,6 +419,8 @@ def _event_dict(event):
             value = _message_dict(value)
         elif field.label == field.LABEL_REPEATED and field.type == field.TYPE_ENUM:
             value = [field.enum_type.values_by_number[int(x)].name for x in value]
+        elif field.label == field.LABEL_REPEATED and field.cpp_type in _INTEGER_CPP_TYPES:
+            value = [int(x) for x in value]  # cu_seqlens_q / cu_seqlens_k of "start"
         elif field.label == field.LABEL_REPEATED:
             value = np.array(value, dtype=np.float32)
         elif field.containing_oneof is not None and not message.HasField(field.name):
@@ -631,28 +666,38 @@ class Client:
     @classmethod
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
                  cache=None, key_position=0, query_position=None, window_left=None,
-                 window_right=None, softcap=0.0, alibi_slopes=None):
+                 window_right=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None):
         input_dtype = _dtype_enum(dtype, "dtype")
         options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
                                query_position, window_left, window_right, softcap, alibi_slopes,
                                q)
+        if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+            raise ValueError("a ragged batch gives cu_seqlens_q and cu_seqlens_k together "
+                             "(S + 1 cumulative lengths each), or neither; got only %s"
+                             % ("cu_seqlens_q" if cu_seqlens_k is None else "cu_seqlens_k"))
+        # Sent as they are, with cache= too: the ranges (and cache= with them) are the server's
+        # to refuse, naming the field.
+        sequences = dict(cu_seqlens_q=_cu_seqlens("cu_seqlens_q", cu_seqlens_q),
+                         cu_seqlens_k=_cu_seqlens("cu_seqlens_k", cu_seqlens_k))
         if cache is not None:
             if k is not None or v is not None:
                 raise ValueError("give key and value, or cache=, not both")
             return pb.AttentionRequest(query=_encode("query", q, input_dtype),
-                                       cache_id=_cache_id(cache), options=options)
+                                       cache_id=_cache_id(cache), options=options, **sequences)
         if k is None or v is None:
             raise ValueError("key and value are needed (or cache= to attend over a KV cache)")
         return pb.AttentionRequest(query=_encode("query", q, input_dtype),
                                    key=_encode("key", k, input_dtype),
-                                   value=_encode("value", v, input_dtype), options=options)
+                                   value=_encode("value", v, input_dtype), options=options,
+                                   **sequences)
 
     # RPCs.
 
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
               query_position=None, window_left=None, window_right=None, softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
@@ -672,28 +717,37 @@ class Client:
         alibi_slopes: None or empty = no bias, else one slope per query head: head h adds
         −alibi_slopes[h] · |p − t| to the score of the key at t for the query at p (the
         positions above), after the softcap and before the mask. A sequence or 1-D array of
-        numbers finite in float32, or "standard": standard_alibi_slopes(the query's heads)."""
+        numbers finite in float32, or "standard": standard_alibi_slopes(the query's heads).
+        cu_seqlens_q, cu_seqlens_k: None = one sequence, else a ragged batch (both, S + 1
+        cumulative lengths each, ints; see cumulative_lengths() and the module docstring): q
+        [heads, total_q, head_dim], k and v [kv_heads, total_k, ·], and sequence s's rows
+        [cu_seqlens_q[s], cu_seqlens_q[s+1]) see only its keys [cu_seqlens_k[s],
+        cu_seqlens_k[s+1]), at its own positions (keys at 0 …, queries bottom-right), the
+        mask, window, softcap and ALiBi applied per sequence. key_position and query_position
+        must then be unset, and cache= is refused (the server's INVALID_ARGUMENT)."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right, softcap, alibi_slopes)
+                                window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
         return Result(self._call("Naive", self._stub.Naive, request))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
               query_position=None, window_left=None, window_right=None, softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
-        → Result; key tiles a window hides from a whole block of rows are skipped. Other
-        arguments (cache=, key_position, query_position, window_left, window_right, softcap,
-        alibi_slopes too) as for naive()."""
+        → Result; key tiles a window hides from a whole block of rows are skipped, and a
+        ragged batch's work is split at sequence starts. Other arguments (cache=,
+        key_position, query_position, window_left, window_right, softcap, alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right, softcap, alibi_slopes)
+                                window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
               scale=None, dtype=None, key_position=0, query_position=None, window_left=None,
-              window_right=None, softcap=0.0, alibi_slopes=None):
+              window_right=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
@@ -708,12 +762,16 @@ class Client:
         none), and with them each "step" has "biases", each key's −slope · |p − t| (masked keys
         included), and "scaled_scores" (before softcap and bias), with "scores" =
         softcap(scaled_scores) + biases where visible; without ALiBi biases is empty.
+        cu_seqlens_q, cu_seqlens_k as for naive(): the "start" event repeats them as lists of
+        ints (empty: one sequence; its key_position and query_position are then 0), a row is
+        (0, head, its packed row), and each "step"'s "hidden" marks the keys of the other
+        sequences "HIDDEN_SEQUENCE".
         Arguments are checked now; the RPC starts on the first next(). Closing the iterator
         early (break, close()) cancels the stream. A failure mid-stream raises AttnError."""
         request = pb.TraceRequest(
             attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache,
                                     key_position, query_position, window_left, window_right,
-                                    softcap, alibi_slopes))
+                                    softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -939,6 +997,52 @@ def _position(name, position):
     if not 0 <= position <= MAX_POSITION:
         raise ValueError("%s must be in [0, 2^62], got %d" % (name, position))
     return int(position)
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _cu_seqlens(name, values):
+    """cu_seqlens_q or cu_seqlens_k → the list of ints to send ([]: None, one sequence);
+    ValueError naming it for what cannot be sent: not a sequence or 1-D array of integers, or
+    a value beyond int64. Ranges (starting at 0, never decreasing, the packed length last, the
+    two counts equal) are the server's check, which names the offending entry."""
+    if values is None:
+        return []
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise ValueError("%s must be 1-D (S + 1 cumulative lengths), got shape %s"
+                             % (name, values.shape))
+        if values.dtype.kind not in "iu":
+            raise ValueError("%s has element type %s; expected integers" % (name, values.dtype))
+        values = values.tolist()
+    elif isinstance(values, (str, bytes, dict, set)) or not hasattr(values, "__iter__"):
+        raise ValueError("%s must be a sequence or 1-D array of ints (S + 1 cumulative "
+                         "lengths) or None, not %s" % (name, type(values).__name__))
+    lengths = []
+    for index, value in enumerate(values):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise ValueError("%s[%d] must be an int, not %s"
+                             % (name, index, type(value).__name__))
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError("%s[%d] = %d is beyond int64" % (name, index, value))
+        lengths.append(int(value))
+    return lengths
+
+
+def cumulative_lengths(lengths):
+    """Sequence lengths → the S + 1 cumulative lengths a ragged batch sends as cu_seqlens_q or
+    cu_seqlens_k (a list of ints, from 0 to the packed length): [5, 1, 40] → [0, 5, 6, 46];
+    [] → [0]. lengths: a sequence or 1-D array of ints ≥ 0 (0: an empty sequence); ValueError
+    otherwise."""
+    counted = _cu_seqlens("lengths", lengths)
+    total, result = 0, [0]
+    for index, length in enumerate(counted):
+        if length < 0:
+            raise ValueError("lengths[%d] = %d is negative" % (index, length))
+        total += length
+        result.append(total)
+    return result
 
 
 def _softcap(softcap):

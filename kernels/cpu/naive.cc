@@ -179,12 +179,13 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
                                                      "use Tiled, which needs no such storage"));
   }
 
-  const int64_t tasks = RowBlockCount(problem);
+  const RowBlocks blocks(problem);
+  const int64_t tasks = blocks.size();
   std::vector<Worker> workers(pool.WorkersFor(tasks));
   const absl::Status run =
       RunInterruptible(pool, tasks, outputs.interrupt, [&](int64_t task, int worker_index) {
         Worker& worker = workers[worker_index];
-        const RowBlock block = RowBlockAt(problem, task);
+        const RowBlock block = blocks[task];
         const int64_t rows = block.row_end - block.row_begin;
         const float* query = worker.query.Load(
             problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin),

@@ -201,12 +201,12 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
 
 absl::StatusOr<Stats> TiledAttention(const Problem& problem, const Outputs& outputs,
                                      ThreadPool& pool, int64_t max_packed_head_bytes) {
-  const int64_t tasks = RowBlockCount(problem);
+  const RowBlocks blocks(problem);
+  const int64_t tasks = blocks.size();
   std::vector<Worker> workers(pool.WorkersFor(tasks));
   const absl::Status run =
       RunInterruptible(pool, tasks, outputs.interrupt, [&](int64_t task, int worker) {
-        TiledBlock(problem, outputs, RowBlockAt(problem, task), max_packed_head_bytes,
-                   workers[worker]);
+        TiledBlock(problem, outputs, blocks[task], max_packed_head_bytes, workers[worker]);
       });
   if (!run.ok()) return run;
 

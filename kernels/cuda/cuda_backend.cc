@@ -42,7 +42,8 @@ int64_t StagingBytes(const Problem& problem, bool lse) {
   if (problem.pages == nullptr)
     inputs += s.batch * s.kv_heads * s.key_len * (s.head_dim + s.value_dim);
   const int64_t slopes = problem.alibi_slopes != nullptr ? s.heads * 4 : 0;
-  return std::max(inputs * element + slopes, ResultBytes(problem, lse));
+  const int64_t sequences = problem.sequences > 0 ? 2 * (problem.sequences + 1) * 8 : 0;
+  return std::max(inputs * element + slopes + sequences, ResultBytes(problem, lse));
 }
 
 }  // namespace
@@ -140,6 +141,19 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
         Check(cudaMemcpyAsync(slopes, staged, bytes, cudaMemcpyHostToDevice, slot.stream),
               "cudaMemcpyAsync (ALiBi slopes)"));
     device.transforms.alibi_slopes = slopes;
+    staged += bytes;
+  }
+  if (problem.sequences > 0) {  // A ragged batch's cumulative lengths, for the geometry.
+    for (const int64_t** lengths : {&device.geometry.cu_seqlens_q, &device.geometry.cu_seqlens_k}) {
+      const int64_t bytes = (problem.sequences + 1) * 8;
+      ATTN_ASSIGN_OR_RETURN(int64_t * copy, memory.Allocate<int64_t>(bytes));
+      std::memcpy(staged, *lengths, bytes);
+      ATTN_RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(copy, staged, bytes, cudaMemcpyHostToDevice, slot.stream),
+                "cudaMemcpyAsync (cu_seqlens)"));
+      *lengths = copy;
+      staged += bytes;
+    }
   }
   return device;
 }

@@ -31,9 +31,9 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   const KeyRange visible = geometry.Visible(query_row);
   const ScoreTransform transform = transforms.ForHead(row / geometry.query_len % heads);
   if (!transform.Identity()) {
+    const int64_t distance = geometry.Distance(query_row, 0);  // p − t of key 0.
     for (int64_t j = visible.begin + threadIdx.x; j < visible.end; j += kSoftmaxThreads) {
-      scores[row * key_len + j] =
-          transform(scores[row * key_len + j], geometry.Distance(query_row, j));
+      scores[row * key_len + j] = transform(scores[row * key_len + j], distance - j);
     }
     __syncthreads();
   }

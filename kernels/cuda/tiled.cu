@@ -234,7 +234,11 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
   // This thread's two query rows and the keys each sees.
   const int local_row[2] = {warp * 16 + group, warp * 16 + group + 8};
   KeyRange visible[2];
-  for (int r = 0; r < 2; ++r) visible[r] = p.geometry.Visible(work.row0 + local_row[r]);
+  int64_t distance[2];  // p − t of key 0 (Geometry::Distance(row, key) = this − key).
+  for (int r = 0; r < 2; ++r) {
+    visible[r] = p.geometry.Visible(work.row0 + local_row[r]);
+    distance[r] = p.geometry.Distance(work.row0 + local_row[r], 0);
+  }
 
   LoadTile<T, kDim, kPitch, kMmaRows, 16>(q_tile, query, work.row0, p.query_len);
   Softmax state[2];
@@ -277,11 +281,9 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
         const int64_t key_index = key0 + nb * 8 + quad * 2 + e % 2;
-        const float score =
-            visible[r].Contains(key_index)
-                ? work.transform(scores[nb][e] * p.scale,
-                                 p.geometry.Distance(work.row0 + local_row[r], key_index))
-                : -INFINITY;
+        const float score = visible[r].Contains(key_index)
+                                ? work.transform(scores[nb][e] * p.scale, distance[r] - key_index)
+                                : -INFINITY;
         scores[nb][e] = score;
         thread_max[r] = fmaxf(thread_max[r], score);
       }
@@ -360,8 +362,10 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
   const float* value = static_cast<const float*>(p.value) + work.batch_kv_head * p.key_len * kDim;
 
   KeyRange visible[kFp32RowsPerWarp];
+  int64_t distance[kFp32RowsPerWarp];  // p − t of key 0 (Geometry::Distance).
   for (int r = 0; r < kFp32RowsPerWarp; ++r) {
     visible[r] = p.geometry.Visible(work.row0 + warp * kFp32RowsPerWarp + r);
+    distance[r] = p.geometry.Distance(work.row0 + warp * kFp32RowsPerWarp + r, 0);
   }
 
   LoadTile<float, kDim, kDim, kFp32Rows, 16>(q_tile, query, work.row0, p.query_len);
@@ -391,9 +395,8 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
     float weight[kFp32RowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-      const int64_t row = work.row0 + warp * kFp32RowsPerWarp + r;
       const float s = visible[r].Contains(key_index)
-                          ? work.transform(score[r] * p.scale, p.geometry.Distance(row, key_index))
+                          ? work.transform(score[r] * p.scale, distance[r] - key_index)
                           : -INFINITY;
       const float rescale = state[r].Rescale(s);
       Softmax::RescaleAccumulator(rescale, kColumns, [&](int c) -> float& { return out[r][c]; });
@@ -459,9 +462,9 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1) RowKernel(const RowParams p
   const KeyRange visible = p.geometry.Visible(row);
   const KeyRange tiles = p.geometry.VisitedTiles(row, row, params.block_k);
   const ScoreTransform transform = p.transforms.ForHead(head);
+  const int64_t distance = p.geometry.Distance(row, 0);  // p − t of key 0.
   auto score = [&](int64_t key) {
-    return transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch),
-                     p.geometry.Distance(row, key));
+    return transform(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch), distance - key);
   };
 
   Softmax state;

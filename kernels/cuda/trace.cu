@@ -41,9 +41,8 @@ __global__ void TraceKernel(const TraceParams params) {
   const KeyRange visible = p.geometry.Visible(row);
   const KeyRange tiles = p.geometry.VisitedTiles(row, row, rec.block_k);
   const ScoreTransform transform = p.transforms.ForHead(head);
-  auto transformed = [&](float scaled, int64_t key) {
-    return transform(scaled, p.geometry.Distance(row, key));
-  };
+  const int64_t distance = p.geometry.Distance(row, 0);  // p − t of key 0.
+  auto transformed = [&](float scaled, int64_t key) { return transform(scaled, distance - key); };
 
   OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.
   float acc[kMaxColumnsPerLane] = {};

@@ -3,7 +3,15 @@
 
 Starts its own attnd on 127.0.0.1 (port 0, read back from the startup line), calls all four
 RPCs of attention.v1 and checks them against a float64 numpy reference; the server is always
-killed at the end. Run by CTest as
+killed at the end. Ragged batches (AttentionRequest.cu_seqlens_q / cu_seqlens_k) go through the
+Python client module (client/python/attn_client.py): Naive and Tiled on packed sequences of
+unequal query and key lengths (a length-1 one, empty ones, a sequence with more rows than keys),
+GQA, odd head_dim, causal and not, ranks 3 and 4, against the float64 reference run on each
+sequence alone; ALiBi ("standard", also with a softcap and a window) per sequence against
+test_client_module.py's reference; a trace of rows in the middle sequence (HIDDEN_SEQUENCE for
+the other sequences' keys, the start event repeating the cumulative lengths); every bad value
+→ INVALID_ARGUMENT naming the field, on Naive, Tiled and Trace; the client's own ValueErrors and
+cumulative_lengths(). Run by CTest as
 
   /usr/bin/python3 tests/python/test_service.py --attnd <attnd> --stubs <generated stubs dir>
 
@@ -33,6 +41,11 @@ import numpy as np  # noqa: E402
 from attention.v1 import attention_pb2 as pb  # noqa: E402
 from attention.v1 import attention_pb2_grpc as pb_grpc  # noqa: E402
 
+import attn_client  # noqa: E402 (client/python, on the path through add_stubs_path)
+# The float64 reference with softcap, window and ALiBi (the ALiBi tests' own); importing the
+# module defines its tests without running them.
+from test_client_module import softcap_reference  # noqa: E402
+
 RPC_TIMEOUT_S = 30.0
 
 SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
@@ -46,6 +59,27 @@ def fp32_tensor(array):
 
 def relative_error(got, ref):
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def ragged_reference(q, k, v, cu_q, cu_k, reference):
+    """A ragged batch's float64 reference, each sequence run alone: q [heads, total_q, d], k
+    [kv_heads, total_k, d], v [kv_heads, total_k, dv] and cumulative lengths cu_q, cu_k →
+    (out [heads, total_q, dv], lse [heads, total_q], score_max). reference(q4, k4, v4) →
+    (out, lse, score_max) over one sequence as rank 4 with batch 1 (h.reference_attention or
+    softcap_reference). A sequence without rows adds nothing; its rows without keys stay zeros
+    with lse −inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    out = np.zeros(q.shape[:2] + v.shape[2:])
+    lse = np.full(q.shape[:2], -math.inf)
+    score_max = 0.0
+    for s in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if cu_q[s] == cu_q[s + 1] or cu_k[s] == cu_k[s + 1]:
+            continue
+        seq_out, seq_lse, seq_max = reference(q[None, :, rows], k[None, :, keys], v[None, :, keys])
+        out[:, rows], lse[:, rows] = seq_out[0], seq_lse[0]
+        score_max = max(score_max, seq_max)
+    return out, lse, score_max
 
 
 # --- Tests --------------------------------------------------------------------------------------
@@ -259,6 +293,291 @@ class AttentionServiceTest(unittest.TestCase):
         self.assertEqual(end.rows, 1)
         self.assertEqual(end.steps, 3)
         self.assertEqual(end.stats.backend, "cpu")
+
+    # Ragged batches (cu_seqlens_q, cu_seqlens_k), through the client module.
+
+    def ragged_problem(self, q_lens, k_lens, heads=4, kv_heads=2, head_dim=33, value_dim=20):
+        """Random float32 q [heads, Σ q_lens, head_dim], k [kv_heads, Σ k_lens, head_dim], v
+        [kv_heads, Σ k_lens, value_dim] in [-1, 1] and the cumulative lengths."""
+        rng = np.random.default_rng()
+        cu_q = attn_client.cumulative_lengths(q_lens)
+        cu_k = attn_client.cumulative_lengths(k_lens)
+        q = rng.uniform(-1, 1, size=(heads, cu_q[-1], head_dim)).astype(np.float32)
+        k = rng.uniform(-1, 1, size=(kv_heads, cu_k[-1], head_dim)).astype(np.float32)
+        v = rng.uniform(-1, 1, size=(kv_heads, cu_k[-1], value_dim)).astype(np.float32)
+        return q, k, v, cu_q, cu_k
+
+    def assert_matches(self, result, ref, ref_lse, score_max, blind_rows):
+        out = result.output.astype(np.float64)
+        lse = result.lse.astype(np.float64)
+        self.assertEqual(out.shape, ref.shape)
+        self.assertEqual(h.output_error(out, ref, 1, score_max), "")
+        self.assertEqual(h.lse_error(lse, ref_lse), "")
+        # Rows that see no key: zeros exactly, lse −inf.
+        np.testing.assert_array_equal(out[..., blind_rows, :], 0.0)
+        self.assertTrue(np.isneginf(lse[..., blind_rows]).all())
+
+    def test_ragged_matches_each_sequence(self):
+        cases = [
+            # Unequal query and key lengths, a length-1 sequence, one with more rows than keys
+            # (causal: its first 7 rows see no key).
+            ([5, 1, 40], [7, 1, 33]),
+            # Empty sequences: no rows, no keys, rows without keys (zeros, lse −inf).
+            ([5, 0, 1, 3, 40, 2], [7, 4, 1, 0, 33, 0]),
+        ]
+        with attn_client.Client(self.server.address, timeout=RPC_TIMEOUT_S) as client:
+            for q_lens, k_lens in cases:
+                q, k, v, cu_q, cu_k = self.ragged_problem(q_lens, k_lens)
+                for causal in (False, True):
+                    ref, ref_lse, score_max = ragged_reference(
+                        q, k, v, cu_q, cu_k,
+                        lambda q4, k4, v4: h.reference_attention(q4, k4, v4, causal=causal))
+                    blind = np.isneginf(ref_lse[0])
+                    if causal and q_lens[-1] == 40:
+                        self.assertTrue(blind[cu_q[2]:cu_q[2] + 7].all())
+                    # The packed problem as one sequence differs: the sequences matter.
+                    whole, _, _ = h.reference_attention(q[None], k[None], v[None], causal=causal)
+                    self.assertGreater(float(np.max(np.abs(whole[0] - ref))), 1e-2)
+                    for name in ("naive", "tiled"):
+                        with self.subTest(q_lens=q_lens, k_lens=k_lens, causal=causal, rpc=name):
+                            # block_k 7: tiles straddle the sequence starts.
+                            result = getattr(client, name)(
+                                q, k, v, causal=causal, block_k=7, return_lse=True,
+                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                            self.assertEqual(result.output.shape, (4, cu_q[-1], 20))
+                            self.assertEqual(result.lse.shape, (4, cu_q[-1]))
+                            self.assertEqual(result.output.dtype, np.float32)
+                            self.assertEqual(result.output_dtype, "fp32")
+                            self.assertEqual(result.stats["backend"], "cpu")
+                            self.assert_matches(result, ref, ref_lse, score_max, blind)
+            # Rank 4 with batch 1, and the lengths as NumPy arrays: the same answer.
+            q, k, v, cu_q, cu_k = self.ragged_problem([5, 1, 40], [7, 1, 33])
+            ref, ref_lse, score_max = ragged_reference(
+                q, k, v, cu_q, cu_k,
+                lambda q4, k4, v4: h.reference_attention(q4, k4, v4, causal=True))
+            for name in ("naive", "tiled"):
+                with self.subTest(rank=4, rpc=name):
+                    result = getattr(client, name)(
+                        q[None], k[None], v[None], causal=True, return_lse=True,
+                        cu_seqlens_q=np.array(cu_q, dtype=np.int64),
+                        cu_seqlens_k=np.array(cu_k, dtype=np.int32))
+                    self.assertEqual(result.output.shape, (1, 4, 46, 20))
+                    self.assertEqual(result.lse.shape, (1, 4, 46))
+                    self.assert_matches(result, ref[None], ref_lse[None], score_max,
+                                        np.isneginf(ref_lse[0]))
+
+    def test_ragged_alibi(self):
+        q, k, v, cu_q, cu_k = self.ragged_problem([5, 1, 40], [7, 1, 33], head_dim=9,
+                                                  value_dim=6)
+        slopes = attn_client.standard_alibi_slopes(4)
+        with attn_client.Client(self.server.address, timeout=RPC_TIMEOUT_S) as client:
+            # ALiBi over each sequence's own positions; then with a softcap and a window too.
+            for options in (dict(), dict(softcap=2.0, window_left=6)):
+                softcap = options.get("softcap", 0.0)
+                window_left = options.get("window_left")
+                ref, ref_lse, score_max = ragged_reference(
+                    q, k, v, cu_q, cu_k,
+                    lambda q4, k4, v4: softcap_reference(q4, k4, v4, True, softcap,
+                                                         window_left=window_left,
+                                                         alibi_slopes=slopes))
+                plain, _, _ = ragged_reference(
+                    q, k, v, cu_q, cu_k,
+                    lambda q4, k4, v4: softcap_reference(q4, k4, v4, True, softcap,
+                                                         window_left=window_left))
+                self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)  # it matters
+                # Biased by packed indices instead (one sequence's positions): a different answer.
+                packed, _, _ = softcap_reference(q[None], k[None], v[None], True, softcap,
+                                                 window_left=window_left, alibi_slopes=slopes)
+                self.assertGreater(float(np.max(np.abs(ref - packed[0]))), 1e-2)
+                for name in ("naive", "tiled"):
+                    with self.subTest(rpc=name, **options):
+                        result = getattr(client, name)(
+                            q, k, v, causal=True, block_k=7, return_lse=True,
+                            alibi_slopes="standard", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            **options)
+                        self.assert_matches(result, ref, ref_lse, score_max,
+                                            np.isneginf(ref_lse[0]))
+
+    def test_ragged_trace(self):
+        # The middle sequence has rows 5 … 7 and keys 7 … 16; block_k 4 puts keys of the
+        # sequences before and after it in its first and last tiles.
+        q, k, v, cu_q, cu_k = self.ragged_problem([5, 3, 6], [7, 10, 5], head_dim=9,
+                                                  value_dim=6)
+        block_k = 4
+        first_row, first_key, q_len, k_len = cu_q[1], cu_k[1], 3, 10
+        rows = [(0, 1, first_row), (0, 3, first_row + 2)]
+        scale = 1.0 / math.sqrt(9)
+        with attn_client.Client(self.server.address, timeout=RPC_TIMEOUT_S) as client:
+            for causal in (False, True):
+                ref, ref_lse, _ = ragged_reference(
+                    q, k, v, cu_q, cu_k,
+                    lambda q4, k4, v4: h.reference_attention(q4, k4, v4, causal=causal))
+                tiled = client.tiled(q, k, v, causal=causal, block_k=block_k,
+                                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                events = list(client.trace(q, k, v, rows=rows, block_k=block_k, causal=causal,
+                                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+                start = events[0]
+                self.assertEqual(start["kind"], "start")
+                self.assertEqual(start["cu_seqlens_q"], cu_q)
+                self.assertEqual(start["cu_seqlens_k"], cu_k)
+                self.assertIsInstance(start["cu_seqlens_q"], list)
+                self.assertTrue(all(type(x) is int for x in start["cu_seqlens_q"]
+                                    + start["cu_seqlens_k"]))
+                self.assertEqual((start["query_len"], start["key_len"]), (cu_q[-1], cu_k[-1]))
+                self.assertEqual((start["key_position"], start["query_position"]), (0, 0))
+                self.assertEqual(start["causal"], causal)
+                self.assertEqual(events[-1]["kind"], "end")
+                self.assertEqual(events[-1]["rows"], len(rows))
+                for b, head, row in rows:
+                    with self.subTest(causal=causal, row=(b, head, row)):
+                        # The row's position in its sequence: keys at 0 …, rows bottom-right.
+                        p = k_len - q_len + (row - first_row)
+                        steps = [e for e in events if e["kind"] == "step"
+                                 and e["row"] == (b, head, row)]
+                        seen_end = first_key + (p + 1 if causal else k_len)
+                        self.assertEqual([e["tile"] for e in steps],
+                                         list(range(first_key // block_k,
+                                                    (seen_end - 1) // block_k + 1)))
+                        names = set()
+                        for step in steps:
+                            keys = np.arange(step["key_begin"], step["key_end"])
+                            outside = (keys < first_key) | (keys >= first_key + k_len)
+                            causal_hidden = ~outside & causal & (keys - first_key > p)
+                            want = np.where(outside, "HIDDEN_SEQUENCE",
+                                            np.where(causal_hidden, "HIDDEN_CAUSAL",
+                                                     "HIDDEN_NONE")).tolist()
+                            self.assertEqual(step["hidden"], want)
+                            names.update(want)
+                            scores = step["scores"]
+                            hidden = outside | causal_hidden
+                            np.testing.assert_array_equal(np.isneginf(scores), hidden)
+                            self.assertTrue((step["weights"][hidden] == 0).all())
+                            products = (q[head, row].astype(np.float64)
+                                        * k[head // 2, keys[~hidden]].astype(np.float64))
+                            np.testing.assert_allclose(scores[~hidden],
+                                                       scale * products.sum(axis=1),
+                                                       rtol=0, atol=1e-5)
+                        self.assertIn("HIDDEN_SEQUENCE", names)
+                        self.assertEqual("HIDDEN_CAUSAL" in names, causal and row == first_row)
+                        done = [e for e in events if e["kind"] == "row_done"
+                                and e["row"] == (b, head, row)]
+                        self.assertEqual(len(done), 1)
+                        self.assertEqual(h.output_error(done[0]["output"].astype(np.float64),
+                                                        ref[head, row], 1,
+                                                        magnitude=float(np.max(np.abs(ref)))),
+                                         "")
+                        np.testing.assert_array_equal(done[0]["output"],
+                                                      tiled.output[head, row])
+                        self.assertLess(done[0]["max_abs_error"], 1e-5)
+                        self.assertAlmostEqual(done[0]["lse"], ref_lse[head, row],
+                                               delta=1e-5 * max(1.0, abs(ref_lse[head, row])))
+
+    def ragged_request(self, cu_q=(0, 2, 6), cu_k=(0, 3, 8), q_shape=(2, 6, 4),
+                       k_shape=(1, 8, 4), **options):
+        """A raw AttentionRequest with the given cumulative lengths (valid as defaulted)."""
+        rng = np.random.default_rng()
+        q = rng.uniform(-1, 1, size=q_shape).astype(np.float32)
+        k = rng.uniform(-1, 1, size=k_shape).astype(np.float32)
+        return pb.AttentionRequest(query=fp32_tensor(q), key=fp32_tensor(k), value=fp32_tensor(k),
+                                   options=pb.AttentionOptions(**options),
+                                   cu_seqlens_q=list(cu_q), cu_seqlens_k=list(cu_k))
+
+    def test_ragged_bad_values_are_invalid(self):
+        # The defaults are valid.
+        for call in (self.stub.Naive, self.stub.Tiled):
+            call(self.ragged_request(), timeout=RPC_TIMEOUT_S)
+        cases = [
+            ("cu_seqlens_q[2]", dict(cu_q=(0, 4, 2, 6), cu_k=(0, 3, 5, 8))),   # decreasing
+            ("cu_seqlens_k[2]", dict(cu_q=(0, 2, 4, 6), cu_k=(0, 5, 3, 8))),   # decreasing
+            ("cu_seqlens_k[3]", dict(cu_q=(0, 2, 4, 6), cu_k=(0, 3, 5, 7))),   # not total_k
+            ("cu_seqlens_q[3]", dict(cu_q=(0, 2, 4, 7), cu_k=(0, 3, 5, 8))),   # past total_q
+            ("cu_seqlens_k", dict(cu_q=(0, 2, 6), cu_k=(0, 3, 5, 8))),         # counts differ
+            ("cu_seqlens_k", dict(cu_q=(0, 2, 6), cu_k=())),                   # only one given
+            ("cu_seqlens_q", dict(cu_q=(), cu_k=(0, 3, 8))),
+            ("cu_seqlens_q", dict(cu_q=(0,), cu_k=(0,))),                      # one entry
+            ("cu_seqlens_q[0]", dict(cu_q=(1, 2, 6), cu_k=(0, 3, 8))),         # not from 0
+            ("cu_seqlens_k[0]", dict(cu_q=(0, 2, 6), cu_k=(-1, 3, 8))),
+            ("query.shape[0]", dict(q_shape=(2, 2, 3, 4), k_shape=(2, 1, 4, 4),
+                                    cu_q=(0, 1, 3), cu_k=(0, 2, 4))),          # batch 2
+            ("options.key_position", dict(key_position=3)),
+            ("options.query_position", dict(query_position=0)),
+        ]
+        for field, arguments in cases:
+            request = self.ragged_request(**arguments)
+            for name, call, message in (
+                    ("Naive", self.stub.Naive, request),
+                    ("Tiled", self.stub.Tiled, request),
+                    ("Trace", self.stub.Trace, pb.TraceRequest(attention=request))):
+                with self.subTest(field=field, rpc=name, **{a: str(b) for a, b in
+                                                           arguments.items()}):
+                    self.assert_invalid(call, message, field + ":")
+        # With cache_id: a cache holds one sequence.
+        cache = self.stub.CreateCache(pb.CreateCacheRequest(kv_heads=1, head_dim=4,
+                                                            dtype=pb.DTYPE_FLOAT32),
+                                      timeout=RPC_TIMEOUT_S)
+        try:
+            request = self.ragged_request()
+            request.ClearField("key")
+            request.ClearField("value")
+            request.cache_id = cache.cache_id
+            for name, call, message in (
+                    ("Naive", self.stub.Naive, request),
+                    ("Tiled", self.stub.Tiled, request),
+                    ("Trace", self.stub.Trace, pb.TraceRequest(attention=request))):
+                with self.subTest(field="cache_id", rpc=name):
+                    self.assert_invalid(call, message, "cu_seqlens_q:")
+        finally:
+            self.stub.DeleteCache(pb.DeleteCacheRequest(cache_id=cache.cache_id),
+                                  timeout=RPC_TIMEOUT_S)
+
+    def test_ragged_client_arguments(self):
+        self.assertIn("cumulative_lengths", attn_client.__all__)
+        self.assertEqual(attn_client.cumulative_lengths([5, 1, 40]), [0, 5, 6, 46])
+        self.assertEqual(attn_client.cumulative_lengths(np.array([3, 0, 2])), [0, 3, 3, 5])
+        self.assertEqual(attn_client.cumulative_lengths([]), [0])
+        for bad in ([1.5], [True], "5", np.array([[1, 2]]), np.array([1.0]), 5, [-1]):
+            with self.subTest(lengths=repr(bad)):
+                self.assertRaises(ValueError, attn_client.cumulative_lengths, bad)
+        q, k, v, cu_q, cu_k = self.ragged_problem([2, 4], [3, 5], heads=2, kv_heads=1,
+                                                  head_dim=4, value_dim=4)
+        # A client whose calls would fail at once: nothing below may reach a server.
+        with attn_client.Client("127.0.0.1:1", timeout=1) as offline:
+            for name in ("naive", "tiled", "trace"):
+                call = getattr(offline, name)
+                for arguments in (dict(cu_seqlens_q=cu_q), dict(cu_seqlens_k=cu_k),
+                                  dict(cu_seqlens_q=[0.0, 2.0, 6.0], cu_seqlens_k=cu_k),
+                                  dict(cu_seqlens_q=cu_q, cu_seqlens_k=np.array([0., 3, 8])),
+                                  dict(cu_seqlens_q=cu_q, cu_seqlens_k=np.array([cu_k])),
+                                  dict(cu_seqlens_q=cu_q, cu_seqlens_k=[0, True, 8]),
+                                  dict(cu_seqlens_q=cu_q, cu_seqlens_k="038"),
+                                  dict(cu_seqlens_q=cu_q, cu_seqlens_k=[0, 3, 2 ** 63])):
+                    with self.subTest(rpc=name, **{a: repr(b) for a, b in arguments.items()}):
+                        with self.assertRaises(ValueError):
+                            # trace() checks its arguments when called, before any next().
+                            call(q, k, v, **arguments)
+        # Ranges are the server's: sent as they are, refused naming the entry.
+        with attn_client.Client(self.server.address, timeout=RPC_TIMEOUT_S) as client:
+            for name in ("naive", "tiled", "trace"):
+                with self.subTest(rpc=name):
+                    with self.assertRaises(attn_client.AttnError) as caught:
+                        result = getattr(client, name)(q, k, v, cu_seqlens_q=[0, 4, 2, 6],
+                                                       cu_seqlens_k=[0, 3, 5, 8])
+                        if name == "trace":
+                            list(result)
+                    self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn("cu_seqlens_q[2]:", caught.exception.message)
+            # None for both (the default) is one sequence; so are two empty lists.
+            one = client.tiled(q, k, v, causal=True, cu_seqlens_q=[], cu_seqlens_k=[])
+            np.testing.assert_array_equal(one.output, client.tiled(q, k, v, causal=True).output)
+            # cache= with a ragged batch is sent and refused by the server.
+            cache = client.create_cache(kv_heads=1, head_dim=4)
+            try:
+                with self.assertRaises(attn_client.AttnError) as caught:
+                    client.tiled(q, cache=cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn("cu_seqlens_q:", caught.exception.message)
+            finally:
+                cache.delete()
 
     # Errors.
 
