@@ -139,7 +139,9 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
   const int64_t value_per_unit = dims->key_len * dims->value_dim;
   // ALiBi slopes belong to query heads, so a part that carries them holds kv heads of one batch
   // entry, sent as [1, u·G, N, D] × [1, u, M, D] with their heads' slopes (the same elements).
+  // A ragged batch (batch 1) is sent so too, every part with the whole cu_seqlens.
   const bool slopes = slope_count > 0;
+  const bool one_entry = slopes || !request.cu_seqlens_q().empty();
   std::vector<ShardPart> out;
   out.reserve(parts);
   auto add = [&](int64_t first, int64_t count) {
@@ -147,7 +149,7 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
     part.first_unit = first;
     part.units = count;
     part.key_end = dims->key_len;
-    const int64_t batch = slopes ? 1 : count, heads = slopes ? count : 1;
+    const int64_t batch = one_entry ? 1 : count, heads = one_entry ? count : 1;
     *part.request.mutable_query() =
         Slice(request.query(), 1, 0, first * query_per_unit, count * query_per_unit,
               {batch, heads * group, dims->query_len, dims->head_dim});
@@ -158,6 +160,8 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
         Slice(request.value(), 1, 0, first * value_per_unit, count * value_per_unit,
               {batch, heads, dims->key_len, dims->value_dim});
     if (request.has_options()) *part.request.mutable_options() = request.options();
+    *part.request.mutable_cu_seqlens_q() = request.cu_seqlens_q();
+    *part.request.mutable_cu_seqlens_k() = request.cu_seqlens_k();
     if (slopes) {
       const int64_t head = first % dims->kv_heads * group;  // The part's first query head.
       const auto& all = request.options().alibi_slopes();
@@ -170,7 +174,7 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
     const int64_t end = units * (p + 1) / parts;
     while (first < end) {  // With slopes, cut at each batch entry's end.
       const int64_t stop =
-          slopes ? std::min(end, (first / dims->kv_heads + 1) * dims->kv_heads) : end;
+          one_entry ? std::min(end, (first / dims->kv_heads + 1) * dims->kv_heads) : end;
       add(first, stop - first);
       first = stop;
     }
@@ -232,7 +236,10 @@ std::vector<ShardPart> SplitKeys(const v1::AttentionRequest& request, int max_pa
                   .request = request};
   const v1::AttentionOptions& options = request.options();
   const auto in_range = [](int64_t position) { return position >= 0 && position <= kMaxPosition; };
+  // Not split: a cache (on one server), a ragged batch (its sequences' positions are their own,
+  // which a slice's key_position cannot give), positions the server would refuse.
   if (!dims || max_parts < 2 || dims->key_len < 2 || !request.cache_id().empty() ||
+      !request.cu_seqlens_q().empty() || !request.cu_seqlens_k().empty() ||
       !in_range(options.key_position()) ||
       (options.has_query_position() && !in_range(options.query_position())) ||
       (options.has_window_left() && !in_range(options.window_left())) ||

@@ -26,6 +26,10 @@
 // (batch, kv head), again byte slices of the original data.
 //
 // By both (Sharding::kHeadsAndKeys): each head part's keys split as above — a grid of parts.
+//
+// A ragged batch (cu_seqlens) splits by heads only, each part [1, u·G, N, D] with the whole
+// cu_seqlens; its keys are never split (each sequence's positions are its own, which one
+// key_position per slice cannot give), so SplitKeys sends it whole.
 #pragma once
 
 #include <cstddef>

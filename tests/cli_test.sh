@@ -68,6 +68,18 @@ check alibi-count 1 '--alibi gives 2 slopes for 1 query heads' -- \
   "$attn" "${target[@]}" tiled --example seed --alibi 1,2
 check alibi-standard 0 'output \[1, 4, 9, 8\]' -- \
   "$attn" "${target[@]}" tiled --random 1,4,9,8 --kv-heads 2 --causal --alibi standard
+check seqlens-tiled 0 'output \[1, 4, 46, 8\]' -- \
+  "$attn" "${target[@]}" tiled --random 1,4,1,8 --kv-heads 2 --causal --seqlens 5,1,40/7,1,33
+check seqlens-trace 0 '2 sequences \(cu_seqlens_q \[0, 3, 7\], cu_seqlens_k \[0, 5, 7\]\)' -- \
+  "$attn" "${target[@]}" trace --random 1,2,1,8 --seqlens 3,4/5,2 --rows 0:0:4 --block-k 4
+check seqlens-trace-hidden 0 '4 +-inf +0\.000000  \(hidden: another sequence\)' -- \
+  "$attn" "${target[@]}" trace --random 1,2,1,8 --seqlens 3,4/5,2 --rows 0:0:4 --block-k 4
+check seqlens-counts 1 '--seqlens expects .*: 2 query lengths but 1 key lengths' -- \
+  "$attn" "${target[@]}" tiled --random 1,2,1,8 --seqlens 5,1/7
+check seqlens-batch 1 'packs its sequences into one batch entry' -- \
+  "$attn" "${target[@]}" tiled --random 2,2,1,8 --seqlens 5,1
+check seqlens-cache 1 '--seqlens applies to naive, tiled and trace' -- \
+  "$attn" "${target[@]}" tiled --cache abc --random 1,2,1,8 --seqlens 5,1
 check window-bad 1 '--window expects L,R' -- \
   "$attn" "${target[@]}" tiled --example seed --window 5
 check random-bf16 0 'output \[1, 2, 33, 8\] DTYPE_BFLOAT16' -- \

@@ -632,6 +632,11 @@ TEST(SplitKeysTest, WhatCannotBeSplitGoesWhole) {
   cases.back().second.mutable_options()->set_key_position(50);
   cases.back().second.mutable_options()->set_query_position(0);
   cases.emplace_back("a cache", client::CacheRequest("0123", good.query()));
+  cases.emplace_back("a ragged batch", good);
+  for (auto* cu :
+       {cases.back().second.mutable_cu_seqlens_q(), cases.back().second.mutable_cu_seqlens_k()}) {
+    for (int64_t length : {0, 4, 8}) cu->Add(length);
+  }
   for (const auto& [name, request] : cases) {
     SCOPED_TRACE(name);
     const std::vector<client::ShardPart> parts = client::SplitKeys(request, 3);
@@ -797,6 +802,29 @@ TEST(SplitRequestTest, AlibiPartsCarryTheirHeadsSlopes) {
   EXPECT_EQ(client::SplitRequest(request, 2).size(), 2u);  // [0, 3) [3, 6): no cut needed.
   request.mutable_options()->add_alibi_slopes(1.f);        // 7 slopes for 6 heads: sent whole.
   EXPECT_EQ(client::SplitRequest(request, 4).size(), 1u);
+}
+
+// A ragged batch splits by kv heads into [1, u·G, N, D] parts, each with the whole cu_seqlens,
+// and reassembles to one server's answer bit for bit.
+TEST(SplitRequestTest, RaggedPartsCarryTheSequences) {
+  CpuBackend backend(2, 0);
+  v1::AttentionRequest request = RandomRequest(4, 1, 6, 3, 17, 20, 8, 5, v1::DTYPE_FLOAT32, 29);
+  request.mutable_options()->set_causal(true);
+  for (int64_t length : {0, 5, 6, 17}) request.add_cu_seqlens_q(length);
+  for (int64_t length : {0, 7, 8, 20}) request.add_cu_seqlens_k(length);
+  const std::vector<client::ShardPart> parts = client::SplitRequest(request, 2);
+  ASSERT_EQ(parts.size(), 2u);
+  std::vector<v1::AttentionResponse> responses;
+  for (const client::ShardPart& part : parts) {
+    EXPECT_EQ(part.request.query().shape(0), 1);
+    EXPECT_EQ(part.request.query().shape(1), part.units * 2);
+    EXPECT_EQ(part.request.cu_seqlens_q().size(), 4);
+    EXPECT_EQ(part.request.cu_seqlens_k(3), 20);
+    responses.push_back(Answer(backend, part.request));
+  }
+  absl::StatusOr<v1::AttentionResponse> merged = client::MergeResponses(request, parts, responses);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->output().data(), Answer(backend, request).output().data());
 }
 
 TEST(MergeKeySlicesTest, AWholePartIsItsOwnAnswerAndBadPartsAreInternal) {

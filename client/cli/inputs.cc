@@ -128,12 +128,43 @@ absl::StatusOr<v1::DType> ParseDType(const std::string& name) {
       absl::StrCat("--dtype must be f32, f16 or bf16, got \"", name, "\""));
 }
 
+absl::Status ParseSeqlens(const std::string& spec, std::vector<int64_t>* cu_seqlens_q,
+                          std::vector<int64_t>* cu_seqlens_k) {
+  const auto invalid = [&spec](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--seqlens expects Q1,Q2,… or Q1,Q2,…/K1,K2,… (sequence lengths: integers ≥ "
+                     "0), got \"",
+                     spec, "\": ", why));
+  };
+  const std::vector<std::string> sides = absl::StrSplit(spec, '/');
+  if (sides.size() > 2) return invalid("more than one '/'");
+  for (size_t side = 0; side < 2; ++side) {
+    std::vector<int64_t>* cu = side == 0 ? cu_seqlens_q : cu_seqlens_k;
+    cu->assign(1, 0);
+    for (absl::string_view part : absl::StrSplit(sides[std::min(side, sides.size() - 1)], ',')) {
+      int64_t length;
+      if (!absl::SimpleAtoi(part, &length) || length < 0 || length > (int64_t{1} << 40)) {
+        return invalid(absl::StrCat("\"", part, "\" is not a length"));
+      }
+      cu->push_back(cu->back() + length);
+    }
+    if (cu->back() < 1) return invalid(side == 0 ? "no query rows" : "no keys");
+  }
+  if (cu_seqlens_q->size() != cu_seqlens_k->size()) {
+    return invalid(absl::StrCat(cu_seqlens_q->size() - 1, " query lengths but ",
+                                cu_seqlens_k->size() - 1, " key lengths"));
+  }
+  return absl::OkStatus();
+}
+
 v1::AttentionRequest MakeRequest(const Inputs& inputs, const v1::AttentionOptions& options) {
   v1::AttentionRequest request;
   *request.mutable_query() = client::ToTensor(inputs.query, inputs.dtype);
   *request.mutable_key() = client::ToTensor(inputs.key, inputs.dtype);
   *request.mutable_value() = client::ToTensor(inputs.value, inputs.dtype);
   *request.mutable_options() = options;
+  request.mutable_cu_seqlens_q()->Assign(inputs.cu_seqlens_q.begin(), inputs.cu_seqlens_q.end());
+  request.mutable_cu_seqlens_k()->Assign(inputs.cu_seqlens_k.begin(), inputs.cu_seqlens_k.end());
   return request;
 }
 

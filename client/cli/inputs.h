@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "attention/v1/attention.pb.h"
@@ -13,6 +14,8 @@ namespace attn::cli {
 struct Inputs {
   client::Array query, key, value;
   attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32;
+  // A ragged batch's cumulative lengths (AttentionRequest.cu_seqlens_q/k); empty: one sequence.
+  std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;
 };
 
 // The explainer's 8×4 example (rank 2): q[i][j] = ((i + j) % 5 − 2) · query_multiplier,
@@ -38,6 +41,13 @@ absl::Status ParseWindow(const std::string& spec, attention::v1::AttentionOption
 // per head, comma-separated. INVALID_ARGUMENT naming --alibi otherwise.
 absl::Status ParseAlibi(const std::string& spec, int64_t heads,
                         attention::v1::AttentionOptions* options);
+
+// Parses a --seqlens spec into cumulative lengths (AttentionRequest.cu_seqlens_q/k): "Q1,Q2,…"
+// (the keys' lengths the same) or "Q1,Q2,…/K1,K2,…", each length an integer ≥ 0, as many key
+// lengths as query lengths, each side summing to ≥ 1. INVALID_ARGUMENT naming --seqlens
+// otherwise.
+absl::Status ParseSeqlens(const std::string& spec, std::vector<int64_t>* cu_seqlens_q,
+                          std::vector<int64_t>* cu_seqlens_k);
 
 // The request for these inputs with the given options.
 attention::v1::AttentionRequest MakeRequest(const Inputs& inputs,

@@ -10,6 +10,7 @@
 //                     [--shard-keys]   each endpoint traces its slice of the keys, then the merge
 //                     (client/cli/merge_trace.h)
 //   attn naive|tiled|trace ... [--key-position P] [--query-position Q]   positions (geometry.h)
+//   attn naive|tiled|trace --random 1,H,N,D --seqlens Q1,…[/K1,…]   a ragged batch (geometry.h)
 //   attn naive|tiled|trace|decode|bench ... [--window L,R] [--softcap C] [--alibi standard|s,…]
 //                     a sliding window (geometry.h), a softcap, ALiBi biases (score_transform.h)
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
@@ -77,6 +78,11 @@ ABSL_FLAG(uint64_t, seed, 1, "Seed for --random.");
 ABSL_FLAG(int64_t, query_len, 0,
           "--random B,H,N,D: give the query this many rows instead of N (the keys and values keep "
           "N), drawn with their own seed; 0 = N.");
+ABSL_FLAG(std::string, seqlens, "",
+          "--random 1,H,N,D as a ragged batch (AttentionRequest.cu_seqlens_q/k) of sequences of "
+          "these lengths, e.g. 5,1,40 (keys as long as queries) or 5,1,40/7,1,33 (query lengths / "
+          "key lengths): the query gets sum(Q) rows and the keys sum(K) instead of N; each "
+          "sequence attends only within itself, at its own positions (naive/tiled/trace).");
 ABSL_FLAG(int64_t, kv_heads, 0,
           "Key/value heads for --random, bench, cache create and decode (divides H; 0 = H, "
           "--heads for cache create and decode).");
@@ -189,7 +195,30 @@ absl::StatusOr<Inputs> ReadInputs() {
   }
   absl::StatusOr<Inputs> inputs = attn::cli::RandomInputs(random, absl::GetFlag(FLAGS_kv_heads),
                                                           absl::GetFlag(FLAGS_seed), *dtype);
-  const int64_t query_len = absl::GetFlag(FLAGS_query_len);
+  int64_t query_len = absl::GetFlag(FLAGS_query_len);
+  if (const std::string seqlens = absl::GetFlag(FLAGS_seqlens); inputs.ok() && !seqlens.empty()) {
+    // A ragged batch: keys and values of sum(K) rows, a query of sum(Q) (as --query-len's).
+    if (query_len != 0) {
+      return absl::InvalidArgumentError("give --seqlens or --query-len, not both");
+    }
+    const std::vector<int64_t> shape = inputs->query.shape;  // [B, H, N, D]
+    if (shape[0] != 1) {
+      return absl::InvalidArgumentError(
+          "--seqlens packs its sequences into one batch entry: give --random 1,H,N,D (N is then "
+          "replaced by the lengths' sums)");
+    }
+    std::vector<int64_t> cu_q, cu_k;
+    if (absl::Status parsed = attn::cli::ParseSeqlens(seqlens, &cu_q, &cu_k); !parsed.ok()) {
+      return parsed;
+    }
+    inputs =
+        attn::cli::RandomInputs(absl::StrCat("1,", shape[1], ",", cu_k.back(), ",", shape[3]),
+                                absl::GetFlag(FLAGS_kv_heads), absl::GetFlag(FLAGS_seed), *dtype);
+    if (!inputs.ok()) return inputs;
+    inputs->cu_seqlens_q = std::move(cu_q);
+    inputs->cu_seqlens_k = std::move(cu_k);
+    query_len = inputs->cu_seqlens_q.back();
+  }
   if (!inputs.ok() || query_len == 0) return inputs;
   if (query_len < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--query-len must be ≥ 1, got ", query_len));
@@ -591,7 +620,9 @@ int main(int argc, char** argv) {
       "loop:\n"
       "      per-step latency and bytes sent, beside a stateless Tiled call's\n"
       "  attn tiled --cache ID --random 1,32,1,128   attend over a cache's keys (also naive, "
-      "trace)");
+      "trace)\n"
+      "  attn tiled --random 1,8,1,64 --seqlens 5,1,40/7,1,33 --causal   a ragged batch of three "
+      "sequences");
   attn::DashedFlags flags(argc, argv);
   NoteGivenFlags(flags.argc(), flags.argv());
   const std::vector<char*> args = absl::ParseCommandLine(flags.argc(), flags.argv());
@@ -647,6 +678,13 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_query_len) != 0 && absl::GetFlag(FLAGS_random).empty()) {
     return Fail(absl::InvalidArgumentError("--query-len applies to --random inputs"));
+  }
+  if (!absl::GetFlag(FLAGS_seqlens).empty() &&
+      (absl::GetFlag(FLAGS_random).empty() || !absl::GetFlag(FLAGS_cache).empty() ||
+       (command != "naive" && command != "tiled" && command != "trace"))) {
+    return Fail(absl::InvalidArgumentError(
+        "--seqlens applies to naive, tiled and trace over --random 1,H,N,D inputs (not --cache: "
+        "a cache is one sequence)"));
   }
   if (command == "cache" || command == "decode") return RunCaches(words, options);
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);

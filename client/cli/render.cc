@@ -66,7 +66,7 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
       absl::FPrintF(
           out_,
           "Trace of [batch %d, heads %d (kv %d), %d queries × %d keys], head_dim %d, "
-          "value_dim %d, scale %g%s%s%s%s\n",
+          "value_dim %d, scale %g%s%s%s%s%s\n",
           start_.batch(), start_.heads(), start_.kv_heads(), start_.query_len(), start_.key_len(),
           start_.head_dim(), start_.value_dim(), start_.scale(), start_.causal() ? ", causal" : "",
           start_.has_window_left() || start_.has_window_right()
@@ -81,6 +81,11 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
           start_.softcap() > 0 ? absl::StrCat(", softcap ", start_.softcap()) : std::string(),
           start_.alibi_slopes_size() > 0
               ? absl::StrCat(", ALiBi slopes ", Vector(start_.alibi_slopes()))
+              : std::string(),
+          start_.cu_seqlens_q_size() > 0
+              ? absl::StrCat(", ", start_.cu_seqlens_q_size() - 1, " sequences (cu_seqlens_q [",
+                             absl::StrJoin(start_.cu_seqlens_q(), ", "), "], cu_seqlens_k [",
+                             absl::StrJoin(start_.cu_seqlens_k(), ", "), "])")
               : std::string());
       absl::FPrintF(out_,
                     "Naive moves %s through its score and weight matrices (16·B·H·Nq·Nk); "
@@ -119,9 +124,10 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
       const double weight = std::isinf(score) ? 0.0 : std::exp(double(score) - done.lse());
       const v1::Hidden hidden = j < step.hidden_size() ? step.hidden(j) : v1::HIDDEN_NONE;
       absl::FPrintF(out_, "  %6d  %12.6f  %10.6f%s\n", step.key_begin() + j, score, weight,
-                    hidden == v1::HIDDEN_CAUSAL   ? "  (hidden: causal)"
-                    : hidden == v1::HIDDEN_WINDOW ? "  (hidden: window)"
-                                                  : "");
+                    hidden == v1::HIDDEN_CAUSAL     ? "  (hidden: causal)"
+                    : hidden == v1::HIDDEN_WINDOW   ? "  (hidden: window)"
+                    : hidden == v1::HIDDEN_SEQUENCE ? "  (hidden: another sequence)"
+                                                    : "");
     }
   }
   absl::FPrintF(out_, "  result = Σ weight · value = %s\n", Vector(done.reference()));

@@ -88,14 +88,19 @@
     };
   }
 
-  // Returns {n, d, q, k, v} as Float32Arrays in row-major [n, d].
+  // Returns {queryLen, keyLen, d, q, k, v}: q in row-major [queryLen, d], k and v [keyLen, d], as
+  // Float32Arrays (queryLen = keyLen = N unless the sequences set them; a ragged batch's rows and
+  // keys are packed, and the seed's formulas run over the packed indices).
   function buildProblem(cfg) {
-    const {n, d, multiplier} = cfg;
-    const q = new Float32Array(n * d), k = new Float32Array(n * d), v = new Float32Array(n * d);
+    const {queryLen, keyLen, d, multiplier} = cfg;
+    const q = new Float32Array(queryLen * d);
+    const k = new Float32Array(keyLen * d), v = new Float32Array(keyLen * d);
     if (cfg.example === 'seed') {
-      for (let i = 0; i < n; ++i) {
+      for (let i = 0; i < queryLen; ++i) {
+        for (let j = 0; j < d; ++j) q[i * d + j] = (((i + j) % 5) - 2) * multiplier;
+      }
+      for (let i = 0; i < keyLen; ++i) {
         for (let j = 0; j < d; ++j) {
-          q[i * d + j] = (((i + j) % 5) - 2) * multiplier;
           k[i * d + j] = (((2 * i + j) % 7) - 3) / 2;
           v[i * d + j] = ((i + j) % 9) - 4;
         }
@@ -106,11 +111,11 @@
         const u = 1 - rand(), w = rand();
         return Math.sqrt(-2 * Math.log(u)) * Math.cos(2 * Math.PI * w);
       };
-      for (let i = 0; i < n * d; ++i) q[i] = normal() * multiplier;
-      for (let i = 0; i < n * d; ++i) k[i] = normal();
-      for (let i = 0; i < n * d; ++i) v[i] = normal();
+      for (let i = 0; i < q.length; ++i) q[i] = normal() * multiplier;
+      for (let i = 0; i < k.length; ++i) k[i] = normal();
+      for (let i = 0; i < v.length; ++i) v[i] = normal();
     }
-    return {n, d, q, k, v};
+    return {queryLen, keyLen, d, q, k, v};
   }
 
   function base64Float32(values) {
@@ -136,15 +141,21 @@
   }
 
   function attentionRequest(problem, cfg) {
-    const tensor = (data) => ({shape: [problem.n, problem.d], dtype: 'DTYPE_FLOAT32',
-                               data: base64Float32(data)});
-    return {
-      query: tensor(problem.q),
-      key: tensor(problem.k),
-      value: tensor(problem.v),
+    const tensor = (data, rows) => ({shape: [rows, problem.d], dtype: 'DTYPE_FLOAT32',
+                                     data: base64Float32(data)});
+    const body = {
+      query: tensor(problem.q, problem.queryLen),
+      key: tensor(problem.k, problem.keyLen),
+      value: tensor(problem.v, problem.keyLen),
       // No scale: the server's default 1/sqrt(d), the seed's `/ d**0.5`.
       options: maskOptions(cfg, {causal: cfg.causal, blockK: cfg.blockK, returnLse: true}),
     };
+    // A ragged batch: the sequences' cumulative lengths, at the request's level.
+    if (cfg.sequences) {
+      body.cuSeqlensQ = cfg.sequences.cuQ;
+      body.cuSeqlensK = cfg.sequences.cuK;
+    }
+    return body;
   }
 
   // The window, softcap and ALiBi of the form, added to an options object (AttentionOptions
@@ -170,63 +181,112 @@
   }
 
   // TileStep.hidden as the gateway prints it (enum names; numbers accepted too): 'causal',
-  // 'window' or '' (seen).
+  // 'window', 'sequence' or '' (seen).
   function hiddenName(x) {
     if (x === 'HIDDEN_CAUSAL' || x === 1) return 'causal';
     if (x === 'HIDDEN_WINDOW' || x === 2) return 'window';
+    if (x === 'HIDDEN_SEQUENCE' || x === 3) return 'sequence';
     return '';
   }
 
-  // What hides key j from query row `row` by the trace's geometry (kernels/geometry.h), for keys
-  // no step carries (tiles the mask hides entirely are not traced): causal first.
-  function hiddenByGeometry(start, row, j) {
-    const p = start.queryPosition + row, t = start.keyPosition + j;
+  // How each reason is shown, wherever a hidden key is drawn: its mark in the key band (key j
+  // labelled j + mark, class = the reason), its words in a score cell ("−∞ (text)", class
+  // hidden-<reason>, title) and its legend entry.
+  const HIDDEN = {
+    causal: {mark: 'c', text: 'causal', legend: 'hidden by the causal mask',
+             title: 'hidden by the causal mask: the key is after the query'},
+    window: {mark: 'w', text: 'window', legend: 'hidden by the window',
+             title: 'hidden by the window: outside p − left … p + right'},
+    sequence: {mark: 's', text: 'other sequence', legend: 'in another sequence',
+               title: 'hidden: the key is in another sequence of the ragged batch'},
+  };
+
+  // The keys' side of query row `row` (kernels/geometry.h): its sequence's keys [first, end), and
+  // p, the row's position counted from key `first` (key j is then at j − first). One sequence:
+  // all the keys, p = query_position + row − key_position, index null. A ragged batch: the last
+  // sequence s with cu_seqlens_q[s] ≤ row, whose keys sit at 0 … and queries bottom-right.
+  function sequenceOf(start, row) {
+    const cq = start.cuSeqlensQ, ck = start.cuSeqlensK;
+    if (cq.length < 2) {
+      return {index: null, first: 0, end: start.keyLen,
+              p: start.queryPosition + row - start.keyPosition};
+    }
+    let s = 0;
+    while (s + 1 < cq.length - 1 && cq[s + 1] <= row) ++s;
+    return {index: s, count: cq.length - 1, rowBegin: cq[s], rowEnd: cq[s + 1],
+            first: ck[s], end: ck[s + 1], p: (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]) + (row - cq[s])};
+  }
+
+  // What hides key j from the row of `seq` (sequenceOf) by the trace's geometry, for keys no step
+  // carries (tiles the mask hides entirely are not traced): another sequence, then causal, then
+  // the window, as the server decides.
+  function hiddenByGeometry(start, seq, j) {
+    if (j < seq.first || j >= seq.end) return 'sequence';
+    const p = seq.p, t = j - seq.first;
     if (start.causal && t > p) return 'causal';
     if (start.windowLeft !== null && t < p - start.windowLeft) return 'window';
     if (start.windowRight !== null && t > p + start.windowRight) return 'window';
     return '';
   }
 
-  // The row's window as a key range [lo, hi] (key indices, clipped to the keys), or null when
-  // unbounded on both sides.
-  function windowRange(start, row, n) {
+  // The window of the row of `seq` as a key range [lo, hi] (key indices, clipped to its
+  // sequence's keys), or null when unbounded on both sides.
+  function windowRange(start, seq) {
     if (!start || (start.windowLeft === null && start.windowRight === null)) return null;
-    const p = start.queryPosition + row - start.keyPosition;
-    const lo = start.windowLeft === null ? 0 : Math.max(0, p - start.windowLeft);
-    const hi = start.windowRight === null ? n - 1 : Math.min(n - 1, p + start.windowRight);
+    const lo = start.windowLeft === null ? seq.first
+                                         : Math.max(seq.first, seq.first + seq.p - start.windowLeft);
+    const hi = start.windowRight === null ? seq.end - 1
+                                          : Math.min(seq.end - 1, seq.first + seq.p + start.windowRight);
     return {lo, hi};
   }
 
   // A strip of the row's n keys: each key coloured by what hides it, the window's visible range
-  // as a band, and (tile) the current tile outlined.
-  function drawKeyBand(chart, n, hidden, range, tile) {
+  // as a band, (a ragged batch) the row's own sequence's keys as a bar beneath with its edges
+  // drawn, and (tile) the current tile outlined.
+  function drawKeyBand(chart, n, hidden, range, tile, seq) {
     const W = 1000, T = 4, H = 24, L = 4, R = 4;
     const w = (W - L - R) / Math.max(1, n);
     const x = (j) => L + j * w;
     const nodes = [];
     for (let j = 0; j < n; ++j) {
       const why = hidden[j] || '';
+      const reason = HIDDEN[why];
       const r = svg('rect', {x: x(j), y: T, width: w, height: H, class: `key ${why}`,
                              'data-key': j, 'data-hidden': why || 'none'});
-      r.append(svg('title', {}, `key ${j}${why ? `: hidden (${why})` : ''}`));
+      r.append(svg('title', {}, `key ${j}${reason ? `: hidden (${reason.text})` : ''}`));
       nodes.push(r);
       if (n <= 64) {
         nodes.push(svg('text', {x: x(j) + w / 2, y: T + 16, class: 'key-label', 'text-anchor': 'middle'},
-                       why === 'causal' ? `${j}c` : why === 'window' ? `${j}w` : String(j)));
+                       reason ? `${j}${reason.mark}` : String(j)));
       }
     }
     if (range && range.hi >= range.lo) {
       nodes.push(svg('rect', {x: x(range.lo), y: T - 2, width: (range.hi - range.lo + 1) * w,
                               height: H + 4, class: 'band', 'data-lo': range.lo, 'data-hi': range.hi}));
     }
+    const ragged = seq && seq.index !== null;
+    if (ragged) {
+      nodes.push(svg('rect', {x: x(seq.first), y: T + H + 1, width: (seq.end - seq.first) * w,
+                              height: 3, class: 'sequence-bar', 'data-sequence': seq.index,
+                              'data-lo': seq.first, 'data-hi': seq.end - 1}));
+      for (const edge of [seq.first, seq.end]) {
+        nodes.push(svg('line', {x1: x(edge), x2: x(edge), y1: T - 4, y2: T + H + 4,
+                                class: 'sequence-edge'}));
+      }
+    }
     if (tile) {
       nodes.push(svg('rect', {x: x(tile.begin), y: T - 3, width: (tile.end - tile.begin) * w,
                               height: H + 6, class: 'tile'}));
     }
-    const legend = range ? `band: the window, keys ${range.lo}…${range.hi}` +
-        (range.hi < range.lo ? ' (none)' : '') : 'no window';
-    nodes.push(svg('text', {x: L, y: T + H + 13, class: 'key-label'},
-                   `${legend}; c: hidden by the causal mask, w: hidden by the window`));
+    const legend = [range ? `band: the window, keys ${range.lo}…${range.hi}` +
+        (range.hi < range.lo ? ' (none)' : '') : 'no window'];
+    if (ragged) {
+      legend.push(`bar: its sequence ${seq.index}, ` +
+                  (seq.end > seq.first ? `keys ${seq.first}…${seq.end - 1}` : 'no keys'));
+    }
+    legend.push(Object.entries(HIDDEN).filter(([why]) => ragged || why !== 'sequence')
+                    .map(([, reason]) => `${reason.mark}: ${reason.legend}`).join(', '));
+    nodes.push(svg('text', {x: L, y: T + H + 13, class: 'key-label'}, legend.join('; ')));
     chart.replaceChildren(...nodes);
   }
 
@@ -373,9 +433,21 @@
 
   // Whether the form's problem can be built here; if not, says why (showError).
   function configIsUsable(cfg) {
-    if (!(cfg.n >= 1) || !(cfg.d >= 1)) { showError('N and d must be at least 1.'); return false; }
-    if (cfg.n * cfg.d > MAX_ELEMENTS) {
-      showError(`N × d = ${cfg.n * cfg.d} is more than this page builds (${MAX_ELEMENTS}).`);
+    const ragged = cfg.sequences;
+    if (ragged && ragged.error) { showError(ragged.error); return false; }
+    if (ragged && cfg.useCache) {
+      showError('Sequences and "keys in a KV cache" do not mix: a cache holds one sequence ' +
+                '(clear one of them).');
+      return false;
+    }
+    if (!(ragged || cfg.n >= 1) || !(cfg.d >= 1)) {
+      showError('N and d must be at least 1.');
+      return false;
+    }
+    const rows = Math.max(cfg.queryLen, cfg.keyLen);
+    if (rows * cfg.d > MAX_ELEMENTS) {
+      showError(`${ragged ? 'The sequences\' longer total' : 'N'} × d = ${rows * cfg.d} is more ` +
+                `than this page builds (${MAX_ELEMENTS}).`);
       return false;
     }
     if (!Number.isFinite(cfg.multiplier)) {
@@ -402,11 +474,58 @@
     return Number(input.value);
   }
 
+  // The "Sequences" field: null when empty (one sequence of N); else query lengths / key lengths,
+  // "5,1,10 / 7,1,8" (one list: the same lengths for both), as {q, k} lengths, their cumulative
+  // cuQ, cuK (AttentionRequest.cu_seqlens_q/k) and sums queryLen, keyLen, which replace N; or
+  // {error}, which configIsUsable shows.
+  function parseSequences(text) {
+    if (text.trim() === '') return null;
+    const fail = (why) => ({error: `Sequences: ${why} Write query lengths / key lengths, e.g. ` +
+                                   '5,1,10 / 7,1,8 (one list: the same for both; empty: one sequence).'});
+    const sides = text.split('/');
+    if (sides.length > 2) return fail(`"${text.trim()}" has ${sides.length - 1} "/"; one at most.`);
+    const lists = [];
+    for (const [i, side] of sides.entries()) {
+      const what = sides.length === 1 ? 'length' : i === 0 ? 'query length' : 'key length';
+      if (side.trim() === '') {
+        return fail(`no ${what}s${sides.length > 1 ? ` ${i ? 'after' : 'before'} the "/"` : ''}.`);
+      }
+      const lengths = [];
+      for (const item of side.trim().split(/\s*,\s*|\s+/)) {
+        if (!/^\d+$/.test(item)) {
+          return fail(item === '' ? `an empty ${what} (two commas in a row, or a comma at an end).`
+                                  : `${what} "${item}" is not a whole number ≥ 0.`);
+        }
+        if (!Number.isSafeInteger(Number(item))) return fail(`${what} ${item} is too large.`);
+        lengths.push(Number(item));
+      }
+      lists.push(lengths);
+    }
+    const [q, k = q] = lists;
+    if (q.length !== k.length) {
+      return fail(`${q.length} query length(s) but ${k.length} key length(s); give both for each ` +
+                  'sequence.');
+    }
+    const cumulative = (lengths) => lengths.reduce((cu, x) => [...cu, cu[cu.length - 1] + x], [0]);
+    const cuQ = cumulative(q), cuK = cumulative(k);
+    const queryLen = cuQ[cuQ.length - 1], keyLen = cuK[cuK.length - 1];
+    if (queryLen < 1) return fail('the query lengths add up to 0; a trace needs a query row.');
+    if (keyLen < 1) return fail('the key lengths add up to 0; at least one key is needed.');
+    return {q, k, cuQ, cuK, queryLen, keyLen};
+  }
+
   function readConfig() {
     const int = (id) => Math.trunc(Number($(id).value));
+    const n = int('n');
+    const sequences = parseSequences($('sequences').value);
+    const sized = sequences && !sequences.error;
     return {
       example: $('example').value,
-      n: int('n'),
+      n,
+      // The problem's query rows and keys: N each, or the sequences' sums.
+      queryLen: sized ? sequences.queryLen : n,
+      keyLen: sized ? sequences.keyLen : n,
+      sequences,
       d: int('d'),
       blockK: int('block-k'),
       multiplier: Number($('multiplier').value),
@@ -431,20 +550,29 @@
         'extend its formulas.'
       : `Random: q, k, v drawn from N(0, 1) with seed ${cfg.randomSeed} (q × multiplier), ` +
         'scale 1/√d.';
+    const ragged = cfg.sequences;
+    if (ragged) {
+      $('problem-note').textContent += ragged.error ? ` ${ragged.error}`
+        : ` Ragged batch: ${ragged.q.length} sequence(s), query rows ${ragged.q.join(', ')} and ` +
+          `keys ${ragged.k.join(', ')}: ${cfg.queryLen} query rows and ${cfg.keyLen} keys packed ` +
+          '(in place of N); each sequence sees only its own keys, its queries bottom-right ' +
+          'against them.';
+    }
     drawBytes(cfg, null);
   }
 
   // ---------------------------------------------------------------------------------------------
   // Idea 2: bytes.
   function drawBytes(cfg, fromServer) {
-    const n = Math.max(1, cfg.n || 1);
+    const n = Math.max(1, cfg.keyLen || 1);
     const naiveBytes = fromServer && fromServer.naiveBytes !== undefined
-      ? fromServer.naiveBytes : 16 * n * n;
+      ? fromServer.naiveBytes : 16 * Math.max(1, cfg.queryLen || 1) * n;
     const perRow = (Math.max(1, cfg.blockK || 1) + Math.max(1, cfg.d || 1) + 2);
     const perRowFloats = fromServer && fromServer.perRowFloats ? fromServer.perRowFloats : perRow;
     $('naive-bytes').textContent = fmtBytes(naiveBytes);
     $('naive-bytes').dataset.bytes = String(naiveBytes);
-    $('naive-bytes').title = fromServer ? 'as the server reported it' : 'computed here: 16·N²';
+    $('naive-bytes').title = fromServer ? 'as the server reported it'
+        : cfg.sequences ? 'computed here: 16 · packed query rows · packed keys' : 'computed here: 16·N²';
     $('tiled-bytes').textContent = '0 bytes (no N × N matrix exists)';
     $('tiled-scratch').textContent =
         `${perRowFloats} floats = ${fmtBytes(perRowFloats * 4)} per row, whatever N`;
@@ -525,15 +653,14 @@
     return {colour, max};
   }
 
-  // A score cell: the score, or −∞ with why the key is hidden (class hidden-causal/-window,
+  // A score cell: the score, or −∞ with why the key is hidden (HIDDEN: class hidden-<reason>,
   // data-hidden) when the mask hides it.
   function scoreCell(score, why, cls) {
     const td = el('td', {class: cls || '', 'data-hidden': why || 'none'});
     if (why) {
-      td.textContent = `−∞ (${why})`;
+      td.textContent = `−∞ (${HIDDEN[why].text})`;
       td.classList.add(`hidden-${why}`);
-      td.title = why === 'causal' ? 'hidden by the causal mask: the key is after the query'
-                                  : 'hidden by the window: outside p − left … p + right';
+      td.title = HIDDEN[why].title;
     } else {
       td.textContent = score === -Infinity ? '−∞ (masked)' : fmt(score);
     }
@@ -545,8 +672,13 @@
     if (!Number.isNaN(x)) td.dataset.value = String(x);
     return td;
   }
-  function maskCaption(start, range) {
+  function maskCaption(start, range, seq) {
     const parts = [];
+    if (seq.index !== null) {
+      const span = (a, b) => (b > a ? `${a}…${b - 1}` : 'none');
+      parts.push(`sequence ${seq.index} of ${seq.count}: query rows ${span(seq.rowBegin, seq.rowEnd)}, ` +
+                 `keys ${span(seq.first, seq.end)}`);
+    }
     if (range) {
       const side = (v) => (v === null ? '∞' : String(v));
       parts.push(`window left ${side(start.windowLeft)}, right ${side(start.windowRight)}: ` +
@@ -568,18 +700,18 @@
       table.replaceChildren(el('caption', {}, 'Waiting for the trace of this row…'));
       return;
     }
-    const n = p.n, d = p.d;
+    const n = p.keyLen, d = p.d;
     const scores = new Float64Array(n).fill(-Infinity);
     // Per key, from the row's steps: what hides it, its ALiBi bias and its scaled score before
     // softcap and bias; keys of tiles not traced (hidden entirely) take the geometry's answer and
-    // the bias −slope·|p − t| computed here.
+    // the bias −slope·|p − t| computed here (t counted in the row's sequence, as the server does).
     const start = state.start;
-    const hidden = Array.from({length: n}, (_, j) => hiddenByGeometry(start, cfg.row, j));
+    const seq = sequenceOf(start, cfg.row);
+    const hidden = Array.from({length: n}, (_, j) => hiddenByGeometry(start, seq, j));
     const alibi = start.alibiSlopes.length > 0;
     const slope = alibi ? start.alibiSlopes[0] : 0;
-    const p0 = start.queryPosition + cfg.row;
     const biases = Array.from({length: n},
-                              (_, j) => (alibi ? Math.fround(-slope * Math.abs(p0 - (start.keyPosition + j))) : NaN));
+                              (_, j) => (alibi ? Math.fround(-slope * Math.abs(seq.p - (j - seq.first))) : NaN));
     const scaled = new Array(n).fill(NaN);
     let anyScaled = false;
     for (const s of state.steps) {
@@ -589,8 +721,8 @@
       s.biases.forEach((b, i) => { biases[s.keyBegin + i] = b; });
       s.scaledScores.forEach((x, i) => { scaled[s.keyBegin + i] = x; anyScaled = true; });
     }
-    const range = windowRange(start, cfg.row, n);
-    drawKeyBand($('idea1-band'), n, hidden, range, null);
+    const range = windowRange(start, seq);
+    drawKeyBand($('idea1-band'), n, hidden, range, null, seq);
     const weights = Array.from(scores, (s) => (done.lse === -Infinity ? 0 : Math.exp(s - done.lse)));
     const {colour, max} = tieGroups(scores);
     let keys = Array.from(scores.keys());
@@ -640,7 +772,7 @@
     rows.push(el('tfoot', {}, foot));
     const ties = new Set(colour.values()).size;
     rows.unshift(el('caption', {},
-                    `lse = ${fmt(done.lse)}; ` + maskCaption(start, range) +
+                    `lse = ${fmt(done.lse)}; ` + maskCaption(start, range, seq) +
                     (max.size > 1 ? `${max.size} keys tie for the largest score and share its weight; `
                                   : '') +
                     (ties ? `${ties} group(s) of equal scores highlighted.` : 'no equal scores.')));
@@ -699,11 +831,12 @@
     const start = state.start;
     const n = start ? start.keyLen : s.keyEnd;
     const row = num(s.row.row);
-    const range = windowRange(start, row, n);
+    const seq = start ? sequenceOf(start, row) : null;
+    const range = windowRange(start, seq);
     if (start) {
-      const hiddenRow = Array.from({length: n}, (_, j) => hiddenByGeometry(start, row, j));
+      const hiddenRow = Array.from({length: n}, (_, j) => hiddenByGeometry(start, seq, j));
       s.hidden.forEach((h, i) => { hiddenRow[s.keyBegin + i] = h; });
-      drawKeyBand($('tile-band'), n, hiddenRow, range, {begin: s.keyBegin, end: s.keyEnd});
+      drawKeyBand($('tile-band'), n, hiddenRow, range, {begin: s.keyBegin, end: s.keyEnd}, seq);
     }
     const withScaled = s.scaledScores.length > 0, withBias = s.biases.length > 0;
     const th = el('tr', {}, el('th', {}, 'key'));
@@ -892,11 +1025,15 @@
         windowLeft: s.windowLeft === undefined || s.windowLeft === null ? null : num(s.windowLeft),
         windowRight: s.windowRight === undefined || s.windowRight === null ? null : num(s.windowRight),
         softcap: num(s.softcap), alibiSlopes: nums(s.alibiSlopes),
+        // A ragged batch's cumulative lengths (empty: one sequence).
+        cuSeqlensQ: nums(s.cuSeqlensQ), cuSeqlensK: nums(s.cuSeqlensK),
       };
+      const sequences = Math.max(0, state.start.cuSeqlensQ.length - 1);
       drawBytes(state.cfg, state.start);
       setStatus(`Trace started: N = ${state.start.keyLen}, d = ${state.start.headDim}, ` +
                 `block_k = ${state.start.blockK}, scale = ${fmt(state.start.scale, 6)}, ` +
-                `${state.start.tilesPerRow} tiles per row.`);
+                `${state.start.tilesPerRow} tiles per row` +
+                (sequences ? `, ${sequences} sequences packed.` : '.'));
     } else if (e.step) {
       const s = e.step;
       const step = {
@@ -1091,7 +1228,7 @@
   // The row's full-matrix answer in float64 from the page's own inputs: the page's problem is
   // n queries × n keys at positions 0…n−1, so a causal query i sees keys j ≤ i.
   function referenceRow(problem, row, causal) {
-    const {n, d, q, k, v} = problem;
+    const {keyLen: n, d, q, k, v} = problem;
     const scale = f32(1 / Math.sqrt(d));  // the server's default scale, rounded to fp32
     const scores = [];
     for (let j = 0; j < n && (!causal || j <= row); ++j) {
@@ -1200,8 +1337,13 @@
     clearError();
     const cfg = readConfig();
     if (!configIsUsable(cfg)) return;
+    if (cfg.sequences) {
+      showError('Split and merge cuts one sequence\'s keys, each slice with its positions; a ragged ' +
+                'batch takes none (each sequence has its own). Clear Sequences to split the keys.');
+      return;
+    }
     const problem = buildProblem(cfg);
-    const n = problem.n, d = problem.d;
+    const n = problem.keyLen, d = problem.d;
     const asked = Math.trunc(Number($('merge-parts').value)) || 1;
     const count = Math.max(1, Math.min(asked, MAX_MERGE_PARTS, n));
     const slices = [];
@@ -1543,7 +1685,7 @@
     $('server').value = /^https?:$/.test(location.protocol) ? location.origin : 'http://127.0.0.1:8080';
     $('problem').addEventListener('submit', run);
     $('info-button').addEventListener('click', () => { clearError(); info(true); });
-    for (const id of ['example', 'n', 'd', 'block-k', 'random-seed']) {
+    for (const id of ['example', 'n', 'd', 'block-k', 'random-seed', 'sequences']) {
       $(id).addEventListener('input', describeProblem);
     }
     $('example').addEventListener('change', () => {

@@ -4,6 +4,15 @@
 // mask, the window band covers keys 3…7 (right side unbounded), key j's bias is −2^-8·|5 − j|,
 // and the final output is the masked, biased softmax computed here in float64. Bad window and
 // softcap values are refused by the page with a message, before any request.
+// Then a ragged batch: "Sequences" 5,1,10 / 7,1,9 (16 query rows, 17 keys: the sums replace N),
+// block_k 5, the left window 4, row 12: its sequence (rows 6…15, keys 8…16, 10 queries bottom-right
+// against 9 keys) puts it at p = 5 over its keys t = j − 8, so keys 0…7 are hidden as another
+// sequence's, 8 by the window and 14…16 by the causal mask; the request carries cuSeqlensQ/K and
+// the packed shapes, the sequence's bar spans keys 8…16 and the window band 9…16, the traced tiles
+// carry the server's marks (keys 5…7 of tile 1 in another sequence), each key's bias is
+// −2^-8·|13 − j|, and the final output is that sequence's softmax computed here. Bad sequences,
+// and sequences with "keys in a KV cache", are refused by the page with a message. Saves the
+// ragged view beside SCREENSHOT as *-ragged.png.
 // Usage: node mask_test.js URL SCREENSHOT
 'use strict';
 const {chromium} = require('playwright-core');
@@ -16,15 +25,17 @@ function check(name, ok, detail) {
 }
 const numbersIn = (text) => (text.replace(/−/g, '-').match(/-?\d+(\.\d+)?(e-?\d+)?/g) || []).map(Number);
 const ROW = 5, LEFT = 2, SLOPE = Math.pow(2, -8), N = 8, D = 4;
-function expectedOut() {
+// The seed's output of query row `row` over keys lo…hi (packed indices), key j biased by
+// −SLOPE·distance(j), in float64.
+function expectedOut(row, lo, hi, distance) {
   const q = (i, j) => ((i + j) % 5) - 2;
   const k = (i, j) => (((2 * i + j) % 7) - 3) / 2;
   const v = (i, j) => ((i + j) % 9) - 4;
   const s = [];
-  for (let j = ROW - LEFT; j <= ROW; ++j) {
+  for (let j = lo; j <= hi; ++j) {
     let dot = 0;
-    for (let c = 0; c < D; ++c) dot += q(ROW, c) * k(j, c);
-    s.push([j, dot / Math.sqrt(D) - SLOPE * Math.abs(ROW - j)]);
+    for (let c = 0; c < D; ++c) dot += q(row, c) * k(j, c);
+    s.push([j, dot / Math.sqrt(D) - SLOPE * distance(j)]);
   }
   const m = Math.max(...s.map(([, x]) => x));
   let sum = 0;
@@ -47,8 +58,12 @@ function expectedOut() {
     const errors = [];
     page.on('console', (m) => { if (m.type() === 'error') errors.push(m.text()); });
     page.on('pageerror', (e) => errors.push(`uncaught: ${e.message}`));
-    let posts = 0;
-    page.on('request', (r) => { if (r.method() === 'POST') ++posts; });
+    let posts = 0, traceBody = null;
+    page.on('request', (r) => {
+      if (r.method() !== 'POST') return;
+      ++posts;
+      if (new URL(r.url()).pathname === '/v1/trace') traceBody = JSON.parse(r.postData() || 'null');
+    });
     await page.goto(url, {waitUntil: 'load'});
     await page.selectOption('#example', 'seed');
     await page.fill('#n', String(N));
@@ -101,6 +116,9 @@ function expectedOut() {
     check('idea 1 draws the window band over keys 3…7 (right unbounded)',
           band && band[0] === '3' && band[1] === '7',
           JSON.stringify(band));
+    check('one sequence: no sequence bar, no "another sequence" legend',
+          await page.locator('#idea1-band rect.sequence-bar').count() === 0 &&
+              !/another sequence/.test(await page.textContent('#idea1-band')));
 
     // The first traced tile holds key 2 (hidden by the window, bias −3·2^-8) and key 3.
     if (await page.isEnabled('#step-first')) await page.click('#step-first');
@@ -114,10 +132,109 @@ function expectedOut() {
           JSON.stringify(tile));
     if (await page.isEnabled('#step-last')) await page.click('#step-last');
     const shown = numbersIn(await page.textContent('#final-output'));
-    const expected = expectedOut();
+    const expected = expectedOut(ROW, ROW - LEFT, ROW, (j) => Math.abs(ROW - j));
     check(`the final output is the windowed, biased softmax [${expected.map((x) => x.toFixed(4))}]`,
           shown.length === D && shown.every((x, i) => Math.abs(x - expected[i]) <= 5e-5), String(shown));
     await page.screenshot({path: screenshot, fullPage: true});
+
+    // A ragged batch. Bad sequences: a message on the page, no request.
+    await page.fill('#window-left', '4');
+    for (const [value, pattern] of [['5,1,10 / 7,1', /3 query length\(s\) but 2 key length\(s\)/],
+                                    ['5,-1,10 / 7,1,9', /query length "-1" is not a whole number ≥ 0/],
+                                    ['5,1,10 / 7,1,9 / 2', /one at most/],
+                                    ['0,0 / 3,4', /query lengths add up to 0/]]) {
+      await page.fill('#sequences', value);
+      const before = posts;
+      await page.click('#run');
+      await page.waitForFunction(() => !document.getElementById('error').hidden);
+      const text = await page.textContent('#error');
+      check(`sequences "${value}" are refused in the page`, pattern.test(text) && posts === before,
+            `error "${text}", ${posts - before} requests`);
+    }
+    const SEQ = '5,1,10 / 7,1,9', RROW = 12, RLEFT = 4;
+    await page.fill('#sequences', SEQ);
+    await page.setChecked('#use-cache', true);
+    {
+      const before = posts;
+      await page.click('#run');
+      await page.waitForFunction(() => !document.getElementById('error').hidden);
+      const text = await page.textContent('#error');
+      check('sequences with "keys in a KV cache" are refused in the page',
+            /do not mix/.test(text) && posts === before, `error "${text}", ${posts - before} requests`);
+    }
+    await page.setChecked('#use-cache', false);
+    await page.fill('#n', String(N));  // not the sums: the sequences set the sizes
+    await page.fill('#block-k', '5');
+    await page.fill('#row', String(RROW));
+    const note = await page.textContent('#problem-note');
+    check('the note gives the packed sizes', /16 query rows and 17 keys/.test(note), note);
+    traceBody = null;
+    await page.click('#run');
+    await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    const rerr = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
+    check('the ragged run shows no error', rerr === '', rerr);
+    const a = traceBody && traceBody.attention;
+    check('the trace request carries cuSeqlensQ [0,5,6,16], cuSeqlensK [0,7,8,17] and the packed shapes',
+          a && JSON.stringify((a.cuSeqlensQ || []).map(Number)) === '[0,5,6,16]' &&
+              JSON.stringify((a.cuSeqlensK || []).map(Number)) === '[0,7,8,17]' &&
+              JSON.stringify(a.query.shape) === '[16,4]' && JSON.stringify(a.key.shape) === '[17,4]' &&
+              JSON.stringify(a.value.shape) === '[17,4]',
+          a && JSON.stringify({q: a.cuSeqlensQ, k: a.cuSeqlensK, qs: a.query.shape, ks: a.key.shape}));
+
+    // Row 12: its sequence is rows 6…15 and keys 8…16, so p = 9 − 10 + 6 = 5 and key j is at j − 8.
+    const rwhy = (j) => (j < 8 ? 'sequence' : j < 8 + 5 - RLEFT ? 'window' : j > 8 + 5 ? 'causal' : 'none');
+    const rcells = await page.$$eval('#score-table tr[data-key]', (rows) => rows.map((r) => ({
+      key: Number(r.dataset.key),
+      hidden: r.querySelector('td.score').dataset.hidden,
+      text: r.querySelector('td.score').textContent,
+      bias: r.querySelector('td.bias') ? Number(r.querySelector('td.bias').dataset.value) : NaN,
+    })));
+    check('idea 1 marks keys 0–7 as another sequence\'s, 8 hidden by the window, 14–16 by the causal mask',
+          rcells.length === 17 && rcells.every((c) => c.hidden === rwhy(c.key)) &&
+              rcells.filter((c) => c.hidden === 'sequence').every((c) => c.text.includes('other sequence')),
+          JSON.stringify(rcells.map((c) => `${c.key}:${c.hidden}`)));
+    check('idea 1 shows each key\'s bias −2^-8·|13 − j| (distances within the sequence)',
+          rcells.length === 17 && rcells.every((c) => Math.abs(c.bias + SLOPE * Math.abs(13 - c.key)) < 1e-9),
+          JSON.stringify(rcells.map((c) => c.bias)));
+    const rband = await page.$eval('#idea1-band', (chart) => ({
+      window: (chart.querySelector('rect.band') || {dataset: {}}).dataset,
+      seq: (chart.querySelector('rect.sequence-bar') || {dataset: {}}).dataset,
+      edges: chart.querySelectorAll('line.sequence-edge').length,
+      keys: Array.from(chart.querySelectorAll('rect.key'), (r) => r.dataset.hidden),
+      text: chart.textContent,
+    }));
+    check('idea 1 draws its sequence\'s bar over keys 8…16 and the window band over 9…16 (right unbounded)',
+          rband.seq.sequence === '2' && rband.seq.lo === '8' && rband.seq.hi === '16' &&
+              rband.edges === 2 && rband.window.lo === '9' && rband.window.hi === '16',
+          JSON.stringify({window: rband.window, seq: rband.seq, edges: rband.edges}));
+    check('idea 1\'s key band marks keys 0–7 "sequence", with the legend entry',
+          rband.keys.length === 17 && rband.keys.every((h, j) => h === rwhy(j)) &&
+              /0s/.test(rband.text) && /s: in another sequence/.test(rband.text),
+          JSON.stringify(rband));
+
+    // The traced tiles are 1 (keys 5…9) and 2 (keys 10…14); the server marks them.
+    if (await page.isEnabled('#step-first')) await page.click('#step-first');
+    const tile1 = await page.$$eval('#tile-table tr[data-key]', (rows) => rows.map((r) => ({
+      key: Number(r.dataset.key), hidden: r.querySelector('td.score').dataset.hidden,
+      text: r.querySelector('td.score').textContent})));
+    check('the first tile step (keys 5…9) shows 5–7 in another sequence, 8 hidden by the window',
+          tile1.length === 5 && tile1.every((t) => t.hidden === rwhy(t.key)) &&
+              tile1.slice(0, 3).every((t) => t.text.includes('other sequence')),
+          JSON.stringify(tile1));
+    const tband = await page.$$eval('#tile-band rect.key', (rs) => rs.map((r) => r.dataset.hidden));
+    check('the tile\'s key band marks the same keys',
+          tband.length === 17 && tband.every((h, j) => h === rwhy(j)), JSON.stringify(tband));
+    if (await page.isEnabled('#step-last')) await page.click('#step-last');
+    const tile2 = await page.$$eval('#tile-table tr[data-key]', (rows) => rows.map((r) => ({
+      key: Number(r.dataset.key), hidden: r.querySelector('td.score').dataset.hidden})));
+    check('the last tile step (keys 10…14) shows key 14 hidden by the causal mask',
+          tile2.length === 5 && tile2.every((t) => t.hidden === rwhy(t.key)), JSON.stringify(tile2));
+    const rshown = numbersIn(await page.textContent('#final-output'));
+    const rexpected = expectedOut(RROW, 9, 13, (j) => Math.abs(13 - j));
+    check(`the final output is row 12's softmax over its sequence's keys 9…13 ` +
+          `[${rexpected.map((x) => x.toFixed(4))}]`,
+          rshown.length === D && rshown.every((x, i) => Math.abs(x - rexpected[i]) <= 5e-5), String(rshown));
+    await page.screenshot({path: screenshot.replace(/\.png$/, '') + '-ragged.png', fullPage: true});
     check('no console errors', errors.length === 0, errors.join(' | '));
   } finally {
     await browser.close();
