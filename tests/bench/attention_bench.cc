@@ -74,6 +74,11 @@
 //                      none); the row's name ends /softcap:C
 //   --alibi            ALiBi on every attention row: head h's slope 2^(−8(h+1)/H)
 //                      (AttentionOptions.alibi_slopes); the row's name ends /alibi
+//   --ragged=L1,L2,... also Tiled over a ragged batch of self-attention sequences of these
+//                      lengths (AttentionRequest.cu_seqlens_q/k), for every d, dtype and causal:
+//                      ragged/<dtype>/causal:<c>/seqs:<S>/N:<total>/H:<h>/d:<d>/packed (one call
+//                      over the packed batch) and .../one_by_one (each sequence a call of its own,
+//                      in turn); GFLOP/s counts the pairs each sequence sees (Problem::Flops)
 //   --naive_max_n=N    largest N Naive runs at (default 8192; --quick 1024)
 //   --naive_budget_gib=G   the backend's max_naive_bytes (default 4)
 //   --sgemm_n=LIST     the ceiling's sizes (default 2048; --quick 1024)
@@ -146,6 +151,7 @@ struct Options {
   int64_t window_left = -1;
   double softcap = 0;
   bool alibi = false;
+  std::vector<int64_t> ragged;  // Sequence lengths of the ragged rows; empty: none.
   int64_t naive_max_n = 8192;
   double naive_budget_gib = 4;
   std::vector<int64_t> sgemm_n = {2048};
@@ -194,17 +200,17 @@ bool DeadlinePassed() {
 }
 
 [[noreturn]] void Usage(const std::string& problem) {
-  std::fprintf(
-      stderr,
-      "attention_bench: %s\n"
-      "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
-      "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-      "       --heads=H --window_left=L --softcap=C --alibi --naive_max_n=N --naive_budget_gib=G\n"
-      "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-      "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
-      "       --memcopy_mib=M\n"
-      "       and Google Benchmark's --benchmark_* flags\n",
-      problem.c_str());
+  std::fprintf(stderr,
+               "attention_bench: %s\n"
+               "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
+               "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
+               "       --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
+               "--naive_budget_gib=G\n"
+               "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+               "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
+               "       --memcopy_mib=M\n"
+               "       and Google Benchmark's --benchmark_* flags\n",
+               problem.c_str());
   std::exit(2);
 }
 
@@ -357,6 +363,9 @@ Options ParseOptions(int* argc, char** argv) {
       }
     } else if (flag == "--alibi") {
       options.alibi = true;
+    } else if (flag == "--ragged") {
+      need_value();
+      options.ragged = ParseInts(flag, value);
     } else if (flag == "--naive_max_n") {
       need_value();
       options.naive_max_n = ParseInt(flag, value);
@@ -379,7 +388,8 @@ Options ParseOptions(int* argc, char** argv) {
       std::printf(
           "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
           "  --causal=0,1 --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-          "  --heads=H --window_left=L --softcap=C --alibi --naive_max_n=N --naive_budget_gib=G\n"
+          "  --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
+          "--naive_budget_gib=G\n"
           "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
           "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
           "  --memcopy_mib=M\n"
@@ -471,6 +481,53 @@ void RunAttention(benchmark::State& state, attn::Backend* backend, const Cell& c
                                                    Counter::kDefaults, Counter::kIs1024);
   }
   state.counters["block_k"] = problem.block_k;
+}
+
+// Tiled over a ragged batch of self-attention sequences (Nq = Nk per sequence) of `lengths`,
+// packed into one call (`packed`) or run one sequence per call, in turn.
+void RunRagged(benchmark::State& state, attn::Backend* backend, const Cell& cell,
+               const std::vector<int64_t>& lengths, bool packed, int block_k) {
+  if (DeadlinePassed()) return Skip(state, "timeout: --deadline_s passed before this row ran");
+  std::vector<attn::testing::HostProblem> hosts;
+  const auto make = [&](int64_t rows) -> attn::testing::HostProblem& {
+    hosts.push_back(attn::testing::RandomProblem(
+        attn::testing::MakeShape(1, cell.heads, cell.heads, rows, rows, cell.d, cell.d), cell.dtype,
+        cell.causal, block_k, /*seed=*/0x5eed0000u + rows + hosts.size()));
+    hosts.back().return_lse = false;
+    return hosts.back();
+  };
+  if (packed) {
+    attn::testing::HostProblem& host = make(cell.n);
+    host.cu_seqlens_q = {0};
+    for (int64_t length : lengths) host.cu_seqlens_q.push_back(host.cu_seqlens_q.back() + length);
+    host.cu_seqlens_k = host.cu_seqlens_q;
+  } else {
+    for (int64_t length : lengths) make(length);
+  }
+  std::vector<attn::Problem> problems;
+  std::vector<std::vector<uint8_t>> outputs;
+  double flops = 0;
+  for (const attn::testing::HostProblem& host : hosts) {
+    problems.push_back(host.View());
+    flops += problems.back().Flops();
+    outputs.emplace_back(problems.back().OutputElements() * attn::ElementSize(cell.dtype));
+  }
+  auto call = [&]() -> absl::Status {
+    for (size_t i = 0; i < problems.size(); ++i) {
+      attn::Outputs out;
+      out.output = attn::MutableTensorView{outputs[i].data(), cell.dtype};
+      if (absl::StatusOr<attn::Stats> stats = backend->Tiled(problems[i], out); !stats.ok()) {
+        return stats.status();
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status warm = call(); !warm.ok()) return Skip(state, StatusText(warm));
+  for (auto _ : state) {
+    if (absl::Status run = call(); !run.ok()) return Skip(state, StatusText(run));
+  }
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 struct DecodeCell {
@@ -894,6 +951,32 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond);
   }
   add_memory("end");
+  if (!options.ragged.empty()) {
+    int64_t total = 0;
+    for (int64_t length : options.ragged) total += length;
+    for (int64_t d : options.dims) {
+      for (DType dtype : options.dtypes) {
+        for (int64_t causal : options.causal) {
+          for (bool packed : {true, false}) {
+            const Cell cell{"ragged", dtype, causal != 0, total, HeadsFor(options, total), d};
+            const std::string name =
+                absl::StrCat("ragged/", Cell::DTypeLabel(dtype), "/causal:", causal,
+                             "/seqs:", options.ragged.size(), "/N:", total, "/H:", cell.heads,
+                             "/d:", d, packed ? "/packed" : "/one_by_one");
+            benchmark::RegisterBenchmark(name.c_str(),
+                                         [&backend, cell, packed, block_k,
+                                          lengths = options.ragged](benchmark::State& state) {
+                                           RunRagged(state, &backend, cell, lengths, packed,
+                                                     block_k);
+                                         })
+                ->UseRealTime()
+                ->MinTime(options.min_time)
+                ->Unit(benchmark::kMillisecond);
+          }
+        }
+      }
+    }
+  }
   std::vector<int64_t> seqs = options.seqs;
   std::sort(seqs.begin(), seqs.end());
   for (int64_t d : options.dims) {

@@ -25,6 +25,9 @@
 #  6. window.json      Tiled with a sliding window (causal, window_left 256, H 2, d 64, fp32) at
 #     N = 4096 and 16384 (--quick: 1024 and 4096), 3 repetitions: the cost should grow about
 #     linearly in N (the issue-16 target: under 6x the time for 4x N), not as N^2 (16x).
+#  6b. ragged.json    Tiled over a ragged batch (sequences 3000,1000,500,129,7: causal, H 8, d 64,
+#     fp32; --quick: 700,300,29) packed into one call beside the same sequences one call each,
+#     interleaved, 5 repetitions: the issue-16 target, packed within 10 % of one by one.
 #  7. numpy-<CORE>.json  NumPy's matmul-softmax-matmul at the target shape (--quick: N=1024)
 #     under each core type; numpy.json: the whole NumPy column under the best of them.
 # Steps 2-5 run with OPENBLAS_CORETYPE=<best core>, so that their sgemm rows are the ceiling: no
@@ -40,6 +43,7 @@
 # --no-targets   skip steps 3-4 (then the targets come from the sweep)
 # --no-decode    skip step 5
 # --no-window    skip step 6
+# --no-ragged    skip step 6b
 # --repetitions R  repetitions of each interleaved target row (default 7; decode rows: 3)
 # --out DIR      keep the JSON files and table.txt there (default: a temporary folder)
 # after --        flags for the sweep's attention_bench (see the top of attention_bench.cc), e.g.
@@ -60,6 +64,7 @@ numpy=1
 targets=1
 decode=1
 window=1
+ragged=1
 repetitions=7
 out=""
 bench_args=()
@@ -72,6 +77,7 @@ while [ $# -gt 0 ]; do
     --no-targets) targets=0 ;;
     --no-decode) decode=0 ;;
     --no-window) window=0 ;;
+    --no-ragged) ragged=0 ;;
     --repetitions) repetitions="$2"; shift ;;
     --repetitions=*) repetitions="${1#*=}" ;;
     --out) out="$2"; shift ;;
@@ -215,6 +221,18 @@ if [ "$window" = 1 ]; then
     --benchmark_out_format=json >&2 || echo "run.sh: the window rows failed" >&2
 fi
 
+# 6b. A ragged batch packed into one call, and its sequences one call each.
+if [ "$ragged" = 1 ]; then
+  ragged_lengths=3000,1000,500,129,7
+  [ "$quick" = 1 ] && ragged_lengths=700,300,29
+  echo "run.sh: ragged Tiled rows ($ragged_lengths)" >&2
+  with_core "$best_core" "$bench" --threads="$threads" --methods=tiled --dtype=fp32 --causal=1 \
+    --heads=8 --d=64 --ragged="$ragged_lengths" --n=256 --no_refusal --sgemm_n=1024 \
+    --min_time=0.3 --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
+    --benchmark_filter='^ragged/' --benchmark_out="$out/ragged.json" \
+    --benchmark_out_format=json >&2 || echo "run.sh: the ragged rows failed" >&2
+fi
+
 # 7. NumPy under every core type at the target shape, then its column under the best.
 if [ "$numpy" = 1 ]; then
   numpy_max_n=8192 probe_shape=4096,8,64,0
@@ -261,6 +279,7 @@ interleaved = load("targets.json")
 naive_run = load("naive.json")
 decode_run = load("decode.json")
 window_run = load("window.json")
+ragged_run = load("ragged.json")
 numpy = load("numpy.json")
 ctx = bench.get("context", {})
 
@@ -681,6 +700,24 @@ if len(window_times) == 2:
            growth < 6.0 if (n0, n1) == (4096, 16384) else None)
 else:
     target("windowed Tiled N 4096 -> 16384: < 6x the time", "-", None)
+
+# Issue 16: a ragged batch costs within 10 % of its sequences run one by one.
+ragged_times = {}  # "packed" / "one_by_one" -> [ms]
+ragged_name = ""
+for row in (ragged_run or {}).get("benchmarks", []):
+    if row.get("run_type") == "aggregate" or row.get("error_occurred"):
+        continue
+    kind = row["name"].split("/")[7]
+    ragged_name = "/".join(row["name"].split("/")[1:7])
+    ragged_times.setdefault(kind, []).append(row["real_time"] * {"ns": 1e-6, "us": 1e-3,
+                                                                 "ms": 1.0, "s": 1e3}[row["time_unit"]])
+if len(ragged_times) == 2:
+    packed, each = (statistics.median(ragged_times[k]) for k in ("packed", "one_by_one"))
+    target("ragged batch within 10% of its sequences one by one",
+           f"{packed / each:.3f}x ({packed:.1f} vs {each:.1f} ms; {ragged_name})",
+           packed <= 1.10 * each)
+else:
+    target("ragged batch within 10% of its sequences one by one", "-", None)
 
 # Earlier issues' targets, kept as regression checks.
 pairs = []

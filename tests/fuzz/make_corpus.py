@@ -64,6 +64,13 @@ def random_request(seed, leading, kv_heads, query_len, key_len, head_dim, value_
                                options=pb.AttentionOptions(**options))
 
 
+def ragged(request, cu_seqlens_q, cu_seqlens_k):
+    """The request as a ragged batch (AttentionRequest.cu_seqlens_q/k)."""
+    request.cu_seqlens_q.extend(cu_seqlens_q)
+    request.cu_seqlens_k.extend(cu_seqlens_k)
+    return request
+
+
 def rows(*refs):
     return [pb.RowRef(batch=b, head=h, row=r) for b, h, r in refs]
 
@@ -106,6 +113,12 @@ seeds = {
     "attention-alibi-key-slice": ATTENTION + random_request(
         15, [2], 1, 7, 8, 4, 3, block_k=5, return_lse=True, key_position=6, query_position=3,
         alibi_slopes=[0.7, -0.3], softcap=2.0).SerializeToString(),
+    # Ragged batches: unequal lengths, an empty sequence, causal with ALiBi and a window.
+    "attention-ragged-causal": ATTENTION + ragged(random_request(
+        16, [4], 2, 12, 10, 5, 4, causal=True, block_k=3, return_lse=True, window_left=4,
+        alibi_slopes=[0.5, 0.25, 0.125, 0.0625]), [0, 5, 5, 12], [0, 3, 7, 10]).SerializeToString(),
+    "attention-ragged-decreasing": ATTENTION + ragged(random_request(
+        17, [2], 1, 6, 6, 3, 3, block_k=2), [0, 4, 2, 6], [0, 1, 2, 6]).SerializeToString(),
     "attention-mixed-dtypes": ATTENTION + random_request(
         5, [], 1, 5, 9, 6, 2, (F16, BF16, F32), block_k=3, output_dtype=F16).SerializeToString(),
     # Finite inputs whose scores overflow fp32 (4·1e20·1e20 > 3.4e38): inf − inf in the softmax.
@@ -117,6 +130,10 @@ seeds = {
         query=tensor(np.ones((2, 4)), F32), key=tensor(np.ones((3, 8)), F32),
         value=tensor(np.ones((3, 8)), F32)).SerializeToString(),
     "trace-seed-8x4": TRACE + pb.TraceRequest(attention=seed).SerializeToString(),
+    "trace-ragged-rows": TRACE + pb.TraceRequest(
+        attention=ragged(random_request(18, [2], 2, 9, 11, 4, 4, causal=True, block_k=3),
+                         [0, 2, 9], [0, 6, 11]),
+        rows=rows((0, 0, 1), (0, 1, 5))).SerializeToString(),
     "trace-causal-gqa-rows": TRACE + pb.TraceRequest(
         attention=random_request(6, [2, 4], 2, 7, 11, 5, 3, causal=True, block_k=3),
         rows=rows((0, 0, 0), (1, 3, 6), (0, 1, 3))).SerializeToString(),

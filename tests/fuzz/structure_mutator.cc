@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/v1/attention.pb.h"
@@ -102,7 +103,7 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
   v1::Tensor* v = request->mutable_value();
   v1::Tensor* all[] = {q, k, v};
   v1::AttentionOptions* options = request->mutable_options();
-  switch (Pick(rng, 12)) {
+  switch (Pick(rng, 13)) {
     case 0: {  // batch
       const int64_t batch = NewDim(rng, 1);
       for (v1::Tensor* t : all) SetDim(t, 4, batch);
@@ -233,6 +234,28 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
           }
       }
       return true;
+    case 11: {  // a ragged batch: none, the lengths cut in S pieces (some empty), or refused
+                // (decreasing, not at the packed length, counts that differ, one side only)
+      request->clear_cu_seqlens_q();
+      request->clear_cu_seqlens_k();
+      const int64_t choice = Pick(rng, 7);
+      if (choice == 0) return true;
+      const int64_t sequences = 1 + Pick(rng, 5);
+      for (auto [cu, t] : {std::pair{request->mutable_cu_seqlens_q(), q},
+                           std::pair{request->mutable_cu_seqlens_k(), k}}) {
+        const int64_t total = t->shape_size() >= 2 ? t->shape(t->shape_size() - 2) : 1;
+        std::vector<int64_t> cuts = {0, total};
+        for (int64_t s = 1; s < sequences; ++s) cuts.push_back(Pick(rng, total + 1));
+        std::sort(cuts.begin(), cuts.end());
+        cu->Assign(cuts.begin(), cuts.end());
+      }
+      auto* q_cu = request->mutable_cu_seqlens_q();
+      if (choice == 3 && q_cu->size() > 2) std::swap((*q_cu)[1], (*q_cu)[q_cu->size() - 2]);
+      if (choice == 4) (*q_cu)[q_cu->size() - 1] += 1;
+      if (choice == 5) request->add_cu_seqlens_k(request->cu_seqlens_k(sequences));
+      if (choice == 6) request->clear_cu_seqlens_k();
+      return true;
+    }
     default: {  // fresh values for one tensor
       v1::Tensor* t = all[Pick(rng, 3)];
       const std::optional<DType> dtype = FromProtoDType(t->dtype());
