@@ -25,12 +25,6 @@ namespace {
 using namespace attn;
 using namespace attn::testing;
 
-std::vector<int64_t> Cumulative(const std::vector<int64_t>& lengths) {
-  std::vector<int64_t> sums = {0};
-  for (int64_t length : lengths) sums.push_back(sums.back() + length);
-  return sums;
-}
-
 // Geometry against the rule as stated, key by key, on random ragged batches (empty sequences
 // included): a row sees only its own sequence's keys, by the causal mask and the window at the
 // sequence's own positions; HiddenBy names the reason (another sequence first); ranges stay
@@ -47,8 +41,8 @@ TEST(RaggedGeometryTest, VisibleKeepsEachRowInItsSequence) {
     }
     q_lengths.back() += 1;  // At least one row and one key in all.
     k_lengths.back() += 1;
-    host.cu_seqlens_q = Cumulative(q_lengths);
-    host.cu_seqlens_k = Cumulative(k_lengths);
+    host.cu_seqlens_q = CumulativeLengths(q_lengths);
+    host.cu_seqlens_k = CumulativeLengths(k_lengths);
     host.shape = MakeShape(1, 1, 1, host.cu_seqlens_q.back(), host.cu_seqlens_k.back(), 1, 1);
     host.causal = trial % 3 != 0;
     if (trial % 4 == 1) host.window_left = window(rng);
@@ -95,7 +89,8 @@ struct RaggedCase {
 void PrintTo(const RaggedCase& c, std::ostream* os) { *os << c.name; }
 
 HostProblem MakeHost(const RaggedCase& c) {
-  const std::vector<int64_t> cu_q = Cumulative(c.query_lengths), cu_k = Cumulative(c.key_lengths);
+  const std::vector<int64_t> cu_q = CumulativeLengths(c.query_lengths);
+  const std::vector<int64_t> cu_k = CumulativeLengths(c.key_lengths);
   HostProblem host = RandomProblem(
       MakeShape(1, c.heads, c.kv_heads, cu_q.back(), cu_k.back(), c.head_dim, c.value_dim), c.dtype,
       c.causal, c.block_k, std::hash<std::string>{}(c.name));

@@ -71,6 +71,12 @@ Problem HostProblem::View() const {
   return problem;
 }
 
+std::vector<int64_t> CumulativeLengths(const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> sums = {0};
+  for (int64_t length : lengths) sums.push_back(sums.back() + length);
+  return sums;
+}
+
 HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k,
                           uint64_t seed) {
   HostProblem p;

@@ -46,6 +46,9 @@ struct HostProblem {
 Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_len, int64_t key_len,
                 int64_t head_dim, int64_t value_dim);
 
+// Sequence lengths → the cumulative lengths cu_seqlens take: {5, 1, 40} → {0, 5, 6, 46}.
+std::vector<int64_t> CumulativeLengths(const std::vector<int64_t>& lengths);
+
 // Fresh uniform(-1, 1) inputs (never zeros) rounded to `dtype`; scale = 1/sqrt(head_dim).
 HostProblem RandomProblem(const Shape& shape, DType dtype, bool causal, int block_k, uint64_t seed);
 

@@ -427,6 +427,9 @@ struct RandomCase {
   int64_t window_right = -1;
   float softcap = 0.f;     // AttentionOptions.softcap (the queries × 32 when set, past the cap).
   float alibi_base = 0.f;  // ALiBi: head h's slope alibi_base^(h + 1); 0 = none.
+  // A ragged batch (cu_seqlens): its sequences' query and key lengths, summing to the shape's
+  // query_len and key_len (batch 1); empty = one sequence.
+  std::vector<int64_t> query_lengths = {}, key_lengths = {};
 };
 
 // ALiBi slopes base^(h + 1) for the problem's heads (none for base 0).
@@ -450,6 +453,12 @@ TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
   if (c.window_left >= 0) host.window_left = c.window_left;
   if (c.window_right >= 0) host.window_right = c.window_right;
   SetAlibi(host, c.alibi_base);
+  if (!c.query_lengths.empty()) {
+    host.cu_seqlens_q = CumulativeLengths(c.query_lengths);
+    host.cu_seqlens_k = CumulativeLengths(c.key_lengths);
+    ASSERT_EQ(host.cu_seqlens_q.back(), c.shape.query_len);
+    ASSERT_EQ(host.cu_seqlens_k.back(), c.shape.key_len);
+  }
   if (c.softcap > 0) {
     host.softcap = c.softcap;
     for (size_t i = 0; i < host.query.size(); ++i) {
@@ -531,7 +540,58 @@ INSTANTIATE_TEST_SUITE_P(
         RandomCase{"AlibiKeySlice", MakeShape(1, 2, 2, 37, 19, 17, 17), false, 5, 23, 16, -1, -1,
                    0.f, 0.7f},
         RandomCase{"AlibiSoftcapWindow", MakeShape(1, 4, 2, 150, 150, 48, 40), true, 32, 0, -1, 33,
-                   -1, 5.f, 0.6f}),
+                   -1, 5.f, 0.6f},
+        // Ragged batches: unequal lengths, a sequence of length 1 and an empty one, sequences
+        // that start mid-tile and mid-block (the fused kernels' 64-row blocks span them), with
+        // causal, a window and ALiBi.
+        RandomCase{"RaggedUnequal",
+                   MakeShape(1, 4, 2, 46, 41, 19, 23),
+                   false,
+                   7,
+                   0,
+                   -1,
+                   -1,
+                   -1,
+                   0.f,
+                   0.f,
+                   {5, 1, 40},
+                   {7, 1, 33}},
+        RandomCase{"RaggedCausalEmpty",
+                   MakeShape(1, 2, 1, 13, 19, 17, 17),
+                   true,
+                   16,
+                   0,
+                   -1,
+                   -1,
+                   -1,
+                   0.f,
+                   0.f,
+                   {0, 6, 3, 4},
+                   {5, 0, 8, 6}},
+        RandomCase{"RaggedFusedCausalAlibi",
+                   MakeShape(1, 4, 2, 330, 340, 64, 64),
+                   true,
+                   32,
+                   0,
+                   -1,
+                   -1,
+                   -1,
+                   0.f,
+                   0.5f,
+                   {100, 29, 201},
+                   {120, 19, 201}},
+        RandomCase{"RaggedWindowSoftcap",
+                   MakeShape(1, 2, 2, 203, 203, 48, 40),
+                   true,
+                   16,
+                   0,
+                   -1,
+                   9,
+                   -1,
+                   5.f,
+                   0.f,
+                   {70, 133},
+                   {70, 133}}),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
@@ -546,6 +606,7 @@ struct LowPrecisionCase {
   int64_t window_left = -1;  // AttentionOptions.window_left; −1 = unbounded.
   float softcap = 0.f;       // AttentionOptions.softcap (the queries × 32 when set).
   float alibi_base = 0.f;    // ALiBi: head h's slope alibi_base^(h + 1); 0 = none.
+  std::vector<int64_t> query_lengths = {}, key_lengths = {};  // A ragged batch (as RandomCase).
 };
 
 void PrintTo(const LowPrecisionCase& c, std::ostream* os) { *os << c.name; }
@@ -567,6 +628,12 @@ TEST_P(CudaLowPrecisionTest, ErrorWithinTwiceTheSamePrecisionBaseline) {
   HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, seed);
   if (c.window_left >= 0) host.window_left = c.window_left;
   SetAlibi(host, c.alibi_base);
+  if (!c.query_lengths.empty()) {
+    host.cu_seqlens_q = CumulativeLengths(c.query_lengths);
+    host.cu_seqlens_k = CumulativeLengths(c.key_lengths);
+    ASSERT_EQ(host.cu_seqlens_q.back(), c.shape.query_len);
+    ASSERT_EQ(host.cu_seqlens_k.back(), c.shape.key_len);
+  }
   if (c.softcap > 0) {
     host.softcap = c.softcap;
     for (size_t i = 0; i < host.query.size(); ++i) {
@@ -641,7 +708,19 @@ INSTANTIATE_TEST_SUITE_P(
         LowPrecisionCase{"Bf16AlibiCausalGqa", DType::kBFloat16,
                          MakeShape(1, 4, 2, 200, 200, 64, 64), true, 64, -1, 0.f, 0.5f},
         LowPrecisionCase{"F16AlibiSoftcapWindow", DType::kFloat16,
-                         MakeShape(1, 4, 2, 130, 150, 32, 32), true, 64, 60, 10.f, 0.7f}),
+                         MakeShape(1, 4, 2, 130, 150, 32, 32), true, 64, 60, 10.f, 0.7f},
+        // The tensor-core kernel over a ragged batch whose sequences start mid-block and
+        // mid-tile, causal with ALiBi.
+        LowPrecisionCase{"Bf16RaggedCausalAlibi",
+                         DType::kBFloat16,
+                         MakeShape(1, 4, 2, 231, 260, 64, 64),
+                         true,
+                         64,
+                         -1,
+                         0.f,
+                         0.5f,
+                         {1, 100, 130},
+                         {30, 100, 130}}),
     [](const ::testing::TestParamInfo<LowPrecisionCase>& info) { return info.param.name; });
 
 class CudaMixedDtypeTest : public CudaTest {};
