@@ -103,8 +103,8 @@ struct Problem {
   int64_t window_right = kUnbounded;
   // A ragged batch (kernels/geometry.h): batch is 1, and sequences + 1 cumulative lengths each
   // (starting at 0, never decreasing, ending at query_len and key_len) split the rows and keys
-  // into sequences; the positions are then unset. sequences 0 = one sequence. Host memory, owned
-  // like the tensors.
+  // into sequences; the positions are then unset, and pages too (a cache is one sequence, so
+  // Decode never meets one). sequences 0 = one sequence. Host memory, owned like the tensors.
   const int64_t* cu_seqlens_q = nullptr;
   const int64_t* cu_seqlens_k = nullptr;
   int64_t sequences = 0;
