@@ -442,6 +442,14 @@ void SetAlibi(HostProblem& host, float base) {
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
 
+// A case as a ragged batch of these query and key lengths.
+template <class Case>
+Case Ragged(Case c, std::vector<int64_t> query_lengths, std::vector<int64_t> key_lengths) {
+  c.query_lengths = std::move(query_lengths);
+  c.key_lengths = std::move(key_lengths);
+  return c;
+}
+
 class CudaRandomFp32Test : public CudaFixture<::testing::TestWithParam<RandomCase>> {};
 
 TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
@@ -544,54 +552,16 @@ INSTANTIATE_TEST_SUITE_P(
         // Ragged batches: unequal lengths, a sequence of length 1 and an empty one, sequences
         // that start mid-tile and mid-block (the fused kernels' 64-row blocks span them), with
         // causal, a window and ALiBi.
-        RandomCase{"RaggedUnequal",
-                   MakeShape(1, 4, 2, 46, 41, 19, 23),
-                   false,
-                   7,
-                   0,
-                   -1,
-                   -1,
-                   -1,
-                   0.f,
-                   0.f,
-                   {5, 1, 40},
-                   {7, 1, 33}},
-        RandomCase{"RaggedCausalEmpty",
-                   MakeShape(1, 2, 1, 13, 19, 17, 17),
-                   true,
-                   16,
-                   0,
-                   -1,
-                   -1,
-                   -1,
-                   0.f,
-                   0.f,
-                   {0, 6, 3, 4},
-                   {5, 0, 8, 6}},
-        RandomCase{"RaggedFusedCausalAlibi",
-                   MakeShape(1, 4, 2, 330, 340, 64, 64),
-                   true,
-                   32,
-                   0,
-                   -1,
-                   -1,
-                   -1,
-                   0.f,
-                   0.5f,
-                   {100, 29, 201},
-                   {120, 19, 201}},
-        RandomCase{"RaggedWindowSoftcap",
-                   MakeShape(1, 2, 2, 203, 203, 48, 40),
-                   true,
-                   16,
-                   0,
-                   -1,
-                   9,
-                   -1,
-                   5.f,
-                   0.f,
-                   {70, 133},
-                   {70, 133}}),
+        Ragged(RandomCase{"RaggedUnequal", MakeShape(1, 4, 2, 46, 41, 19, 23), false, 7},
+               {5, 1, 40}, {7, 1, 33}),
+        Ragged(RandomCase{"RaggedCausalEmpty", MakeShape(1, 2, 1, 13, 19, 17, 17), true, 16},
+               {0, 6, 3, 4}, {5, 0, 8, 6}),
+        Ragged(RandomCase{"RaggedFusedCausalAlibi", MakeShape(1, 4, 2, 330, 340, 64, 64), true, 32,
+                          0, -1, -1, -1, 0.f, 0.5f},
+               {100, 29, 201}, {120, 19, 201}),
+        Ragged(RandomCase{"RaggedWindowSoftcap", MakeShape(1, 2, 2, 203, 203, 48, 40), true, 16, 0,
+                          -1, 9, -1, 5.f},
+               {70, 133}, {70, 133})),
     [](const ::testing::TestParamInfo<RandomCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
@@ -711,16 +681,9 @@ INSTANTIATE_TEST_SUITE_P(
                          MakeShape(1, 4, 2, 130, 150, 32, 32), true, 64, 60, 10.f, 0.7f},
         // The tensor-core kernel over a ragged batch whose sequences start mid-block and
         // mid-tile, causal with ALiBi.
-        LowPrecisionCase{"Bf16RaggedCausalAlibi",
-                         DType::kBFloat16,
-                         MakeShape(1, 4, 2, 231, 260, 64, 64),
-                         true,
-                         64,
-                         -1,
-                         0.f,
-                         0.5f,
-                         {1, 100, 130},
-                         {30, 100, 130}}),
+        Ragged(LowPrecisionCase{"Bf16RaggedCausalAlibi", DType::kBFloat16,
+                                MakeShape(1, 4, 2, 231, 260, 64, 64), true, 64, -1, 0.f, 0.5f},
+               {1, 100, 130}, {30, 100, 130})),
     [](const ::testing::TestParamInfo<LowPrecisionCase>& info) { return info.param.name; });
 
 class CudaMixedDtypeTest : public CudaTest {};
