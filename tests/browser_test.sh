@@ -5,7 +5,9 @@
 # output against the seed's out[0], the 1024 bytes of Naive at N = 8, no console errors, and that a
 # server error is shown; saves a screenshot as viewer.png. Then (tests/browser/mask_test.js) a
 # causal window with ALiBi: the hidden keys' reasons, the window band, each key's bias and the
-# final output; saves viewer-masks.png.
+# final output; a ragged batch (the other-sequence marks, the row's sequence); split and merge
+# with a window, softcap and ALiBi against the unsplit row; saves viewer-masks.png and
+# viewer-masks-ragged.png.
 # Usage: browser_test.sh ATTND [SCREENSHOT_DIR]   (the screenshot goes to $ATTN_SCREENSHOT_DIR when
 # set, else SCREENSHOT_DIR, else ATTND's directory)
 # Exit 77 (skipped) when chromium or node is absent; deploy/install-deps.sh installs both and

@@ -217,6 +217,14 @@
             first: ck[s], end: ck[s + 1], p: (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]) + (row - cq[s])};
   }
 
+  // The geometry sequenceOf and hiddenByGeometry read (TraceStart's fields) of one sequence of
+  // keyLen keys: causal, the window (null: unbounded) and the positions; no ragged batch.
+  function oneSequence({keyLen, causal, windowLeft = null, windowRight = null, keyPosition = 0,
+                        queryPosition = 0}) {
+    return {keyLen, causal: !!causal, windowLeft, windowRight, keyPosition, queryPosition,
+            cuSeqlensQ: [], cuSeqlensK: []};
+  }
+
   // What hides key j from the row of `seq` (sequenceOf) by the trace's geometry, for keys no step
   // carries (tiles the mask hides entirely are not traced): another sequence, then causal, then
   // the window, as the server decides.
@@ -1225,22 +1233,34 @@
     });
   }
 
-  // The row's full-matrix answer in float64 from the page's own inputs: the page's problem is
-  // n queries × n keys at positions 0…n−1, so a causal query i sees keys j ≤ i.
-  function referenceRow(problem, row, causal) {
+  // The row's full-matrix answer in float64 from the page's own inputs, under `options` (the
+  // whole problem's AttentionOptions JSON, as maskOptions builds it): the page's problem is n
+  // queries × n keys at positions 0…n−1, so query i is at p = i and key j at t = j; the keys the
+  // causal mask or the window hide are left out (hiddenByGeometry, the trace's rule), and each
+  // seen score is scale · q·k, capped (softcap · tanh(s / softcap)), then biased by
+  // −slope · |p − t| (README "Softcap", "ALiBi": the server's order).
+  function referenceRow(problem, row, options) {
     const {keyLen: n, d, q, k, v} = problem;
     const scale = f32(1 / Math.sqrt(d));  // the server's default scale, rounded to fp32
+    const geometry = oneSequence({keyLen: n, causal: options.causal,
+                                  windowLeft: options.windowLeft, windowRight: options.windowRight});
+    const seq = sequenceOf(geometry, row);
+    const cap = options.softcap > 0 ? options.softcap : 0;
+    const slope = options.alibiSlopes && options.alibiSlopes.length ? options.alibiSlopes[0] : 0;
     const scores = [];
-    for (let j = 0; j < n && (!causal || j <= row); ++j) {
+    for (let j = 0; j < n; ++j) {
+      if (hiddenByGeometry(geometry, seq, j)) continue;
       let dot = 0;
       for (let c = 0; c < d; ++c) dot += q[row * d + c] * k[j * d + c];
-      scores.push(scale * dot);
+      let s = scale * dot;
+      if (cap > 0) s = cap * Math.tanh(s / cap);
+      scores.push([j, s - slope * Math.abs(seq.p - (j - seq.first))]);
     }
     const out = new Array(d).fill(0);
     if (scores.length === 0) return out;
-    const max = Math.max(...scores);
+    const max = Math.max(...scores.map(([, s]) => s));
     let sum = 0;
-    scores.forEach((s, j) => {
+    scores.forEach(([j, s]) => {
       const w = Math.exp(s - max);
       sum += w;
       for (let c = 0; c < d; ++c) out[c] += w * v[j * d + c];
@@ -1274,6 +1294,9 @@
           parts: num(p.parts), singleServer: !!p.singleServer, keysSent: num(p.keysSent),
           endpoints: (p.endpoints || []).map(String), heads: num(p.heads), kvHeads: num(p.kvHeads),
           scale: num(p.scale),
+          // Absent: unbounded on that side.
+          windowLeft: p.windowLeft === undefined || p.windowLeft === null ? null : num(p.windowLeft),
+          windowRight: p.windowRight === undefined || p.windowRight === null ? null : num(p.windowRight),
         };
       } else if (o.part) {
         const p = o.part;
@@ -1329,10 +1352,27 @@
     return {source: 'file', label, problem, rows};
   }
 
+  // What the slices carried beside their positions, for the label: ' and …' or ''.
+  function sentWith(options) {
+    const side = (v) => (v === undefined ? '∞' : String(v));
+    const what = [];
+    if (options.windowLeft !== undefined || options.windowRight !== undefined) {
+      what.push(`window left ${side(options.windowLeft)}, right ${side(options.windowRight)}`);
+    }
+    if (options.softcap > 0) what.push(`softcap ${fmt(options.softcap)}`);
+    if (options.alibiSlopes) what.push(`ALiBi slope ${fmt(options.alibiSlopes[0], 8)}`);
+    return what.length ? ` and the form's ${what.join(', ')}` : '';
+  }
+
   // "Split and merge": this page's problem, its keys cut into contiguous slices, each traced by
-  // this page's server with key_position = the slice's first key and the whole problem's
-  // query_position (0: n queries over n keys), so each slice's causal mask is its share of the
-  // whole; the states merged here.
+  // this page's server with the form's options (causal, the window, the softcap and ALiBi slopes:
+  // maskOptions, as the run sends them), key_position = the slice's first key and the whole
+  // problem's query_position (0: n queries over n keys). The positions place the causal mask, the
+  // window and the ALiBi distances of each slice as in the whole (the softcap is per score), so
+  // each slice computes exactly its part; the states merged here. Every slice is sent, also one
+  // the traced row cannot see: it comes back with no step and lse −∞, the empty state, which the
+  // merge takes with factor 0. A ragged batch is refused: its sequences' positions are their own,
+  // which one key_position per slice cannot give.
   async function splitAndMerge() {
     clearError();
     const cfg = readConfig();
@@ -1344,6 +1384,8 @@
     }
     const problem = buildProblem(cfg);
     const n = problem.keyLen, d = problem.d;
+    // The whole problem's options; each slice adds its positions.
+    const options = maskOptions(cfg, {causal: cfg.causal, blockK: cfg.blockK, returnLse: true});
     const asked = Math.trunc(Number($('merge-parts').value)) || 1;
     const count = Math.max(1, Math.min(asked, MAX_MERGE_PARTS, n));
     const slices = [];
@@ -1366,8 +1408,7 @@
           query: tensor(problem.q, n),
           key: tensor(problem.k.subarray(a * d, b * d), b - a),
           value: tensor(problem.v.subarray(a * d, b * d), b - a),
-          options: {causal: cfg.causal, blockK: cfg.blockK, returnLse: true, keyPosition: a,
-                    queryPosition: 0},
+          options: {...options, keyPosition: a, queryPosition: 0},
         };
         const events = {start: null, steps: [], done: null, end: null};
         try {
@@ -1412,7 +1453,7 @@
       state.estimate = normalize(state.accumulator, state.denominator);
       return state;
     });
-    const reference = referenceRow(problem, cfg.row, cfg.causal);
+    const reference = referenceRow(problem, cfg.row, options);
     const steps = mergeSteps(parts, reference);
     const output = steps[steps.length - 1].estimate;
     const row = {batch: 0, head: 0, row: cfg.row};
@@ -1422,11 +1463,12 @@
         ? `One part: this server (${server}) traced all ${n} keys — nothing to merge; its final ` +
           'state is the answer.'
         : `All ${parts.length} parts were answered by this one server (${server}), one trace per ` +
-          'slice of the keys with its positions, and merged here: the merge a client of ' +
-          `${parts.length} servers would do.`,
+          `slice of the keys with its positions${sentWith(options)}, and merged here: the merge a ` +
+          `client of ${parts.length} servers would do.`,
       problem: {keyLen: n, queryLen: n, valueDim: d, causal: cfg.causal, keyPosition: 0,
                 queryPosition: 0, parts: parts.length, singleServer: parts.length === 1,
-                keysSent: n, endpoints: [server]},
+                keysSent: n, endpoints: [server],
+                windowLeft: cfg.windowLeft, windowRight: cfg.windowRight},
       rows: new Map([[rowKey(row), {
         row, parts, steps,
         merged: {output, reference, maxAbsError: maxAbsDiff(output, reference),
@@ -1461,7 +1503,23 @@
     setMergeSource(model.label);
   }
 
-  function drawMergeKeys(problem, row, pos) {
+  // What hides each of the whole problem's keys from traced row `r` (a row index): 'causal',
+  // 'window' or '' (seen), by the trace's rule from the whole request's positions and window.
+  function mergeHidden(problem, r) {
+    const geometry = oneSequence(problem);
+    const seq = sequenceOf(geometry, r);
+    return Array.from({length: problem.keyLen}, (_, j) => hiddenByGeometry(geometry, seq, j));
+  }
+  // The mask's words for a part that saw no key: what hides its slice [a, b).
+  function hiddenSliceText(hidden, a, b) {
+    const why = new Set(hidden.slice(a, b).filter((h) => h));
+    if (why.has('causal') && why.has('window')) return 'the causal mask and the window hide its whole slice';
+    if (why.has('window')) return 'the window hides its whole slice';
+    if (why.has('causal')) return 'the causal mask hides its whole slice';
+    return 'it sees none of its slice';
+  }
+
+  function drawMergeKeys(problem, row, pos, hidden) {
     const chart = $('merge-keys');
     const W = 1000, H = 84, L = 12, R = 12, top = 24, bar = 24;
     const n = Math.max(1, problem.keyLen);
@@ -1490,19 +1548,26 @@
       nodes.push(svg('rect', {x: x(problem.keysSent), y: top, height: bar, class: 'unsent',
                               width: x(problem.keyLen) - x(problem.keysSent)}));
     }
-    // Keys this row cannot see: a causal query at position p sees keys at positions ≤ p.
-    if (problem.causal) {
-      const seen = Math.max(0, Math.min(n, problem.queryPosition + row.row.row - problem.keyPosition + 1));
-      if (seen < n) {
-        nodes.push(svg('rect', {x: x(seen), y: top, width: x(n) - x(seen), height: bar,
-                                class: 'unseen'}));
+    // Keys this row cannot see (the causal mask: after its position; the window: outside
+    // p − left … p + right), one hatched range per run of keys hidden for the same reason.
+    const reasons = new Set();
+    for (let j = 0; j < hidden.length;) {
+      let e = j + 1;
+      while (e < hidden.length && hidden[e] === hidden[j]) ++e;
+      if (hidden[j]) {
+        reasons.add(hidden[j]);
+        const rect = svg('rect', {x: x(j), y: top, width: x(e) - x(j), height: bar, class: 'unseen',
+                                  'data-hidden': hidden[j], 'data-lo': j, 'data-hi': e - 1});
+        rect.append(svg('title', {}, `keys ${j}…${e - 1}: ${HIDDEN[hidden[j]].legend}`));
+        nodes.push(rect);
       }
+      j = e;
     }
     nodes.push(svg('text', {x: W - R, y: top + bar + 12, class: 'tick', 'text-anchor': 'end'},
                    String(problem.keyLen)));
     nodes.push(svg('text', {x: L, y: H - 6, class: 'axis'},
                    `keys 0…${problem.keyLen - 1}: each part's slice` +
-                   (problem.causal ? '; hatched: keys this row cannot see (causal)' : '') +
+                   (reasons.size ? `; hatched: keys this row cannot see (${[...reasons].join(', ')})` : '') +
                    (problem.keysSent < problem.keyLen ? '; grey: sent to no server' : '')));
     chart.replaceChildren(...nodes);
   }
@@ -1551,7 +1616,9 @@
     const partOf = (i) => row.parts[i];
     const keys = (p) => `[${p.keyBegin}, ${p.keyEnd})`;
     $('merge-pos').textContent = `merge step ${pos + 1} / ${total}`;
-    drawMergeKeys(model.problem, row, pos);
+    if (!row.hidden) row.hidden = mergeHidden(model.problem, row.row.row);  // once per row
+    const hidden = row.hidden;
+    drawMergeKeys(model.problem, row, pos, hidden);
 
     // Each part's final state.
     const dc = Math.min(row.parts.length ? row.parts[0].accumulator.length : 0, MAX_COMPONENTS);
@@ -1565,7 +1632,7 @@
                     el('td', {}, String(p.steps)));
       if (p.steps === 0) {
         tr.append(el('td', {class: 'none', colspan: 4},
-                     'saw no key: max −∞, denominator 0 (the causal mask hides its whole slice)'));
+                     `saw no key: max −∞, denominator 0 (${hiddenSliceText(hidden, p.keyBegin, p.keyEnd)})`));
       } else {
         tr.append(el('td', {}, fmt(p.max)), el('td', {}, fmt(p.denominator, 6)),
                   el('td', {}, fmt(p.lse)), el('td', {}, fmtVector(p.estimate.slice(0, dc), 4)));
@@ -1633,7 +1700,8 @@
           ? `; the file's merge of the parts' finished (output, lse) differs by ` +
             `${fmt(row.merged.rowDoneMaxAbsDiff, 8)}.` : '.')
       : 'Merged here in float32 with the rule of OnlineSoftmaxRow::Merge; the reference is ' +
-        'computed here in float64 from the page\'s inputs over all keys.';
+        'computed here in float64 from the page\'s inputs over all keys, with the same causal ' +
+        'mask, window, softcap and ALiBi bias.';
   }
 
   function initMerge() {

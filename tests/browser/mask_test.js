@@ -4,6 +4,13 @@
 // mask, the window band covers keys 3…7 (right side unbounded), key j's bias is −2^-8·|5 − j|,
 // and the final output is the masked, biased softmax computed here in float64. Bad window and
 // softcap values are refused by the page with a message, before any request.
+// Then "Split and merge" of the same causal window with ALiBi and a softcap of 1 into 4 parts,
+// keys [0, 2) [2, 4) [4, 6) [6, 8): every slice's /v1/trace carries the window, the softcap, the
+// slope and its positions (key_position = its first key, query_position 0); part 1 is hidden from
+// row 5 by the window and part 4 by the causal mask (both come back empty and enter the merge
+// with factor 0), and the merged output equals the unsplit /v1/tiled output of row 5 and the
+// capped, biased, windowed softmax computed here (within 5e-5, and within 1e-5 of the page's own
+// reference, as viewer_test.js's split).
 // Then a ragged batch: "Sequences" 5,1,10 / 7,1,9 (16 query rows, 17 keys: the sums replace N),
 // block_k 5, the left window 4, row 12: its sequence (rows 6…15, keys 8…16, 10 queries bottom-right
 // against 9 keys) puts it at p = 5 over its keys t = j − 8, so keys 0…7 are hidden as another
@@ -11,8 +18,8 @@
 // the packed shapes, the sequence's bar spans keys 8…16 and the window band 9…16, the traced tiles
 // carry the server's marks (keys 5…7 of tile 1 in another sequence), each key's bias is
 // −2^-8·|13 − j|, and the final output is that sequence's softmax computed here. Bad sequences,
-// and sequences with "keys in a KV cache", are refused by the page with a message. Saves the
-// ragged view beside SCREENSHOT as *-ragged.png.
+// and sequences with "keys in a KV cache", are refused by the page with a message, and so is
+// "Split and merge" of a ragged batch. Saves the ragged view beside SCREENSHOT as *-ragged.png.
 // Usage: node mask_test.js URL SCREENSHOT
 'use strict';
 const {chromium} = require('playwright-core');
@@ -25,9 +32,10 @@ function check(name, ok, detail) {
 }
 const numbersIn = (text) => (text.replace(/−/g, '-').match(/-?\d+(\.\d+)?(e-?\d+)?/g) || []).map(Number);
 const ROW = 5, LEFT = 2, SLOPE = Math.pow(2, -8), N = 8, D = 4;
-// The seed's output of query row `row` over keys lo…hi (packed indices), key j biased by
-// −SLOPE·distance(j), in float64.
-function expectedOut(row, lo, hi, distance) {
+// The seed's output of query row `row` over keys lo…hi (packed indices), each score capped at
+// `cap` (cap·tanh(s / cap); none when absent) and then key j biased by −SLOPE·distance(j), in
+// float64.
+function expectedOut(row, lo, hi, distance, cap) {
   const q = (i, j) => ((i + j) % 5) - 2;
   const k = (i, j) => (((2 * i + j) % 7) - 3) / 2;
   const v = (i, j) => ((i + j) % 9) - 4;
@@ -35,7 +43,8 @@ function expectedOut(row, lo, hi, distance) {
   for (let j = lo; j <= hi; ++j) {
     let dot = 0;
     for (let c = 0; c < D; ++c) dot += q(row, c) * k(j, c);
-    s.push([j, dot / Math.sqrt(D) - SLOPE * distance(j)]);
+    const scaled = dot / Math.sqrt(D);
+    s.push([j, (cap ? cap * Math.tanh(scaled / cap) : scaled) - SLOPE * distance(j)]);
   }
   const m = Math.max(...s.map(([, x]) => x));
   let sum = 0;
@@ -59,10 +68,14 @@ function expectedOut(row, lo, hi, distance) {
     page.on('console', (m) => { if (m.type() === 'error') errors.push(m.text()); });
     page.on('pageerror', (e) => errors.push(`uncaught: ${e.message}`));
     let posts = 0, traceBody = null;
+    const traceBodies = [];  // every /v1/trace request's body, in order
     page.on('request', (r) => {
       if (r.method() !== 'POST') return;
       ++posts;
-      if (new URL(r.url()).pathname === '/v1/trace') traceBody = JSON.parse(r.postData() || 'null');
+      if (new URL(r.url()).pathname === '/v1/trace') {
+        traceBody = JSON.parse(r.postData() || 'null');
+        traceBodies.push(traceBody);
+      }
     });
     await page.goto(url, {waitUntil: 'load'});
     await page.selectOption('#example', 'seed');
@@ -136,6 +149,75 @@ function expectedOut(row, lo, hi, distance) {
     check(`the final output is the windowed, biased softmax [${expected.map((x) => x.toFixed(4))}]`,
           shown.length === D && shown.every((x, i) => Math.abs(x - expected[i]) <= 5e-5), String(shown));
     await page.screenshot({path: screenshot, fullPage: true});
+
+    // Split and merge with the causal window, ALiBi and a softcap of 1. First the unsplit run:
+    // its /v1/tiled answer for row 5 is what the merge must give.
+    const CAP = 1, PARTS = 4;
+    const SLICES = [[0, 2], [2, 4], [4, 6], [6, 8]];  // the page's [round(s·N/P), round((s+1)·N/P))
+    await page.fill('#softcap', String(CAP));
+    const tiledAnswer = page.waitForResponse((r) => r.request().method() === 'POST' &&
+                                             new URL(r.url()).pathname === '/v1/tiled');
+    await page.click('#run');
+    await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    const tiledJson = await (await tiledAnswer).json();
+    const tiledBytes = Buffer.from((tiledJson.output && tiledJson.output.data) || '', 'base64');
+    const vd = tiledJson.output && tiledJson.output.shape ? Number(tiledJson.output.shape.at(-1)) : 0;
+    const unsplit = vd === D && tiledBytes.length >= N * D * 4
+      ? Array.from({length: D}, (_, c) => tiledBytes.readFloatLE((ROW * D + c) * 4)) : [];
+    const capped = expectedOut(ROW, ROW - LEFT, ROW, (j) => Math.abs(ROW - j), CAP);
+    check(`the unsplit Tiled row 5 is the capped, biased, windowed softmax [${capped.map((x) => x.toFixed(4))}]`,
+          unsplit.length === D && unsplit.every((x, i) => Math.abs(x - capped[i]) <= 5e-5),
+          `${JSON.stringify(tiledJson.output && tiledJson.output.shape)} ${unsplit}`);
+
+    await page.fill('#merge-parts', String(PARTS));
+    const serialBefore = await page.getAttribute('#merge-source', 'data-serial');
+    traceBodies.length = 0;
+    await page.click('#merge-run');
+    await page.waitForFunction(
+        (old) => document.getElementById('merge-source').dataset.serial !== old, serialBefore);
+    const splitErr = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
+    check('the split of the windowed, capped ALiBi problem shows no error', splitErr === '', splitErr);
+    const sent = traceBodies.map((b) => b && b.attention)
+        .sort((x, y) => Number(x && x.options && x.options.keyPosition) -
+                        Number(y && y.options && y.options.keyPosition));
+    const carried = (a, [lo, hi]) => {
+      const o = (a && a.options) || {};
+      return o.causal === true && Number(o.windowLeft) === LEFT && o.windowRight === undefined &&
+          Number(o.softcap) === CAP && JSON.stringify((o.alibiSlopes || []).map(Number)) === JSON.stringify([SLOPE]) &&
+          Number(o.keyPosition || 0) === lo && Number(o.queryPosition || 0) === 0 &&
+          o.returnLse === true && JSON.stringify(a.key.shape) === JSON.stringify([hi - lo, D]) &&
+          JSON.stringify(a.query.shape) === JSON.stringify([N, D]);
+    };
+    check(`each of the ${PARTS} slices' /v1/trace carries the window, softcap, slope and its positions`,
+          sent.length === PARTS && sent.every((a, i) => carried(a, SLICES[i])),
+          JSON.stringify(sent.map((a) => a && a.options)));
+    const partsText = await page.textContent('#merge-parts-table');
+    const noKey = partsText.match(/saw no key[^)]*\)/g) || [];
+    check('parts 1 and 4 saw no key: the window hides part 1, the causal mask part 4',
+          noKey.length === 2 && /the window hides/.test(noKey[0]) && /the causal mask hides/.test(noKey[1]),
+          partsText);
+    const hatched = await page.$$eval('#merge-keys rect.unseen',
+                                      (rs) => rs.map((r) => `${r.dataset.hidden}:${r.dataset.lo}-${r.dataset.hi}`));
+    check('the merge\'s key axis hatches keys 0–2 (window) and 6–7 (causal)',
+          JSON.stringify(hatched) === JSON.stringify(['window:0-2', 'causal:6-7']), JSON.stringify(hatched));
+    const factors = (await page.locator('#merge-steps-table td.part-rescale').allTextContents())
+        .map((t) => numbersIn(t)[0]);
+    check('the empty parts 1 and 4 enter the merge with factor 0',
+          factors.length === PARTS && factors[0] === 0 && factors[3] === 0 && factors[1] > 0 && factors[2] > 0,
+          String(factors));
+    if (await page.isEnabled('#merge-last')) await page.click('#merge-last');
+    const mergedOut = numbersIn(await page.textContent('#merge-output'));
+    check('the merged output equals the unsplit Tiled output of row 5 (within 5e-5)',
+          mergedOut.length === D && unsplit.length === D &&
+              mergedOut.every((x, i) => Math.abs(x - unsplit[i]) <= 5e-5),
+          `merged ${mergedOut}, unsplit ${unsplit}`);
+    check('the merged output is the capped, biased, windowed softmax computed here (within 5e-5)',
+          mergedOut.length === D && mergedOut.every((x, i) => Math.abs(x - capped[i]) <= 5e-5),
+          `merged ${mergedOut}, here ${capped}`);
+    const splitMergeErr = numbersIn(await page.textContent('#merge-error'))[0];
+    check('the merged output is within 1e-5 of the page\'s full-matrix reference (same mask and bias)',
+          splitMergeErr < 1e-5, String(splitMergeErr));
+    await page.fill('#softcap', '0');
 
     // A ragged batch. Bad sequences: a message on the page, no request.
     await page.fill('#window-left', '4');
@@ -235,6 +317,16 @@ function expectedOut(row, lo, hi, distance) {
           `[${rexpected.map((x) => x.toFixed(4))}]`,
           rshown.length === D && rshown.every((x, i) => Math.abs(x - rexpected[i]) <= 5e-5), String(rshown));
     await page.screenshot({path: screenshot.replace(/\.png$/, '') + '-ragged.png', fullPage: true});
+    {
+      // Split and merge takes one sequence's keys only.
+      const before = posts;
+      await page.click('#merge-run');
+      await page.waitForFunction(() => !document.getElementById('error').hidden);
+      const text = await page.textContent('#error');
+      check('split and merge of a ragged batch is refused in the page',
+            /Split and merge cuts one sequence's keys/.test(text) && posts === before,
+            `error "${text}", ${posts - before} requests`);
+    }
     check('no console errors', errors.length === 0, errors.join(' | '));
   } finally {
     await browser.close();
