@@ -144,7 +144,7 @@ struct Geometry {
     int64_t first_row, first_key;
     const Geometry own = Sequence(SequenceOf(row), first_row, first_key);
     if (key < first_key || key >= first_key + own.key_len) return Hidden::kSequence;
-    const int64_t d = Distance(row, key);  // p − t
+    const int64_t d = own.Distance(row - first_row, key - first_key);  // p − t
     if (causal && d < 0) return Hidden::kCausal;
     if (window_left != kUnbounded && d > window_left) return Hidden::kWindow;
     if (window_right != kUnbounded && -d > window_right) return Hidden::kWindow;

@@ -39,6 +39,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/bench.h"
 #include "client/cli/cache.h"
@@ -193,31 +194,33 @@ absl::StatusOr<Inputs> ReadInputs() {
   if (random.empty()) {
     return absl::InvalidArgumentError("give inputs: --example seed or --random B,H,N,D");
   }
-  absl::StatusOr<Inputs> inputs = attn::cli::RandomInputs(random, absl::GetFlag(FLAGS_kv_heads),
-                                                          absl::GetFlag(FLAGS_seed), *dtype);
   int64_t query_len = absl::GetFlag(FLAGS_query_len);
-  if (const std::string seqlens = absl::GetFlag(FLAGS_seqlens); inputs.ok() && !seqlens.empty()) {
+  std::string spec = random;
+  std::vector<int64_t> cu_q, cu_k;
+  if (const std::string seqlens = absl::GetFlag(FLAGS_seqlens); !seqlens.empty()) {
     // A ragged batch: keys and values of sum(K) rows, a query of sum(Q) (as --query-len's).
     if (query_len != 0) {
       return absl::InvalidArgumentError("give --seqlens or --query-len, not both");
     }
-    const std::vector<int64_t> shape = inputs->query.shape;  // [B, H, N, D]
-    if (shape[0] != 1) {
+    if (absl::Status parsed = attn::cli::ParseSeqlens(seqlens, &cu_q, &cu_k); !parsed.ok()) {
+      return parsed;
+    }
+    std::vector<std::string> dims = absl::StrSplit(random, ',');  // B,H,N,D (RandomInputs checks)
+    int64_t batch = 0;
+    if (dims.size() == 4 && absl::SimpleAtoi(dims[0], &batch) && batch != 1) {
       return absl::InvalidArgumentError(
           "--seqlens packs its sequences into one batch entry: give --random 1,H,N,D (N is then "
           "replaced by the lengths' sums)");
     }
-    std::vector<int64_t> cu_q, cu_k;
-    if (absl::Status parsed = attn::cli::ParseSeqlens(seqlens, &cu_q, &cu_k); !parsed.ok()) {
-      return parsed;
-    }
-    inputs =
-        attn::cli::RandomInputs(absl::StrCat("1,", shape[1], ",", cu_k.back(), ",", shape[3]),
-                                absl::GetFlag(FLAGS_kv_heads), absl::GetFlag(FLAGS_seed), *dtype);
-    if (!inputs.ok()) return inputs;
+    if (dims.size() == 4) dims[2] = absl::StrCat(cu_k.back());
+    spec = absl::StrJoin(dims, ",");
+    query_len = cu_q.back();
+  }
+  absl::StatusOr<Inputs> inputs = attn::cli::RandomInputs(spec, absl::GetFlag(FLAGS_kv_heads),
+                                                          absl::GetFlag(FLAGS_seed), *dtype);
+  if (inputs.ok() && !cu_q.empty()) {
     inputs->cu_seqlens_q = std::move(cu_q);
     inputs->cu_seqlens_k = std::move(cu_k);
-    query_len = inputs->cu_seqlens_q.back();
   }
   if (!inputs.ok() || query_len == 0) return inputs;
   if (query_len < 0) {

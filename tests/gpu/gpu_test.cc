@@ -440,6 +440,17 @@ void SetAlibi(HostProblem& host, float base) {
   }
 }
 
+// A ragged batch of these query and key lengths (none when empty), which must sum to the
+// problem's query_len and key_len.
+void SetSequences(HostProblem& host, const std::vector<int64_t>& query_lengths,
+                  const std::vector<int64_t>& key_lengths) {
+  if (query_lengths.empty()) return;
+  host.cu_seqlens_q = CumulativeLengths(query_lengths);
+  host.cu_seqlens_k = CumulativeLengths(key_lengths);
+  ASSERT_EQ(host.cu_seqlens_q.back(), host.shape.query_len);
+  ASSERT_EQ(host.cu_seqlens_k.back(), host.shape.key_len);
+}
+
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
 
 // A case as a ragged batch of these query and key lengths.
@@ -461,12 +472,7 @@ TEST_P(CudaRandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
   if (c.window_left >= 0) host.window_left = c.window_left;
   if (c.window_right >= 0) host.window_right = c.window_right;
   SetAlibi(host, c.alibi_base);
-  if (!c.query_lengths.empty()) {
-    host.cu_seqlens_q = CumulativeLengths(c.query_lengths);
-    host.cu_seqlens_k = CumulativeLengths(c.key_lengths);
-    ASSERT_EQ(host.cu_seqlens_q.back(), c.shape.query_len);
-    ASSERT_EQ(host.cu_seqlens_k.back(), c.shape.key_len);
-  }
+  ASSERT_NO_FATAL_FAILURE(SetSequences(host, c.query_lengths, c.key_lengths));
   if (c.softcap > 0) {
     host.softcap = c.softcap;
     for (size_t i = 0; i < host.query.size(); ++i) {
@@ -598,12 +604,7 @@ TEST_P(CudaLowPrecisionTest, ErrorWithinTwiceTheSamePrecisionBaseline) {
   HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, seed);
   if (c.window_left >= 0) host.window_left = c.window_left;
   SetAlibi(host, c.alibi_base);
-  if (!c.query_lengths.empty()) {
-    host.cu_seqlens_q = CumulativeLengths(c.query_lengths);
-    host.cu_seqlens_k = CumulativeLengths(c.key_lengths);
-    ASSERT_EQ(host.cu_seqlens_q.back(), c.shape.query_len);
-    ASSERT_EQ(host.cu_seqlens_k.back(), c.shape.key_len);
-  }
+  ASSERT_NO_FATAL_FAILURE(SetSequences(host, c.query_lengths, c.key_lengths));
   if (c.softcap > 0) {
     host.softcap = c.softcap;
     for (size_t i = 0; i < host.query.size(); ++i) {
