@@ -26,21 +26,37 @@ struct DecodeRow {
   int64_t distance = 0;
 };
 
-// One task: a chunk of one kv head's keys for the rows of its GQA group.
-struct DecodeChunk {
+// One task: a run of consecutive chunks of one kv head's keys for the rows of its GQA group.
+struct DecodeRun {
   const Problem* problem = nullptr;
   int64_t batch = 0, kv_head = 0;
   int64_t rows = 0, head_dim = 0, value_dim = 0;
   const float* queries = nullptr;  // [rows, head_dim], fp32, scale folded in.
   const DecodeRow* row = nullptr;  // [rows]
-  int64_t key_begin = 0, key_end = 0;
-  float* partial = nullptr;  // [rows, 2 + value_dim]: max, denominator, accumulator.
+  int64_t first_chunk = 0, chunks = 0;
+  KeyRange seen;             // The keys some row sees.
+  float* partial = nullptr;  // [chunks, rows, 2 + value_dim]: max, denominator, accumulator.
+
+  // The keys chunk `c` of the run reads (empty: a chunk no row sees).
+  KeyRange ChunkKeys(int64_t c) const {
+    const int64_t chunk = first_chunk + c;
+    return KeyRange{std::max(chunk * kDecodeChunkTokens, seen.begin),
+                    std::min((chunk + 1) * kDecodeChunkTokens, seen.end)};
+  }
+};
+
+// A tile of a run: keys [begin, begin + n) of the run's chunk `chunk`.
+struct DecodeTileKeys {
+  int64_t begin = 0;
+  int n = 0;
+  int64_t chunk = 0;
 };
 
 // A worker's buffers, reused across its tasks.
 struct DecodeScratch {
   std::vector<float> queries, arranged, scores, acc;
   std::vector<DecodeRow> row;
+  std::vector<DecodeTileKeys> tiles;
   std::vector<OnlineSoftmaxRow> states;
   std::vector<const void*> key_rows, value_rows;
 
@@ -48,7 +64,8 @@ struct DecodeScratch {
     return static_cast<int64_t>(
         (queries.capacity() + arranged.capacity() + scores.capacity() + acc.capacity()) *
             sizeof(float) +
-        row.capacity() * sizeof(DecodeRow) + states.capacity() * sizeof(OnlineSoftmaxRow) +
+        row.capacity() * sizeof(DecodeRow) + tiles.capacity() * sizeof(DecodeTileKeys) +
+        states.capacity() * sizeof(OnlineSoftmaxRow) +
         (key_rows.capacity() + value_rows.capacity()) * sizeof(void*));
   }
 };
@@ -152,22 +169,22 @@ constexpr int kLanes = 16;
 #endif
 
 template <DType kDtype>
-void RunChunkDispatched(const DecodeChunk& chunk, DecodeScratch& scratch) {
+void RunDispatched(const DecodeRun& run, DecodeScratch& scratch) {
 #if defined(ATTN_DECODE_X86)
-  if (CpuHasAvx512()) return avx512::RunChunk<kDtype>(chunk, scratch);
-  if (CpuHasAvx2Fma()) return avx2::RunChunk<kDtype>(chunk, scratch);
+  if (CpuHasAvx512()) return avx512::RunChunks<kDtype>(run, scratch);
+  if (CpuHasAvx2Fma()) return avx2::RunChunks<kDtype>(run, scratch);
 #endif
-  portable::RunChunk<kDtype>(chunk, scratch);
+  portable::RunChunks<kDtype>(run, scratch);
 }
 
-void RunChunk(DType dtype, const DecodeChunk& chunk, DecodeScratch& scratch) {
+void RunChunks(DType dtype, const DecodeRun& run, DecodeScratch& scratch) {
   switch (dtype) {
     case DType::kFloat32:
-      return RunChunkDispatched<DType::kFloat32>(chunk, scratch);
+      return RunDispatched<DType::kFloat32>(run, scratch);
     case DType::kFloat16:
-      return RunChunkDispatched<DType::kFloat16>(chunk, scratch);
+      return RunDispatched<DType::kFloat16>(run, scratch);
     case DType::kBFloat16:
-      return RunChunkDispatched<DType::kBFloat16>(chunk, scratch);
+      return RunDispatched<DType::kBFloat16>(run, scratch);
   }
 }
 
@@ -181,7 +198,8 @@ DType KvDtypeOf(const Problem& problem) {
 struct Item {
   const Problem* problem;
   const Outputs* outputs;
-  int64_t rows, chunks, heads;  // heads: batch · kv_heads.
+  int64_t rows, chunks, heads;  // heads: batch · kv_heads; chunks: per head.
+  int64_t runs = 0;             // Tasks per head.
   int64_t first_task, first_head, partial_offset;
 };
 
@@ -194,14 +212,24 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   int64_t tasks = 0, heads = 0, partial_floats = 0;
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& p = *problems[i];
-    Item item{&p,    outputs[i], DecodeRowsOf(p), 0, p.shape.batch * p.shape.kv_heads,
-              tasks, heads,      partial_floats};
+    Item item{&p, outputs[i], DecodeRowsOf(p), 0, p.shape.batch * p.shape.kv_heads, 0,
+              0,  heads,      partial_floats};
     item.chunks =
         std::max<int64_t>(1, (p.shape.key_len + kDecodeChunkTokens - 1) / kDecodeChunkTokens);
-    tasks += item.heads * item.chunks;
     heads += item.heads;
     partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
     items.push_back(item);
+  }
+  // Chunks per task: as many as leave every worker kDecodeTasksPerWorker tasks (a run never
+  // spans two heads). Runs only group the chunks, so they may depend on the thread count.
+  int64_t all_chunks = 0;
+  for (const Item& item : items) all_chunks += item.heads * item.chunks;
+  const int64_t run_chunks =
+      std::max<int64_t>(1, all_chunks / (kDecodeTasksPerWorker * pool.threads()));
+  for (Item& item : items) {
+    item.runs = (item.chunks + run_chunks - 1) / run_chunks;
+    item.first_task = tasks;
+    tasks += item.heads * item.runs;
   }
   std::vector<float> partials(partial_floats);
   // Every item's interrupt, asked between tasks.
@@ -225,59 +253,61 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   };
 
   std::vector<DecodeScratch> workers(pool.WorkersFor(tasks));
-  absl::Status run = RunInterruptible(pool, tasks, interrupt_fn, [&](int64_t task, int worker) {
+  absl::Status status = RunInterruptible(pool, tasks, interrupt_fn, [&](int64_t task, int worker) {
     const Item& item = item_of(task, &Item::first_task);
     const Problem& p = *item.problem;
     const Shape& s = p.shape;
     const int64_t local = task - item.first_task;
-    const int64_t head = local / item.chunks, chunk_index = local % item.chunks;
-    DecodeChunk chunk;
-    chunk.problem = &p;
-    chunk.batch = head / s.kv_heads;
-    chunk.kv_head = head % s.kv_heads;
-    chunk.rows = item.rows;
-    chunk.head_dim = s.head_dim;
-    chunk.value_dim = s.value_dim;
-    chunk.partial = partials.data() + item.partial_offset + local * item.rows * (s.value_dim + 2);
+    const int64_t head = local / item.runs, run_index = local % item.runs;
+    DecodeRun run;
+    run.problem = &p;
+    run.batch = head / s.kv_heads;
+    run.kv_head = head % s.kv_heads;
+    run.rows = item.rows;
+    run.head_dim = s.head_dim;
+    run.value_dim = s.value_dim;
+    run.first_chunk = run_index * run_chunks;
+    run.chunks = std::min(run_chunks, item.chunks - run.first_chunk);
+    run.partial = partials.data() + item.partial_offset +
+                  (head * item.chunks + run.first_chunk) * item.rows * (s.value_dim + 2);
     DecodeScratch& scratch = workers[worker];
     // The group's rows: query heads kv_head · group … , query_len rows each, consecutive.
     const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
     const Geometry geometry = p.geometry();
     scratch.row.resize(item.rows);
-    KeyRange seen{s.key_len, 0};  // The keys some row sees.
+    KeyRange& seen = run.seen;
+    seen = KeyRange{s.key_len, 0};
     for (int64_t r = 0; r < item.rows; ++r) {
       const int64_t row = r % s.query_len;
       scratch.row[r] =
-          DecodeRow{geometry.Visible(row), p.transform(chunk.kv_head * group + r / s.query_len),
+          DecodeRow{geometry.Visible(row), p.transform(run.kv_head * group + r / s.query_len),
                     geometry.Distance(row, 0)};
       const KeyRange& visible = scratch.row[r].visible;
       if (visible.size() == 0) continue;
       seen.begin = std::min(seen.begin, visible.begin);
       seen.end = std::max(seen.end, visible.end);
     }
-    chunk.row = scratch.row.data();
-    chunk.key_begin = std::max(chunk_index * kDecodeChunkTokens, seen.begin);
-    chunk.key_end = std::min((chunk_index + 1) * kDecodeChunkTokens, seen.end);
+    run.row = scratch.row.data();
     scratch.queries.resize(item.rows * s.head_dim);
     scratch.arranged.resize(item.rows * s.head_dim);
     ConvertToFloat(
         static_cast<const char*>(p.query.data) +
-            p.QueryOffset(chunk.batch, chunk.kv_head * group, 0) * ElementSize(p.query.dtype),
+            p.QueryOffset(run.batch, run.kv_head * group, 0) * ElementSize(p.query.dtype),
         p.query.dtype, item.rows * s.head_dim, scratch.queries.data());
     for (float& q : scratch.queries) q *= p.scale;
-    chunk.queries = scratch.queries.data();
+    run.queries = scratch.queries.data();
     scratch.scores.resize(item.rows * kDecodeTile);
     scratch.acc.resize(item.rows * s.value_dim);
     scratch.states.resize(item.rows);
     scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);  // A ring of tiles.
     scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
-    RunChunk(KvDtypeOf(p), chunk, scratch);  // An empty chunk (key_end ≤ key_begin) is a no-op.
+    RunChunks(KvDtypeOf(p), run, scratch);
   });
-  if (!run.ok()) return run;
+  if (!status.ok()) return status;
 
   // Each row's chunk states merged in chunk order, normalized and stored as Tiled stores them.
   std::vector<std::vector<float>> merged(pool.WorkersFor(heads));
-  run = RunInterruptible(pool, heads, interrupt_fn, [&](int64_t index, int worker) {
+  status = RunInterruptible(pool, heads, interrupt_fn, [&](int64_t index, int worker) {
     const Item& item = item_of(index, &Item::first_head);
     const Problem& p = *item.problem;
     const Shape& s = p.shape;
@@ -315,7 +345,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
       std::copy(lse, lse + item.rows, item.outputs->lse + p.LseOffset(batch, kv_head * group, 0));
     }
   });
-  if (!run.ok()) return run;
+  if (!status.ok()) return status;
 
   Stats stats;
   stats.block_k = kDecodeTile;

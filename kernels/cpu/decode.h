@@ -3,18 +3,19 @@
 //
 // Work: for every problem of the batch, every batch entry and kv head, the rows of its GQA group
 // (query_len · heads / kv_heads rows, consecutive in the query and output tensors) against that
-// kv head's keys, split into chunks of kDecodeChunkTokens keys. Each (problem, batch, kv head,
-// chunk) is one task for the pool; a task reads its chunk's keys and values once for all the
-// group's rows, in place in the stored dtype (fp16/bf16 converted in vector registers, never
-// copied to fp32), a tile of kDecodeTile keys at a time through the online-softmax step of
-// online_softmax.h, and leaves each row's state {max, denominator, accumulator}. A second pass
+// kv head's keys, split into chunks of kDecodeChunkTokens keys. A task for the pool is a run of
+// consecutive chunks of one (problem, batch, kv head); it reads their keys and values once for
+// all the group's rows, in place in the stored dtype (fp16/bf16 converted in vector registers,
+// never copied to fp32), a tile of kDecodeTile keys at a time through the online-softmax step of
+// online_softmax.h, as one stream (the prefetching runs on across chunk boundaries), and leaves
+// each chunk's state {max, denominator, accumulator} for each row. A second pass
 // merges each row's chunk states in chunk order with OnlineSoftmaxRow::Merge — exact: the same
 // rule as a tile's — and writes output and lse as Tiled does. Rows see the keys their mask
 // leaves them (causal, window: kernels/geometry.h); chunks no row sees are never read.
 //
-// Chunking depends only on the problem, and a task's arithmetic not on its worker, so results
-// do not depend on the thread count. Cost: keys and values are read once per kv head, so the
-// step is bound by memory bandwidth (docs/perf.md, "Decode").
+// Chunking depends only on the problem, and a chunk's arithmetic not on its run or worker, so
+// results do not depend on the thread count (runs do). Cost: keys and values are read once per kv
+// head, so the step is bound by memory bandwidth (docs/perf.md, "Decode").
 //
 // Measured (tests/bench/attention_bench --methods=decode): see docs/perf.md.
 #pragma once
@@ -29,10 +30,15 @@
 
 namespace attn {
 
-// Keys per task (a chunk): long enough that a task's fixed costs (its queries, its partial
-// state, a pool hand-out) are small beside reading 512 · (d + dv) elements, short enough that a
-// single sequence splits across every worker (32768 keys × 8 kv heads = 512 tasks).
+// Keys per chunk, the unit of the merge: long enough that a chunk's fixed costs (its partial
+// state, its share of the merge) are small beside reading 512 · (d + dv) elements, short enough
+// that a single sequence splits across every worker (32768 keys × 8 kv heads = 512 chunks).
 inline constexpr int64_t kDecodeChunkTokens = 512;
+// Tasks per worker the chunks are grouped into (runs of a head's chunks, as long as that allows):
+// enough to balance uneven runs (masked rows), few enough that the prefetching rarely restarts —
+// at each run's start its first tiles are fetched in one burst. Runs of one 512-key chunk read
+// the cache about 1.3× slower than runs of 4096 keys (docs/perf.md).
+inline constexpr int64_t kDecodeTasksPerWorker = 4;
 // Keys per online-softmax step inside a chunk: the tile's keys and values stay in L1 between
 // the scores and the accumulation.
 inline constexpr int kDecodeTile = 64;
