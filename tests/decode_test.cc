@@ -157,7 +157,9 @@ TEST(DecodeTest, EqualsTiledOnTheSameKeys) {
   }
 }
 
-// Chunks are fixed by the problem and merged in order: any thread count gives the same bits.
+// Chunks are fixed by the problem and merged in order, while the runs that group them into
+// tasks follow the thread count (16 chunks here: runs of up to 4 on one thread, 2 on two, 1 on
+// three): any thread count gives the same bits.
 TEST(DecodeTest, OutputsAreBitIdenticalForAnyThreadCount) {
   CpuBackend one(1, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 11);
   std::vector<Item> items;

@@ -196,11 +196,11 @@ DType KvDtypeOf(const Problem& problem) {
 
 // One problem's place in the batch's task list and partial states.
 struct Item {
-  const Problem* problem;
-  const Outputs* outputs;
-  int64_t rows, chunks, heads;  // heads: batch · kv_heads; chunks: per head.
-  int64_t runs = 0;             // Tasks per head.
-  int64_t first_task, first_head, partial_offset;
+  const Problem* problem = nullptr;
+  const Outputs* outputs = nullptr;
+  int64_t rows = 0, chunks = 0, heads = 0;  // heads: batch · kv_heads; chunks: per head.
+  int64_t runs = 0;                         // Tasks per head.
+  int64_t first_task = 0, first_head = 0, partial_offset = 0;
 };
 
 }  // namespace
@@ -212,10 +212,15 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   int64_t tasks = 0, heads = 0, partial_floats = 0;
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& p = *problems[i];
-    Item item{&p, outputs[i], DecodeRowsOf(p), 0, p.shape.batch * p.shape.kv_heads, 0,
-              0,  heads,      partial_floats};
+    Item item;
+    item.problem = &p;
+    item.outputs = outputs[i];
+    item.rows = DecodeRowsOf(p);
     item.chunks =
         std::max<int64_t>(1, (p.shape.key_len + kDecodeChunkTokens - 1) / kDecodeChunkTokens);
+    item.heads = p.shape.batch * p.shape.kv_heads;
+    item.first_head = heads;
+    item.partial_offset = partial_floats;
     heads += item.heads;
     partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
     items.push_back(item);
