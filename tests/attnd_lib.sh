@@ -10,7 +10,8 @@
 attnd_wait_port() {
   local pid=$1 log=$2 port=""
   for _ in $(seq 150); do
-    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$log")
+    # The log may not exist yet: the caller's background redirection can come after this read.
+    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$log" 2>/dev/null || true)
     [ -n "$port" ] && { echo "$port"; return 0; }
     kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; echo "FAIL: attnd exited" >&2; return 1; }
     sleep 0.1

@@ -13,6 +13,7 @@ trap 'kill -9 $server 2>/dev/null || true; rm -rf "$dir"' EXIT
 start() {  # start LOG FLAGS...: starts attnd; sets $server, $target and $http
   local log=$1
   shift
+  : >"$log"  # Before the background job's own redirection, which the loop could outrun.
   "$attnd" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --threads 2 "$@" >"$log" 2>&1 &
   server=$!
   local port=""

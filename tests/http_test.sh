@@ -36,6 +36,10 @@ except urllib.error.HTTPError as error:
 EOF
 }
 
+# Created here, not only by the redirection below: that runs in the background job, and the
+# loop's first read could otherwise come before it (sed on a missing file fails the script).
+: >"$dir/out"
+: >"$dir/err"
 "$attnd" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --threads 2 >"$dir/out" 2>"$dir/err" &
 server=$!
 port=""

@@ -225,12 +225,13 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
     items.push_back(item);
   }
-  // Chunks per task: as many as leave every worker kDecodeTasksPerWorker tasks (a run never
-  // spans two heads). Runs only group the chunks, so they may depend on the thread count.
+  // Chunks per task: as many as leave every worker kDecodeTasksPerWorker tasks, at most
+  // kDecodeMaxRunChunks (a run never spans two heads). Runs only group the chunks, so they may
+  // depend on the thread count.
   int64_t all_chunks = 0;
   for (const Item& item : items) all_chunks += item.heads * item.chunks;
-  const int64_t run_chunks =
-      std::max<int64_t>(1, all_chunks / (kDecodeTasksPerWorker * pool.threads()));
+  const int64_t run_chunks = std::clamp<int64_t>(
+      all_chunks / (kDecodeTasksPerWorker * pool.threads()), 1, kDecodeMaxRunChunks);
   for (Item& item : items) {
     item.runs = (item.chunks + run_chunks - 1) / run_chunks;
     item.first_task = tasks;

@@ -39,6 +39,9 @@ inline constexpr int64_t kDecodeChunkTokens = 512;
 // at each run's start its first tiles are fetched in one burst. Runs of one 512-key chunk read
 // the cache about 1.3× slower than runs of 4096 keys (docs/perf.md).
 inline constexpr int64_t kDecodeTasksPerWorker = 4;
+// Chunks a run holds at most (32768 keys): interrupts (deadlines, cancellation) are asked between
+// tasks, so a task stays a few milliseconds even on one thread over a long cache.
+inline constexpr int64_t kDecodeMaxRunChunks = 64;
 // Keys per online-softmax step inside a chunk: the tile's keys and values stay in L1 between
 // the scores and the accumulation.
 inline constexpr int kDecodeTile = 64;
