@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cpu/aligned.h"
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/fp32_rows.h"
 #include "kernels/lanes.h"
@@ -54,7 +55,7 @@ struct DecodeTileKeys {
 
 // A worker's buffers, reused across its tasks.
 struct DecodeScratch {
-  std::vector<float> queries, arranged, scores, acc;
+  AlignedVector<float> queries, arranged, scores, acc;
   std::vector<DecodeRow> row;
   std::vector<DecodeTileKeys> tiles;
   std::vector<OnlineSoftmaxRow> states;

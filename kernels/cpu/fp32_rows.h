@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/aligned.h"
 #include "kernels/problem.h"
 
 namespace attn {
@@ -119,7 +120,7 @@ class Fp32Rows {
     return buffer_.data();
   }
 
-  std::vector<float> buffer_;
+  AlignedVector<float> buffer_;
 };
 
 }  // namespace attn

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/aligned.h"
 namespace attn {
 
 // Keys per packed panel, and value columns per accumulator block.
@@ -56,8 +57,8 @@ class KeyTile {
 
  private:
   int n_ = 0, head_dim_ = 0, stride_ = 0;
-  std::vector<float> keys_;  // [panel][head_dim][kTilePanel]: Kᵀ, zero past the tile's last key.
-  std::vector<float> values_;  // [column panel][n][kTilePanel]: V, zero past value_dim.
+  AlignedVector<float> keys_;  // [panel][head_dim][kTilePanel]: Kᵀ, zero past the tile's last key.
+  AlignedVector<float> values_;  // [column panel][n][kTilePanel]: V, zero past value_dim.
 };
 
 }  // namespace attn

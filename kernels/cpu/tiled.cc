@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/aligned.h"
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/fp32_rows.h"
 #include "kernels/cpu/key_tile.h"
@@ -113,8 +114,8 @@ struct Worker {
   std::vector<KeyTile> tiles;   // tiles[t]: tile t of head `packed_head` where packed[t].
   std::vector<uint8_t> packed;  // [tiles]
   int64_t packed_head = -1;     // batch · kv_heads + kv_head; −1: none.
-  std::vector<float> scores;    // [rows, block_k]: scores, then weights in place.
-  std::vector<float> acc;       // [rows, AccStride(value_dim)]: the running weighted sums.
+  AlignedVector<float> scores;  // [rows, block_k]: scores, then weights in place.
+  AlignedVector<float> acc;     // [rows, AccStride(value_dim)]: the running weighted sums.
   std::vector<float> lse;       // [rows]
   std::vector<OnlineSoftmaxRow> states;
 
