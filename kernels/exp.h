@@ -5,16 +5,16 @@
 // intrinsic). On the CPU, a branch-free version the compiler vectorizes (a scalar libm call per
 // weight would halve Tiled's speed), where NaN gives 0 too:
 //
-// with n = round(x·log2 e) and r = x − n·ln 2 (ln 2 split in two so r is exact to fp32),
-// e^x = 2^n · e^r, e^r from a degree-6 polynomial fitted for least maximum relative error on
-// |r| ≤ ln2/2 (3e-9; under 2 ulp in all), evaluated by Estrin's scheme (a shorter dependency
-// chain than Horner's). n is rounded by adding 1.5·2^23, which leaves n in the low bits of the
-// sum; shifted into the exponent field they give 2^n, and an integer max with 0 makes 2^n
-// exactly 0 once n + 127 ≤ 0. So below about −87.68 (−inf included: x is first clamped to
-// −100) e^x is exactly 0. Positive x is right up to 88 but not clamped above: no caller passes
-// one. Past the one clamp, only arithmetic and an integer max: the softmax runs this on every
-// score, and each select cost a measurable share of it (docs/perf.md). One template serves the
-// scalar and the eight-lane version, so lanes and scalar tails agree bit for bit.
+// with n = round(x·log2 e) and r = x − n·ln 2 (ln 2 split in two so r is exact to fp32), e^x =
+// 2^n·e^r, e^r from a degree-6 polynomial fitted for least maximum relative error on |r| ≤ ln2/2
+// (3e-9; under 2 ulp in all), evaluated by Estrin's scheme (a shorter dependency chain than
+// Horner's). n is rounded by adding 1.5·2^23 + 127, which leaves n + 127 in the low bits of the
+// sum; shifted into the exponent field they give 2^n, and an integer max with 0 makes 2^n exactly
+// 0 once n + 127 ≤ 0. So below about −87.68 (−inf included: x is first clamped to −100) e^x is
+// exactly 0. Positive x is right up to 88 but not clamped above: no caller passes one. Past the
+// one clamp, only arithmetic and an integer max: the softmax runs this on every score, and each
+// select cost a measurable share of it (docs/perf.md). One template serves the scalar and the
+// eight-lane version, so lanes and scalar tails agree bit for bit.
 #pragma once
 
 #include <cmath>
@@ -32,11 +32,12 @@ namespace attn {
 namespace exp_detail {
 
 constexpr float kLow = -100.f;
-constexpr float kLog2e = 1.44269504f, kRound = 12582912.f;  // 1.5·2^23
+// Rounding constant: 1.5·2^23 rounds x·log2 e to an integer n, and the 127 added to it leaves
+// n + 127, the biased exponent of 2^n, in the sum's low bits.
+constexpr float kLog2e = 1.44269504f, kRound = 12582912.f + 127.f;
 constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kC2 = 0.49999994f, kC3 = 0.16666521f, kC4 = 0.041668389f, kC5 = 0.0083687101f,
                 kC6 = 0.0013814613f;  // e^r ≈ 1 + r + kC2·r² + … + kC6·r⁶
-constexpr int32_t kBias = 127 << 23;
 
 // The bits of t shifted left into the exponent field, and bits read back as a float.
 ATTN_HOST_DEVICE int32_t ShiftedBits(float t) {
@@ -62,8 +63,8 @@ ATTN_HOST_DEVICE F Exp(F x) {
   r = r - n * kLn2Low;
   const F r2 = r * r;
   const F p = (r2 * (r * kC3 + kC2) + (r + 1.f)) + (r2 * r2) * (r2 * kC6 + (r * kC5 + kC4));
-  // The low bits of t hold n (two's complement); the shift drops the rest of t.
-  const auto exponent = ShiftedBits(t) + kBias;  // (n + 127) << 23
+  // The low bits of t hold n + 127 (two's complement); the shift drops the rest of t.
+  const auto exponent = ShiftedBits(t);  // (n + 127) << 23
   const decltype(exponent) zero{};
   return p * AsFloat(exponent > zero ? exponent : zero);
 }
