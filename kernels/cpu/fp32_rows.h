@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "kernels/cpu/aligned.h"
 #include "kernels/problem.h"

@@ -16,9 +16,9 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "kernels/cpu/aligned.h"
+
 namespace attn {
 
 // Keys per packed panel, and value columns per accumulator block.
