@@ -128,6 +128,11 @@ absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this server holds ", entries_.size(), " caches, its --max-caches=", limits_.max_caches,
+          "; delete caches you no longer need"));
+    }
     if (first_page > limits_.budget_bytes - reserved_bytes_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "a cache's first page takes ", first_page,
@@ -258,6 +263,7 @@ CacheRegistry::Lease::Lease(CacheRegistry* registry, std::shared_ptr<Entry> entr
 
 CacheRegistry::Lease::~Lease() {
   if (entry_ == nullptr) return;  // Moved from.
+  Rollback();  // Appends never committed: the call that made them failed or threw.
   registry_->Touch(*entry_);
   hold_.unlock();
   entry_->leases.fetch_sub(1);
@@ -293,9 +299,16 @@ absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorVie
   if (more > 0) entry.reserved_bytes = needed;
   entry.max_abs_key = std::max(entry.max_abs_key, max_abs_key);
   entry.max_abs_value = std::max(entry.max_abs_value, max_abs_value);
-  entry.length.store(store.length());
-  entry.bytes.store(store.bytes());
   return absl::OkStatus();
+}
+
+void CacheRegistry::Lease::Commit() {
+  Entry& entry = *entry_;
+  length_at_start_ = entry.store->length();
+  max_abs_key_at_start_ = entry.max_abs_key;
+  max_abs_value_at_start_ = entry.max_abs_value;
+  entry.length.store(entry.store->length());
+  entry.bytes.store(entry.store->bytes());
 }
 
 void CacheRegistry::Lease::Rollback() {
@@ -310,8 +323,6 @@ void CacheRegistry::Lease::Rollback() {
   }
   entry.max_abs_key = max_abs_key_at_start_;
   entry.max_abs_value = max_abs_value_at_start_;
-  entry.length.store(store.length());
-  entry.bytes.store(store.bytes());
 }
 
 void CacheRegistry::Sweep() {

@@ -7,11 +7,15 @@
 //   same answer as for an id that never existed, and never the cache's data.
 // - The pages of every cache together stay within `budget_bytes`: an append past it is
 //   RESOURCE_EXHAUSTED naming --cache-bytes, and the cache keeps what it had.
+// - At most `max_caches` caches live at once: one more is RESOURCE_EXHAUSTED naming --max-caches.
 // - A cache unused for `idle_seconds` (0: never) is dropped; later calls naming it get NOT_FOUND
 //   saying it expired.
 // - Calls on one cache are ordered: a Lease holds the cache exclusively, so a reader never sees
 //   half an append; different caches proceed in parallel. A deleted or expired cache's memory
 //   is freed once the last lease on it ends.
+// - A lease's appends are all or nothing: what Describe, List and the metrics report changes only
+//   at Lease::Commit; a lease that ends without committing (an error, an exception unwinding it)
+//   takes back everything it appended, so no client ever sees a length a failing call takes back.
 // Thread-safe.
 #pragma once
 
@@ -33,8 +37,11 @@
 namespace attn {
 
 struct CacheLimits {
-  int64_t budget_bytes = 0;  // Pages of all caches together (> 0).
-  int64_t idle_seconds = 0;  // An unused cache lives this long; 0 = forever.
+  static constexpr int64_t kDefaultMaxCaches = 65536;  // attnd's --max-caches.
+
+  int64_t budget_bytes = 0;                // Pages of all caches together (> 0).
+  int64_t idle_seconds = 0;                // An unused cache lives this long; 0 = forever.
+  int64_t max_caches = kDefaultMaxCaches;  // Caches alive at once (> 0).
 };
 
 // What a client sees of a cache (attention.v1.CacheInfo).
@@ -59,7 +66,7 @@ class CacheRegistry {
   const CacheLimits& limits() const { return limits_; }
 
   // A new, empty cache owned by `owner`. RESOURCE_EXHAUSTED when the budget cannot hold its
-  // first page; whatever the backend's CreateKvStore answers otherwise.
+  // first page or max_caches are alive; whatever the backend's CreateKvStore answers otherwise.
   absl::StatusOr<CacheDescription> Create(const std::string& owner, const KvLayout& layout);
   absl::StatusOr<CacheDescription> Describe(const std::string& owner, const std::string& id);
   absl::Status Delete(const std::string& owner, const std::string& id);
@@ -85,9 +92,13 @@ class CacheRegistry {
 
     // Appends n tokens (dense host tensors, any dtype) whose largest magnitudes are given,
     // within the registry's budget (RESOURCE_EXHAUSTED naming --cache-bytes). All or nothing.
+    // Visible to this lease at once, to everyone else only after Commit.
     absl::Status Append(const TensorView& key, const TensorView& value, int64_t n,
                         double max_abs_key, double max_abs_value);
-    // Takes back every token this lease appended (a failed Decode): the cache is as it was.
+    // Publishes this lease's appends: the call that made them has succeeded.
+    void Commit();
+    // Takes back every token this lease appended since it began or last committed (a failed
+    // Decode): the cache is as it was. The destructor does the same for uncommitted appends.
     void Rollback();
 
    private:

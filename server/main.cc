@@ -14,6 +14,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -58,6 +60,14 @@ ABSL_FLAG(int, max_inflight, attn::AdmissionLimits::kDefaultMaxInflight,
 ABSL_FLAG(int, max_queue, attn::AdmissionLimits::kDefaultMaxQueue,
           "Accepted computations that may wait for a worker; one more is refused at once with "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_inflight_bytes, 0,
+          "Bytes of the requests (and their answers) accepted and not yet answered, together; "
+          "one more is refused with RESOURCE_EXHAUSTED. 0 = a quarter of physical memory.");
+ABSL_FLAG(int64_t, trace_idle_seconds, attn::TraceLimits::kDefaultIdleSeconds,
+          "A Trace stream whose reader takes no event for this long is cancelled and frees its "
+          "--max-traces slot; 0 = never.");
+ABSL_FLAG(int64_t, max_caches, attn::CacheLimits::kDefaultMaxCaches,
+          "KV caches alive at once; one more CreateCache is refused with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, cache_bytes, 0,
           "Memory all KV caches' pages may take together, bytes; 0 = half the device's memory "
           "(physical memory on the CPU). An append past it is RESOURCE_EXHAUSTED.");
@@ -94,6 +104,9 @@ int WaitForSignal() {
   return byte;
 }
 
+// Flags defined in server/ are attnd's own (--help shows them).
+bool IsAttndFlagFile(absl::string_view file) { return absl::StrContains(file, "server/"); }
+
 // Exits with a message on a configuration error; used only at start-up.
 [[noreturn]] void Die(const std::string& message) {
   std::fprintf(stderr, "attnd: %s\n", message.c_str());
@@ -112,7 +125,18 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
 
-  absl::SetProgramUsageMessage("attnd: scaled dot-product attention over gRPC (attention.v1).");
+  absl::SetProgramUsageMessage(
+      "scaled dot-product attention over gRPC (attention.v1).\n\n  attnd [--flag=value ...]"
+      "   (each flag may be spelled --max-message-bytes or --max_message_bytes)");
+  // --help lists attnd's own flags (those of server/); --helpfull adds the libraries'.
+  absl::FlagsUsageConfig usage;
+  usage.contains_helpshort_flags = IsAttndFlagFile;
+  usage.contains_help_flags = IsAttndFlagFile;
+  usage.normalize_filename = [](absl::string_view file) {  // "server/main.cc", not a build path.
+    const size_t at = file.rfind("server/");
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
+  absl::SetFlagsUsageConfig(usage);
   attn::DashedFlags flags(argc, argv);
   absl::ParseCommandLine(flags.argc(), flags.argv());
 
@@ -133,6 +157,12 @@ int main(int argc, char** argv) {
   config.admission.max_queue = absl::GetFlag(FLAGS_max_queue);
   if (config.admission.max_inflight < 0) Die("--max-inflight must be ≥ 0");
   if (config.admission.max_queue < 0) Die("--max-queue must be ≥ 0");
+  config.admission.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  if (config.admission.max_inflight_bytes < 0) Die("--max-inflight-bytes must be ≥ 0");
+  config.trace.idle_seconds = absl::GetFlag(FLAGS_trace_idle_seconds);
+  if (config.trace.idle_seconds < 0) Die("--trace-idle-seconds must be ≥ 0");
+  config.caches.max_caches = absl::GetFlag(FLAGS_max_caches);
+  if (config.caches.max_caches < 1) Die("--max-caches must be ≥ 1");
   config.caches.budget_bytes = absl::GetFlag(FLAGS_cache_bytes);
   config.caches.idle_seconds = absl::GetFlag(FLAGS_cache_idle_seconds);
   if (config.caches.budget_bytes < 0) Die("--cache-bytes must be ≥ 0");
@@ -212,7 +242,8 @@ int main(int argc, char** argv) {
       "attnd %s serving attention.v1 on %s (port %d)\n  device: %s [%s]\n  limits: "
       "max-message-bytes=%lld max-naive-bytes=%lld max-trace-rows=%lld max-trace-steps=%lld "
       "default-block-k=%d max-inflight=%d max-queue=%d max-traces=%lld cache-bytes=%lld "
-      "cache-idle-seconds=%lld shutdown-grace=%ds\n",
+      "cache-idle-seconds=%lld max-caches=%lld max-inflight-bytes=%lld trace-idle-seconds=%lld "
+      "shutdown-grace=%ds\n",
       ATTN_VERSION, listen.c_str(), port, (*backend)->device().c_str(),
       std::string((*backend)->name()).c_str(), static_cast<long long>(max_message_bytes),
       static_cast<long long>((*backend)->max_naive_bytes()),
@@ -220,7 +251,10 @@ int main(int argc, char** argv) {
       (*backend)->default_block_k(), service.admission().max_inflight,
       service.admission().max_queue, static_cast<long long>(config.trace.max_streams),
       static_cast<long long>(service.caches().limits().budget_bytes),
-      static_cast<long long>(service.caches().limits().idle_seconds), shutdown_grace);
+      static_cast<long long>(service.caches().limits().idle_seconds),
+      static_cast<long long>(service.caches().limits().max_caches),
+      static_cast<long long>(service.admission().max_inflight_bytes),
+      static_cast<long long>(config.trace.idle_seconds), shutdown_grace);
   std::printf("  security: %s\n", security->summary.c_str());
   const std::string http_banner =
       http.port() != 0 ? absl::StrCat("http://", http.address(),
@@ -260,6 +294,9 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_until(
           std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(1)));
     }
+    // Calls that never reached a compute worker are answered now (UNAVAILABLE), before gRPC
+    // cancels what is left; none may run once the server is gone.
+    service.CancelQueued();
     server->Shutdown(deadline);
     std::printf("attnd: drained, exiting\n");
     std::fflush(stdout);

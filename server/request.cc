@@ -636,6 +636,26 @@ absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& reque
   return rows;
 }
 
+int64_t ReplyTensorBytes(const Problem& problem) {
+  const std::optional<int64_t> output =
+      CheckedMul(problem.OutputElements(), ElementSize(problem.output_dtype));
+  const std::optional<int64_t> lse =
+      problem.return_lse ? CheckedMul(problem.LseElements(), sizeof(float)) : 0;
+  int64_t total;
+  if (!output || !lse || __builtin_add_overflow(*output, *lse, &total)) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return total;
+}
+
+absl::Status CheckReplyBytes(absl::string_view field, int64_t bytes, int64_t max_message_bytes) {
+  if (bytes <= max_message_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      field, ": the answer's output (query rows × value_dim, and lse) would take ", bytes,
+      " bytes, over this server's --max-message-bytes=", max_message_bytes,
+      ", so it could never be sent; ask for fewer query rows, heads or items per call"));
+}
+
 Outputs PrepareOutputs(const Problem& problem, const v1::AttentionRequest& request,
                        v1::AttentionResponse* response) {
   return PrepareOutputs(problem, request.query(), response->mutable_output(),

@@ -19,16 +19,19 @@
 
 namespace attn {
 
-// The defaults here are attnd's (its --max-trace-rows, --max-trace-steps and --max-traces flags
-// start from them).
+// The defaults here are attnd's (its --max-trace-rows, --max-trace-steps, --max-traces and
+// --trace-idle-seconds flags start from them).
 struct TraceLimits {
   static constexpr int64_t kDefaultMaxRows = 64;
   static constexpr int64_t kDefaultMaxSteps = int64_t{1} << 16;
   static constexpr int64_t kDefaultMaxStreams = 16;
+  static constexpr int64_t kDefaultIdleSeconds = 60;
 
   int64_t max_rows = kDefaultMaxRows;        // Rows one Trace may follow.
   int64_t max_steps = kDefaultMaxSteps;      // TileStep events one Trace may send.
   int64_t max_streams = kDefaultMaxStreams;  // Trace streams open at once.
+  // A stream whose reader takes no event for this long is cancelled (0: never).
+  int64_t idle_seconds = kDefaultIdleSeconds;
 };
 
 // Validates an AttentionRequest and builds its Problem. default_block_k replaces a block_k of 0;
@@ -102,6 +105,16 @@ absl::Status BindCache(absl::string_view prefix, const PagedKv& pages, int64_t l
 absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const attention::v1::TraceRequest& request,
                                                    const Problem& problem,
                                                    const TraceLimits& limits);
+
+// --- Replies ------------------------------------------------------------------------------
+// The bytes of the tensors a problem's answer carries: its output in output_dtype, plus fp32
+// lse when it asks for lse; saturates at INT64_MAX.
+int64_t ReplyTensorBytes(const Problem& problem);
+// Before any output is allocated: RESOURCE_EXHAUSTED when `bytes` of reply tensors (one
+// problem's, or a Decode batch's sum, ReplyTensorBytes) pass `max_message_bytes`, since such
+// an answer could never be sent. `field` is the one to blame ("query", "items[3].query",
+// "items"); the message names it, the size and --max-message-bytes.
+absl::Status CheckReplyBytes(absl::string_view field, int64_t bytes, int64_t max_message_bytes);
 
 // Sets the response's output (and lse) tensor shapes and dtypes, sizes their data, and returns
 // Outputs that point into that data for a kernel to fill.

@@ -1,7 +1,10 @@
 #include "server/service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -57,14 +60,19 @@ class TraceSlot {
 // before its first event; either may be called from any thread, once.
 class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
  public:
-  TraceWriter(const Backend& backend, Clock::time_point start, TraceSlot slot)
-      : backend_(backend), start_(start), slot_(std::move(slot)) {}
+  TraceWriter(const Backend& backend, Clock::time_point start, TraceSlot slot, StreamWatch& watch,
+              grpc::CallbackServerContext* context)
+      : backend_(backend),
+        start_(start),
+        slot_(std::move(slot)),
+        watch_(watch),
+        watched_(watch.Add(context)) {}
 
   void Begin(const Problem& problem, std::unique_ptr<TraceCursor> cursor) {
     cursor_ = std::move(cursor);
     problem_ = problem;
     *event_.mutable_start() = EncodeTraceStart(problem);
-    StartWrite(&event_);
+    Write();
   }
 
   void Fail(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
@@ -93,14 +101,36 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) {  // The client cancelled or went away: stop computing.
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "trace stream closed by the client"));
+    StreamWatch::WriteDone(watched_.get());
+    if (!ok) {  // The client cancelled or went away, or stopped reading (StreamWatch).
+      Finish(grpc::Status(
+          grpc::StatusCode::CANCELLED,
+          absl::StrCat("trace stream closed by the client, or cancelled after ",
+                       watch_.idle_seconds(), " s without a read (--trace-idle-seconds)")));
       return;
     }
     if (event_.has_end()) {
       Finish(grpc::Status::OK);
       return;
     }
+    // What computing or encoding the next event throws ends this stream, not the process.
+    ComputeJob{.work = [this] { WriteNext(); },
+               .refuse = [this](const absl::Status& status) { Fail(status); }}
+        .RunGuarded();
+  }
+
+  void OnDone() override {
+    watch_.Done(watched_);
+    delete this;
+  }
+
+ private:
+  void Write() {
+    StreamWatch::WriteStarted(watched_.get());
+    StartWrite(&event_);
+  }
+
+  void WriteNext() {
     TraceItem item;
     event_.Clear();
     if (cursor_->Next(&item)) {
@@ -113,12 +143,9 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
       end->set_steps(steps_);
       FillStats(backend_, cursor_->stats(), start_, end->mutable_stats());
     }
-    StartWrite(&event_);
+    Write();
   }
 
-  void OnDone() override { delete this; }
-
- private:
   const Backend& backend_;
   std::unique_ptr<TraceCursor> cursor_;
   Problem problem_;  // Views the request's memory (or snapshot_), as the cursor does.
@@ -127,6 +154,8 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   int64_t rows_ = 0;
   int64_t steps_ = 0;
   TraceSlot slot_;
+  StreamWatch& watch_;
+  const std::shared_ptr<StreamWatch::Stream> watched_;
   std::vector<char> snapshot_;
   std::atomic<int64_t>* snapshot_budget_ = nullptr;
   int64_t snapshot_reserved_ = 0;
@@ -151,6 +180,9 @@ namespace {
 AdmissionLimits ResolveLimits(const Backend& backend, AdmissionLimits limits) {
   if (limits.max_inflight <= 0) limits.max_inflight = backend.concurrency();
   if (limits.memory_bytes <= 0) limits.memory_bytes = backend.max_naive_bytes();
+  if (limits.max_inflight_bytes <= 0) {  // Requests live in host memory, whatever the device.
+    limits.max_inflight_bytes = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGE_SIZE) / 4;
+  }
   return limits;
 }
 
@@ -165,6 +197,13 @@ CacheLimits ResolveCacheLimits(const Backend& backend, CacheLimits limits) {
 // scratch is a few tiles per worker: not counted.
 int64_t HeldBytes(bool naive, const Problem& problem, int64_t budget) {
   return naive ? std::min(problem.NaiveStorageBytes(), budget) : 0;
+}
+
+// The bytes a call holds from admission until it answers, against --max-inflight-bytes: its
+// request's and its answer's tensors.
+int64_t InflightBytes(const google::protobuf::Message& request, int64_t reply_bytes) {
+  const int64_t total = static_cast<int64_t>(request.ByteSizeLong()) + reply_bytes;
+  return total < 0 ? std::numeric_limits<int64_t>::max() : total;
 }
 
 // Why a call must stop now, if it must: the client cancelled or its deadline passed.
@@ -182,7 +221,14 @@ AttentionService::AttentionService(Backend& backend, ServiceConfig config)
     : backend_(backend),
       config_(std::move(config)),
       caches_(backend, ResolveCacheLimits(backend, config_.caches)),
+      trace_watch_(config_.trace.idle_seconds),
       queue_(ResolveLimits(backend, config_.admission)) {}
+
+void AttentionService::CancelQueued() {
+  queue_.CancelQueued(absl::UnavailableError(
+      "attnd shut down before this call reached a compute worker; nothing of it was applied: "
+      "retry elsewhere"));
+}
 
 absl::Status AttentionService::CheckAccepting() const {
   if (!draining_.load()) return absl::OkStatus();
@@ -250,6 +296,12 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
     fail(problem.status());
     return reactor;
   }
+  const int64_t reply_bytes = ReplyTensorBytes(*problem);
+  if (absl::Status reply = CheckReplyBytes("query", reply_bytes, config_.max_message_bytes);
+      !reply.ok()) {
+    fail(reply);
+    return reactor;
+  }
   if (absl::Status device = CheckDevice(); !device.ok()) {
     fail(device);
     return reactor;
@@ -272,14 +324,16 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
     }
     Answer(naive, problem, context, request, response, start, reactor);
   };
+  ComputeJob job{.memory_bytes = HeldBytes(naive, *problem, queue_.limits().memory_bytes),
+                 .request_bytes = InflightBytes(*request, reply_bytes),
+                 .work = std::move(run),
+                 .refuse = fail};
   // A call too small to matter runs here: the hand-off to a worker and back would cost more.
   if (backend_.RunsInline(*problem)) {
-    run();
+    job.RunGuarded();
     return reactor;
   }
-  absl::Status accepted =
-      queue_.Submit(HeldBytes(naive, *problem, queue_.limits().memory_bytes), std::move(run));
-  if (!accepted.ok()) fail(accepted);
+  if (absl::Status accepted = queue_.Submit(std::move(job)); !accepted.ok()) fail(accepted);
   return reactor;
 }
 
@@ -308,7 +362,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
   if (!rows.ok()) return fail(rows.status());
   TraceSlot slot(open_traces_);
   if (absl::Status room = slot.Take(config_.trace.max_streams); !room.ok()) return fail(room);
-  auto* writer = new TraceWriter(backend_, start, std::move(slot));
+  auto* writer = new TraceWriter(backend_, start, std::move(slot), trace_watch_, context);
   // Opening the cursor checks every input element and, on a GPU, waits for a stream and
   // computes the whole trace: a compute queue's work, like Naive's and Tiled's.
   auto open = [this, writer, context, problem = *problem, rows = *std::move(rows)]() mutable {
@@ -327,9 +381,12 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::Trace(
     }
     writer->Begin(problem, *std::move(cursor));
   };
+  ComputeJob job{.request_bytes = InflightBytes(*request, 0),
+                 .work = std::move(open),
+                 .refuse = [writer](const absl::Status& status) { writer->Fail(status); }};
   if (backend_.RunsInline(*problem)) {
-    open();
-  } else if (absl::Status accepted = queue_.Submit(0, std::move(open)); !accepted.ok()) {
+    job.RunGuarded();
+  } else if (absl::Status accepted = queue_.Submit(std::move(job)); !accepted.ok()) {
     writer->Fail(accepted);
   }
   return writer;
@@ -439,6 +496,12 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
     fail(problem.status());
     return reactor;
   }
+  const int64_t reply_bytes = ReplyTensorBytes(*problem);
+  if (absl::Status reply = CheckReplyBytes("query", reply_bytes, config_.max_message_bytes);
+      !reply.ok()) {
+    fail(reply);
+    return reactor;
+  }
   const bool naive = method == Method::kNaive;
   // Admission counts Naive's matrices at the cache's length now (appends may still grow it).
   Problem estimate = *problem;
@@ -446,28 +509,31 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
       now.ok()) {
     estimate.shape.key_len = std::max<int64_t>(now->length, 1);
   }
-  absl::Status accepted = queue_.Submit(
-      HeldBytes(naive, estimate, queue_.limits().memory_bytes),
-      [this, naive, context, request, response, owner, problem = *problem, start, fail,
-       reactor]() mutable {
-        if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
-          fail(interrupted);
-          return;
-        }
-        absl::StatusOr<CacheRegistry::Lease> lease =
-            caches_.Acquire(owner, request->cache_id(), "cache_id");
-        if (!lease.ok()) {
-          fail(lease.status());
-          return;
-        }
-        if (absl::Status bound = BindCache("", lease->pages(), lease->length(),
-                                           lease->max_abs_key(), lease->max_abs_value(), &problem);
-            !bound.ok()) {
-          fail(bound);
-          return;
-        }
-        Answer(naive, problem, context, request, response, start, reactor);
-      });
+  auto run = [this, naive, context, request, response, owner, problem = *problem, start, fail,
+              reactor]() mutable {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    absl::StatusOr<CacheRegistry::Lease> lease =
+        caches_.Acquire(owner, request->cache_id(), "cache_id");
+    if (!lease.ok()) {
+      fail(lease.status());
+      return;
+    }
+    if (absl::Status bound = BindCache("", lease->pages(), lease->length(), lease->max_abs_key(),
+                                       lease->max_abs_value(), &problem);
+        !bound.ok()) {
+      fail(bound);
+      return;
+    }
+    Answer(naive, problem, context, request, response, start, reactor);
+  };
+  absl::Status accepted =
+      queue_.Submit({.memory_bytes = HeldBytes(naive, estimate, queue_.limits().memory_bytes),
+                     .request_bytes = InflightBytes(*request, reply_bytes),
+                     .work = std::move(run),
+                     .refuse = fail});
   if (!accepted.ok()) fail(accepted);
   return reactor;
 }
@@ -492,7 +558,7 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
   if (!problem.ok()) return fail(problem.status());
   TraceSlot slot(open_traces_);
   if (absl::Status room = slot.Take(config_.trace.max_streams); !room.ok()) return fail(room);
-  auto* writer = new TraceWriter(backend_, start, std::move(slot));
+  auto* writer = new TraceWriter(backend_, start, std::move(slot), trace_watch_, context);
   auto open = [this, writer, context, request, owner, layout = *layout,
                problem = *problem]() mutable {
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
@@ -548,9 +614,11 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
     }
     writer->Begin(problem, *std::move(cursor));
   };
-  if (absl::Status accepted = queue_.Submit(0, std::move(open)); !accepted.ok()) {
-    writer->Fail(accepted);
-  }
+  absl::Status accepted =
+      queue_.Submit({.request_bytes = InflightBytes(*request, 0),
+                     .work = std::move(open),
+                     .refuse = [writer](const absl::Status& status) { writer->Fail(status); }});
+  if (!accepted.ok()) writer->Fail(accepted);
   return writer;
 }
 
@@ -586,8 +654,8 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
   // The copy into the cache's pages (and the pass over the tokens) is compute-queue work.
-  absl::Status accepted = queue_.Submit(0, [this, context, request, response, owner,
-                                            layout = *layout, tokens = *tokens, fail, reactor] {
+  auto run = [this, context, request, response, owner, layout = *layout, tokens = *tokens, fail,
+              reactor] {
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
       return;
@@ -617,8 +685,11 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
       return;
     }
     EncodeCacheInfo(lease->Describe(), response);
+    lease->Commit();
     reactor->Finish(grpc::Status::OK);
-  });
+  };
+  absl::Status accepted = queue_.Submit(
+      {.request_bytes = InflightBytes(*request, 0), .work = std::move(run), .refuse = fail});
   if (!accepted.ok()) fail(accepted);
   return reactor;
 }
@@ -685,6 +756,7 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
   const std::string owner = CallerIdentity(*context);
   std::vector<DecodeWork> work;
   std::map<std::string, int> item_of_cache;
+  int64_t reply_bytes = 0;  // Every item's output and lse: one reply carries them all.
   for (int i = 0; i < request->items_size(); ++i) {
     const v1::DecodeItem& item = request->items(i);
     DecodeWork w;
@@ -711,6 +783,17 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
                         w.layout, backend_.default_block_k());
     if (!problem.ok()) return Failed(context, problem.status());
     w.problem = *problem;
+    const int64_t item_reply = ReplyTensorBytes(w.problem);
+    if (absl::Status reply =
+            CheckReplyBytes(absl::StrCat(w.prefix, "query"), item_reply, config_.max_message_bytes);
+        !reply.ok()) {
+      return Failed(context, reply);
+    }
+    reply_bytes += item_reply;  // Each below 2^31: no overflow over 4096 items.
+    if (absl::Status reply = CheckReplyBytes("items", reply_bytes, config_.max_message_bytes);
+        !reply.ok()) {
+      return Failed(context, reply);
+    }
     if (absl::Status positions =
             ParsePositions(w.prefix, item.key_position(),
                            item.has_query_position() ? std::optional<int64_t>(item.query_position())
@@ -731,9 +814,8 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     response->Clear();
     reactor->Finish(ToGrpcStatus(status));
   };
-  absl::Status accepted = queue_.Submit(0, [this, context, request, response, owner,
-                                            work = std::move(work), start, fail,
-                                            reactor]() mutable {
+  auto run = [this, context, request, response, owner, work = std::move(work), start, fail,
+              reactor]() mutable {
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
       return;
@@ -816,8 +898,12 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
       EncodeCacheInfo(lease->Describe(), response->add_caches());
     }
     FillStats(backend_, *stats, start, response->mutable_stats());
+    for (std::optional<CacheRegistry::Lease>& lease : leases) lease->Commit();
     reactor->Finish(grpc::Status::OK);
-  });
+  };
+  absl::Status accepted = queue_.Submit({.request_bytes = InflightBytes(*request, reply_bytes),
+                                         .work = std::move(run),
+                                         .refuse = fail});
   if (!accepted.ok()) fail(accepted);
   return reactor;
 }

@@ -7,8 +7,15 @@
 // runs on a ComputeQueue worker, so those threads never block; only a call the backend says is
 // too small to matter (Backend::RunsInline) runs there directly, saving the hand-off. A trace
 // then computes one event per completed write (flow control), so a slow reader holds at most
-// one event and a cancelled stream stops at its next write. Thread-safe. The backend must
-// outlive the service; destroying the service waits for queued computations to finish.
+// one event and a cancelled stream stops at its next write; a stream whose reader takes nothing
+// for --trace-idle-seconds is cancelled (StreamWatch).
+//
+// What a request sizes is bounded before it is allocated: its answer's tensors against
+// --max-message-bytes (CheckReplyBytes; a Decode batch's summed), its bytes and its answer's
+// against --max-inflight-bytes while it is queued or running. What a call's code throws fails
+// that call (ComputeJob::RunGuarded, the trace writer), never the process. Thread-safe. The
+// backend must outlive the service; destroying the service waits for queued computations to
+// finish.
 #pragma once
 
 #include <atomic>
@@ -26,6 +33,7 @@
 #include "server/caches.h"
 #include "server/compute_queue.h"
 #include "server/request.h"
+#include "server/stream_watch.h"
 
 namespace attn {
 
@@ -34,8 +42,9 @@ struct ServiceConfig {
   // budget_bytes 0 = half the backend's memory_bytes().
   CacheLimits caches{.budget_bytes = 0, .idle_seconds = 0};
   // max_inflight 0 = the backend's concurrency(); memory_bytes 0 = its max_naive_bytes(): the
-  // Naive score and weight matrices of every running computation share that budget.
-  AdmissionLimits admission{.memory_bytes = 0};
+  // Naive score and weight matrices of every running computation share that budget;
+  // max_inflight_bytes 0 = a quarter of physical memory.
+  AdmissionLimits admission{.memory_bytes = 0, .max_inflight_bytes = 0};
   int64_t max_message_bytes = BuilderOptions{}.max_message_bytes;  // For ServerInfo.
   // Called (once) when the backend reports that its device is lost, e.g. to mark the health
   // service NOT_SERVING. May be empty.
@@ -82,6 +91,9 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // From now on every new Naive, Tiled and Trace call is refused with UNAVAILABLE (the server
   // is shutting down); calls already accepted run to the end. Thread-safe.
   void StartDrain() { draining_.store(true); }
+  // Shutdown, once the grace has passed: every call still waiting in the compute queue is
+  // answered UNAVAILABLE and none starts from now on. Thread-safe.
+  void CancelQueued();
   // Waits until no Naive, Tiled or Trace call is queued, computing or streaming (their answers
   // handed to gRPC), or until `deadline`; whether it got there. Thread-safe.
   bool WaitUntilIdle(std::chrono::system_clock::time_point deadline) const;
@@ -91,6 +103,10 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // Naive and Tiled calls waiting for a compute worker, and computing now (for metrics).
   int64_t queued() const { return queue_.queued(); }
   int64_t computing() const { return queue_.running(); }
+  // Bytes of the requests and answers of the calls queued and computing (for metrics).
+  int64_t inflight_bytes() const { return queue_.inflight_bytes(); }
+  // Trace streams cancelled because their reader stopped reading (for metrics).
+  int64_t idle_traces_cancelled() const { return trace_watch_.cancelled(); }
   const CacheRegistry& caches() const { return caches_; }
 
  private:
@@ -125,8 +141,9 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> open_traces_{0};
   std::atomic<int64_t> snapshot_bytes_{0};  // Cache copies held by open traces.
-  CacheRegistry caches_;  // Before queue_: queued work holds leases on its caches.
-  ComputeQueue queue_;    // Last: destroyed first, finishing queued work while the rest lives.
+  CacheRegistry caches_;     // Before queue_: queued work holds leases on its caches.
+  StreamWatch trace_watch_;  // Before queue_: queued work opens trace streams.
+  ComputeQueue queue_;       // Last: destroyed first, finishing queued work while the rest lives.
 };
 
 }  // namespace attn

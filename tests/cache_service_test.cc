@@ -685,11 +685,48 @@ TEST(CacheRegistryTest, RollbackAndDeleteGiveTheBudgetBack) {
     absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("", cache->id, "cache_id");
     const SmallTokens tokens(10);
     ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+    lease->Commit();
   }
   EXPECT_EQ(registry.tokens(), 10);
   ASSERT_TRUE(registry.Delete("", cache->id).ok());
   EXPECT_EQ(registry.bytes(), 0);
   EXPECT_EQ(registry.caches(), 0);
+}
+
+TEST(CacheRegistryTest, AppendsShowOnlyOnceCommittedAndALeaseEndingUncommittedTakesThemBack) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0});
+  const absl::StatusOr<CacheDescription> cache = registry.Create("", SmallLayout());
+  ASSERT_TRUE(cache.ok());
+  const SmallTokens tokens(300);
+  {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("", cache->id, "cache_id");
+    ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+    EXPECT_EQ(lease->length(), 300);                         // The lease sees its own append,
+    EXPECT_EQ(registry.Describe("", cache->id)->length, 0);  // nobody else yet.
+    EXPECT_EQ(registry.List("")[0].length, 0);
+    EXPECT_EQ(registry.tokens(), 0);
+    lease->Commit();
+    EXPECT_EQ(registry.Describe("", cache->id)->length, 300);
+    ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+  }  // Ends without committing the second append: it is taken back.
+  EXPECT_EQ(registry.Describe("", cache->id)->length, 300);
+  absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("", cache->id, "cache_id");
+  EXPECT_EQ(lease->length(), 300);
+  EXPECT_EQ(registry.bytes(), lease->Describe().bytes);
+}
+
+TEST(CacheRegistryTest, MaxCachesBoundsTheCachesAliveAndNamesTheFlag) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0, .max_caches = 2});
+  const absl::StatusOr<CacheDescription> first = registry.Create("a", SmallLayout());
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(registry.Create("b", SmallLayout()).ok());  // Counted over every owner.
+  const absl::StatusOr<CacheDescription> third = registry.Create("a", SmallLayout());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("--max-caches=2"), std::string::npos) << third.status();
+  ASSERT_TRUE(registry.Delete("a", first->id).ok());
+  EXPECT_TRUE(registry.Create("a", SmallLayout()).ok());
 }
 
 TEST(CacheRegistryTest, AnIdleCacheExpiresAndSaysSo) {

@@ -358,10 +358,12 @@ def cases():
         ["larger than max"])
     add("request over --max-message-bytes", "Trace", trace(huge.request), EXHAUSTED,
         ["larger than max"])
-    # 2 KB of query and 4 KB of value ask for a 512 × 1024 f32 output, 2 MiB: over the limit.
+    # 2 KB of query and 4 KB of value ask for a 512 × 1024 f32 output, 2 MiB: over the limit,
+    # refused before the output is allocated (issue 27), naming the field and the limit.
     amplified = Problem((1, 1, 512, 1), (1, 1, 1, 1), (1, 1, 1, 1024))
-    add("response over --max-message-bytes", "Tiled", amplified.request, EXHAUSTED,
-        ["larger than max"])
+    for method in ("Tiled", "Naive"):
+        add("response over --max-message-bytes", method, amplified.request, EXHAUSTED,
+            ["query: ", "2097152 bytes", "--max-message-bytes=%d" % MAX_MESSAGE_BYTES])
 
     # Trace.
     add("trace without attention", "Trace", pb.TraceRequest(), INVALID, "attention: is required")
