@@ -280,6 +280,14 @@ void AddServerGauges(MetricsRegistry& registry, const AttentionService& service,
   registry.AddGaugeCallback("attnd_compute_queued",
                             "Naive and Tiled requests waiting for a compute worker.",
                             [&service] { return static_cast<double>(service.queued()); });
+  registry.AddGaugeCallback(
+      "attnd_inflight_request_bytes",
+      "Bytes of the requests and answers accepted and not yet answered (of --max-inflight-bytes).",
+      [&service] { return static_cast<double>(service.inflight_bytes()); });
+  registry.AddGaugeCallback(
+      "attnd_trace_idle_cancelled",
+      "Trace streams cancelled so far because their reader took nothing for --trace-idle-seconds.",
+      [&service] { return static_cast<double>(service.idle_traces_cancelled()); });
   registry.AddGaugeCallback("attnd_caches", "Server-resident KV caches alive now.",
                             [&service] { return static_cast<double>(service.caches().caches()); });
   registry.AddGaugeCallback("attnd_cache_tokens", "Tokens held by all KV caches.",

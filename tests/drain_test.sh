@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Graceful drain of a real attnd process: SIGTERM with a computation in flight lets it finish
 # (OK), refuses new calls, flips readiness and exits 0; a second signal exits at once; a drain
-# past --shutdown-grace cancels what is left and still exits 0.
+# past --shutdown-grace cancels what is left and still exits 0; with a full queue and no grace,
+# every queued call is answered UNAVAILABLE.
 # Usage: drain_test.sh ATTND ATTN   (needs the system python3 to read attnd's /metrics)
 set -euo pipefail
 attnd=$1
@@ -104,6 +105,39 @@ expect "attnd waits out the 1 s grace, cancels the call and exits 0 (exit $rc af
 rc=0; wait "$client" || rc=$?
 [ "$rc" -ne 0 ]
 expect "the call cut off by the grace period failed (attn exit $rc)" $?
+
+# 4. A full queue and --shutdown-grace 0 (issue 27): every call still queued is answered
+#    UNAVAILABLE, the running one is cancelled, and attnd exits 0 at once; under ASan nothing a
+#    queued call does may touch the server once it is gone (tests/run.sh reads every report).
+start "$dir/d.log" --shutdown-grace 0 --max-inflight 1
+start_long_call "$dir/long4.out"
+queued=()
+for i in $(seq 6); do
+  "$attn" "${target[@]}" tiled --random 1,1,4096,64 --print-rows 0 >"$dir/queued$i.out" 2>&1 &
+  queued+=($!)
+done
+for _ in $(seq 300); do
+  [ "$(metric attnd_compute_queued)" = 6 ] && break
+  sleep 0.1
+done
+[ "$(metric attnd_compute_queued)" = 6 ]
+expect "six calls wait behind the running one" $?
+begin=$(date +%s%N)
+kill -TERM "$server"
+rc=0; wait "$server" || rc=$?
+ms=$(( ($(date +%s%N) - begin) / 1000000 ))
+[ "$rc" -eq 0 ] && [ "$ms" -lt 5000 ]
+expect "with a full queue and no grace attnd exits 0 at once (exit $rc after $ms ms)" $?
+unavailable=0
+for i in $(seq 6); do
+  rc=0; wait "${queued[$((i - 1))]}" || rc=$?
+  [ "$rc" -ne 0 ] && grep -q "UNAVAILABLE.*before this call reached a compute worker" \
+    "$dir/queued$i.out" && unavailable=$((unavailable + 1))
+done
+[ "$unavailable" -eq 6 ]
+expect "every queued call was answered UNAVAILABLE ($unavailable of 6)" $?
+[ "$unavailable" -eq 6 ] || cat "$dir"/queued*.out "$dir/d.log"
+wait "$client" 2>/dev/null || true
 
 server=""
 [ "$failed" -eq 0 ] || { echo "$failed check(s) failed"; exit 1; }

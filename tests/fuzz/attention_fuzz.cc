@@ -5,6 +5,8 @@
 // (server/service.cc), and the target aborts, which libFuzzer reports as a crash and saves, when
 //   - validation (server/request.h) refuses with anything but INVALID_ARGUMENT naming a field,
 //     or accepts a Problem that breaks kernels/problem.h's invariants;
+//   - the answer's size is not refused exactly when it passes the reply limit (CheckReplyBytes,
+//     before anything is allocated, so shapes asking for gigabytes are safe to fuzz);
 //   - an accepted problem that is small (kMaxWork) fails on the CPU backend, except Naive's one
 //     documented refusal: RESOURCE_EXHAUSTED exactly when its matrices pass its budget;
 //   - an output row of Naive, Tiled or Trace is farther from a float64 reference than the error
@@ -275,6 +277,34 @@ std::vector<RowRef> AllRows(const Shape& s) {
   return rows;
 }
 
+// The reply limit attnd would apply (--max-message-bytes): small, so that fuzzed shapes reach
+// the refusal of answers too large to send.
+constexpr int64_t kMaxMessageBytes = 1 << 20;
+
+// The service's check before any output is allocated (server/service.cc): refused exactly when
+// the answer's output and lse, counted here in double precision, pass the limit, and then with
+// RESOURCE_EXHAUSTED naming the query and the flag. True when the answer may be computed.
+bool ReplyFits(const Problem& p) {
+  const Shape& s = p.shape;
+  const double rows = static_cast<double>(s.batch) * s.heads * s.query_len;
+  const double bytes = rows * s.value_dim * ElementSize(p.output_dtype) +
+                       (p.return_lse ? rows * sizeof(float) : 0.0);
+  const int64_t counted = ReplyTensorBytes(p);
+  if (static_cast<double>(counted) != bytes) {
+    Fail(absl::StrCat("ReplyTensorBytes is ", counted, " for ", Describe(p), "; expected ", bytes));
+  }
+  const absl::Status status = CheckReplyBytes("query", counted, kMaxMessageBytes);
+  const bool fits = bytes <= kMaxMessageBytes;
+  if (status.ok() != fits ||
+      (!fits && (status.code() != absl::StatusCode::kResourceExhausted ||
+                 !absl::StrContains(status.message(), "query: ") ||
+                 !absl::StrContains(status.message(), "--max-message-bytes")))) {
+    Fail(absl::StrCat("CheckReplyBytes answered ", status.ToString(), " for ", bytes,
+                      " bytes of answer to ", Describe(p)));
+  }
+  return fits;
+}
+
 // Runs Naive or Tiled the way the service does (PrepareOutputs into a response) and checks
 // every row against `refs` (AllRows order).
 void RunAndCheck(bool naive, const Problem& p, const v1::AttentionRequest& request,
@@ -286,7 +316,8 @@ void RunAndCheck(bool naive, const Problem& p, const v1::AttentionRequest& reque
   // All-ones bytes are NaN in every dtype, so an element left unwritten fails its row's check.
   std::string* data = response.mutable_output()->mutable_data();
   if (static_cast<int64_t>(data->size()) != p.OutputElements() * ElementSize(p.output_dtype) ||
-      outputs.output.data != data->data() || (outputs.lse != nullptr) != p.return_lse) {
+      outputs.output.data != data->data() || (outputs.lse != nullptr) != p.return_lse ||
+      static_cast<int64_t>(data->size() + response.lse().data().size()) != ReplyTensorBytes(p)) {
     Fail(absl::StrCat("PrepareOutputs sized the outputs wrongly for ", Describe(p)));
   }
   std::memset(data->data(), 0xff, data->size());
@@ -354,6 +385,7 @@ void FuzzAttention(const v1::AttentionRequest& request) {
     return;
   }
   ExpectInvariants(*problem);
+  if (!ReplyFits(*problem)) return;  // Refused before any output exists, as attnd does.
   const Shape& s = problem->shape;
   if (Work(*problem, static_cast<double>(s.batch * s.heads * s.query_len)) > kMaxWork) return;
 

@@ -103,7 +103,7 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
   v1::Tensor* v = request->mutable_value();
   v1::Tensor* all[] = {q, k, v};
   v1::AttentionOptions* options = request->mutable_options();
-  switch (Pick(rng, 13)) {
+  switch (Pick(rng, 14)) {
     case 0: {  // batch
       const int64_t batch = NewDim(rng, 1);
       for (v1::Tensor* t : all) SetDim(t, 4, batch);
@@ -255,6 +255,20 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
       if (choice == 5) request->add_cu_seqlens_k(request->cu_seqlens_k(sequences));
       if (choice == 6) request->clear_cu_seqlens_k();
       return true;
+    }
+    case 12: {  // a large answer from a small request: a wide value over one key, or many
+                // query rows one element wide, each alone (the reply check's territory)
+      const int64_t wide = 1 + Pick(rng, Pick(rng, 2) ? kMaxElements : 2048);
+      if (Pick(rng, 2) == 0) {
+        SetDim(k, 2, 1);
+        SetDim(v, 2, 1);
+        SetDim(v, 1, wide);
+      } else {
+        SetDim(q, 1, 1);
+        SetDim(k, 1, 1);
+        SetDim(q, 2, wide);
+      }
+      break;
     }
     default: {  // fresh values for one tensor
       v1::Tensor* t = all[Pick(rng, 3)];
