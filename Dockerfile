@@ -59,13 +59,17 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
   CMD ["attn", "--target", "127.0.0.1:50051", "--timeout-ms", "3000", "health"]
 
 ENTRYPOINT ["attnd"]
-# attnd refuses plaintext on a non-loopback address unless told --insecure. The default here is
-# for trying the image on a trusted host or network; in production replace these arguments,
-# e.g. mount certificates and a token (files readable by uid 10001, in directories it can
-# enter) and run
-#   attnd --listen 0.0.0.0:50051 --http-listen 0.0.0.0:8080 --device auto \
+# attnd refuses plaintext on a non-loopback address unless told --insecure: a --listen without
+# TLS, and any --http-listen (the HTTP port has no TLS). The default below binds both ports on
+# 0.0.0.0 (a published port reaches the container's address, not its loopback), so its one
+# --insecure covers both. It is for trying the image on a trusted host or network; in
+# production replace these arguments, e.g. mount certificates and a token (files readable by
+# uid 10001, in directories it can enter) and run
+#   attnd --listen 0.0.0.0:50051 --http-listen 127.0.0.1:8080 --device auto \
 #         --tls-cert /certs/tls.crt --tls-key /certs/tls.key --auth-token-file /secrets/token
+# which keeps the plain-HTTP port inside the container (to publish it to a trusted network, give
+# --http-listen 0.0.0.0:8080 and --insecure, which with TLS on gRPC covers only --http-listen).
 # The HEALTHCHECK above then needs the CA too, e.g. `docker run --health-cmd "attn --target
 # 127.0.0.1:50051 --tls-ca /certs/ca.crt --timeout-ms 3000 health"` with a server certificate
-# for 127.0.0.1, or use /healthz on 8080 instead.
+# for 127.0.0.1, or use /healthz on 127.0.0.1:8080 instead.
 CMD ["--listen", "0.0.0.0:50051", "--http-listen", "0.0.0.0:8080", "--device", "auto", "--insecure"]

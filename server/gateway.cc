@@ -2,12 +2,16 @@
 
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <future>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -82,8 +86,11 @@ std::string ErrorJson(grpc::StatusCode code, absl::string_view message) {
                       "\",\"message\":", JsonString(message), "}");
 }
 
-void WriteError(httplib::Response& response, grpc::StatusCode code, absl::string_view message) {
-  response.status = HttpStatusFor(code);
+// The answer for a failed call or a refused request: HttpStatusFor(code), or `http_status` where
+// the refusal has an HTTP status of its own (413, 415, …).
+void WriteError(httplib::Response& response, grpc::StatusCode code, absl::string_view message,
+                int http_status = 0) {
+  response.status = http_status != 0 ? http_status : HttpStatusFor(code);
   if (code == grpc::StatusCode::UNAUTHENTICATED) {
     response.set_header("WWW-Authenticate", "Bearer");
   }
@@ -122,9 +129,9 @@ bool ParseBody(const std::string& body, google::protobuf::Message& message,
 
 // A parse step for Gateway::Unary: the request body as `Message`'s JSON.
 template <typename Message>
-std::function<bool(Message&, httplib::Response&)> JsonBody(const httplib::Request& request) {
-  return [&request](Message& message, httplib::Response& response) {
-    return ParseBody(request.body, message, response);
+std::function<bool(Message&, httplib::Response&)> JsonBody(const std::string& body) {
+  return [&body](Message& message, httplib::Response& response) {
+    return ParseBody(body, message, response);
   };
 }
 
@@ -134,20 +141,55 @@ bool NoBody(Message&, httplib::Response&) {
   return true;
 }
 
-// The call's deadline from an optional "X-Timeout-Ms" header; false (400 written) when malformed.
-bool SetDeadline(const httplib::Request& request, grpc::ClientContext& context,
-                 httplib::Response& response) {
+// The call's timeout from an optional "X-Timeout-Ms" header, 0 when it has none; false (400
+// written) when it is not an integer number of milliseconds in [1, kMaxTimeoutMs].
+bool TimeoutOf(const httplib::Request& request, int64_t& milliseconds,
+               httplib::Response& response) {
+  milliseconds = 0;
   if (!request.has_header("X-Timeout-Ms")) return true;
   const std::string value = request.get_header_value("X-Timeout-Ms");
-  int64_t milliseconds = 0;
-  if (!absl::SimpleAtoi(value, &milliseconds) || milliseconds <= 0) {
+  if (!absl::SimpleAtoi(value, &milliseconds) || milliseconds < 1 || milliseconds > kMaxTimeoutMs) {
+    milliseconds = 0;
     WriteError(response, grpc::StatusCode::INVALID_ARGUMENT,
-               absl::StrCat("X-Timeout-Ms must be a positive number of milliseconds, got \"", value,
-                            "\""));
+               absl::StrCat("X-Timeout-Ms must be an integer number of milliseconds in [1, ",
+                            kMaxTimeoutMs, "] (24 h), got \"", value, "\""));
     return false;
   }
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(milliseconds));
   return true;
+}
+
+// The call's deadline from the X-Timeout-Ms header (checked already by the admission).
+bool SetDeadline(const httplib::Request& request, grpc::ClientContext& context,
+                 httplib::Response& response) {
+  int64_t milliseconds = 0;
+  if (!TimeoutOf(request, milliseconds, response)) return false;
+  if (milliseconds > 0) {
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(milliseconds));
+  }
+  return true;
+}
+
+// Whether a Content-Type is JSON: "application/json", optionally with "; charset=utf-8" (any
+// case, the charset possibly quoted). Nothing else, so a form or text/plain, which a page on
+// another origin may send without a CORS preflight, never reaches a call.
+bool IsJsonContentType(absl::string_view type) {
+  const size_t semicolon = type.find(';');
+  if (!absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(type.substr(0, semicolon)),
+                              "application/json")) {
+    return false;
+  }
+  if (semicolon == absl::string_view::npos) return true;
+  const absl::string_view parameter = absl::StripAsciiWhitespace(type.substr(semicolon + 1));
+  const size_t equals = parameter.find('=');
+  if (equals == absl::string_view::npos) return false;
+  absl::string_view value = absl::StripAsciiWhitespace(parameter.substr(equals + 1));
+  if (value.size() >= 2 && value.front() == '"' && value.back() == '"') {
+    value = value.substr(1, value.size() - 2);
+  }
+  return absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(parameter.substr(0, equals)),
+                                "charset") &&
+         absl::EqualsIgnoreCase(value, "utf-8");
 }
 
 // Whether the call's deadline passed already (parsing a large body can take it all). Such a call
@@ -244,7 +286,9 @@ int HttpStatusFor(grpc::StatusCode code) {
   }
 }
 
-Gateway::Gateway(GatewayConfig config) : config_(std::move(config)) {}
+Gateway::Gateway(GatewayConfig config)
+    : config_(std::move(config)),
+      body_limit_(static_cast<size_t>(config_.max_message_bytes / 3 * 4 + (int64_t{1} << 20))) {}
 
 void Gateway::SetChannel(std::shared_ptr<grpc::Channel> channel) {
   std::unique_ptr<Stub> stub =
@@ -283,9 +327,51 @@ void Gateway::AllowOrigin(httplib::Response& response) const {
   if (config_.cors_origin != "*") response.set_header("Vary", "Origin");
 }
 
-bool Gateway::Admit(const httplib::Request& request, absl::string_view method,
-                    httplib::Response& response) const {
+HeaderVerdict Gateway::CheckHeaders(const httplib::Request& request,
+                                    httplib::Response& response) const {
+  if (request.path != "/v1" && !absl::StartsWith(request.path, "/v1/")) {
+    return HeaderVerdict::kPass;
+  }
   AllowOrigin(response);
+  const auto refuse = [&response](grpc::StatusCode code, int http_status,
+                                  absl::string_view message) {
+    WriteError(response, code, message, http_status);
+    return HeaderVerdict::kAnswered;
+  };
+  const BodyFraming framing = BodyFramingOf(request);
+  const auto no_body = [&]() -> HeaderVerdict {
+    switch (framing.kind) {
+      case BodyFraming::Kind::kNone:
+        return HeaderVerdict::kAccept;
+      case BodyFraming::Kind::kInvalid:
+        return refuse(grpc::StatusCode::INVALID_ARGUMENT, 400, framing.problem);
+      default:
+        return refuse(grpc::StatusCode::RESOURCE_EXHAUSTED, 413,
+                      absl::StrCat(request.method, " ", request.path, " takes no request body"));
+    }
+  };
+
+  // The preflight carries no credentials (browsers never send them on one).
+  if (request.method == "OPTIONS" && !config_.cors_origin.empty()) return no_body();
+  if (config_.client_certificates_required) {
+    return refuse(grpc::StatusCode::PERMISSION_DENIED, 0,
+                  "the JSON gateway is off: gRPC requires client certificates "
+                  "(--tls-client-ca), which the HTTP port cannot check; call attention.v1 over "
+                  "gRPC");
+  }
+
+  const std::string method = request.method == "HEAD" ? "GET" : request.method;
+  const Route* route = nullptr;
+  std::string allowed;  // The path's other methods, for a 405.
+  for (const Route& candidate : routes_) {
+    if (!std::regex_match(request.path, candidate.pattern)) continue;
+    if (candidate.method == method) {
+      route = &candidate;
+    } else {
+      absl::StrAppend(&allowed, allowed.empty() ? "" : ", ", candidate.method);
+    }
+  }
+
   if (!config_.auth_token.empty()) {
     std::vector<std::string> values;
     const size_t count = request.get_header_value_count("Authorization");
@@ -293,105 +379,246 @@ bool Gateway::Admit(const httplib::Request& request, absl::string_view method,
       values.push_back(request.get_header_value("Authorization", i));
     }
     const std::vector<absl::string_view> views(values.begin(), values.end());
-    const absl::Status status =
-        CheckBearerToken(config_.auth_token, absl::StrCat(kServicePath, method), views);
-    if (!status.ok()) {
-      WriteError(response, grpc::StatusCode::UNAUTHENTICATED, status.message());
-      return false;
+    const absl::Status status = CheckBearerToken(
+        config_.auth_token, absl::StrCat(kServicePath, route != nullptr ? route->rpc : "Unknown"),
+        views);
+    if (!status.ok()) return refuse(grpc::StatusCode::UNAUTHENTICATED, 0, status.message());
+  }
+
+  if (route == nullptr) {
+    if (allowed.empty()) {
+      return refuse(grpc::StatusCode::NOT_FOUND, 404,
+                    absl::StrCat("no JSON gateway route ", request.path));
+    }
+    response.set_header("Allow", allowed);
+    return refuse(grpc::StatusCode::UNIMPLEMENTED, 405,
+                  absl::StrCat(request.path, " takes ", allowed, ", not ", request.method));
+  }
+
+  if (route->method != "POST") {
+    if (const HeaderVerdict verdict = no_body(); verdict != HeaderVerdict::kAccept) {
+      return verdict;
+    }
+  } else {
+    const std::string type = request.get_header_value("Content-Type");
+    if (request.get_header_value_count("Content-Type") != 1 || !IsJsonContentType(type)) {
+      return refuse(grpc::StatusCode::INVALID_ARGUMENT, 415,
+                    absl::StrCat("Content-Type must be application/json (optionally \"; "
+                                 "charset=utf-8\"), got \"",
+                                 type, "\""));
+    }
+    const std::string encoding = request.get_header_value("Content-Encoding");
+    if (request.has_header("Content-Encoding") && !absl::EqualsIgnoreCase(encoding, "identity")) {
+      return refuse(grpc::StatusCode::INVALID_ARGUMENT, 415,
+                    absl::StrCat("Content-Encoding \"", encoding,
+                                 "\" is not accepted: send the JSON uncompressed"));
+    }
+    switch (framing.kind) {
+      case BodyFraming::Kind::kInvalid:
+        return refuse(grpc::StatusCode::INVALID_ARGUMENT, 400, framing.problem);
+      case BodyFraming::Kind::kUntilClose:
+        return refuse(grpc::StatusCode::INVALID_ARGUMENT, 411,
+                      absl::StrCat("POST ", request.path,
+                                   " needs a Content-Length or Transfer-Encoding: chunked"));
+      case BodyFraming::Kind::kLength:
+        if (framing.length > body_limit_) {
+          return refuse(
+              grpc::StatusCode::RESOURCE_EXHAUSTED, 413,
+              absl::StrCat("Content-Length ", framing.length, " is over the limit of ", body_limit_,
+                           " bytes for a JSON body (4/3 of --max-message-bytes, plus "
+                           "1 MiB)"));
+        }
+        break;
+      default:
+        break;  // No body (the parser says what is missing) or chunked (read up to the limit).
     }
   }
-  return true;
+
+  int64_t milliseconds = 0;
+  if (!TimeoutOf(request, milliseconds, response)) return HeaderVerdict::kAnswered;
+  return HeaderVerdict::kAccept;
 }
 
-void Gateway::AddRoutes(httplib::Server& server) {
-  // A request message of max_message_bytes grows by 4/3 as base64, plus its other fields.
-  const int64_t body_limit = config_.max_message_bytes / 3 * 4 + (int64_t{1} << 20);
-  server.set_payload_max_length(static_cast<size_t>(body_limit));
+void Gateway::Guard(httplib::Response& response, const std::function<void()>& handle) const {
+  grpc::StatusCode code = grpc::StatusCode::INTERNAL;
+  std::string message;
+  try {
+    handle();
+    return;
+  } catch (const std::bad_alloc&) {
+    code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+    message = "attnd ran out of memory answering this request; retry later or send less";
+  } catch (const std::exception& e) {
+    message = absl::StrCat("the JSON gateway failed: ", e.what());
+  } catch (...) {
+    message = "the JSON gateway failed";
+  }
+  response = httplib::Response();
+  AllowOrigin(response);
+  WriteError(response, code, message);
+  CloseAfterAnswer(response);  // The handler may have left the body half read.
+}
 
-  server.Post("/v1/naive", [this](const httplib::Request& request, httplib::Response& response) {
-    Compute(Method::kNaive, request, response);
+void Gateway::AddRoute(httplib::Server& server, const std::string& method,
+                       const std::string& pattern, const std::string& rpc, Handler handler) {
+  routes_.push_back({method, std::regex(pattern), rpc});
+  const auto guarded = [this, handler = std::move(handler)](const httplib::Request& request,
+                                                            httplib::Response& response) {
+    Guard(response, [&] { handler(request, response); });
+  };
+  if (method == "DELETE") {
+    server.Delete(pattern, guarded);
+  } else {
+    server.Get(pattern, guarded);
+  }
+}
+
+void Gateway::AddPostRoute(httplib::Server& server, const std::string& pattern,
+                           const std::string& rpc, BodyHandler handler) {
+  routes_.push_back({"POST", std::regex(pattern), rpc});
+  // A content-reader route: httplib leaves the body to the handler, which reads it within the
+  // limit (a chunked body too, which httplib 0.11 would read without one) and the minimum rate.
+  server.Post(pattern, [this, handler = std::move(handler)](const httplib::Request& request,
+                                                            httplib::Response& response,
+                                                            const httplib::ContentReader& reader) {
+    Guard(response, [&] {
+      std::string body;
+      switch (ReadRequestBody(request, reader, body_limit_, body)) {
+        case BodyRead::kComplete:
+          handler(request, body, response);
+          return;
+        case BodyRead::kTooLarge:
+          WriteError(response, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     absl::StrCat("the request body is over the limit of ", body_limit_,
+                                  " bytes for a JSON body (4/3 of --max-message-bytes, plus 1 "
+                                  "MiB)"),
+                     413);
+          break;
+        case BodyRead::kTooSlow:
+          WriteError(
+              response, grpc::StatusCode::DEADLINE_EXCEEDED,
+              absl::StrCat("the request body stalled for ", kReadTimeout.count(),
+                           " s or came slower than ", kMinBodyBytesPerSecond >> 10, " KiB/s"),
+              408);
+          break;
+        case BodyRead::kFailed:
+          WriteError(response, grpc::StatusCode::INVALID_ARGUMENT,
+                     "the request body ended early or its chunked framing is bad", 400);
+          break;
+      }
+      CloseAfterAnswer(response);
+    });
   });
-  server.Post("/v1/tiled", [this](const httplib::Request& request, httplib::Response& response) {
-    Compute(Method::kTiled, request, response);
+}
+
+void Gateway::AddRoutes(HttpPort& port) {
+  httplib::Server& server = port.server();
+  // A second line behind the admission, which refuses a larger Content-Length unread.
+  server.set_payload_max_length(body_limit_);
+  port.AddHeaderCheck([this](const httplib::Request& request, httplib::Response& response) {
+    return CheckHeaders(request, response);
   });
-  server.Post("/v1/trace", [this](const httplib::Request& request, httplib::Response& response) {
-    Trace(request, response);
-  });
-  server.Get("/v1/info", [this](const httplib::Request& request, httplib::Response& response) {
-    Unary<GetServerInfoRequest, ServerInfo>(
-        "GetServerInfo", request, response, NoBody<GetServerInfoRequest>,
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->GetServerInfo(context, call_request, call_response, std::move(done));
-        });
-  });
+
+  AddPostRoute(
+      server, "/v1/naive", "Naive",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) { Compute(Method::kNaive, request, body, response); });
+  AddPostRoute(
+      server, "/v1/tiled", "Tiled",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) { Compute(Method::kTiled, request, body, response); });
+  AddPostRoute(server, "/v1/trace", "Trace",
+               [this](const httplib::Request& request, const std::string& body,
+                      httplib::Response& response) { Trace(request, body, response); });
+  AddRoute(server, "GET", "/v1/info", "GetServerInfo",
+           [this](const httplib::Request& request, httplib::Response& response) {
+             Unary<GetServerInfoRequest, ServerInfo>(
+                 request, response, NoBody<GetServerInfoRequest>,
+                 [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+                   stub.async()->GetServerInfo(context, call_request, call_response,
+                                               std::move(done));
+                 });
+           });
 
   // KV caches. The id in a path is passed as it is: the service answers NOT_FOUND for any id it
   // does not hold.
   constexpr char kCachePath[] = R"(/v1/caches/([^/]+))";
-  server.Post("/v1/caches", [this](const httplib::Request& request, httplib::Response& response) {
-    Unary<CreateCacheRequest, CacheInfo>(
-        "CreateCache", request, response, JsonBody<CreateCacheRequest>(request),
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->CreateCache(context, call_request, call_response, std::move(done));
-        });
-  });
-  server.Get("/v1/caches", [this](const httplib::Request& request, httplib::Response& response) {
-    Unary<ListCachesRequest, ListCachesResponse>(
-        "ListCaches", request, response, NoBody<ListCachesRequest>,
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->ListCaches(context, call_request, call_response, std::move(done));
-        });
-  });
-  server.Get(kCachePath, [this](const httplib::Request& request, httplib::Response& response) {
-    Unary<GetCacheInfoRequest, CacheInfo>(
-        "GetCacheInfo", request, response,
-        [&request](GetCacheInfoRequest& call_request, httplib::Response&) {
-          call_request.set_cache_id(request.matches[1]);
-          return true;
-        },
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->GetCacheInfo(context, call_request, call_response, std::move(done));
-        });
-  });
-  server.Delete(kCachePath, [this](const httplib::Request& request, httplib::Response& response) {
-    Unary<DeleteCacheRequest, DeleteCacheResponse>(
-        "DeleteCache", request, response,
-        [&request](DeleteCacheRequest& call_request, httplib::Response&) {
-          call_request.set_cache_id(request.matches[1]);
-          return true;
-        },
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->DeleteCache(context, call_request, call_response, std::move(done));
-        });
-  });
-  server.Post(absl::StrCat(kCachePath, "/append"), [this](const httplib::Request& request,
-                                                          httplib::Response& response) {
-    Unary<AppendCacheRequest, CacheInfo>(
-        "AppendCache", request, response,
-        [&request](AppendCacheRequest& call_request, httplib::Response& answer) {
-          if (!ParseBody(request.body, call_request, answer)) return false;
-          const std::string id = request.matches[1];
-          if (!call_request.cache_id().empty() && call_request.cache_id() != id) {
-            WriteError(
-                answer, grpc::StatusCode::INVALID_ARGUMENT,
-                absl::StrCat("cacheId \"", call_request.cache_id(),
-                             "\" in the body is not the path's \"", id, "\" (it may be left out)"));
-            return false;
-          }
-          call_request.set_cache_id(id);
-          return true;
-        },
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->AppendCache(context, call_request, call_response, std::move(done));
-        });
-  });
-  server.Post("/v1/decode", [this](const httplib::Request& request, httplib::Response& response) {
-    Unary<DecodeRequest, DecodeResponse>(
-        "Decode", request, response, JsonBody<DecodeRequest>(request),
-        [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
-          stub.async()->Decode(context, call_request, call_response, std::move(done));
-        });
-  });
+  AddPostRoute(
+      server, "/v1/caches", "CreateCache",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) {
+        Unary<CreateCacheRequest, CacheInfo>(
+            request, response, JsonBody<CreateCacheRequest>(body),
+            [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+              stub.async()->CreateCache(context, call_request, call_response, std::move(done));
+            });
+      });
+  AddRoute(server, "GET", "/v1/caches", "ListCaches",
+           [this](const httplib::Request& request, httplib::Response& response) {
+             Unary<ListCachesRequest, ListCachesResponse>(
+                 request, response, NoBody<ListCachesRequest>,
+                 [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+                   stub.async()->ListCaches(context, call_request, call_response, std::move(done));
+                 });
+           });
+  AddRoute(server, "GET", kCachePath, "GetCacheInfo",
+           [this](const httplib::Request& request, httplib::Response& response) {
+             Unary<GetCacheInfoRequest, CacheInfo>(
+                 request, response,
+                 [&request](GetCacheInfoRequest& call_request, httplib::Response&) {
+                   call_request.set_cache_id(request.matches[1]);
+                   return true;
+                 },
+                 [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+                   stub.async()->GetCacheInfo(context, call_request, call_response,
+                                              std::move(done));
+                 });
+           });
+  AddRoute(server, "DELETE", kCachePath, "DeleteCache",
+           [this](const httplib::Request& request, httplib::Response& response) {
+             Unary<DeleteCacheRequest, DeleteCacheResponse>(
+                 request, response,
+                 [&request](DeleteCacheRequest& call_request, httplib::Response&) {
+                   call_request.set_cache_id(request.matches[1]);
+                   return true;
+                 },
+                 [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+                   stub.async()->DeleteCache(context, call_request, call_response, std::move(done));
+                 });
+           });
+  AddPostRoute(
+      server, absl::StrCat(kCachePath, "/append"), "AppendCache",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) {
+        Unary<AppendCacheRequest, CacheInfo>(
+            request, response,
+            [&request, &body](AppendCacheRequest& call_request, httplib::Response& answer) {
+              if (!ParseBody(body, call_request, answer)) return false;
+              const std::string id = request.matches[1];
+              if (!call_request.cache_id().empty() && call_request.cache_id() != id) {
+                WriteError(answer, grpc::StatusCode::INVALID_ARGUMENT,
+                           absl::StrCat("cacheId \"", call_request.cache_id(),
+                                        "\" in the body is not the path's \"", id,
+                                        "\" (it may be left out)"));
+                return false;
+              }
+              call_request.set_cache_id(id);
+              return true;
+            },
+            [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+              stub.async()->AppendCache(context, call_request, call_response, std::move(done));
+            });
+      });
+  AddPostRoute(
+      server, "/v1/decode", "Decode",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) {
+        Unary<DecodeRequest, DecodeResponse>(
+            request, response, JsonBody<DecodeRequest>(body),
+            [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+              stub.async()->Decode(context, call_request, call_response, std::move(done));
+            });
+      });
   if (!config_.cors_origin.empty()) {
     server.Options(R"(/v1/.*)", [this](const httplib::Request&, httplib::Response& response) {
       AllowOrigin(response);
@@ -417,11 +644,10 @@ void Gateway::AddRoutes(httplib::Server& server) {
 
 template <typename CallRequest, typename CallResponse>
 void Gateway::Unary(
-    absl::string_view method, const httplib::Request& request, httplib::Response& response,
+    const httplib::Request& request, httplib::Response& response,
     const std::function<bool(CallRequest&, httplib::Response&)>& parse,
     const std::function<void(Stub&, grpc::ClientContext*, const CallRequest*, CallResponse*,
                              std::function<void(grpc::Status)>)>& start) const {
-  if (!Admit(request, method, response)) return;
   grpc::ClientContext context;  // The deadline counts from here, parsing included.
   if (!SetDeadline(request, context, response)) return;
   CallRequest call_request;
@@ -432,17 +658,17 @@ void Gateway::Unary(
   const bool started = StartCall(
       [&](Stub& stub) { start(stub, &context, &call_request, &call_response, done); }, response);
   if (!started) return;
+  // Nothing here throws while the call runs: it refers to the locals above until `done`.
   const grpc::Status status = finished.get_future().get();
   CallFinished();
   if (!status.ok()) return WriteError(response, status);
   WriteJson(response, call_response);
 }
 
-void Gateway::Compute(Method method, const httplib::Request& request,
+void Gateway::Compute(Method method, const httplib::Request& request, const std::string& body,
                       httplib::Response& response) const {
   Unary<AttentionRequest, AttentionResponse>(
-      method == Method::kNaive ? "Naive" : "Tiled", request, response,
-      JsonBody<AttentionRequest>(request),
+      request, response, JsonBody<AttentionRequest>(body),
       [method](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
         if (method == Method::kNaive) {
           stub.async()->Naive(context, call_request, call_response, std::move(done));
@@ -452,18 +678,17 @@ void Gateway::Compute(Method method, const httplib::Request& request,
       });
 }
 
-void Gateway::Trace(const httplib::Request& request, httplib::Response& response) const {
-  if (!Admit(request, "Trace", response)) return;
+void Gateway::Trace(const httplib::Request& request, const std::string& body,
+                    httplib::Response& response) const {
   auto relay = std::make_shared<TraceRelay>();
   if (!SetDeadline(request, relay->context, response)) return;
   TraceRequest call_request;
-  if (!ParseBody(request.body, call_request, response) || Expired(relay->context, response)) {
-    return;
-  }
+  if (!ParseBody(body, call_request, response) || Expired(relay->context, response)) return;
+  // Set before the call starts, so nothing that could throw comes between the two.
+  relay->on_finish = [this] { CallFinished(); };
   const bool started = StartCall(
       [&](Stub& stub) { relay->reader = stub.Trace(&relay->context, call_request); }, response);
   if (!started) return;
-  relay->on_finish = [this] { CallFinished(); };
   // The first event decides the HTTP status: a request the service refuses fails before it.
   relay->has_next = relay->reader->Read(&relay->next);
   if (!relay->has_next) {
@@ -472,37 +697,42 @@ void Gateway::Trace(const httplib::Request& request, httplib::Response& response
   }
   response.set_header("Cache-Control", "no-cache");
   response.set_header("X-Accel-Buffering", "no");  // Proxies: do not hold events back.
-  // httplib calls this until it signals done or a write fails (the client went away, and the
-  // relay's destructor cancels the call). Each call writes one event and reads the next, so the
-  // computation advances only as fast as the client reads.
+  // httplib calls this until it signals done or a write fails (the client went away, or stopped
+  // reading for kWriteTimeout, and the relay's destructor cancels the call). Each call writes one
+  // event and reads the next, so the computation advances only as fast as the client reads.
+  // httplib calls it outside its exception handling: an exception ends the stream here.
   response.set_chunked_content_provider(
       "text/event-stream", [relay](size_t /*offset*/, httplib::DataSink& sink) {
-        if (relay->has_next) {
-          std::string json;
-          const auto status =
-              google::protobuf::util::MessageToJsonString(relay->next, &json, PrintOptions());
-          if (!status.ok()) {
-            json = ErrorJson(grpc::StatusCode::INTERNAL, "cannot encode a TraceEvent as JSON");
-          }
-          const std::string event = SseEvent(json, status.ok() ? "" : "error");
-          if (!sink.write(event.data(), event.size())) return false;
-          if (!status.ok()) {  // Ends the stream; the relay's destructor cancels the call.
-            sink.done();
+        try {
+          if (relay->has_next) {
+            std::string json;
+            const auto status =
+                google::protobuf::util::MessageToJsonString(relay->next, &json, PrintOptions());
+            if (!status.ok()) {
+              json = ErrorJson(grpc::StatusCode::INTERNAL, "cannot encode a TraceEvent as JSON");
+            }
+            const std::string event = SseEvent(json, status.ok() ? "" : "error");
+            if (!sink.write(event.data(), event.size())) return false;
+            if (!status.ok()) {  // Ends the stream; the relay's destructor cancels the call.
+              sink.done();
+              return true;
+            }
+            relay->has_next = relay->reader->Read(&relay->next);
             return true;
           }
-          relay->has_next = relay->reader->Read(&relay->next);
-          return true;
-        }
-        if (!relay->finished) {
-          const grpc::Status status = relay->Finish();
-          if (!status.ok()) {
-            const std::string event =
-                SseEvent(ErrorJson(status.error_code(), status.error_message()), "error");
-            if (!sink.write(event.data(), event.size())) return false;
+          if (!relay->finished) {
+            const grpc::Status status = relay->Finish();
+            if (!status.ok()) {
+              const std::string event =
+                  SseEvent(ErrorJson(status.error_code(), status.error_message()), "error");
+              if (!sink.write(event.data(), event.size())) return false;
+            }
           }
+          sink.done();
+          return true;
+        } catch (...) {
+          return false;  // Drops the connection; the relay's destructor cancels the call.
         }
-        sink.done();
-        return true;
       });
 }
 

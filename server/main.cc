@@ -33,7 +33,8 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "Address to serve gRPC on (host:port).");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:8080",
           "Address of the HTTP side port (/metrics, /healthz, /readyz, the JSON gateway /v1/... "
-          "and the trace viewer /), host:port (:0 picks a free port); empty disables it.");
+          "and the trace viewer /), host:port (:0 picks a free port); empty disables it. Plain "
+          "HTTP: an address other than loopback needs --insecure.");
 ABSL_FLAG(std::string, http_cors_origin, "",
           "CORS for the JSON gateway (/v1/...): the Access-Control-Allow-Origin to send, e.g. * "
           "or https://viewer.example; empty sends no CORS headers.");
@@ -85,7 +86,8 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "File holding a bearer token every RPC but grpc.health.v1 must send as metadata "
           "\"authorization: Bearer <token>\" (trailing whitespace ignored).");
 ABSL_FLAG(bool, insecure, false,
-          "Allow plaintext on a non-loopback --listen address (refused otherwise).");
+          "Allow plaintext on a non-loopback --listen or --http-listen address (refused "
+          "otherwise; the HTTP port has no TLS, so with TLS on gRPC it covers --http-listen).");
 
 namespace {
 
@@ -205,17 +207,22 @@ int main(int argc, char** argv) {
   attn::AddServerGauges(metrics, service, **backend);
   // The JSON gateway and viewer share the HTTP port; their calls reach gRPC once it is built,
   // through the in-process channel, which skips the listener's token check: the gateway applies
-  // the same check to the HTTP Authorization header.
-  attn::Gateway gateway({.cors_origin = absl::GetFlag(FLAGS_http_cors_origin),
-                         .auth_token = security->auth_token,
-                         .max_message_bytes = max_message_bytes});
+  // the same check to the HTTP Authorization header, and refuses /v1 when gRPC requires client
+  // certificates (HTTP has none to check).
+  attn::Gateway gateway(
+      {.cors_origin = absl::GetFlag(FLAGS_http_cors_origin),
+       .auth_token = security->auth_token,
+       .max_message_bytes = max_message_bytes,
+       .client_certificates_required = !absl::GetFlag(FLAGS_tls_client_ca).empty()});
   // 16 HTTP workers: each open viewer trace (server-sent events) holds one while it streams,
   // and /metrics and the probes must still answer; --max-traces bounds the streams.
   attn::HttpPort http(metrics, ready, 16);
-  gateway.AddRoutes(http.server());
+  gateway.AddRoutes(http);
   const std::string http_listen = absl::GetFlag(FLAGS_http_listen);
   if (!http_listen.empty()) {
-    if (absl::Status status = http.Start(http_listen); !status.ok()) {
+    // The HTTP port is plaintext whatever gRPC uses: off loopback it needs --insecure too.
+    if (absl::Status status = http.Start(http_listen, absl::GetFlag(FLAGS_insecure));
+        !status.ok()) {
       Die(absl::StrCat(status.message(), " (--http-listen)"));
     }
   }

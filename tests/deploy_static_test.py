@@ -12,7 +12,10 @@ other and against the build recipe tests/run.sh uses:
     install-deps.sh (ATTN_DEPS=runtime: Debian 12's and Ubuntu 24.04's names, no list of its
     own), copies attnd and attn from the build stage, runs as a non-root user, exposes the gRPC
     and HTTP ports attnd listens on, has a HEALTHCHECK with `attn health`, and starts attnd with
-    arguments attnd accepts (a non-loopback plaintext --listen needs --insecure or TLS).
+    arguments attnd accepts (a non-loopback plaintext --listen needs --insecure or TLS; a
+    non-loopback --http-listen needs --insecure whatever gRPC uses, the HTTP port having no TLS).
+  Every attnd command shown in a comment of the Dockerfile, deploy/compose.yaml or deploy/k8s/
+    (an example to copy) follows the same --listen and --http-listen rules.
   deploy/k8s: every file parses (yaml.safe_load_all) and is listed in kustomization.yaml; the
     Deployment asks for nvidia.com/gpu 1, listens where the Dockerfile does, has gRPC startup,
     liveness and readiness probes on that port, runs non-root with a read-only root filesystem
@@ -184,8 +187,12 @@ def attnd_ports(argv, where):
     tls = flag(argv, "--tls-cert") and flag(argv, "--tls-key")
     assert is_loopback(host) or tls or "--insecure" in argv, (
         f"{where}: plaintext on {listen} without --insecure: attnd exits with status 2")
+    http_host, http_port = host_port(http)
+    assert is_loopback(http_host) or "--insecure" in argv, (
+        f"{where}: plain HTTP on --http-listen {http} without --insecure: attnd exits with "
+        "status 2 (the HTTP port has no TLS, so TLS on gRPC does not cover it)")
     assert flag(argv, "--device") in (None, "auto"), f"{where}: --device is not auto"
-    return grpc_port, host_port(http)[1]
+    return grpc_port, http_port
 
 
 def run_preset():
@@ -511,6 +518,46 @@ def compose_cpu_service_is_the_gpu_one_without_the_gpu():
     for key in ("command", "ports", "secrets", "user", "read_only", "tmpfs", "security_opt",
                 "cap_drop", "stop_grace_period"):
         assert cpu.get(key) == gpu.get(key), f"attnd-cpu's {key} differs from attnd's"
+
+
+# --- attnd commands in comments -------------------------------------------------------------
+
+def commented_attnd_commands(rel):
+    """[argv] of each `attnd ...` command in the comments of file `rel`, continuation lines
+    (ending in a backslash) joined."""
+    commands, pending = [], None
+    for line in read(rel).splitlines():
+        text = line.strip()
+        if not text.startswith("#"):
+            pending = None
+            continue
+        text = text.lstrip("#").strip()
+        if pending is None:
+            m = re.match(r"(?:\$ )?attnd(\s.*)$", text)
+            if not m:
+                continue
+            text = m.group(1)
+            pending = []
+        continued = text.endswith("\\")
+        pending.append(text.rstrip("\\"))
+        if not continued:
+            commands.append(shlex.split(" ".join(pending)))
+            pending = None
+    return commands
+
+
+@check
+def commented_attnd_commands_follow_the_listen_rules():
+    files = ["Dockerfile", "deploy/compose.yaml"] + sorted(
+        f"deploy/k8s/{f}" for f in os.listdir(os.path.join(ROOT, "deploy", "k8s")))
+    found = 0
+    for rel in files:
+        for argv in commented_attnd_commands(rel):
+            if flag(argv, "--listen") is None or flag(argv, "--http-listen") is None:
+                continue
+            found += 1
+            attnd_ports(argv, f"{rel} (a command in a comment: {' '.join(argv)})")
+    assert found, "no commented attnd command with --listen and --http-listen found"
 
 
 # --- yamllint ---------------------------------------------------------------------------------

@@ -16,6 +16,19 @@
 #     without a token; the cache routes need the token too.
 #  3. SIGTERM while a trace streams and a body is half sent: /v1 answers 503, the stream goes on
 #     through the grace, and attnd exits 0.
+#  4. The admission from the headers (--auth-token-file, --max-message-bytes 1024), each over raw
+#     sockets so nothing sends more than the test says: a wrong token with a 100 MB Content-Length
+#     and no body sent is 401 within 2 s, the connection closed (with Expect: 100-continue too,
+#     and no "100 Continue" first); a Content-Length one byte over the JSON limit is 413 within
+#     2 s; a chunked body one byte over it is 413; GET and DELETE with a body (Content-Length or
+#     chunked) are 413; a POST that is text/plain, a form or has no Content-Type is 415, while
+#     application/json; charset=utf-8 goes through; a POST with neither Content-Length nor
+#     chunked is 411 within 2 s; X-Timeout-Ms -1, abc and 10^12 are 400 naming X-Timeout-Ms; an
+#     unknown /v1 path is 404 and a wrong method 405; a body that stalls, and one trickled a byte
+#     a second, are answered 408 and closed within the 10 s read timeout + 3 s; attnd still
+#     answers afterwards (~10 s: the two slow bodies run beside the rest).
+#  5. --tls-client-ca (gRPC requires client certificates, which HTTP cannot check): every /v1
+#     call is 403 PERMISSION_DENIED naming --tls-client-ca; /healthz still answers.
 # Usage: gateway_test.sh ATTND PYTHON_STUBS_DIR SOURCE_DIR
 set -euo pipefail
 attnd=$1
@@ -530,6 +543,185 @@ def auth_checks():
           str(dict(headers)))
 
 
+def raw_exchange(head, body=b"", timeout=2.0, feed=None):
+    """Sends `head` (the request line and headers, without the blank line) and `body` on a new
+    connection, then `feed(sock)` if given; reads the answer until the server closes it or
+    `timeout` seconds have passed since the send. Returns (status, error JSON, seconds, closed,
+    raw answer); status 0 when nothing came."""
+    import socket
+    sock = socket.create_connection(("127.0.0.1", int(http_port)), timeout=timeout)
+    start = time.time()
+    sock.sendall(head + b"\r\n" + body)
+    if feed:
+        feed(sock)
+    answer, closed = b"", False
+    while True:
+        left = start + timeout - time.time()
+        if left <= 0:
+            break
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            break
+        except ConnectionResetError:
+            closed = True
+            break
+        if not chunk:
+            closed = True
+            break
+        answer += chunk
+    elapsed = time.time() - start
+    sock.close()
+    status = int(answer.split(b" ")[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+    error = error_of(answer.split(b"\r\n\r\n", 1)[1]) if b"\r\n\r\n" in answer else {}
+    return status, error, elapsed, closed, answer
+
+
+def limits_checks():
+    """attnd with --auth-token-file and --max-message-bytes 1024: requests judged from their
+    headers before any body is read."""
+    import threading
+    limit = 1024 // 3 * 4 + (1 << 20)  # The gateway's JSON limit for --max-message-bytes 1024.
+    auth = b"Authorization: Bearer " + token.encode() + b"\r\n"
+    json_type = b"Content-Type: application/json\r\n"
+
+    # The slow bodies first, in threads: each takes the 10 s read timeout.
+    slow = {}
+
+    def stall():
+        slow["stall"] = raw_exchange(b"POST /v1/naive HTTP/1.1\r\nHost: x\r\n" + auth + json_type +
+                                     b"Content-Length: 1000\r\n", b"{\"qu", timeout=16)
+
+    def trickle_feed(sock):
+        import select
+        for _ in range(20):  # A byte a second (each read finds data) until the server answers.
+            if select.select([sock], [], [], 1)[0]:
+                return
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                return
+
+    def trickle():
+        slow["trickle"] = raw_exchange(b"POST /v1/naive HTTP/1.1\r\nHost: x\r\n" + auth +
+                                       json_type + b"Content-Length: 1000\r\n", b"{",
+                                       timeout=30, feed=trickle_feed)
+    threads = [threading.Thread(target=stall), threading.Thread(target=trickle)]
+    for thread in threads:
+        thread.start()
+
+    # A wrong token with a 100 MB body announced and none sent: refused from the headers.
+    head = (b"POST /v1/naive HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n" + json_type +
+            b"Content-Length: 100000000\r\n")
+    status, error, elapsed, closed, answer = raw_exchange(head)
+    check("wrong token, 100 MB Content-Length, no body sent: 401 UNAUTHENTICATED within 2 s, "
+          "closed", status == 401 and error.get("code") == "UNAUTHENTICATED" and closed and
+          elapsed < 2, "%d %.1fs closed=%s %r" % (status, elapsed, closed, answer[:200]))
+    status, error, elapsed, closed, answer = raw_exchange(head + b"Expect: 100-continue\r\n")
+    check("wrong token with Expect: 100-continue: 401 at once, no 100 Continue",
+          status == 401 and closed and elapsed < 2,
+          "%d %.1fs closed=%s %r" % (status, elapsed, closed, answer[:200]))
+
+    # Bodies over the JSON limit: by Content-Length before reading, chunked once past it.
+    status, error, elapsed, closed, answer = raw_exchange(
+        b"POST /v1/tiled HTTP/1.1\r\nHost: x\r\n" + auth + json_type +
+        b"Content-Length: %d\r\n" % (limit + 1))
+    check("Content-Length one over the limit, no body sent: 413 within 2 s naming the limit",
+          status == 413 and error.get("code") == "RESOURCE_EXHAUSTED" and
+          str(limit) in error.get("message", "") and closed and elapsed < 2,
+          "%d %.1fs %r" % (status, elapsed, answer[:300]))
+
+    def chunked_feed(sock):
+        # limit + 1 bytes in all, the last chunk's end unsent: the server reads every byte sent.
+        sent = 0
+        while sent <= limit:
+            size = min(65536, limit + 1 - sent)
+            sock.sendall(b"%x\r\n" % size + b" " * size + (b"\r\n" if sent + size <= limit else b""))
+            sent += size
+    status, error, elapsed, closed, answer = raw_exchange(
+        b"POST /v1/tiled HTTP/1.1\r\nHost: x\r\n" + auth + json_type +
+        b"Transfer-Encoding: chunked\r\n", timeout=5, feed=chunked_feed)
+    check("a chunked body one byte over the limit: 413, closed",
+          status == 413 and error.get("code") == "RESOURCE_EXHAUSTED" and closed,
+          "%d %.1fs %r" % (status, elapsed, answer[:300]))
+
+    # Routes that take no body.
+    for name, head, body in (
+            ("GET /v1/info with a Content-Length body",
+             b"GET /v1/info HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 5\r\n", b"hello"),
+            ("GET /v1/caches with a chunked body",
+             b"GET /v1/caches HTTP/1.1\r\nHost: x\r\n" + auth + b"Transfer-Encoding: chunked\r\n",
+             b"5\r\nhello\r\n0\r\n\r\n"),
+            ("DELETE /v1/caches/ID with a body",
+             b"DELETE /v1/caches/%s HTTP/1.1\r\nHost: x\r\n" % (b"0" * 32) + auth +
+             b"Content-Length: 2\r\n", b"{}")):
+        status, error, elapsed, closed, answer = raw_exchange(head, body)
+        check("%s: 413, closed" % name, status == 413 and
+              "takes no request body" in error.get("message", "") and closed,
+              "%d %.1fs %r" % (status, elapsed, answer[:300]))
+
+    # Only JSON reaches a call: no cross-origin "simple request".
+    for content_type in ("text/plain", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", None):
+        head = b"POST /v1/naive HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 2\r\n"
+        if content_type:
+            head += b"Content-Type: %s\r\n" % content_type.encode()
+        status, error, elapsed, closed, answer = raw_exchange(head, b"{}")
+        check("POST with Content-Type %s: 415 naming Content-Type" % content_type,
+              status == 415 and "Content-Type" in error.get("message", ""),
+              "%d %r" % (status, answer[:300]))
+    status, _, body = http_call("POST", "/v1/naive", "{}", dict(
+        http_auth, **{"Content-Type": "application/json; charset=utf-8"}))
+    check("application/json; charset=utf-8 reaches the call (400 from validation)",
+          status == 400 and "query" in error_of(body).get("message", ""),
+          "%d %s" % (status, body[:200]))
+    status, error, elapsed, closed, answer = raw_exchange(
+        b"POST /v1/naive HTTP/1.1\r\nHost: x\r\n" + auth + json_type, b"{}")
+    check("POST with neither Content-Length nor chunked: 411 within 2 s",
+          status == 411 and elapsed < 2, "%d %.1fs %r" % (status, elapsed, answer[:300]))
+
+    # X-Timeout-Ms is range-checked.
+    for value in ("-1", "abc", "1000000000000"):
+        status, _, body = http_call("GET", "/v1/info", headers=dict(http_auth,
+                                                                      **{"X-Timeout-Ms": value}))
+        check("X-Timeout-Ms %s: 400 INVALID_ARGUMENT naming X-Timeout-Ms" % value,
+              status == 400 and error_of(body).get("code") == "INVALID_ARGUMENT" and
+              "X-Timeout-Ms" in error_of(body).get("message", ""), "%d %s" % (status, body[:200]))
+
+    # Routes: unknown path 404, wrong method 405 (both JSON).
+    status, _, body = http_call("GET", "/v1/nothing", headers=http_auth)
+    check("unknown /v1 path: 404 NOT_FOUND", status == 404 and
+          error_of(body).get("code") == "NOT_FOUND", "%d %s" % (status, body[:200]))
+    status, headers, body = http_call("GET", "/v1/naive", headers=http_auth)
+    check("GET /v1/naive: 405 with Allow: POST", status == 405 and
+          headers.get("Allow") == "POST", "%d %s %s" % (status, dict(headers), body[:200]))
+
+    for thread in threads:
+        thread.join()
+    for name in ("stall", "trickle"):
+        status, error, elapsed, closed, answer = slow[name]
+        print("  the %s body was answered %d after %.1f s" % (name, status, elapsed))
+        check("a %s body: 408 DEADLINE_EXCEEDED, closed within the 10 s read timeout + 3 s" %
+              {"stall": "stalled", "trickle": "trickled"}[name], status == 408 and error.get("code") == "DEADLINE_EXCEEDED" and closed and
+              elapsed < 13, "%d %.1fs closed=%s %r" % (status, elapsed, closed, answer[:200]))
+    status, _, body = http_call("GET", "/v1/info", headers=http_auth)
+    check("attnd answers after all that", status == 200, "%d %s" % (status, body[:200]))
+
+
+def mtls_checks():
+    """--tls-client-ca: the gateway cannot check client certificates, so /v1 is refused."""
+    for method, path, payload in (("GET", "/v1/info", None), ("POST", "/v1/naive", "{}"),
+                                  ("GET", "/v1/caches", None)):
+        status, _, body = http_call(method, path, payload)
+        error = error_of(body)
+        check("%s %s with --tls-client-ca: 403 PERMISSION_DENIED naming --tls-client-ca" %
+              (method, path), status == 403 and error.get("code") == "PERMISSION_DENIED" and
+              "--tls-client-ca" in error.get("message", ""), "%d %s" % (status, body[:200]))
+    status, _, body = http_call("GET", "/healthz")
+    check("/healthz still answers", status == 200, "%d %s" % (status, body[:100]))
+
+
 def drain_checks(pid):
     """SIGTERM with a gateway trace streaming and a request body half sent: /v1 answers 503 while
     draining, the half-sent request too once complete (no call starts on a stopping server)."""
@@ -569,8 +761,13 @@ def drain_checks(pid):
     check("drain: the trace stream went on, then ended", read > 0)
 
 
-if mode == "drain":
-    drain_checks(int(sys.argv[7]))
+if mode in ("drain", "limits", "mtls"):
+    if mode == "drain":
+        drain_checks(int(sys.argv[7]))
+    elif mode == "limits":
+        limits_checks()
+    else:
+        mtls_checks()
     print("%s: %d passed, %d failed" % (mode, passed, len(failures)))
     sys.exit(1 if failures else 0)
 main_checks()
@@ -591,6 +788,20 @@ printf 'gateway-test-token\n' >"$dir/token"
 start --http-cors-origin https://viewer.example --auth-token-file "$dir/token"
 /usr/bin/python3 "$dir/check.py" auth "$port" "$http_port" "$stubs" "$source_dir" "$dir/token" ||
   rc=1
+stop
+
+# The admission from the headers: token, body limits, Content-Type, X-Timeout-Ms, slow bodies.
+start --auth-token-file "$dir/token" --max-message-bytes 1024
+/usr/bin/python3 "$dir/check.py" limits "$port" "$http_port" "$stubs" "$source_dir" "$dir/token" ||
+  rc=1
+stop
+
+# gRPC requires client certificates: the gateway is off (a self-signed certificate serves as the
+# server's and as the client CA).
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj "/CN=127.0.0.1" \
+  -addext "subjectAltName=IP:127.0.0.1" -keyout "$dir/tls.key" -out "$dir/tls.crt" 2>"$dir/openssl.log"
+start --tls-cert "$dir/tls.crt" --tls-key "$dir/tls.key" --tls-client-ca "$dir/tls.crt"
+/usr/bin/python3 "$dir/check.py" mtls "$port" "$http_port" "$stubs" "$source_dir" "" || rc=1
 stop
 
 # SIGTERM while the gateway streams a trace and receives a body: exit 0 within the grace.

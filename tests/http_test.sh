@@ -2,8 +2,12 @@
 # attnd's HTTP side port and request log, as main wires them: the banner reports the bound
 # --http-listen port; after one OK and one INVALID_ARGUMENT call (through attn) /metrics counts
 # them by method and code with matching histogram counts, /healthz and /readyz answer 200, and
-# stderr holds one log line per call; a busy HTTP port, a bad address and a bad --log-level stop
-# start-up with exit 2; SIGTERM with an HTTP connection open still exits 0 promptly.
+# stderr holds one log line per call; the port's own routes take no body (GET /healthz with a
+# Content-Length or chunked body is 413 and the connection closed, a POST with neither header
+# 411, both within 2 s, over raw sockets); a busy HTTP port, a bad address, a bad --log-level and
+# a non-loopback --http-listen without --insecure (0.0.0.0, [::], an empty host: plain HTTP,
+# named in the message with --insecure) stop start-up with exit 2, while --insecure lets
+# 0.0.0.0 serve; SIGTERM with an HTTP connection open still exits 0 promptly.
 # Usage: http_test.sh ATTND ATTN
 set -euo pipefail
 attnd=$1
@@ -93,6 +97,35 @@ done
 check "/healthz 200" test "$(get /healthz)" = "200 ok"
 check "/readyz 200" test "$(get /readyz)" = "200 ready"
 
+# The port's routes take no body: refused from the headers, the body never read.
+raw() {  # raw REQUEST: prints the answer's status and "closed" once the server closed (2 s max)
+  /usr/bin/python3 - "$http_port" "$1" <<'EOF'
+import socket, sys, time
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2)
+sock.sendall(sys.argv[2].encode().decode("unicode_escape").encode("latin-1"))
+start, answer, closed = time.time(), b"", False
+try:
+    while time.time() - start < 2:
+        chunk = sock.recv(65536)
+        if not chunk:
+            closed = True
+            break
+        answer += chunk
+except (socket.timeout, ConnectionResetError):
+    pass
+print(answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none",
+      "closed" if closed else "open")
+EOF
+}
+check "GET /healthz with a body: 413, closed" \
+  test "$(raw 'GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello')" = "413 closed"
+check "GET /metrics with a chunked body: 413, closed" \
+  test "$(raw 'GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n')" = "413 closed"
+check "POST /metrics with neither length nor chunked: 411 within 2 s" \
+  test "$(raw 'POST /metrics HTTP/1.1\r\nHost: x\r\n\r\n')" = "411 closed"
+check "POST / with a 100 MB Content-Length, no body sent: 413 within 2 s" \
+  test "$(raw 'POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n')" = "413 closed"
+
 log=$(cat "$dir/err")
 logged() { grep -qE -- "$1" <<<"$log"; }
 check "info log line for Tiled" logged ' attnd level=info method=/attention\.v1\.AttentionService/Tiled code=OK ms=[0-9.]+ shape=1,1,8,8,4 dtype=f32 .*peer=ipv'
@@ -114,6 +147,29 @@ check "busy HTTP port" \
 check "bad HTTP address" refuses 'is not host:port' --http-listen nonsense
 check "bad --log-level" refuses '--log-level must be error, info or debug' --http-listen= \
   --log-level loud
+# Plain HTTP off loopback needs --insecure, as plaintext gRPC does.
+for address in 0.0.0.0:0 '[::]:0' :0; do
+  pattern=$(sed 's/[].[]/\\&/g' <<<"$address")  # The address, literally, in the regex.
+  check "non-loopback --http-listen $address without --insecure" \
+    refuses "plain HTTP on --http-listen $pattern, which is not a loopback address.*--insecure" \
+    --http-listen "$address"
+done
+serves_insecure() {  # attnd --http-listen 0.0.0.0:0 --insecure starts and reports the port
+  local out="$dir/insecure.out" pid banner=""
+  : >"$out"  # Before the background job's own redirection, which the loop may outrun.
+  "$attnd" --listen 127.0.0.1:0 --http-listen 0.0.0.0:0 --insecure --threads 1 >"$out" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do
+    banner=$(grep -E '^  http: http://0\.0\.0\.0:[1-9][0-9]* ' "$out" || true)
+    [ -n "$banner" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  [ -n "$banner" ] || { cat "$out"; return 1; }
+}
+check "--http-listen 0.0.0.0:0 with --insecure serves" serves_insecure
 
 # SIGTERM with an idle keep-alive HTTP connection open: attnd still exits 0, promptly.
 kill -0 "$server" || { echo "FAIL: attnd died"; cat "$dir/err"; exit 1; }

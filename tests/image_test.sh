@@ -294,11 +294,12 @@ printf '%s\n' "$token" >"$dir/secrets/token"
 chmod 755 "$dir" "$dir/certs" "$dir/secrets"
 chmod 644 "$dir/certs/"* "$dir/secrets/token"
 secure=attnd-image-test-tls
+# gRPC over TLS; the plain HTTP port stays on loopback (elsewhere it would need --insecure).
 "$docker" run -d --name "$secure" "${hardened[@]}" \
   -v "$dir/certs:/certs:ro" -v "$dir/secrets:/secrets:ro" \
   --health-cmd 'attn --target 127.0.0.1:50051 --tls-ca /certs/ca.crt --timeout-ms 3000 health' \
   --health-interval 2s "$image" \
-  --listen 0.0.0.0:50051 --http-listen 0.0.0.0:8080 --device auto \
+  --listen 0.0.0.0:50051 --http-listen 127.0.0.1:8080 --device auto \
   --tls-cert /certs/tls.crt --tls-key /certs/tls.key --auth-token-file /secrets/token >/dev/null
 wait_healthy "$secure"
 s=(--target "127.0.0.1:$(host_port "$secure" 50051)" --timeout-ms 30000)
