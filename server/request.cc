@@ -43,6 +43,10 @@ std::string ShapeString(const v1::Tensor& tensor) {
                       ", … ", rank - kShown, " more]");
 }
 
+// The largest tile: a block_k above it means this (and above key_len, key_len). 128 rows ×
+// 65536 fp32 scores are 32 MiB of a CPU worker's scratch.
+constexpr int kMaxBlockK = 1 << 16;
+
 // a·b, or nullopt when it overflows int64.
 std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
   int64_t product;
@@ -181,7 +185,10 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
   }
   if (options.has_scale()) problem->scale = options.scale();
   problem->causal = options.causal();
-  problem->block_k = options.block_k() > 0 ? options.block_k() : default_block_k;
+  // Capped: a tile's scratch is a block of rows × block_k scores per worker, which a huge
+  // block_k over a long, narrow key would make many times the request's size.
+  problem->block_k =
+      std::min(options.block_k() > 0 ? options.block_k() : default_block_k, kMaxBlockK);
   problem->return_lse = options.return_lse();
   return absl::OkStatus();
 }

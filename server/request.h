@@ -35,7 +35,7 @@ struct TraceLimits {
 };
 
 // Validates an AttentionRequest and builds its Problem. default_block_k replaces a block_k of 0;
-// block_k is capped at key_len (a longer tile would only hold padding).
+// block_k is capped at key_len (a longer tile would only hold padding) and at 65536.
 // INVALID_ARGUMENT naming the field when anything is missing, malformed or inconsistent.
 //
 // In two steps, so that a server can take the first at once and the second where its compute

@@ -413,6 +413,9 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_cache_bytes(caches_.limits().budget_bytes);
   response->set_cache_page_tokens(backend_.kv_page_tokens());
   response->set_cache_idle_seconds(caches_.limits().idle_seconds);
+  response->set_max_caches(caches_.limits().max_caches);
+  response->set_max_inflight_bytes(queue_.limits().max_inflight_bytes);
+  response->set_trace_idle_seconds(trace_watch_.idle_seconds());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -7,6 +7,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -404,6 +407,36 @@ TEST_F(FaultTest, AFailingDecodeBatchLeavesEveryCacheAsItWasAndNoReaderSeesItsTo
   EXPECT_EQ(Snapshot(caches), before);
 }
 
+// A block_k as large as the contract allows over a long, one-wide key would make a CPU worker's
+// scores (128 rows × block_k) hundreds of times the request: it is capped at 65536, and the
+// answer is still the float64 reference's.
+TEST_F(FaultTest, AHugeBlockKIsCappedAndTheAnswerStaysRight) {
+  constexpr int64_t kKeys = 70001, kRows = 129;
+  const std::vector<float> q = Random(kRows, 90), k = Random(kKeys, 91), v = Random(kKeys, 92);
+  v1::AttentionRequest request;
+  *request.mutable_query() = Float32Tensor({kRows, 1}, q);
+  *request.mutable_key() = Float32Tensor({kKeys, 1}, k);
+  *request.mutable_value() = Float32Tensor({kKeys, 1}, v);
+  request.mutable_options()->set_block_k(std::numeric_limits<int32_t>::max());
+  v1::AttentionResponse response;
+  const grpc::Status status = Call(&v1::AttentionService::Stub::Tiled, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.stats().block_k(), 65536);
+  ASSERT_EQ(response.output().data().size(), kRows * sizeof(float));
+  std::vector<float> out(kRows);
+  std::memcpy(out.data(), response.output().data().data(), out.size() * sizeof(float));
+  for (int64_t i = 0; i < kRows; ++i) {  // float64 softmax over every key (scale 1/√1 = 1).
+    double max = -1e300, sum = 0, weighted = 0;
+    for (int64_t j = 0; j < kKeys; ++j) max = std::max(max, double{q[i]} * k[j]);
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const double w = std::exp(double{q[i]} * k[j] - max);
+      sum += w;
+      weighted += w * v[j];
+    }
+    EXPECT_NEAR(out[i], weighted / sum, 1e-5) << "row " << i;
+  }
+}
+
 TEST_F(FaultTest, MaxCachesBoundsTheCachesAlive) {
   ServiceConfig config;
   config.caches = {.budget_bytes = 64 << 20, .idle_seconds = 0, .max_caches = 3};
@@ -422,6 +455,12 @@ TEST_F(FaultTest, MaxCachesBoundsTheCachesAlive) {
   v1::DeleteCacheResponse deleted;
   ASSERT_TRUE(Call(&v1::AttentionService::Stub::DeleteCache, del, &deleted).ok());
   EXPECT_TRUE(Call(&v1::AttentionService::Stub::CreateCache, create, &info).ok());
+  v1::ServerInfo server;
+  ASSERT_TRUE(
+      Call(&v1::AttentionService::Stub::GetServerInfo, v1::GetServerInfoRequest(), &server).ok());
+  EXPECT_EQ(server.max_caches(), 3);
+  EXPECT_EQ(server.trace_idle_seconds(), TraceLimits::kDefaultIdleSeconds);
+  EXPECT_GT(server.max_inflight_bytes(), 0);  // A quarter of physical memory.
 }
 
 // A trace whose reader takes nothing is cancelled after --trace-idle-seconds and frees its slot.

@@ -370,6 +370,8 @@ TEST_F(ObservedServerTest, MetricsCountRpcsByMethodAndCode) {
       0);
   EXPECT_EQ(Sample(text, "attnd_compute_inflight"), 0);
   EXPECT_EQ(Sample(text, "attnd_compute_queued"), 0);
+  EXPECT_EQ(Sample(text, "attnd_inflight_request_bytes"), 0);  // Every answered call gave its back.
+  EXPECT_EQ(Sample(text, "attnd_trace_idle_cancelled"), 0);
   EXPECT_GT(Sample(text, "attnd_host_memory_rss_bytes"), 1 << 20);
   EXPECT_NE(text.find("# TYPE attnd_rpc_duration_seconds histogram\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE attnd_rpc_requests_total counter\n"), std::string::npos);

@@ -531,6 +531,12 @@ int RunInfo(attn::client::Client& client) {
               info->cache_idle_seconds() > 0
                   ? absl::StrCat(info->cache_idle_seconds(), " s").c_str()
                   : "never");
+  std::printf("  max caches          %lld\n  max in-flight bytes %lld\n  trace idle limit    %s\n",
+              static_cast<long long>(info->max_caches()),
+              static_cast<long long>(info->max_inflight_bytes()),
+              info->trace_idle_seconds() > 0
+                  ? absl::StrCat(info->trace_idle_seconds(), " s").c_str()
+                  : "never");
   return 0;
 }
 
