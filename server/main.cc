@@ -19,11 +19,11 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
 #include "server/builder_options.h"
 #include "server/dashed_flags.h"
 #include "server/gateway.h"
+#include "server/health.h"
 #include "server/http_port.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
@@ -67,6 +67,10 @@ ABSL_FLAG(int64_t, max_inflight_bytes, 0,
 ABSL_FLAG(int64_t, trace_idle_seconds, attn::TraceLimits::kDefaultIdleSeconds,
           "A Trace stream whose reader takes no event for this long is cancelled and frees its "
           "--max-traces slot; 0 = never.");
+ABSL_FLAG(int64_t, max_health_watches, attn::HealthService::kDefaultMaxWatches,
+          "grpc.health.v1 Watch streams open at once; one more is refused with "
+          "RESOURCE_EXHAUSTED (Check is not limited). A Watch whose reader leaves an update "
+          "unread for 60 s is cancelled.");
 ABSL_FLAG(int64_t, max_caches, attn::CacheLimits::kDefaultMaxCaches,
           "KV caches alive at once; one more CreateCache is refused with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, cache_bytes, 0,
@@ -165,6 +169,8 @@ int main(int argc, char** argv) {
   if (config.trace.idle_seconds < 0) Die("--trace-idle-seconds must be ≥ 0");
   config.caches.max_caches = absl::GetFlag(FLAGS_max_caches);
   if (config.caches.max_caches < 1) Die("--max-caches must be ≥ 1");
+  const int64_t max_health_watches = absl::GetFlag(FLAGS_max_health_watches);
+  if (max_health_watches < 1) Die("--max-health-watches must be ≥ 1");
   config.caches.budget_bytes = absl::GetFlag(FLAGS_cache_bytes);
   config.caches.idle_seconds = absl::GetFlag(FLAGS_cache_idle_seconds);
   if (config.caches.budget_bytes < 0) Die("--cache-bytes must be ≥ 0");
@@ -189,15 +195,15 @@ int main(int argc, char** argv) {
       attn::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
   if (!log_level.ok()) Die(std::string(log_level.status().message()));
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // grpc.health.v1: attnd's own service (bounded Watch streams), not gRPC's default one.
+  attn::HealthService health(max_health_watches);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::Server* running = nullptr;  // Set once built; the service only calls back after that.
   // /readyz: set once serving, cleared on device loss or drain.
   attn::ReadyFlag ready;
-  config.on_device_lost = [&running, &ready] {
+  config.on_device_lost = [&health, &ready] {
     std::fprintf(stderr, "attnd: the device failed; health is now NOT_SERVING\n");
     ready.Set(false);
-    if (running != nullptr) running->GetHealthCheckService()->SetServingStatus(false);
+    health.SetServing(false);
   };
   attn::AttentionService service(**backend, config);
   // Per-RPC metrics and the request log (one interceptor), process gauges, and the HTTP port,
@@ -232,13 +238,13 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(listen, security->credentials, &port);
   attn::ApplyBuilderOptions(builder, {.max_message_bytes = max_message_bytes});
   builder.RegisterService(&service);
+  builder.RegisterService(&health);
   // Server interceptors, run in this order; each module appends its own factory.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(observer.InterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) Die(absl::StrCat("cannot listen on ", listen));
-  running = server.get();
   grpc::ChannelArguments gateway_channel;
   gateway_channel.SetMaxReceiveMessageSize(-1);  // The server's own limits apply.
   gateway_channel.SetMaxSendMessageSize(-1);
@@ -250,7 +256,7 @@ int main(int argc, char** argv) {
       "max-message-bytes=%lld max-naive-bytes=%lld max-trace-rows=%lld max-trace-steps=%lld "
       "default-block-k=%d max-inflight=%d max-queue=%d max-traces=%lld cache-bytes=%lld "
       "cache-idle-seconds=%lld max-caches=%lld max-inflight-bytes=%lld trace-idle-seconds=%lld "
-      "shutdown-grace=%ds\n",
+      "max-health-watches=%lld shutdown-grace=%ds\n",
       ATTN_VERSION, listen.c_str(), port, (*backend)->device().c_str(),
       std::string((*backend)->name()).c_str(), static_cast<long long>(max_message_bytes),
       static_cast<long long>((*backend)->max_naive_bytes()),
@@ -261,7 +267,8 @@ int main(int argc, char** argv) {
       static_cast<long long>(service.caches().limits().idle_seconds),
       static_cast<long long>(service.caches().limits().max_caches),
       static_cast<long long>(service.admission().max_inflight_bytes),
-      static_cast<long long>(config.trace.idle_seconds), shutdown_grace);
+      static_cast<long long>(config.trace.idle_seconds),
+      static_cast<long long>(health.max_watches()), shutdown_grace);
   std::printf("  security: %s\n", security->summary.c_str());
   const std::string http_banner =
       http.port() != 0 ? absl::StrCat("http://", http.address(),
@@ -287,7 +294,7 @@ int main(int argc, char** argv) {
     const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(shutdown_grace);
     service.StartDrain();
     ready.Set(false);
-    server->GetHealthCheckService()->SetServingStatus(false);
+    health.SetServing(false);
     std::thread([] {
       const int again = WaitForSignal();
       std::fprintf(stderr, "attnd: signal %d again, exiting without waiting\n", again);
@@ -304,6 +311,8 @@ int main(int argc, char** argv) {
     // Calls that never reached a compute worker are answered now (UNAVAILABLE), before gRPC
     // cancels what is left; none may run once the server is gone.
     service.CancelQueued();
+    // Health Watch streams end now (after sending NOT_SERVING), so gRPC need not wait for them.
+    health.Shutdown();
     server->Shutdown(deadline);
     std::printf("attnd: drained, exiting\n");
     std::fflush(stdout);

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -565,6 +566,16 @@ def drain(call, seconds=3.0):
     return "%s (%d events)" % (code_name(code), events)
 
 
+def metric(server, name):
+    """The value of an unlabelled metric on attnd's /metrics (-1 when absent)."""
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % server.http_port,
+                                timeout=5) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.split(" ")[0] == name:
+                return float(line.split(" ")[1])
+    return -1
+
+
 def attack_idle_traces(server):
     streams = []
     try:
@@ -596,6 +607,13 @@ def attack_idle_traces(server):
         waited = time.monotonic() - opened
         seen.append("then %s at %.1fs" % (code_name(code), waited))
         if code == OK:  # Reading the stalled streams now shows how they ended.
+            # One slot frees the short trace; the other stream may be cancelled a watch tick
+            # (or a stall) later, and reading it first would revive it: wait for the server to
+            # count both before reading.
+            wait_until = time.monotonic() + TRACE_IDLE_SECONDS + 2
+            while (metric(server, "attnd_trace_idle_cancelled") < len(streams)
+                   and time.monotonic() < wait_until):
+                time.sleep(0.1)
             ends = [drain(call) for call in streams]
             seen.append("idle streams: " + ", ".join(ends))
             if any(end.startswith("still") for end in ends):
