@@ -96,8 +96,8 @@ RequestKind KindOf(absl::string_view path) {
   return RequestKind::kOther;
 }
 
-// gRPC's own services, which it implements on raw ByteBuffers (so their methods need not be in
-// the generated descriptor pool).
+// Services whose methods are named without the generated descriptor pool: gRPC's reflection
+// (on raw ByteBuffers) and grpc.health.v1 (attnd's own, server/health.h).
 constexpr absl::string_view kBuiltInMethods[] = {
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
@@ -223,9 +223,14 @@ class ObserverFactory final : public grpc::experimental::ServerInterceptorFactor
   RequestObserver& observer_;
 };
 
-// Failed calls are errors; attention.v1 calls info; the rest (health, reflection) debug.
+// Failed calls are errors; attention.v1 calls info; the rest (health, reflection) debug. A health
+// Watch has no successful end: its client leaving (CANCELLED) or the server's shutdown
+// (UNAVAILABLE) is how it always ends, so those are debug too.
 LogLevel LevelOf(const RequestRecord& record) {
-  if (record.code != grpc::StatusCode::OK) return LogLevel::kError;
+  const bool watch_ended =
+      record.path == "/grpc.health.v1.Health/Watch" &&
+      (record.code == grpc::StatusCode::CANCELLED || record.code == grpc::StatusCode::UNAVAILABLE);
+  if (record.code != grpc::StatusCode::OK && !watch_ended) return LogLevel::kError;
   if (record.service == v1::AttentionService::service_full_name()) return LogLevel::kInfo;
   return LogLevel::kDebug;
 }

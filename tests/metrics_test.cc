@@ -170,6 +170,20 @@ TEST(RequestLogTest, FormatsOneLogfmtLine) {
   EXPECT_EQ(FormatRequestLine(health, now),
             "2023-11-14T22:13:20.123Z attnd level=debug method=/grpc.health.v1.Health/Check "
             "code=OK ms=0.000 bytes_in=0 bytes_out=0 peer=ipv6:[::1]:5");
+
+  // A Watch ends when its client leaves or the server stops: not an error. Any other failure of
+  // it, or a Check's, is.
+  health.path = "/grpc.health.v1.Health/Watch";
+  health.method = "Watch";
+  for (const grpc::StatusCode code : {grpc::StatusCode::CANCELLED, grpc::StatusCode::UNAVAILABLE}) {
+    health.code = code;
+    EXPECT_NE(FormatRequestLine(health, now).find(" level=debug "), std::string::npos);
+  }
+  health.code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  EXPECT_NE(FormatRequestLine(health, now).find(" level=error "), std::string::npos);
+  health.path = "/grpc.health.v1.Health/Check";
+  health.code = grpc::StatusCode::CANCELLED;
+  EXPECT_NE(FormatRequestLine(health, now).find(" level=error "), std::string::npos);
 }
 
 TEST(RequestLogTest, NamesCodesAsGrpcDoes) {
