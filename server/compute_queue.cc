@@ -88,7 +88,10 @@ bool ComputeQueue::HeadFits() const {
          pending_.front().memory_bytes <= limits_.memory_bytes - reserved_bytes_;
 }
 
-void ComputeJob::RunGuarded() {
+void ComputeJob::RunGuarded() { attn::RunGuarded(work, refuse); }
+
+void RunGuarded(const std::function<void()>& work,
+                const std::function<void(const absl::Status&)>& refuse) {
   absl::Status failure;
   try {
     work();

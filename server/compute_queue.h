@@ -54,11 +54,15 @@ struct ComputeJob {
   // be empty for work that cannot fail that way (tests).
   std::function<void(const absl::Status&)> refuse{};
 
-  // Runs `work`; what it throws goes to `refuse` (RESOURCE_EXHAUSTED for std::bad_alloc, INTERNAL
-  // otherwise) and to stderr, never further. Work must answer its call as its last act, so a
-  // throw always comes before the answer. For the queue's workers and for work run inline.
+  // RunGuarded(work, refuse): for the queue's workers and for work run inline.
   void RunGuarded();
 };
+
+// Runs `work`; what it throws goes to `refuse` (RESOURCE_EXHAUSTED for std::bad_alloc, INTERNAL
+// otherwise; may be empty) and to stderr, never further. Work must answer its call as its last
+// act, so a throw always comes before the answer.
+void RunGuarded(const std::function<void()>& work,
+                const std::function<void(const absl::Status&)>& refuse);
 
 class ComputeQueue {
  public:

@@ -114,9 +114,7 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
       return;
     }
     // What computing or encoding the next event throws ends this stream, not the process.
-    ComputeJob{.work = [this] { WriteNext(); },
-               .refuse = [this](const absl::Status& status) { Fail(status); }}
-        .RunGuarded();
+    RunGuarded([this] { WriteNext(); }, [this](const absl::Status& status) { Fail(status); });
   }
 
   void OnDone() override {
