@@ -2,8 +2,9 @@
 # The web viewer (client/viewer, served by attnd's JSON gateway) in a real headless browser:
 # Debian's chromium driven by playwright-core (tests/browser/viewer_test.js). Starts attnd on free
 # ports, loads the page, runs the seed trace with block_k 2, steps to the end, checks the final
-# output against the seed's out[0], the 1024 bytes of Naive at N = 8, no console errors, and that a
-# server error is shown; saves a screenshot as viewer.png. Then (tests/browser/mask_test.js) a
+# output against the seed's out[0], the 1024 bytes of Naive at N = 8, no console errors, that a
+# server error is shown, and that the page opened as a file runs all its scripts; saves a
+# screenshot as viewer.png. Then (tests/browser/mask_test.js) a
 # causal window with ALiBi: the hidden keys' reasons, the window band, each key's bias and the
 # final output; a ragged batch (the other-sequence marks, the row's sequence); split and merge
 # with a window, softcap and ALiBi against the unsplit row; saves viewer-masks.png and

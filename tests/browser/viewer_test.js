@@ -13,7 +13,8 @@
 // its keys; a JSON-lines file in the schema of attn trace --shard-keys --json (built here from the
 // seed in float64) loads through the file input and through the drop zone, its rows selectable,
 // its merge recomputed by the page; a file of the wrong kind is refused with a clear message.
-// Saves a screenshot, and merge.png of the merge section.
+// Saves a screenshot, and merge.png of the merge section. Last, the page opened as a file
+// (file://…/client/viewer/index.html): every script loads and runs, with no console error.
 // Usage: node viewer_test.js URL SCREENSHOT.png
 'use strict';
 
@@ -388,6 +389,31 @@ async function main() {
     check('a bad row shows the server\'s error', /HTTP 4\d\d/.test(shownError) && /row/i.test(shownError),
           `error box: "${shownError}"`);
     check('no other console errors', consoleErrors.length === 0, consoleErrors.join(' | '));
+
+    // The page opened as a file (client/viewer/index.html from the source tree): its scripts are
+    // classic ones, so they load from file:// too (ES modules would be refused there) and all run:
+    // the problem note, the speed and the merge section's source line are set by them.
+    const filePage = await context.newPage();
+    const fileErrors = [];
+    filePage.on('console', (message) => {
+      if (message.type() === 'error') fileErrors.push(message.text());
+    });
+    filePage.on('pageerror', (error) => fileErrors.push(`uncaught: ${error.message}`));
+    const indexFile = path.join(__dirname, '..', '..', 'client', 'viewer', 'index.html');
+    await filePage.goto(`file://${indexFile}`, {waitUntil: 'load'});
+    const opened = await filePage.evaluate(() => ({
+      note: document.getElementById('problem-note').textContent,
+      speed: document.getElementById('speed-value').textContent,
+      mergeSerial: document.getElementById('merge-source').dataset.serial,
+      server: document.getElementById('server').value,
+    }));
+    check('opened as a file, every script runs (note, speed, merge section drawn)',
+          /^Seed: /.test(opened.note) && opened.speed === '4/s' && opened.mergeSerial === '1',
+          JSON.stringify(opened));
+    check('opened as a file, the gateway field defaults to http://127.0.0.1:8080',
+          opened.server === 'http://127.0.0.1:8080', opened.server);
+    check('no console errors opened as a file', fileErrors.length === 0, fileErrors.join(' | '));
+    await filePage.close();
   } finally {
     await context.close();
     fs.rmSync(userDataDir, {recursive: true, force: true});
