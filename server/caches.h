@@ -120,6 +120,7 @@ class CacheRegistry {
   // whether the cache expired) for an unknown, deleted, expired or someone else's cache.
   absl::StatusOr<Lease> Acquire(const std::string& owner, const std::string& id,
                                 const std::string& field);
+
   // Exclusive holds on several caches at once, from AcquireAll until it is destroyed: one lease
   // per id, in the order the ids were given.
   class LeaseGroup {
@@ -142,10 +143,11 @@ class CacheRegistry {
     std::vector<Lease> leases_;
   };
 
-  // Acquire for every id (ids[i]'s errors name fields[i]), taking them in id order so that two
-  // calls naming the same caches never wait for each other in a cycle. On the first failure the
-  // leases already taken are released and its error returned. The ids must be distinct (one
-  // call would wait for itself): INVALID_ARGUMENT naming the second's field otherwise.
+  // Acquire for every id (ids[i]'s errors name fields[i]; the two of one length), taking them in
+  // id order so that two calls naming the same caches never wait for each other in a cycle. On
+  // the first failure the leases already taken are released and its error returned. The ids
+  // must be distinct (one call would wait for itself): INVALID_ARGUMENT naming the later one's
+  // field otherwise.
   absl::StatusOr<LeaseGroup> AcquireAll(const std::string& owner,
                                         const std::vector<std::string>& ids,
                                         const std::vector<std::string>& fields);

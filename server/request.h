@@ -145,7 +145,8 @@ using CacheLayoutLookup =
 // no positions (each item has its own); each item names a cache (required, at most one item per
 // cache), a non-negative expected_length, its query (ParseCacheQuery) and positions
 // (ParsePositions) and optional new tokens (ParseNewTokens); its answer and the batch's fit
-// `max_message_bytes` (CheckReplyBytes). The first error found, its field named from items[i].
+// `max_message_bytes` (CheckReplyBytes). Returns the first error found; item i's errors name
+// its fields as items[i].<field>.
 absl::StatusOr<DecodeBatch> ParseDecodeRequest(const attention::v1::DecodeRequest& request,
                                                CacheLayoutLookup layout_of, int default_block_k,
                                                int64_t max_message_bytes);
