@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -250,6 +251,39 @@ absl::StatusOr<CacheRegistry::Lease> CacheRegistry::Acquire(const std::string& o
   std::shared_ptr<Entry> entry = Find(owner, id, field, &status, /*lease=*/true);
   if (entry == nullptr) return status;
   return Lease(this, std::move(entry));
+}
+
+absl::StatusOr<CacheRegistry::LeaseGroup> CacheRegistry::AcquireAll(
+    const std::string& owner, const std::vector<std::string>& ids,
+    const std::vector<std::string>& fields) {
+  std::vector<size_t> order(ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ids[a] < ids[b]; });
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (ids[order[i]] == ids[order[i - 1]]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fields[std::max(order[i], order[i - 1])],
+                       ": names a cache this call already holds; one call takes each cache once"));
+    }
+  }
+  std::vector<std::optional<Lease>> held(ids.size());
+  for (size_t i : order) {
+    absl::StatusOr<Lease> lease = Acquire(owner, ids[i], fields[i]);
+    if (!lease.ok()) return lease.status();  // `held` releases the ones taken.
+    held[i].emplace(*std::move(lease));
+  }
+  std::vector<Lease> leases;
+  leases.reserve(held.size());
+  for (std::optional<Lease>& lease : held) leases.push_back(*std::move(lease));
+  return LeaseGroup(std::move(leases));
+}
+
+void CacheRegistry::LeaseGroup::Commit() {
+  for (Lease& lease : leases_) lease.Commit();
+}
+
+void CacheRegistry::LeaseGroup::Rollback() {
+  for (Lease& lease : leases_) lease.Rollback();
 }
 
 CacheRegistry::Lease::Lease(CacheRegistry* registry, std::shared_ptr<Entry> entry)

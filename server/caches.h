@@ -16,6 +16,9 @@
 // - A lease's appends are all or nothing: what Describe, List and the metrics report changes only
 //   at Lease::Commit; a lease that ends without committing (an error, an exception unwinding it)
 //   takes back everything it appended, so no client ever sees a length a failing call takes back.
+// - One call may hold several caches (AcquireAll, a Decode batch): they are taken in id order,
+//   so two calls naming the same caches cannot deadlock, and their appends are all or nothing
+//   together (LeaseGroup).
 // Thread-safe.
 #pragma once
 
@@ -28,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -116,6 +120,37 @@ class CacheRegistry {
   // whether the cache expired) for an unknown, deleted, expired or someone else's cache.
   absl::StatusOr<Lease> Acquire(const std::string& owner, const std::string& id,
                                 const std::string& field);
+
+  // Exclusive holds on several caches at once, from AcquireAll until it is destroyed: one lease
+  // per id, in the order the ids were given.
+  class LeaseGroup {
+   public:
+    LeaseGroup(LeaseGroup&&) = default;
+    LeaseGroup& operator=(LeaseGroup&&) = delete;
+
+    size_t size() const { return leases_.size(); }
+    Lease& operator[](size_t i) { return leases_[i]; }
+    const Lease& operator[](size_t i) const { return leases_[i]; }
+    // Lease::Commit on every lease: the call that appended has succeeded.
+    void Commit();
+    // Lease::Rollback on every lease: every cache is as it was when acquired (or last
+    // committed). Ending without Commit does the same, lease by lease.
+    void Rollback();
+
+   private:
+    friend class CacheRegistry;
+    explicit LeaseGroup(std::vector<Lease> leases) : leases_(std::move(leases)) {}
+    std::vector<Lease> leases_;
+  };
+
+  // Acquire for every id (ids[i]'s errors name fields[i]; the two of one length), taking them in
+  // id order so that two calls naming the same caches never wait for each other in a cycle. On
+  // the first failure the leases already taken are released and its error returned. The ids
+  // must be distinct (one call would wait for itself): INVALID_ARGUMENT naming the later one's
+  // field otherwise.
+  absl::StatusOr<LeaseGroup> AcquireAll(const std::string& owner,
+                                        const std::vector<std::string>& ids,
+                                        const std::vector<std::string>& fields);
   // The layout of a cache, without holding it (layouts never change): for the request checks
   // that run before a call is queued. NOT_FOUND as Acquire.
   absl::StatusOr<KvLayout> LayoutOf(const std::string& owner, const std::string& id,

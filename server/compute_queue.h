@@ -1,5 +1,6 @@
-// ComputeQueue: admission and scheduling of Naive and Tiled computations, off gRPC's callback
-// threads (whose handlers must not block, while a computation can run for seconds).
+// ComputeQueue: admission and scheduling of the service's computations (Naive, Tiled, a Trace's
+// opening, AppendCache, Decode), off gRPC's callback threads (whose handlers must not block,
+// while a computation can run for seconds).
 //
 // `max_inflight` worker threads run the accepted work in arrival order. At most `max_queue`
 // requests wait for a worker; one more is refused at once with RESOURCE_EXHAUSTED, so a busy

@@ -275,11 +275,14 @@ void AddServerGauges(MetricsRegistry& registry, const AttentionService& service,
                 {"version", "backend", "device"})
       .WithLabels({ATTN_VERSION, backend.name(), backend.device()})
       .Set(1);
-  registry.AddGaugeCallback("attnd_compute_inflight", "Naive and Tiled computations running now.",
+  registry.AddGaugeCallback("attnd_compute_inflight",
+                            "Calls computing on a compute worker now (Naive, Tiled, Trace "
+                            "openings, AppendCache, Decode).",
                             [&service] { return static_cast<double>(service.computing()); });
-  registry.AddGaugeCallback("attnd_compute_queued",
-                            "Naive and Tiled requests waiting for a compute worker.",
-                            [&service] { return static_cast<double>(service.queued()); });
+  registry.AddGaugeCallback(
+      "attnd_compute_queued",
+      "Calls waiting for a compute worker (Naive, Tiled, Trace openings, AppendCache, Decode).",
+      [&service] { return static_cast<double>(service.queued()); });
   registry.AddGaugeCallback(
       "attnd_inflight_request_bytes",
       "Bytes of the requests and answers accepted and not yet answered (of --max-inflight-bytes).",

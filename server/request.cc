@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -318,6 +320,15 @@ absl::Status CheckOneSequence(absl::string_view prefix, const v1::AttentionReque
       "and values inline)");
 }
 
+absl::Status CheckNoInlineKeys(const v1::AttentionRequest& request) {
+  if (request.has_key() || request.has_value()) {
+    return Invalid(request.has_key() ? "key" : "value",
+                   "must be absent when cache_id names a cache (its keys and values are the "
+                   "cache's)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
                             std::optional<int64_t> query_position, Problem* problem) {
   const auto check = [&](absl::string_view field, int64_t position) {
@@ -331,18 +342,6 @@ absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
   }
   problem->key_position = key_position;
   problem->query_position = query_position;
-  return absl::OkStatus();
-}
-
-absl::Status CheckDecodeOptions(const v1::AttentionOptions& options) {
-  for (const auto& [field, set] : {std::pair{"key_position", options.key_position() != 0},
-                                   std::pair{"query_position", options.has_query_position()}}) {
-    if (set) {
-      return Invalid(absl::StrCat("options.", field),
-                     absl::StrCat("is set; Decode takes positions per item (items[i].", field,
-                                  "), since each item's cache has its own length"));
-    }
-  }
   return absl::OkStatus();
 }
 
@@ -443,6 +442,18 @@ absl::StatusOr<Problem> ParseAttentionRequest(const v1::AttentionRequest& reques
   if (!problem.ok()) return problem;
   if (absl::Status values = CheckAttentionValues(*problem); !values.ok()) return values;
   return problem;
+}
+
+absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
+                                 absl::string_view cache_id, int64_t length) {
+  if (expected < 0) {
+    return Invalid(absl::StrCat(prefix, "expected_length"),
+                   absl::StrCat("is ", expected, "; expected the cache's length (≥ 0)"));
+  }
+  if (length < 0 || expected == length) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(prefix, "expected_length: is ", expected,
+                                                    " but cache ", cache_id, " holds ", length,
+                                                    " tokens; nothing of this call was applied"));
 }
 
 absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request) {
@@ -643,6 +654,95 @@ absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const v1::TraceRequest& reque
   return rows;
 }
 
+namespace {
+
+constexpr int kMaxDecodeItems = 4096;
+
+// Decode takes its positions per item, each cache having its own length: the options' key and
+// query positions must be unset.
+absl::Status CheckDecodeOptions(const v1::AttentionOptions& options) {
+  for (const auto& [field, set] : {std::pair{"key_position", options.key_position() != 0},
+                                   std::pair{"query_position", options.has_query_position()}}) {
+    if (set) {
+      return Invalid(absl::StrCat("options.", field),
+                     absl::StrCat("is set; Decode takes positions per item (items[i].", field,
+                                  "), since each item's cache has its own length"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckDecodeItemCount(const v1::DecodeRequest& request) {
+  if (request.items_size() == 0) {
+    return Invalid("items", "is empty; a Decode call needs at least one DecodeItem");
+  }
+  if (request.items_size() > kMaxDecodeItems) {
+    return Invalid("items", absl::StrCat("has ", request.items_size(), " entries; at most ",
+                                         kMaxDecodeItems, " sequences per Decode call"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeBatch> ParseDecodeRequest(const v1::DecodeRequest& request,
+                                               CacheLayoutLookup layout_of, int default_block_k,
+                                               int64_t max_message_bytes) {
+  if (absl::Status options = CheckDecodeOptions(request.options()); !options.ok()) return options;
+  DecodeBatch batch;
+  std::map<std::string, int> item_of_cache;
+  for (int i = 0; i < request.items_size(); ++i) {
+    const v1::DecodeItem& item = request.items(i);
+    DecodeItemProblem parsed;
+    parsed.prefix = absl::StrCat("items[", i, "].");
+    const std::string& prefix = parsed.prefix;
+    if (item.cache_id().empty()) return Invalid(absl::StrCat(prefix, "cache_id"), "is required");
+    if (const auto [at, fresh] = item_of_cache.emplace(item.cache_id(), i); !fresh) {
+      return Invalid(absl::StrCat(prefix, "cache_id"),
+                     absl::StrCat("names the same cache as items[", at->second,
+                                  "]; a Decode call takes at most one item per cache"));
+    }
+    if (absl::Status length = CheckExpectedLength(prefix, item.expected_length(), "", -1);
+        !length.ok()) {
+      return length;
+    }
+    absl::StatusOr<KvLayout> layout = layout_of(item.cache_id(), absl::StrCat(prefix, "cache_id"));
+    if (!layout.ok()) return layout.status();
+    parsed.layout = *layout;
+    absl::StatusOr<Problem> problem =
+        ParseCacheQuery(prefix, TensorOrNull(item.has_query(), item.query()), request.options(),
+                        parsed.layout, default_block_k);
+    if (!problem.ok()) return problem.status();
+    parsed.problem = *problem;
+    const int64_t item_reply = ReplyTensorBytes(parsed.problem);
+    if (absl::Status reply =
+            CheckReplyBytes(absl::StrCat(prefix, "query"), item_reply, max_message_bytes);
+        !reply.ok()) {
+      return reply;
+    }
+    batch.reply_bytes += item_reply;  // Each below 2^31: no overflow over kMaxDecodeItems.
+    if (absl::Status reply = CheckReplyBytes("items", batch.reply_bytes, max_message_bytes);
+        !reply.ok()) {
+      return reply;
+    }
+    if (absl::Status positions =
+            ParsePositions(prefix, item.key_position(),
+                           item.has_query_position() ? std::optional<int64_t>(item.query_position())
+                                                     : std::nullopt,
+                           &parsed.problem);
+        !positions.ok()) {
+      return positions;
+    }
+    absl::StatusOr<NewTokens> tokens =
+        ParseNewTokens(prefix, TensorOrNull(item.has_key(), item.key()),
+                       TensorOrNull(item.has_value(), item.value()), parsed.layout, true);
+    if (!tokens.ok()) return tokens.status();
+    parsed.tokens = *tokens;
+    batch.items.push_back(std::move(parsed));
+  }
+  return batch;
+}
+
 int64_t ReplyTensorBytes(const Problem& problem) {
   const std::optional<int64_t> output =
       CheckedMul(problem.OutputElements(), ElementSize(problem.output_dtype));
@@ -661,149 +761,6 @@ absl::Status CheckReplyBytes(absl::string_view field, int64_t bytes, int64_t max
       field, ": the answer's output (query rows × value_dim, and lse) would take ", bytes,
       " bytes, over this server's --max-message-bytes=", max_message_bytes,
       ", so it could never be sent; ask for fewer query rows, heads or items per call"));
-}
-
-Outputs PrepareOutputs(const Problem& problem, const v1::AttentionRequest& request,
-                       v1::AttentionResponse* response) {
-  return PrepareOutputs(problem, request.query(), response->mutable_output(),
-                        problem.return_lse ? response->mutable_lse() : nullptr);
-}
-
-Outputs PrepareOutputs(const Problem& problem, const v1::Tensor& query, v1::Tensor* output,
-                       v1::Tensor* lse) {
-  Outputs outputs;
-  *output->mutable_shape() = query.shape();
-  output->set_shape(output->shape_size() - 1, problem.shape.value_dim);
-  output->set_dtype(ToProtoDType(problem.output_dtype));
-  std::string* data = output->mutable_data();
-  data->resize(problem.OutputElements() * ElementSize(problem.output_dtype));
-  outputs.output = MutableTensorView{data->data(), problem.output_dtype};
-  if (problem.return_lse && lse != nullptr) {
-    *lse->mutable_shape() = query.shape();
-    lse->mutable_shape()->RemoveLast();
-    lse->set_dtype(v1::DTYPE_FLOAT32);
-    std::string* lse_data = lse->mutable_data();
-    lse_data->resize(problem.LseElements() * sizeof(float));
-    outputs.lse = reinterpret_cast<float*>(lse_data->data());
-  }
-  return outputs;
-}
-
-void EncodeCacheInfo(const CacheDescription& cache, v1::CacheInfo* message) {
-  message->set_cache_id(cache.id);
-  message->set_kv_heads(cache.layout.kv_heads);
-  message->set_head_dim(cache.layout.head_dim);
-  message->set_value_dim(cache.layout.value_dim);
-  message->set_dtype(ToProtoDType(cache.layout.dtype));
-  message->set_length(cache.length);
-  message->set_bytes(cache.bytes);
-  message->set_page_tokens(cache.page_tokens);
-}
-
-void EncodeStats(const Stats& stats, v1::ExecutionStats* message) {
-  message->set_block_k(stats.block_k);
-  message->set_compute_ns(stats.compute_ns);
-  message->set_flops(stats.flops);
-  message->set_intermediate_bytes(stats.intermediate_bytes);
-  message->set_scratch_bytes(stats.scratch_bytes);
-  message->set_peak_memory_bytes(stats.peak_memory_bytes);
-}
-
-v1::TraceStart EncodeTraceStart(const Problem& problem) {
-  const Shape& s = problem.shape;
-  v1::TraceStart start;
-  start.set_batch(s.batch);
-  start.set_heads(s.heads);
-  start.set_kv_heads(s.kv_heads);
-  start.set_query_len(s.query_len);
-  start.set_key_len(s.key_len);
-  start.set_head_dim(s.head_dim);
-  start.set_value_dim(s.value_dim);
-  start.set_block_k(problem.block_k);
-  start.set_scale(problem.scale);
-  start.set_causal(problem.causal);
-  const Geometry geometry = problem.geometry();
-  if (problem.sequences == 0) {  // Else each sequence's own, from cu_seqlens.
-    start.set_key_position(geometry.key_position);
-    start.set_query_position(geometry.query_position);
-  }
-  if (problem.sequences > 0) {
-    start.mutable_cu_seqlens_q()->Assign(problem.cu_seqlens_q,
-                                         problem.cu_seqlens_q + problem.sequences + 1);
-    start.mutable_cu_seqlens_k()->Assign(problem.cu_seqlens_k,
-                                         problem.cu_seqlens_k + problem.sequences + 1);
-  }
-  if (geometry.window_left != kUnbounded) start.set_window_left(geometry.window_left);
-  if (geometry.window_right != kUnbounded) start.set_window_right(geometry.window_right);
-  start.set_softcap(problem.softcap);
-  if (problem.alibi_slopes != nullptr) {
-    start.mutable_alibi_slopes()->Assign(problem.alibi_slopes, problem.alibi_slopes + s.heads);
-  }
-  start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
-  start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
-  start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));
-  return start;
-}
-
-namespace {
-
-void EncodeRow(const RowRef& row, v1::RowRef* message) {
-  message->set_batch(row.batch);
-  message->set_head(row.head);
-  message->set_row(row.row);
-}
-
-void EncodeFloats(const std::vector<float>& values,
-                  google::protobuf::RepeatedField<float>* message) {
-  message->Assign(values.begin(), values.end());
-}
-
-}  // namespace
-
-static_assert(static_cast<int>(Hidden::kNone) == v1::HIDDEN_NONE &&
-                  static_cast<int>(Hidden::kCausal) == v1::HIDDEN_CAUSAL &&
-                  static_cast<int>(Hidden::kWindow) == v1::HIDDEN_WINDOW &&
-                  static_cast<int>(Hidden::kSequence) == v1::HIDDEN_SEQUENCE,
-              "kernels/geometry.h's Hidden must number its reasons as the proto does");
-
-void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEvent* event) {
-  if (const TraceStep* step = std::get_if<TraceStep>(&item)) {
-    v1::TileStep* message = event->mutable_step();
-    EncodeRow(step->row, message->mutable_row());
-    message->set_tile(step->tile);
-    message->set_key_begin(step->key_begin);
-    message->set_key_end(step->key_end);
-    EncodeFloats(step->scores, message->mutable_scores());
-    message->set_max_before(step->max_before);
-    message->set_max_after(step->max_after);
-    message->set_rescale(step->rescale);
-    EncodeFloats(step->weights, message->mutable_weights());
-    message->set_denominator(step->denominator);
-    EncodeFloats(step->accumulator, message->mutable_accumulator());
-    EncodeFloats(step->estimate, message->mutable_estimate());
-    EncodeFloats(step->scaled_scores, message->mutable_scaled_scores());
-    const Geometry geometry = problem.geometry();
-    if (problem.alibi_slopes != nullptr) {
-      const ScoreTransform transform = problem.transform(step->row.head);
-      for (int64_t key = step->key_begin; key < step->key_end; ++key) {
-        message->add_biases(
-            transform.Bias(static_cast<float>(geometry.Distance(step->row.row, key))));
-      }
-    }
-    if (geometry.Masked()) {
-      for (int64_t key = step->key_begin; key < step->key_end; ++key) {
-        message->add_hidden(static_cast<v1::Hidden>(geometry.HiddenBy(step->row.row, key)));
-      }
-    }
-    return;
-  }
-  const TraceRowDone& done = std::get<TraceRowDone>(item);
-  v1::RowDone* message = event->mutable_row_done();
-  EncodeRow(done.row, message->mutable_row());
-  EncodeFloats(done.output, message->mutable_output());
-  EncodeFloats(done.reference, message->mutable_reference());
-  message->set_max_abs_error(done.max_abs_error);
-  message->set_lse(done.lse);
 }
 
 }  // namespace attn

@@ -1,21 +1,23 @@
-// Request: attention.v1 messages ⇄ kernel Problems. Every check of client input lives here, so
-// the kernels can assume a Problem's invariants (kernels/problem.h) and every error names the
-// field at fault.
+// Request: attention.v1 messages → kernel Problems, and every check of client input on the way,
+// so the kernels can assume a Problem's invariants (kernels/problem.h) and every error names the
+// field at fault (INVALID_ARGUMENT, unless a function says otherwise). What goes back to the
+// client — outputs, stats, cache infos, trace events — is response.h's.
 //
 // The Problems returned view the request's tensor bytes: the request must outlive them.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
 #include "kernels/kv_store.h"
 #include "kernels/problem.h"
-#include "server/caches.h"
 
 namespace attn {
 
@@ -53,18 +55,31 @@ absl::StatusOr<Problem> ParseAttentionRequest(const attention::v1::AttentionRequ
 // `prefix` + "key_position" or "query_position"; an absent query_position is bottom-right.
 absl::Status ParsePositions(absl::string_view prefix, int64_t key_position,
                             std::optional<int64_t> query_position, Problem* problem);
-// Decode's options: its positions come per item, so options.key_position and query_position
-// must be unset (INVALID_ARGUMENT naming them).
-// INVALID_ARGUMENT when a request over a cache (cache_id) gives cu_seqlens: a cache is one
-// sequence. prefix: the request's field path ("" or "attention.").
-absl::Status CheckOneSequence(absl::string_view prefix,
-                              const attention::v1::AttentionRequest& request);
-
-absl::Status CheckDecodeOptions(const attention::v1::AttentionOptions& options);
 
 // --- KV caches ----------------------------------------------------------------------------
 // The same rules for a cache's queries and tokens; `prefix` starts every field name ("" or
 // "items[2]."), and a null tensor is an absent one.
+
+// A Naive, Tiled or Trace request over a cache (cache_id set): INVALID_ARGUMENT when it gives
+// cu_seqlens, since a cache holds one sequence. prefix: the request's field path ("" or
+// "attention.").
+absl::Status CheckOneSequence(absl::string_view prefix,
+                              const attention::v1::AttentionRequest& request);
+// INVALID_ARGUMENT naming key or value when a request over a cache gives either: its keys and
+// values are the cache's. Field names as the request's own (a TraceRequest's caller prefixes
+// "attention.").
+absl::Status CheckNoInlineKeys(const attention::v1::AttentionRequest& request);
+
+// The tensor a message field holds, or null when `has` says it is absent.
+inline const attention::v1::Tensor* TensorOrNull(bool has, const attention::v1::Tensor& tensor) {
+  return has ? &tensor : nullptr;
+}
+
+// A call's expected_length against its cache's `length` (−1: not known yet, only the sign is
+// checked): INVALID_ARGUMENT when negative, FAILED_PRECONDITION naming the actual length when
+// stale — nothing of the call was applied, so a retried append is detected, never doubled.
+absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
+                                 absl::string_view cache_id, int64_t length);
 
 // A new cache's layout: kv_heads, head_dim and value_dim (0 = head_dim) in [1, 65536], a known
 // dtype.
@@ -72,8 +87,7 @@ absl::StatusOr<KvLayout> ParseCreateCache(const attention::v1::CreateCacheReques
 
 // Tokens to append to a cache of `layout`: key [kv_heads, n, head_dim] and value
 // [kv_heads, n, value_dim] (rank 2 when kv_heads is 1, rank 4 with batch 1), in the cache's
-// dtype. Both
-// absent is n = 0 when `optional`, else INVALID_ARGUMENT.
+// dtype. Both absent is n = 0 when `optional`, else INVALID_ARGUMENT.
 struct NewTokens {
   TensorView key, value;
   int64_t n = 0;
@@ -106,7 +120,38 @@ absl::StatusOr<std::vector<RowRef>> ParseTraceRows(const attention::v1::TraceReq
                                                    const Problem& problem,
                                                    const TraceLimits& limits);
 
-// --- Replies ------------------------------------------------------------------------------
+// --- Decode ---------------------------------------------------------------------------------
+
+// A Decode batch's size, checked before anything else: 1 to 4096 items, else INVALID_ARGUMENT
+// naming items.
+absl::Status CheckDecodeItemCount(const attention::v1::DecodeRequest& request);
+
+// One item of a Decode batch, checked as far as its cache's contents are not needed: its problem
+// is complete only after BindCache, its tokens' values are unread (CheckNewTokenValues).
+struct DecodeItemProblem {
+  std::string prefix;  // "items[i].": starts every field name of the item's errors.
+  KvLayout layout;     // Its cache's.
+  Problem problem;
+  NewTokens tokens;  // Absent tokens: n = 0.
+};
+struct DecodeBatch {
+  std::vector<DecodeItemProblem> items;  // In the request's order.
+  int64_t reply_bytes = 0;               // Every item's output and lse: one reply carries all.
+};
+// The cache `id`'s layout, or the registry's NOT_FOUND naming `field` (CacheRegistry::LayoutOf).
+using CacheLayoutLookup =
+    absl::FunctionRef<absl::StatusOr<KvLayout>(const std::string& id, const std::string& field)>;
+// Checks a Decode request as to shape, in time independent of its tensors' sizes: options carry
+// no positions (each item has its own); each item names a cache (required, at most one item per
+// cache), a non-negative expected_length, its query (ParseCacheQuery) and positions
+// (ParsePositions) and optional new tokens (ParseNewTokens); its answer and the batch's fit
+// `max_message_bytes` (CheckReplyBytes). Returns the first error found; item i's errors name
+// its fields as items[i].<field>.
+absl::StatusOr<DecodeBatch> ParseDecodeRequest(const attention::v1::DecodeRequest& request,
+                                               CacheLayoutLookup layout_of, int default_block_k,
+                                               int64_t max_message_bytes);
+
+// --- Replies' sizes -------------------------------------------------------------------------
 // The bytes of the tensors a problem's answer carries: its output in output_dtype, plus fp32
 // lse when it asks for lse; saturates at INT64_MAX.
 int64_t ReplyTensorBytes(const Problem& problem);
@@ -115,29 +160,5 @@ int64_t ReplyTensorBytes(const Problem& problem);
 // an answer could never be sent. `field` is the one to blame ("query", "items[3].query",
 // "items"); the message names it, the size and --max-message-bytes.
 absl::Status CheckReplyBytes(absl::string_view field, int64_t bytes, int64_t max_message_bytes);
-
-// Sets the response's output (and lse) tensor shapes and dtypes, sizes their data, and returns
-// Outputs that point into that data for a kernel to fill.
-Outputs PrepareOutputs(const Problem& problem, const attention::v1::AttentionRequest& request,
-                       attention::v1::AttentionResponse* response);
-// The same for any query tensor: output [.., heads, query_len, value_dim] in the query's rank,
-// and lse [.., heads, query_len] when lse is not null and the problem asks for it.
-Outputs PrepareOutputs(const Problem& problem, const attention::v1::Tensor& query,
-                       attention::v1::Tensor* output, attention::v1::Tensor* lse);
-
-// A cache as the client sees it.
-void EncodeCacheInfo(const CacheDescription& cache, attention::v1::CacheInfo* message);
-
-// Copies a backend's Stats into the message (backend, device and server_ns are the caller's).
-void EncodeStats(const Stats& stats, attention::v1::ExecutionStats* message);
-
-// The first event of a trace: the problem's shape and both methods' memory accounting.
-attention::v1::TraceStart EncodeTraceStart(const Problem& problem);
-
-// One cursor item of a trace of `problem` as a TraceEvent (a TileStep or a RowDone; a step's
-// ALiBi biases, TileStep.biases, from the problem's ScoreTransform, and what hides each key,
-// TileStep.hidden, from its Geometry).
-void EncodeTraceItem(const Problem& problem, const TraceItem& item,
-                     attention::v1::TraceEvent* event);
 
 }  // namespace attn

@@ -1,21 +1,24 @@
 // AttentionService: the attention.v1 RPC handlers. Transport only: decode the request
-// (request.h), call the backend, encode the answer, map absl::Status to grpc::Status.
+// (request.h), call the backend or the cache registry (caches.h), encode the answer
+// (response.h), map absl::Status to grpc::Status. One class in three files, by role: service.cc
+// (Naive, Tiled, GetServerInfo and what the handlers share), service_trace.cc (Trace's stream)
+// and service_caches.cc (the cache RPCs and Decode).
 //
 // On gRPC's callback threads a call does only what costs the same whatever its payload: the
-// shape checks (ParseAttentionShape), the drain and device checks, admission. The rest — the
-// pass over every input element (CheckAttentionValues), the kernel, opening a trace's cursor —
-// runs on a ComputeQueue worker, so those threads never block; only a call the backend says is
-// too small to matter (Backend::RunsInline) runs there directly, saving the hand-off. A trace
-// then computes one event per completed write (flow control), so a slow reader holds at most
-// one event and a cancelled stream stops at its next write; a stream whose reader takes nothing
-// for --trace-idle-seconds is cancelled (StreamWatch).
+// shape checks (ParseAttentionShape and the like), the drain and device checks, admission. The
+// rest — the pass over every input element (CheckAttentionValues), the kernel, opening a trace's
+// cursor, a cache's appends — runs on a ComputeQueue worker, so those threads never block; only
+// a Naive, Tiled or Trace call the backend says is too small to matter (Backend::RunsInline)
+// runs there directly, saving the hand-off. A trace then computes one event per completed write
+// (flow control), so a slow reader holds at most one event and a cancelled stream stops at its
+// next write; a stream whose reader takes nothing for --trace-idle-seconds is cancelled
+// (StreamWatch).
 //
 // What a request sizes is bounded before it is allocated: its answer's tensors against
 // --max-message-bytes (CheckReplyBytes; a Decode batch's summed), its bytes and its answer's
 // against --max-inflight-bytes while it is queued or running. What a call's code throws fails
-// that call (ComputeJob::RunGuarded, the trace writer), never the process. Thread-safe. The
-// backend must outlive the service; destroying the service waits for queued computations to
-// finish.
+// that call (RunGuarded, the trace writer), never the process. Thread-safe. The backend must
+// outlive the service; destroying the service waits for queued computations to finish.
 #pragma once
 
 #include <atomic>
@@ -88,19 +91,24 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
                                    const attention::v1::DecodeRequest* request,
                                    attention::v1::DecodeResponse* response) override;
 
-  // From now on every new Naive, Tiled and Trace call is refused with UNAVAILABLE (the server
-  // is shutting down); calls already accepted run to the end. Thread-safe.
+  // From now on every new call that computes or makes or grows a cache (Naive, Tiled, Trace,
+  // CreateCache, AppendCache, Decode) is refused with UNAVAILABLE (the server is shutting down);
+  // calls already accepted run to the end, and GetServerInfo, GetCacheInfo, DeleteCache and
+  // ListCaches are still answered. Thread-safe.
   void StartDrain() { draining_.store(true); }
   // Shutdown, once the grace has passed: every call still waiting in the compute queue is
   // answered UNAVAILABLE and none starts from now on. Thread-safe.
   void CancelQueued();
-  // Waits until no Naive, Tiled or Trace call is queued, computing or streaming (their answers
-  // handed to gRPC), or until `deadline`; whether it got there. Thread-safe.
+  // Waits until no call is queued or computing on the compute queue (Naive, Tiled, a Trace's
+  // opening, AppendCache, Decode) and no Trace stream is open (their answers handed to gRPC), or
+  // until `deadline`; whether it got there. Thread-safe.
   bool WaitUntilIdle(std::chrono::system_clock::time_point deadline) const;
   bool Idle() const { return queue_.queued() + queue_.running() + open_traces_.load() == 0; }
   const AdmissionLimits& admission() const { return queue_.limits(); }
 
-  // Naive and Tiled calls waiting for a compute worker, and computing now (for metrics).
+  // Calls waiting for a compute worker, and computing on one now: Naive, Tiled, a Trace's
+  // opening, AppendCache and Decode; a call run inline (Backend::RunsInline) counts in neither
+  // (for metrics).
   int64_t queued() const { return queue_.queued(); }
   int64_t computing() const { return queue_.running(); }
   // Bytes of the requests and answers of the calls queued and computing (for metrics).
@@ -124,18 +132,18 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
                                              const attention::v1::AttentionRequest* request,
                                              attention::v1::AttentionResponse* response);
 
-  // Trace over a cache (request->attention().cache_id set).
+  // Trace over a cache (request->attention().cache_id set); service_trace.cc.
   grpc::ServerWriteReactor<attention::v1::TraceEvent>* TraceOverCache(
       grpc::CallbackServerContext* context, const attention::v1::TraceRequest* request,
       std::chrono::steady_clock::time_point start);
 
   // UNAVAILABLE once the backend's device is lost (reporting the loss the first time).
   absl::Status CheckDevice();
+  // UNAVAILABLE while draining.
+  absl::Status CheckAccepting() const;
 
   Backend& backend_;
   const ServiceConfig config_;
-  // UNAVAILABLE while draining.
-  absl::Status CheckAccepting() const;
 
   std::atomic<bool> loss_reported_{false};
   std::atomic<bool> draining_{false};

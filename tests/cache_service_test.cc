@@ -693,6 +693,45 @@ TEST(CacheRegistryTest, RollbackAndDeleteGiveTheBudgetBack) {
   EXPECT_EQ(registry.caches(), 0);
 }
 
+TEST(CacheRegistryTest, AcquireAllHoldsSeveralCachesInRequestOrderAllOrNothing) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0});
+  const absl::StatusOr<CacheDescription> a = registry.Create("", SmallLayout());
+  const absl::StatusOr<CacheDescription> b = registry.Create("", SmallLayout());
+  ASSERT_TRUE(a.ok() && b.ok());
+  const SmallTokens tokens(7);
+  {
+    absl::StatusOr<CacheRegistry::LeaseGroup> leases =
+        registry.AcquireAll("", {b->id, a->id}, {"items[0].cache_id", "items[1].cache_id"});
+    ASSERT_TRUE(leases.ok()) << leases.status();
+    ASSERT_EQ(leases->size(), 2);
+    EXPECT_EQ((*leases)[0].Describe().id, b->id);  // The request's order, whatever the ids'.
+    EXPECT_EQ((*leases)[1].Describe().id, a->id);
+    ASSERT_TRUE((*leases)[1].Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+    leases->Rollback();
+    EXPECT_EQ((*leases)[1].length(), 0);
+    ASSERT_TRUE((*leases)[0].Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+    ASSERT_TRUE((*leases)[1].Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+    leases->Commit();
+  }
+  EXPECT_EQ(registry.Describe("", a->id)->length, 7);
+  EXPECT_EQ(registry.Describe("", b->id)->length, 7);
+  // A missing cache fails the whole call, and the caches taken before it are released.
+  const absl::StatusOr<CacheRegistry::LeaseGroup> missing =
+      registry.AcquireAll("", {a->id, b->id, "no-such-cache"}, {"x", "y", "items[2].cache_id"});
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("items[2].cache_id"), std::string::npos)
+      << missing.status();
+  EXPECT_TRUE(registry.Acquire("", a->id, "cache_id").ok());
+  EXPECT_TRUE(registry.Acquire("", b->id, "cache_id").ok());
+  // The same cache twice would wait for itself.
+  const absl::StatusOr<CacheRegistry::LeaseGroup> twice =
+      registry.AcquireAll("", {a->id, b->id, a->id}, {"x", "y", "items[2].cache_id"});
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("items[2].cache_id"), std::string::npos)
+      << twice.status();
+}
+
 TEST(CacheRegistryTest, AppendsShowOnlyOnceCommittedAndALeaseEndingUncommittedTakesThemBack) {
   CpuBackend backend(1, 0);
   CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0});

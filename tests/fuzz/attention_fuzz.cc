@@ -37,6 +37,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/problem.h"
 #include "server/request.h"
+#include "server/response.h"
 
 namespace attn {
 namespace {

@@ -1,0 +1,250 @@
+// AttentionService (service.h), its KV-cache handlers: CreateCache, AppendCache, GetCacheInfo,
+// DeleteCache and ListCaches, and Decode (a batch of one-step appends and attentions, each over
+// its own cache, all or nothing). The request checks are request.h's, the caches' rules
+// caches.h's: these handlers order them, and queue what reads every element or changes a cache.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/response.h"
+#include "server/security.h"
+#include "server/service.h"
+#include "server/service_internal.h"
+
+namespace attn {
+
+namespace v1 = attention::v1;
+using service_internal::Clock;
+using service_internal::FillStats;
+using service_internal::InflightBytes;
+using service_internal::Interruption;
+
+namespace {
+
+// A unary reactor's failure, as every handler below reports it.
+grpc::ServerUnaryReactor* Failed(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerContext* context,
+                                                        const v1::CreateCacheRequest* request,
+                                                        v1::CacheInfo* response) {
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  const absl::StatusOr<KvLayout> layout = ParseCreateCache(*request);
+  if (!layout.ok()) return Failed(context, layout.status());
+  const absl::StatusOr<CacheDescription> cache = caches_.Create(CallerIdentity(*context), *layout);
+  if (!cache.ok()) return Failed(context, cache.status());
+  EncodeCacheInfo(*cache, response);
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerContext* context,
+                                                        const v1::AppendCacheRequest* request,
+                                                        v1::CacheInfo* response) {
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  const std::string owner = CallerIdentity(*context);
+  const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
+  if (!layout.ok()) return Failed(context, layout.status());
+  const absl::StatusOr<NewTokens> tokens =
+      ParseNewTokens("", TensorOrNull(request->has_key(), request->key()),
+                     TensorOrNull(request->has_value(), request->value()), *layout, false);
+  if (!tokens.ok()) return Failed(context, tokens.status());
+  if (absl::Status length = CheckExpectedLength("", request->expected_length(), "", -1);
+      !length.ok()) {
+    return Failed(context, length);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
+  // The copy into the cache's pages (and the pass over the tokens) is compute-queue work.
+  auto run = [this, context, request, response, owner, layout = *layout, tokens = *tokens, fail,
+              reactor] {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    double max_key, max_value;
+    if (absl::Status values = CheckNewTokenValues("", tokens, layout, &max_key, &max_value);
+        !values.ok()) {
+      fail(values);
+      return;
+    }
+    absl::StatusOr<CacheRegistry::Lease> lease =
+        caches_.Acquire(owner, request->cache_id(), "cache_id");
+    if (!lease.ok()) {
+      fail(lease.status());
+      return;
+    }
+    if (absl::Status length = CheckExpectedLength("", request->expected_length(),
+                                                  request->cache_id(), lease->length());
+        !length.ok()) {
+      fail(length);
+      return;
+    }
+    if (absl::Status appended =
+            lease->Append(tokens.key, tokens.value, tokens.n, max_key, max_value);
+        !appended.ok()) {
+      fail(appended);
+      return;
+    }
+    EncodeCacheInfo(lease->Describe(), response);
+    lease->Commit();
+    reactor->Finish(grpc::Status::OK);
+  };
+  absl::Status accepted = queue_.Submit(
+      {.request_bytes = InflightBytes(*request, 0), .work = std::move(run), .refuse = fail});
+  if (!accepted.ok()) fail(accepted);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetCacheInfo(grpc::CallbackServerContext* context,
+                                                         const v1::GetCacheInfoRequest* request,
+                                                         v1::CacheInfo* response) {
+  const absl::StatusOr<CacheDescription> cache =
+      caches_.Describe(CallerIdentity(*context), request->cache_id());
+  if (!cache.ok()) return Failed(context, cache.status());
+  EncodeCacheInfo(*cache, response);
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::DeleteCache(grpc::CallbackServerContext* context,
+                                                        const v1::DeleteCacheRequest* request,
+                                                        v1::DeleteCacheResponse* /*response*/) {
+  const absl::Status deleted = caches_.Delete(CallerIdentity(*context), request->cache_id());
+  if (!deleted.ok()) return Failed(context, deleted);
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ListCaches(grpc::CallbackServerContext* context,
+                                                       const v1::ListCachesRequest* /*request*/,
+                                                       v1::ListCachesResponse* response) {
+  for (const CacheDescription& cache : caches_.List(CallerIdentity(*context))) {
+    EncodeCacheInfo(cache, response->add_caches());
+  }
+  return Finished(context);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
+                                                   const v1::DecodeRequest* request,
+                                                   v1::DecodeResponse* response) {
+  const Clock::time_point start = Clock::now();
+  if (absl::Status count = CheckDecodeItemCount(*request); !count.ok()) {
+    return Failed(context, count);
+  }
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  const std::string owner = CallerIdentity(*context);
+  absl::StatusOr<DecodeBatch> batch = ParseDecodeRequest(
+      *request,
+      [&](const std::string& id, const std::string& field) {
+        return caches_.LayoutOf(owner, id, field);
+      },
+      backend_.default_block_k(), config_.max_message_bytes);
+  if (!batch.ok()) return Failed(context, batch.status());
+  const int64_t reply_bytes = batch->reply_bytes;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor, response](const absl::Status& status) {
+    response->Clear();
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  auto run = [this, context, request, response, owner, items = std::move(batch->items), start, fail,
+              reactor]() mutable {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    // Every input's elements before any cache is held or changed.
+    std::vector<std::pair<double, double>> maxima(items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (absl::Status values =
+              CheckNewTokenValues(items[i].prefix, items[i].tokens, items[i].layout,
+                                  &maxima[i].first, &maxima[i].second);
+          !values.ok()) {
+        fail(values);
+        return;
+      }
+    }
+    std::vector<std::string> ids, fields;
+    for (size_t i = 0; i < items.size(); ++i) {
+      ids.push_back(request->items(i).cache_id());
+      fields.push_back(absl::StrCat(items[i].prefix, "cache_id"));
+    }
+    absl::StatusOr<CacheRegistry::LeaseGroup> acquired = caches_.AcquireAll(owner, ids, fields);
+    if (!acquired.ok()) {
+      fail(acquired.status());
+      return;
+    }
+    CacheRegistry::LeaseGroup& leases = *acquired;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (absl::Status length =
+              CheckExpectedLength(items[i].prefix, request->items(i).expected_length(),
+                                  request->items(i).cache_id(), leases[i].length());
+          !length.ok()) {
+        fail(length);
+        return;
+      }
+    }
+    // From here on a failure takes back every item's tokens: all items or none.
+    auto undo = [&](const absl::Status& status) {
+      leases.Rollback();
+      fail(status);
+    };
+    for (size_t i = 0; i < items.size(); ++i) {
+      const NewTokens& tokens = items[i].tokens;
+      if (tokens.n == 0) continue;
+      if (absl::Status appended = leases[i].Append(tokens.key, tokens.value, tokens.n,
+                                                   maxima[i].first, maxima[i].second);
+          !appended.ok()) {
+        undo(appended);
+        return;
+      }
+    }
+    std::vector<Problem> problems;
+    std::vector<Outputs> outputs;
+    for (size_t i = 0; i < items.size(); ++i) {
+      DecodeItemProblem& item = items[i];
+      const CacheRegistry::Lease& lease = leases[i];
+      if (absl::Status bound = BindCache(item.prefix, lease.pages(), lease.length(),
+                                         lease.max_abs_key(), lease.max_abs_value(), &item.problem);
+          !bound.ok()) {
+        undo(bound);
+        return;
+      }
+      problems.push_back(item.problem);
+      Outputs out = PrepareOutputs(item.problem, request->items(i).query(), response->add_outputs(),
+                                   item.problem.return_lse ? response->add_lse() : nullptr);
+      out.interrupt = [context] { return Interruption(context); };
+      outputs.push_back(std::move(out));
+    }
+    absl::StatusOr<Stats> stats = backend_.Decode(problems, outputs);
+    if (!stats.ok()) {
+      undo(stats.status());
+      return;
+    }
+    for (size_t i = 0; i < leases.size(); ++i) {
+      EncodeCacheInfo(leases[i].Describe(), response->add_caches());
+    }
+    FillStats(backend_, *stats, start, response->mutable_stats());
+    leases.Commit();
+    reactor->Finish(grpc::Status::OK);
+  };
+  absl::Status accepted = queue_.Submit({.request_bytes = InflightBytes(*request, reply_bytes),
+                                         .work = std::move(run),
+                                         .refuse = fail});
+  if (!accepted.ok()) fail(accepted);
+  return reactor;
+}
+
+}  // namespace attn
