@@ -28,9 +28,9 @@
 # number or string default in it is attnd's own.
 set -euo pipefail
 source "$(dirname "$0")/attnd_lib.sh"
-attnd=$1
-attn=$2
-stubs=$3
+attnd=$(realpath "$1")
+attn=$(realpath "$2")
+stubs=$(realpath "$3")
 root=$(cd "${4:-$(dirname "$0")/..}" && pwd)
 python=/usr/bin/python3
 
