@@ -20,8 +20,8 @@
 #                  script) that runs it.
 #   Any other block (```text, ```proto) is output or a formula, never a command; an unlabelled
 #   block whose first line looks like a command fails, so a command cannot hide from this test.
-# In runnable blocks a trailing `# => TEXT` (`// => TEXT` in js) says the output contains TEXT (a
-# trailing `...` or `…` is dropped); `# fails: TEXT` says the command exits non-zero and its
+# In runnable blocks a comment `# => TEXT` (`// => TEXT` in js; it may follow prose: `# prose  # =>
+# TEXT`) says the output contains TEXT (a trailing `...` or `…` is dropped); `# fails: TEXT` says the command exits non-zero and its
 # output contains TEXT. Other comments are prose. 127.0.0.1:50051 and 127.0.0.1:8080 in a
 # runnable block are replaced by this test's attnd's gRPC and HTTP addresses.
 # Also: docs/operations.md's table of server flags names every flag attnd has, and each plain
@@ -81,11 +81,14 @@ def split_comment(line, marker):
     return line.rstrip(), ""
 
 def expectation(comment):
-    for kind, prefix in (("prints", "=>"), ("fails", "fails:")):
-        if comment.startswith(prefix):
-            text = comment[len(prefix):].strip()
-            text = re.sub(r"\s*(\.\.\.|…)$", "", text)
-            return kind, text
+    """("prints" | "fails", TEXT) from a comment's `=> TEXT` or `fails: TEXT` (which may follow
+    prose and a second `#`), else ("ok", "")."""
+    for part in re.split(r"\s(?:#|//)\s*", comment):
+        for kind, prefix in (("prints", "=>"), ("fails", "fails:")):
+            if part.startswith(prefix):
+                text = part[len(prefix):].strip()
+                text = re.sub(r"\s*(\.\.\.|…)$", "", text)
+                return kind, text
     return "ok", ""
 
 def flags_of(path):
