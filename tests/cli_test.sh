@@ -266,14 +266,14 @@ check trace-shard-keys-dead 1 'UNAVAILABLE: part 2 of 2 \(keys \[4, 8\)\) at 127
 check trace-shard-keys-follow 1 '--follow and --shard-keys: choose one' -- \
   "$attn" "${both[@]}" trace --example seed --shard-keys --follow
 
-# The README's table of limits states attnd's defaults, which the flags take from TraceLimits
+# docs/operations.md's flag table states attnd's defaults, which the flags take from TraceLimits
 # (server/request.h) and AdmissionLimits (server/compute_queue.h).
 help=$("$attnd" --helpfull 2>&1 | tr '\n' ' ' || true)
 for flag in max_trace_rows max_trace_steps max_traces max_queue; do
   default=$(grep -oE -- "--$flag \([^)]*\); +default: [0-9]+;" <<<"$help" | grep -oE '[0-9]+;$' |
     tr -d ';' || true)
-  check "readme-default-$flag" 0 "^\| \`--${flag//_/-}\` \| ${default:-?} \|" -- \
-    cat "$(dirname "$0")/../README.md"
+  check "operations-default-$flag" 0 "^\| \`--${flag//_/-}\` \| ${default:-?} \|" -- \
+    cat "$(dirname "$0")/../docs/operations.md"
 done
 
 kill -0 "$server" || { echo "FAIL: attnd died"; cat "$log"; exit 1; }
