@@ -25,7 +25,7 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/cli/cache.h"
 #include "client/client.h"
-#include "client/shard.h"
+#include "client/multi_server_client.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "proto/dtype_mapping.h"
@@ -620,7 +620,7 @@ TEST_F(ShardedCacheTest, ARestartedServerFailsTheNextDecodeAndAppendNotFound) {
 TEST_F(ShardedCacheTest, TheDecodeDemoShardsItsKeysOverEveryEndpoint) {
   std::vector<std::string> endpoints;
   for (const Server& server : servers_) endpoints.push_back(server.endpoint);
-  client::ShardedClient sharded(endpoints);
+  client::MultiServerClient sharded(endpoints);
   for (const auto dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
     cli::CacheFlags flags;
     flags.heads = 6;
