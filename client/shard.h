@@ -1,7 +1,7 @@
 // Sharding: one Naive or Tiled request split into parts for several attnd servers, by heads, by
 // keys or both, and the parts' responses merged back into the request's answer. Pure functions
-// over the request and response protos: nothing here talks to a server (client/
-// multi_server_client.h sends the parts, retries them and owns the endpoints).
+// over the request and response protos: nothing here talks to a server
+// (client/multi_server_client.h sends the parts, retries them and owns the endpoints).
 //
 // By heads (SplitRequest). Every (batch, query head) of attention is computed on its own, and
 // under grouped-query attention the query heads h·G … h·G+G−1 (G = heads / kv_heads) all read

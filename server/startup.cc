@@ -24,14 +24,14 @@ ServiceConfig WithDeviceLoss(ServiceConfig config, HealthService& health, ReadyF
 
 }  // namespace
 
-// 16 HTTP workers: each open viewer trace (server-sent events) holds one while it streams, and
-// /metrics and the probes must still answer; --max-traces bounds the streams.
 RunningServer::RunningServer(const AttndConfig& config, std::unique_ptr<Backend> backend_in)
     : backend(std::move(backend_in)),
       health(config.max_health_watches),
       service(*backend, WithDeviceLoss(config.service, health, ready)),
       observer(metrics, config.log_level),
       gateway(config.gateway),
+      // 16 HTTP workers: each open viewer trace (server-sent events) holds one while it
+      // streams, and /metrics and the probes must still answer; --max-traces bounds the streams.
       http(metrics, ready, 16) {
   AddServerGauges(metrics, service, *backend);
   gateway.AddRoutes(http);

@@ -274,15 +274,15 @@ absl::StatusOr<v1::AttentionRequest> ReadRequest() {
 }
 
 // The server to call: `client`, or with --cache the --target endpoint holding that cache (a
-// list's endpoints are asked in turn, as attn cache does); `sharded` keeps that endpoint's
+// list's endpoints are asked in turn, as attn cache does); `servers` keeps that endpoint's
 // Client alive.
 absl::StatusOr<attn::client::Client*> ServerFor(
     attn::client::Client& client, const attn::client::ClientOptions& options,
-    std::optional<attn::client::MultiServerClient>& sharded) {
+    std::optional<attn::client::MultiServerClient>& servers) {
   const std::string cache_id = absl::GetFlag(FLAGS_cache);
   if (cache_id.empty()) return &client;
-  sharded.emplace(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
-  return sharded->ClientFor(cache_id);
+  servers.emplace(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
+  return servers->ClientFor(cache_id);
 }
 
 absl::StatusOr<std::vector<v1::RowRef>> ReadRows() {
@@ -323,11 +323,11 @@ int RunCompute(attn::client::Client& default_client, const std::string& method,
     const attn::client::Sharding sharding = !shard_keys   ? attn::client::Sharding::kHeads
                                             : shard_heads ? attn::client::Sharding::kHeadsAndKeys
                                                           : attn::client::Sharding::kKeys;
-    attn::client::MultiServerClient sharded(
+    attn::client::MultiServerClient servers(
         attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
     attn::client::ShardReport report;
-    response = method == "naive" ? sharded.Naive(request, &report, sharding)
-                                 : sharded.Tiled(request, &report, sharding);
+    response = method == "naive" ? servers.Naive(request, &report, sharding)
+                                 : servers.Tiled(request, &report, sharding);
     for (size_t i = 0; i < report.parts.size(); ++i) {
       const attn::client::ShardReport::Part& part = report.parts[i];
       if (part.retried) {
