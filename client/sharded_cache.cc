@@ -166,7 +166,7 @@ absl::StatusOr<ShardedCache> ShardedCache::Create(std::vector<CacheEndpoint> end
   return ShardedCache(std::move(parts));
 }
 
-absl::StatusOr<ShardedCache> ShardedCache::Create(ShardedClient& client,
+absl::StatusOr<ShardedCache> ShardedCache::Create(MultiServerClient& client,
                                                   const v1::CreateCacheRequest& request) {
   const size_t count = client.endpoints().size();
   if (count == 0) return absl::InvalidArgumentError("sharded cache: no endpoints");

@@ -2,7 +2,8 @@
 // endpoint, each holding some of the sequence's tokens, and a Decode that asks every part for
 // its (output, lse) state and merges them exactly (client/merge.h: lse = log Σ exp(lseᵢ),
 // O = Σ exp(lseᵢ − lse)·Oᵢ), so a sequence may be longer than any one server's --cache-bytes
-// and each step reads every server's share in parallel.
+// and each step reads every server's share in parallel. (client/multi_server_client.h is the
+// other shape: a client over several servers that keeps each cache whole on one of them.)
 //
 // Placement. The sequence's tokens have global positions 0 … length() − 1, in the order they
 // were appended. Append(key, value) splits its n tokens into contiguous chunks placed by
@@ -61,7 +62,7 @@
 #include "absl/status/statusor.h"
 #include "attention/v1/attention.pb.h"
 #include "client/client.h"
-#include "client/shard.h"
+#include "client/multi_server_client.h"
 
 namespace attn::client {
 
@@ -113,7 +114,7 @@ class ShardedCache {
   // One part per endpoint of `client`, each made by its CreateCache (which places successive
   // caches on successive endpoints; after a retry two parts may share a server, which changes
   // nothing but balance). `client` must outlive the cache.
-  static absl::StatusOr<ShardedCache> Create(ShardedClient& client,
+  static absl::StatusOr<ShardedCache> Create(MultiServerClient& client,
                                              const attention::v1::CreateCacheRequest& request);
 
   ShardedCache(ShardedCache&&) = default;

@@ -25,7 +25,7 @@
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/cli/cache.h"
 #include "client/client.h"
-#include "client/shard.h"
+#include "client/multi_server_client.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "proto/dtype_mapping.h"
@@ -620,7 +620,7 @@ TEST_F(ShardedCacheTest, ARestartedServerFailsTheNextDecodeAndAppendNotFound) {
 TEST_F(ShardedCacheTest, TheDecodeDemoShardsItsKeysOverEveryEndpoint) {
   std::vector<std::string> endpoints;
   for (const Server& server : servers_) endpoints.push_back(server.endpoint);
-  client::ShardedClient sharded(endpoints);
+  client::MultiServerClient servers(endpoints);
   for (const auto dtype : {v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16}) {
     cli::CacheFlags flags;
     flags.heads = 6;
@@ -635,7 +635,7 @@ TEST_F(ShardedCacheTest, TheDecodeDemoShardsItsKeysOverEveryEndpoint) {
     char* text = nullptr;
     size_t size = 0;
     std::FILE* out = open_memstream(&text, &size);
-    const absl::Status status = cli::RunDecodeDemo(sharded, flags, out);
+    const absl::Status status = cli::RunDecodeDemo(servers, flags, out);
     std::fclose(out);
     const std::string printed(text, size);
     std::free(text);
@@ -650,7 +650,7 @@ TEST_F(ShardedCacheTest, TheDecodeDemoShardsItsKeysOverEveryEndpoint) {
     EXPECT_LE(error, dtype == v1::DTYPE_FLOAT32 ? 1e-5 : 8e-3) << printed;
     std::printf("%s", printed.c_str());
   }
-  absl::StatusOr<v1::ListCachesResponse> list = sharded.ListCaches();
+  absl::StatusOr<v1::ListCachesResponse> list = servers.ListCaches();
   ASSERT_TRUE(list.ok());
   EXPECT_EQ(list->caches_size(), 0);
 }

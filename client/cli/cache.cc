@@ -124,7 +124,7 @@ absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
               cache.length(), count, rng, stored_keys, stored_values, appends);
 }
 
-absl::StatusOr<client::Cache> OpenCache(client::ShardedClient& client, const std::string& id) {
+absl::StatusOr<client::Cache> OpenCache(client::MultiServerClient& client, const std::string& id) {
   absl::StatusOr<v1::CacheInfo> info = client.GetCacheInfo(id);
   if (!info.ok()) return info.status();
   absl::StatusOr<client::Client*> owner = client.ClientFor(id);
@@ -322,7 +322,7 @@ absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t
 }
 
 // attn decode --shard-keys: the demo over a ShardedCache with a part on every endpoint.
-absl::Status ShardedDecodeDemo(client::ShardedClient& client, const CacheFlags& flags,
+absl::Status ShardedDecodeDemo(client::MultiServerClient& client, const CacheFlags& flags,
                                const v1::CreateCacheRequest& create, int64_t heads,
                                std::FILE* out) {
   absl::StatusOr<client::ShardedCache> created = client::ShardedCache::Create(client, create);
@@ -383,8 +383,9 @@ absl::Status ShardedDecodeDemo(client::ShardedClient& client, const CacheFlags& 
 
 }  // namespace
 
-absl::Status RunCacheCommand(client::ShardedClient& client, const std::vector<std::string>& args,
-                             const CacheFlags& flags, std::FILE* out) {
+absl::Status RunCacheCommand(client::MultiServerClient& client,
+                             const std::vector<std::string>& args, const CacheFlags& flags,
+                             std::FILE* out) {
   if (args.empty()) {
     return absl::InvalidArgumentError(
         "give a cache command: create, append, info, list or delete (attn --help)");
@@ -458,7 +459,8 @@ absl::Status RunCacheCommand(client::ShardedClient& client, const std::vector<st
                                                  "\": use create, append, info, list or delete"));
 }
 
-absl::Status RunDecodeDemo(client::ShardedClient& client, const CacheFlags& flags, std::FILE* out) {
+absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& flags,
+                           std::FILE* out) {
   const int64_t heads = flags.heads;
   const int64_t kv_heads = flags.kv_heads > 0 ? flags.kv_heads : heads;
   const int64_t head_dim = flags.head_dim;

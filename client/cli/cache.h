@@ -21,7 +21,7 @@
 // concurrently and the client merges their (output, lse); per step it prints the same columns
 // (compute: the slowest part's; sent: all parts' requests), and at the end each part's length.
 //
-// The commands go through a ShardedClient, so with a --target list each cache stays on the
+// The commands go through a MultiServerClient, so with a --target list each cache stays on the
 // server that created it (found by asking each endpoint when a later command names it).
 #pragma once
 
@@ -32,7 +32,7 @@
 
 #include "absl/status/status.h"
 #include "attention/v1/attention.pb.h"
-#include "client/shard.h"
+#include "client/multi_server_client.h"
 
 namespace attn::cli {
 
@@ -55,10 +55,12 @@ struct CacheFlags {
 };
 
 // attn cache SUBCOMMAND [ID]: `args` are the words after "cache".
-absl::Status RunCacheCommand(client::ShardedClient& client, const std::vector<std::string>& args,
-                             const CacheFlags& flags, std::FILE* out);
+absl::Status RunCacheCommand(client::MultiServerClient& client,
+                             const std::vector<std::string>& args, const CacheFlags& flags,
+                             std::FILE* out);
 
 // attn decode.
-absl::Status RunDecodeDemo(client::ShardedClient& client, const CacheFlags& flags, std::FILE* out);
+absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& flags,
+                           std::FILE* out);
 
 }  // namespace attn::cli

@@ -48,10 +48,10 @@
 #include "client/cli/merge_trace.h"
 #include "client/cli/render.h"
 #include "client/client.h"
-#include "client/shard.h"
+#include "client/multi_server_client.h"
+#include "common/dashed_flags.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/credential_files.h"
-#include "server/dashed_flags.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "attnd address (host:port), a comma-separated list of them (numeric addresses), or a "
@@ -274,15 +274,15 @@ absl::StatusOr<v1::AttentionRequest> ReadRequest() {
 }
 
 // The server to call: `client`, or with --cache the --target endpoint holding that cache (a
-// list's endpoints are asked in turn, as attn cache does); `sharded` keeps that endpoint's
+// list's endpoints are asked in turn, as attn cache does); `servers` keeps that endpoint's
 // Client alive.
 absl::StatusOr<attn::client::Client*> ServerFor(
     attn::client::Client& client, const attn::client::ClientOptions& options,
-    std::optional<attn::client::ShardedClient>& sharded) {
+    std::optional<attn::client::MultiServerClient>& servers) {
   const std::string cache_id = absl::GetFlag(FLAGS_cache);
   if (cache_id.empty()) return &client;
-  sharded.emplace(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
-  return sharded->ClientFor(cache_id);
+  servers.emplace(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
+  return servers->ClientFor(cache_id);
 }
 
 absl::StatusOr<std::vector<v1::RowRef>> ReadRows() {
@@ -310,7 +310,7 @@ int RunCompute(attn::client::Client& default_client, const std::string& method,
   absl::StatusOr<v1::AttentionRequest> read = ReadRequest();
   if (!read.ok()) return Fail(read.status());
   const v1::AttentionRequest& request = *read;
-  std::optional<attn::client::ShardedClient> cache_endpoints;
+  std::optional<attn::client::MultiServerClient> cache_endpoints;
   absl::StatusOr<attn::client::Client*> server =
       ServerFor(default_client, options, cache_endpoints);
   if (!server.ok()) return Fail(server.status());
@@ -323,11 +323,11 @@ int RunCompute(attn::client::Client& default_client, const std::string& method,
     const attn::client::Sharding sharding = !shard_keys   ? attn::client::Sharding::kHeads
                                             : shard_heads ? attn::client::Sharding::kHeadsAndKeys
                                                           : attn::client::Sharding::kKeys;
-    attn::client::ShardedClient sharded(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
-                                        options);
+    attn::client::MultiServerClient servers(
+        attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)), options);
     attn::client::ShardReport report;
-    response = method == "naive" ? sharded.Naive(request, &report, sharding)
-                                 : sharded.Tiled(request, &report, sharding);
+    response = method == "naive" ? servers.Naive(request, &report, sharding)
+                                 : servers.Tiled(request, &report, sharding);
     for (size_t i = 0; i < report.parts.size(); ++i) {
       const attn::client::ShardReport::Part& part = report.parts[i];
       if (part.retried) {
@@ -379,7 +379,7 @@ int RunTrace(attn::client::Client& default_client, const attn::client::ClientOpt
                                    options, request, absl::GetFlag(FLAGS_json), stdout);
     return status.ok() ? 0 : Fail(status);
   }
-  std::optional<attn::client::ShardedClient> cache_endpoints;
+  std::optional<attn::client::MultiServerClient> cache_endpoints;
   absl::StatusOr<attn::client::Client*> server =
       ServerFor(default_client, options, cache_endpoints);
   if (!server.ok()) return Fail(server.status());
@@ -570,8 +570,8 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   absl::StatusOr<v1::AttentionOptions> attention_options = ReadOptions(flags.heads);
   if (!attention_options.ok()) return Fail(attention_options.status());
   flags.options = *std::move(attention_options);
-  attn::client::ShardedClient client(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
-                                     options);
+  attn::client::MultiServerClient client(attn::client::SplitEndpoints(absl::GetFlag(FLAGS_target)),
+                                         options);
   const absl::Status status =
       words[0] == "decode"
           ? attn::cli::RunDecodeDemo(client, flags, stdout)

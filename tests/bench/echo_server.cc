@@ -19,9 +19,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "attention/v1/attention.grpc.pb.h"
+#include "common/dashed_flags.h"
 #include "grpcpp/grpcpp.h"
 #include "server/builder_options.h"
-#include "server/dashed_flags.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "Address to serve on (host:port; :0 picks a port).");
 ABSL_FLAG(int64_t, max_message_bytes, attn::BuilderOptions{}.max_message_bytes,

@@ -38,10 +38,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "attention/v1/attention.pb.h"
+#include "common/dashed_flags.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/proto_buffer_reader.h"
-#include "server/dashed_flags.h"
 
 ABSL_FLAG(std::string, attnd, "", "attnd's address (host:port); empty skips it.");
 ABSL_FLAG(std::string, echo, "", "The echo server's address (host:port); empty skips it.");

@@ -1,6 +1,9 @@
-// Lets attnd and attn take flags spelled with dashes (--max-naive-bytes), as their docs do,
-// although Abseil's flag names use underscores (--max_naive_bytes). Header-only, so the CLI can
-// share it without linking the server.
+// common/ holds header-only helpers shared by the server (attnd) and the client (attn, the
+// benchmarks) that depend on nothing of the project, so either side may include them without
+// an arrow from client/ into server/ or back.
+//
+// DashedFlags lets attnd and attn take flags spelled with dashes (--max-naive-bytes), as their
+// docs do, although Abseil's flag names use underscores (--max_naive_bytes).
 #pragma once
 
 #include <algorithm>
