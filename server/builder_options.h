@@ -1,10 +1,10 @@
-// The grpc::ServerBuilder settings attnd serves with, in one place: attnd's main and the edge
-// benchmark's bare echo server (tests/bench/echo_server.cc) both call ApplyBuilderOptions, so the
-// benchmark's gRPC baseline is built exactly like attnd and cannot drift from it.
+// The grpc::ServerBuilder settings attnd serves with, in one place: attnd (server/startup.cc) and
+// the edge benchmark's bare echo server (tests/bench/echo_server.cc) both call ApplyBuilderOptions,
+// so the benchmark's gRPC baseline is built exactly like attnd and cannot drift from it.
 //
 // Only transport settings belong here (message limits, channel arguments, resource quotas).
 // What makes attnd attnd — its services, credentials, interceptors (request log, metrics) — stays
-// in server/main.cc: that is the edge the benchmark measures.
+// in server/startup.cc: that is the edge the benchmark measures.
 #pragma once
 
 #include <cstdint>

@@ -63,8 +63,8 @@ inline constexpr std::chrono::seconds kWriteTimeout{30};
 inline constexpr std::chrono::seconds kKeepAliveTimeout{1};
 inline constexpr int64_t kMinBodyBytesPerSecond = int64_t{256} << 10;
 
-// Whether attnd is ready to serve: main sets it once gRPC is up, and clears it when the device
-// is lost or shutdown begins. Thread-safe.
+// Whether attnd is ready to serve: StartServer (server/startup.cc) sets it once gRPC is up, and
+// clears it when the device is lost or shutdown begins. Thread-safe.
 class ReadyFlag {
  public:
   void Set(bool ready) { ready_.store(ready, std::memory_order_relaxed); }
