@@ -204,7 +204,10 @@ void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host,
   const double baseline_error =
       MaxAbsError(LowPrecisionBaseline(host, host.output_dtype), ref.output);
   ASSERT_TRUE(std::isfinite(baseline_error));
-  const double atol = host.output_dtype == DType::kFloat16 ? 1e-3 : 1e-2;
+  // LowPrecisionAtol, and never more than a couple of output ulps at 1 (fp16 ulp at 1 is
+  // 2^-10 ≈ 1e-3, bf16's 2^-7 ≈ 8e-3).
+  const double atol =
+      std::min(LowPrecisionAtol(host, ref), host.output_dtype == DType::kFloat16 ? 1e-3 : 1e-2);
   const double error = MaxAbsError(run.output, ref.output);
   EXPECT_LE(error, 2 * baseline_error + atol) << "baseline error " << baseline_error;
   ExpectLseMatches(run, ref, 1e-5);

@@ -1,5 +1,5 @@
 // Test support: run a kernel into poisoned outputs and compare it with the float64 reference,
-// for every backend's suite (tests/kernels_test.cc, tests/gpu/gpu_test.cc).
+// for every backend (the shared suite, tests/backend_suite.h, and each backend's own tests).
 #pragma once
 
 #include <cstdint>
@@ -83,8 +83,9 @@ void ExpectNaiveTiledAndDecodeMatch(Backend& backend, const HostProblem& host);
 // the answer, so a test can show that a kernel ignoring it would be caught.
 double LargestOutputDifference(const Reference& a, const Reference& b);
 
-// The rule for low-precision outputs (LowPrecisionTest): error against float64 at most twice
-// a same-precision naive baseline's, plus an atol of a couple of output ulps.
+// The rule for low-precision outputs (the FlashAttention rule, as LowPrecisionTest states it):
+// error against float64 at most twice a same-precision naive baseline's, plus LowPrecisionAtol
+// (at most a couple of output ulps at 1); lse within 1e-5.
 void ExpectLowPrecisionMatches(const KernelRun& run, const HostProblem& host, const Reference& ref);
 
 // Unit roundoff u of a storage dtype: round-to-nearest moves a normal x by at most u·|x|.
