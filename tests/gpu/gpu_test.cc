@@ -57,6 +57,7 @@ using namespace attn::testing;
 
 class CudaLimitsTest : public CudaTest {};
 
+// The fused Tiled kernels are compiled for head sizes up to 256: wider heads are the caller's
 // error (INVALID_ARGUMENT), not a device failure. Naive (cuBLAS) has no such limit; the trace
 // keeps at most 256 value columns in a warp's registers.
 TEST_F(CudaLimitsTest, TiledRejectsHeadsWiderThan256) {
