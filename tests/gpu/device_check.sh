@@ -33,7 +33,9 @@ ROOT=$PWD
 
 # The sources the binaries are built from; tests/gpu/pack.sh records the same checksum.
 source_checksum() {
-  find kernels tests/reference.h tests/reference.cc tests/gpu -type f \
+  find kernels tests/reference.h tests/reference.cc tests/checks.h tests/checks.cc \
+    tests/backend_suite.h tests/backend_suite.cc tests/backend_kernels_test.cc \
+    tests/backend_trace_test.cc tests/gpu -type f \
     \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \) | LC_ALL=C sort | xargs sha256sum |
     sha256sum | cut -c1-16
 }
@@ -213,7 +215,10 @@ add_library(attn_test_support STATIC \${REPO}/tests/reference.cc)
 target_link_libraries(attn_test_support PUBLIC attn_kernels)
 add_executable(gpu_bench \${REPO}/tests/gpu/bench.cc)
 target_link_libraries(gpu_bench PRIVATE attn_test_support)
-add_executable(gpu_test \${REPO}/tests/gpu/gpu_test.cc \${REPO}/tests/gpu/kv_cache_test.cc)
+# gpu_test: the suite every backend runs (tests/backend_*_test.cc) over CUDA, and the device's own.
+add_executable(gpu_test \${REPO}/tests/gpu/gpu_test.cc \${REPO}/tests/gpu/kv_cache_test.cc
+  \${REPO}/tests/gpu/cuda_suite_backend.cc \${REPO}/tests/backend_kernels_test.cc
+  \${REPO}/tests/backend_trace_test.cc \${REPO}/tests/checks.cc \${REPO}/tests/backend_suite.cc)
 target_link_libraries(gpu_test PRIVATE attn_test_support \${CARRY}/static/libgtest_main.a
   \${CARRY}/static/libgtest.a Threads::Threads)
 EOF

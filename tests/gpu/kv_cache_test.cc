@@ -7,7 +7,8 @@
 // contiguous keys (the gather makes the same device layout, so they agree bit for bit).
 //
 // As in gpu_test.cc: without a CUDA device every test reports SKIPPED with the reason (fails
-// with ATTN_REQUIRE_GPU=1); outputs are poisoned with NaN; inputs fresh and sizes odd.
+// with ATTN_REQUIRE_GPU=1, tests/backend_suite.h's GpuRequired); outputs are poisoned with NaN;
+// inputs fresh and sizes odd.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,6 +29,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/kv_store.h"
 #include "kernels/problem.h"
+#include "tests/backend_suite.h"
 #include "tests/checks.h"
 #include "tests/reference.h"
 
@@ -35,11 +37,6 @@ namespace {
 
 using namespace attn;
 using namespace attn::testing;
-
-bool GpuRequired() {
-  const char* value = std::getenv("ATTN_REQUIRE_GPU");
-  return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
-}
 
 // Backends for the suite: `odd` keeps 7-token pages and splits decode work into 64-key chunks
 // (so that every cache of the tests spans many pages and many chunks); `plain` has the defaults
@@ -255,15 +252,10 @@ void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 
 class CudaDecodeTest : public CudaKvTest, public ::testing::WithParamInterface<DecodeCase> {};
 
-double UnitRoundoff(DType dtype) {
-  return dtype == DType::kFloat32 ? std::ldexp(1.0, -24)
-                                  : std::ldexp(1.0, dtype == DType::kFloat16 ? -11 : -8);
-}
-
 // Runs one Decode of the case's batch on `backend` and checks every item: fp32 within 1e-5
 // relative of float64; fp16/bf16 within twice a same-precision eager baseline's error plus the
-// output store's rounding (the kernels keep weights in fp32: nothing else is rounded) + 1e-5;
-// lse within 1e-5 always.
+// output store's rounding (the kernels keep weights in fp32: nothing else is rounded) + 1e-5,
+// LowPrecisionAtol; lse within 1e-5 always.
 void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
   std::vector<HostProblem> hosts;
   std::vector<std::unique_ptr<KvStore>> stores;
@@ -306,7 +298,7 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
       ExpectMatchesReference(run, ref, 1e-5);
     } else {
       const double baseline = MaxAbsError(LowPrecisionBaseline(hosts[i], c.dtype), ref.output);
-      const double atol = UnitRoundoff(c.dtype) * MaxAbs(ref.output) + 1e-5;
+      const double atol = LowPrecisionAtol(hosts[i], ref);
       EXPECT_LE(MaxAbsError(run.output, ref.output), 2 * baseline + atol)
           << "baseline " << baseline;
       ExpectLseMatches(run, ref, 1e-5);

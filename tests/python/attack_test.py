@@ -36,7 +36,6 @@ is not blamed on every later attack. Prints one line per attack and "N passed, M
 Exit status 0 when every attack passed. Needs python3-grpcio and python3-numpy (Debian).
 """
 
-import argparse
 import json
 import os
 import re
@@ -51,21 +50,19 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-parser.add_argument("--only", default="", help="comma-separated attack groups to run, e.g. 1,4")
-parser.add_argument("--rss-limit-mib", type=int, default=1536,
-                    help="attnd's VmRSS bound after every attack (ASan inflates it)")
-parser.add_argument("--verbose", action="store_true", help="print each status message too")
-ARGS = parser.parse_args()
 
-import attnd_harness as h  # noqa: E402
+import attnd_harness as h  # noqa: E402 (tests/python is sys.path[0] for a script)
 
-h.add_stubs_path(ARGS.stubs)
+
+def add_arguments(parser):
+    parser.add_argument("--only", default="", help="comma-separated attack groups to run, e.g. 1,4")
+    parser.add_argument("--rss-limit-mib", type=int, default=1536,
+                        help="attnd's VmRSS bound after every attack (ASan inflates it)")
+    parser.add_argument("--verbose", action="store_true", help="print each status message too")
+
+
+ARGS = h.parse_args(__doc__, add_arguments)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -90,7 +87,7 @@ OK = grpc.StatusCode.OK
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 F32, F16, BF16 = pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16
-ELEMENT_BYTES = {F32: 4, F16: 2, BF16: 2}
+ELEMENT_BYTES = h.ELEMENT_BYTES  # By attention.v1 DType number.
 NAN_BITS = {F32: 0x7FC00000, F16: 0x7E00, BF16: 0x7FC0}
 INF_BITS = {F32: 0x7F800000, F16: 0x7C00, BF16: 0x7F80}
 RNG = np.random.default_rng(20240727)

@@ -1,14 +1,22 @@
-"""Shared support for the Python tests that start their own attnd (hostile_test.py, load_test.py).
+"""Shared support for every Python test in tests/python: each starts its own attnd.
 
-What it gives: `AttndProcess` (attnd on a free loopback port, read back from its startup line,
-with the HTTP side port off when the binary has one), tensor encoding and decoding for the three
-dtypes, a float64 reference, a grpc.health.v1 check without generated health stubs, and the
-output tolerances the tests share. Import it after putting the generated stubs on sys.path
-(`add_stubs_path`), since it imports attention_pb2.
+What it gives: `parse_args` (the --attnd and --stubs arguments every test takes, as
+tests/CMakeLists.txt passes them, plus the test's own; it puts the generated stubs and the Python
+client on sys.path), `AttndProcess` (attnd on a free loopback port, read back from its startup
+line, with the HTTP side port off when the binary has one), tensor encoding and decoding for the
+three dtypes, a float64 reference, a grpc.health.v1 check without generated health stubs, and the
+output tolerances the tests share. The generated modules are imported lazily (`pb()`,
+`pb_grpc()`), so a test imports them only after `parse_args`.
+
+A test's preamble:
+
+    import attnd_harness as h  # tests/python is sys.path[0] for a script run from anywhere.
+    ARGS = h.parse_args(__doc__, unittest=True)  # unittest.main(argv=ARGS.unittest_argv)
 
 Needs the Debian python3-grpcio and python3-numpy, i.e. /usr/bin/python3.
 """
 
+import argparse
 import math
 import os
 import re
@@ -17,6 +25,29 @@ import sys
 import tempfile
 import threading
 import time
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(doc, add_arguments=None, unittest=False):
+    """The test's arguments: --attnd and --stubs (defaults: the release preset's build), then
+    what `add_arguments(parser)` adds. With unittest=True the arguments it does not know are left
+    for unittest.main, in `args.unittest_argv` (the program name first). Puts the stubs and the
+    Python client on sys.path (add_stubs_path)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0],
+                                     add_help=not unittest)
+    parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
+    parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
+    if add_arguments is not None:
+        add_arguments(parser)
+    if unittest:
+        args, rest = parser.parse_known_args()
+        args.unittest_argv = [sys.argv[0]] + rest
+    else:
+        args = parser.parse_args()
+    add_stubs_path(args.stubs)
+    return args
 
 
 def add_stubs_path(stubs_dir):
@@ -185,7 +216,20 @@ HEALTH_SERVING = 1
 
 # --- Tensors ------------------------------------------------------------------------------------
 
-DTYPE_NAMES = {1: "fp32", 2: "fp16", 3: "bf16"}
+DTYPE_NAMES = {1: "fp32", 2: "fp16", 3: "bf16"}  # attention.v1 DType numbers.
+DTYPE_NUMBER = {name: number for number, name in DTYPE_NAMES.items()}
+ELEMENT_BYTES = {1: 4, 2: 2, 3: 2}
+
+# Row 0 of the seed's example (seed_problem) as the explainer prints it.
+SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
+
+
+def as4(x):
+    """A rank 2–4 array as rank 4, in float64 (for the reference)."""
+    x = np.asarray(x, dtype=np.float64)
+    while x.ndim < 4:
+        x = x[None]
+    return x
 
 
 def round_to_bf16_bits(array):

@@ -13,23 +13,19 @@ grpc.health.v1 Check with SERVING and still compute a correct answer. Prints one
 Exit status 0 when every case passed. Needs python3-grpcio and python3-numpy (Debian).
 """
 
-import argparse
-import os
 import struct
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-parser.add_argument("--verbose", action="store_true", help="print each status message too")
-ARGS = parser.parse_args()
 
-import attnd_harness as h  # noqa: E402
+import attnd_harness as h  # noqa: E402 (tests/python is sys.path[0] for a script)
 
-h.add_stubs_path(ARGS.stubs)
+
+def add_arguments(parser):
+    parser.add_argument("--verbose", action="store_true", help="print each status message too")
+
+
+ARGS = h.parse_args(__doc__, add_arguments)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -49,7 +45,7 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 
 F32, F16, BF16 = pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16
-ELEMENT_BYTES = {F32: 4, F16: 2, BF16: 2}
+ELEMENT_BYTES = h.ELEMENT_BYTES  # By attention.v1 DType number.
 DTYPE_WORD = {F32: "f32", F16: "f16", BF16: "bf16"}  # kernels/dtype.h DTypeName
 RNG = np.random.default_rng(20240605)
 

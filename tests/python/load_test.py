@@ -27,7 +27,6 @@ Needs python3-grpcio and python3-numpy (Debian). Loopback only; bounded by --sec
 has a 60 s deadline) and by --max-requests.
 """
 
-import argparse
 import collections
 import math
 import os
@@ -36,8 +35,6 @@ import threading
 import time
 import traceback
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The RSS bound, on growth: what attnd holds at start depends on the build (a CUDA build has
 # touched ~150 MiB of its libraries before the first call), what queueing, buffering and leaks
@@ -53,23 +50,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # allocator behaviour.
 RSS_GROWTH_BOUND_MIB = 256
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-parser.add_argument("--seconds", type=float, default=30.0, help="how long the clients send")
-parser.add_argument("--clients", type=int, default=32, help="concurrent client threads")
-parser.add_argument("--max-requests", type=int, default=200000, help="stop after this many")
-parser.add_argument("--max-inflight", type=int, default=2, help="attnd --max-inflight")
-parser.add_argument("--max-queue", type=int, default=4, help="attnd --max-queue")
-parser.add_argument("--max-traces", type=int, default=4, help="attnd --max-traces")
-parser.add_argument("--threads", type=int, default=1, help="attnd --threads (per computation)")
-parser.add_argument("--rss-growth-bound-mib", type=float, default=RSS_GROWTH_BOUND_MIB)
-parser.add_argument("--seed", type=int, default=None, help="random seed (default: time)")
-ARGS = parser.parse_args()
 
-import attnd_harness as h  # noqa: E402
+import attnd_harness as h  # noqa: E402 (tests/python is sys.path[0] for a script)
 
-h.add_stubs_path(ARGS.stubs)
+
+def add_arguments(parser):
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long the clients send")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent client threads")
+    parser.add_argument("--max-requests", type=int, default=200000, help="stop after this many")
+    parser.add_argument("--max-inflight", type=int, default=2, help="attnd --max-inflight")
+    parser.add_argument("--max-queue", type=int, default=4, help="attnd --max-queue")
+    parser.add_argument("--max-traces", type=int, default=4, help="attnd --max-traces")
+    parser.add_argument("--threads", type=int, default=1, help="attnd --threads (per computation)")
+    parser.add_argument("--rss-growth-bound-mib", type=float, default=RSS_GROWTH_BOUND_MIB)
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: time)")
+
+
+ARGS = h.parse_args(__doc__, add_arguments)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402

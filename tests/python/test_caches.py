@@ -20,32 +20,21 @@ Run by CTest as
   /usr/bin/python3 tests/python/test_caches.py --attnd <attnd> --stubs <stubs dir>
 """
 
-import argparse
-import os
 import sys
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+import attnd_harness as harness  # tests/python is sys.path[0] for a script.
 
-_parser = argparse.ArgumentParser(add_help=False)
-_parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-_parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-ARGS, _UNITTEST_ARGV = _parser.parse_known_args()
-
-sys.path.insert(0, HERE)
-import attnd_harness as harness  # noqa: E402
-
-harness.add_stubs_path(ARGS.stubs)
+ARGS = harness.parse_args(__doc__, unittest=True)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attn_client  # noqa: E402
 from attn_client import AttnError, Cache, Client  # noqa: E402
+from attnd_harness import DTYPE_NUMBER  # noqa: E402
 
 RPC_TIMEOUT_S = 60.0
-DTYPE_NUMBER = {"fp32": 1, "fp16": 2, "bf16": 3}
 
 
 def as_stored(array, dtype):
@@ -353,4 +342,4 @@ class BudgetTest(ServerCase):
 
 
 if __name__ == "__main__":
-    unittest.main(argv=[sys.argv[0]] + _UNITTEST_ARGV, exit=True)
+    unittest.main(argv=ARGS.unittest_argv, exit=True)

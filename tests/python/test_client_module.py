@@ -28,7 +28,6 @@ through tls_ca. Run by CTest as
 Needs the Debian python3-grpcio and python3-numpy (hence /usr/bin/python3); stdlib unittest.
 """
 
-import argparse
 import math
 import os
 import shutil
@@ -38,37 +37,19 @@ import tempfile
 import time
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+import attnd_harness as harness  # tests/python is sys.path[0] for a script.
 
-_parser = argparse.ArgumentParser(add_help=False)
-_parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-_parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-ARGS, _UNITTEST_ARGV = _parser.parse_known_args()
-
-sys.path.insert(0, HERE)
-import attnd_harness as harness  # noqa: E402
-
-harness.add_stubs_path(ARGS.stubs)
-sys.path.insert(0, os.path.join(REPO_ROOT, "client", "python"))
+ARGS = harness.parse_args(__doc__, unittest=True)
+REPO_ROOT = harness.REPO_ROOT
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attn_client  # noqa: E402
 from attn_client import AttnError, Client  # noqa: E402
+from attnd_harness import DTYPE_NUMBER, SEED_OUT_ROW0, as4  # noqa: E402
 
 RPC_TIMEOUT_S = 60.0
-SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
-DTYPE_NUMBER = {"fp32": 1, "fp16": 2, "bf16": 3}
-
-
-def as4(x):
-    """A rank 2–4 array as rank 4 (for the reference)."""
-    x = np.asarray(x, dtype=np.float64)
-    while x.ndim < 4:
-        x = x[None]
-    return x
 
 
 def stored(array, dtype):
@@ -1085,4 +1066,4 @@ class TlsTest(ServerCase):
 
 
 if __name__ == "__main__":
-    unittest.main(argv=[sys.argv[0]] + _UNITTEST_ARGV, exit=True)
+    unittest.main(argv=ARGS.unittest_argv, exit=True)

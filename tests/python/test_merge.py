@@ -35,30 +35,20 @@ Run by CTest as
   /usr/bin/python3 tests/python/test_merge.py --attnd <attnd> --stubs <stubs dir>
 """
 
-import argparse
 import math
-import os
 import sys
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+import attnd_harness as harness  # tests/python is sys.path[0] for a script.
 
-_parser = argparse.ArgumentParser(add_help=False)
-_parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-_parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-ARGS, _UNITTEST_ARGV = _parser.parse_known_args()
-
-sys.path.insert(0, HERE)
-import attnd_harness as harness  # noqa: E402
-
-harness.add_stubs_path(ARGS.stubs)
+ARGS = harness.parse_args(__doc__, unittest=True)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attn_client  # noqa: E402
 from attn_client import AttnError, Client, merge_states  # noqa: E402
+from attnd_harness import as4  # noqa: E402
 
 RPC_TIMEOUT_S = 60.0
 OUTPUT_RTOL = 3e-6  # max |out − ref| / max |ref| for fp32 outputs (inputs in [-1, 1]).
@@ -69,13 +59,6 @@ WORST = {"output": 0.0, "lse": 0.0}
 
 
 # --- Inputs and the float64 reference ------------------------------------------------------------
-
-def as4(x):
-    x = np.asarray(x, dtype=np.float64)
-    while x.ndim < 4:
-        x = x[None]
-    return x
-
 
 def rounded(array, dtype):
     """The float64 values the server sees for float32 `array` sent with dtype= `dtype`
@@ -609,4 +592,4 @@ def tearDownModule():
 
 
 if __name__ == "__main__":
-    unittest.main(argv=[sys.argv[0]] + _UNITTEST_ARGV, verbosity=2)
+    unittest.main(argv=ARGS.unittest_argv, verbosity=2)

@@ -18,23 +18,13 @@ cumulative_lengths(). Run by CTest as
 Needs the Debian python3-grpcio and python3-numpy (hence /usr/bin/python3); stdlib unittest only.
 """
 
-import argparse
 import math
-import os
 import sys
 import unittest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attnd_harness as h  # tests/python is sys.path[0] for a script.
 
-_parser = argparse.ArgumentParser(add_help=False)
-_parser.add_argument("--attnd", default=os.path.join(REPO_ROOT, "build", "release", "attnd"))
-_parser.add_argument("--stubs", default=os.path.join(REPO_ROOT, "build", "release", "python"))
-ARGS, _UNITTEST_ARGV = _parser.parse_known_args()
-
-import attnd_harness as h  # noqa: E402
-
-h.add_stubs_path(ARGS.stubs)
+ARGS = h.parse_args(__doc__, unittest=True)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -48,7 +38,7 @@ from test_client_module import softcap_reference  # noqa: E402
 
 RPC_TIMEOUT_S = 30.0
 
-SEED_OUT_ROW0 = [-0.593223, 0.406777, -1.332858, -0.371937]
+SEED_OUT_ROW0 = h.SEED_OUT_ROW0  # noqa: E305
 
 
 # --- Problems (tensor encoding, decoding and the float64 reference are attnd_harness's) ---------
@@ -601,4 +591,4 @@ class AttentionServiceTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(argv=[sys.argv[0]] + _UNITTEST_ARGV, exit=True)
+    unittest.main(argv=ARGS.unittest_argv, exit=True)

@@ -1,19 +1,22 @@
-// Trace on the CPU backend: every recorded step must obey the online-softmax recurrence of
-// DESIGN.md ("One update step"), recomputed here from the step's own inputs, and every row must
-// end with exactly Tiled's output beside the full-matrix reference.
+// Trace on every backend of the binary (tests/backend_suite.h): every recorded step must obey
+// the online-softmax recurrence of DESIGN.md ("One update step"), recomputed here in double from
+// the step's own inputs, and every row must end with its last estimate beside the full-matrix
+// reference, both within 1e-5 of float64 — and, where the backend's Trace and Tiled share their
+// arithmetic (SuiteTraits::trace_is_tiled_bit_for_bit), with exactly Tiled's output and lse.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <variant>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "kernels/problem.h"
+#include "tests/backend_suite.h"
 #include "tests/checks.h"
 #include "tests/reference.h"
 
@@ -43,31 +46,18 @@ std::vector<TraceItem> CollectTrace(Backend& backend, const Problem& problem,
   return items;
 }
 
-// Tiled's output and lse for the whole problem (fp32 output dtype).
-struct TiledResult {
-  std::vector<float> output;
-  std::vector<float> lse;
-};
-
-TiledResult RunTiled(Backend& backend, const HostProblem& host, const Problem& problem) {
-  EXPECT_EQ(host.output_dtype, DType::kFloat32);
-  PoisonedOutputs outputs(host);
-  const absl::StatusOr<Stats> stats = backend.Tiled(problem, outputs.outputs());
-  EXPECT_TRUE(stats.ok()) << stats.status();
-  return TiledResult{outputs.Output(), outputs.lse};
-}
-
 void ExpectWithin(double actual, double expected, double tolerance, const char* what, int tile,
                   int64_t index) {
   EXPECT_LE(std::abs(actual - expected), tolerance)
       << what << " at tile " << tile << " index " << index << ": " << actual << " vs " << expected;
 }
 
-// Checks the steps and the RowDone of one traced row against the recurrence, the reference and
-// Tiled. `items` is the row's slice of the trace.
+// Checks the steps and the RowDone of one traced row against the recurrence and the reference,
+// and, when `tiled` is not null, against Tiled's output and lse bit for bit. `items` is the row's
+// slice of the trace.
 void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref,
               const std::vector<TraceItem>& items, const Reference& reference,
-              const TiledResult& tiled) {
+              const KernelRun* tiled) {
   SCOPED_TRACE(::testing::Message()
                << "row b=" << ref.batch << " h=" << ref.head << " i=" << ref.row);
   const Shape& s = host.shape;
@@ -82,6 +72,16 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
       &host.query[((ref.batch * s.heads + ref.head) * s.query_len + ref.row) * s.head_dim];
   const float* k = &host.key[(ref.batch * s.kv_heads + kv_head) * s.key_len * s.head_dim];
   const float* v = &host.value[(ref.batch * s.kv_heads + kv_head) * s.key_len * s.value_dim];
+
+  // A score's head_dim products summed one by one in fp32 err by at most (d + 1)·eps of
+  // scale · Σ|q_c k_c|, the magnitude the rounding scales with; never looser than 1e-5 (which
+  // the bound passes only from head_dim 83 on).
+  const double score_rtol = std::max(1e-5, double(s.head_dim + 2) * kEps);
+  // exp of a float argument x ≤ 0: expf is good to an ulp or two; the argument itself (a
+  // difference of two floats) carries up to half an ulp of |x|, a relative |x|·eps in the result.
+  auto exp_tolerance = [](double x, double expected) {
+    return 4 * kEps * (1 + std::abs(x)) * expected + 1e-38;
+  };
 
   float prev_max = -INFINITY;
   float prev_denominator = 0.f;
@@ -103,8 +103,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
     ASSERT_EQ(static_cast<int64_t>(step.accumulator.size()), s.value_dim);
     ASSERT_EQ(static_cast<int64_t>(step.estimate.size()), s.value_dim);
 
-    // Scores: scale · q·k in double where visible, −inf where masked. The tolerance is relative
-    // to scale · Σ|q_c k_c|, the magnitude the fp32 dot product's rounding scales with.
+    // Scores: scale · q·k in double where visible, −inf where masked.
     int64_t tile_visible = 0;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = step.key_begin + j;
@@ -119,26 +118,18 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
         magnitude += std::abs(double(q[c]) * double(k[key * s.head_dim + c]));
       }
       const double scale = host.scale;
-      ExpectWithin(step.scores[j], scale * dot, 1e-5 * scale * magnitude + 1e-30, "score", tile, j);
+      ExpectWithin(step.scores[j], scale * dot, score_rtol * scale * magnitude + 1e-30, "score",
+                   tile, j);
     }
     EXPECT_GT(tile_visible, 0) << "a tile the mask hides entirely was emitted";
 
-    // Running max: exact, since max involves no rounding.
-    if (t == 0) {
-      EXPECT_EQ(step.max_before, -INFINITY);
-    }
+    // Running max: exact, since max involves no rounding; −inf before the first tile.
     EXPECT_EQ(step.max_before, prev_max);
     float tile_max = -INFINITY;
     for (float score : step.scores) tile_max = std::max(tile_max, score);
     EXPECT_EQ(step.max_after, std::max(step.max_before, tile_max));
     ASSERT_TRUE(std::isfinite(step.max_after));
 
-    // exp(x) for a float argument x ≤ 0: expf is good to an ulp or two; the argument itself
-    // (a difference of two floats) carries up to half an ulp of |x|, i.e. a relative error
-    // of |x|·eps in the result.
-    auto exp_tolerance = [](double x, double expected) {
-      return 4 * kEps * (1 + std::abs(x)) * expected + 1e-38;
-    };
     if (step.max_before == -INFINITY) {
       EXPECT_EQ(step.rescale, 0.f) << "tile " << t;
     } else {
@@ -159,7 +150,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
 
     // Denominator and accumulator from the recorded weights and rescale: the only error left is
     // fp32 summation of n + 1 terms, at most (n + 2)·eps times the sum of their magnitudes.
-    const double sum_tolerance = (n + 2) * kEps;
+    const double sum_tolerance = double(n + 2) * kEps;
     const double denominator = double(prev_denominator) * step.rescale + weight_sum;
     ExpectWithin(step.denominator, denominator, sum_tolerance * denominator, "denominator", tile,
                  0);
@@ -190,29 +181,31 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
   ASSERT_EQ(static_cast<int64_t>(done.output.size()), s.value_dim);
   ASSERT_EQ(static_cast<int64_t>(done.reference.size()), s.value_dim);
 
-  // The output is Tiled's, bit for bit: the same KeyTile products and online-softmax
-  // step, whose every sum runs in an order that does not depend on how many rows are computed
-  // together.
+  // The output is the last estimate, bit for bit.
   const int64_t out_offset = problem.OutputOffset(ref.batch, ref.head, ref.row);
-  for (int64_t c = 0; c < s.value_dim; ++c) {
-    EXPECT_EQ(done.output[c], tiled.output[out_offset + c])
-        << "RowDone.output differs from Tiled's output row at c=" << c;
-  }
   if (expected_tiles > 0) {
     const TraceStep& last = std::get<TraceStep>(items[expected_tiles - 1]);
     EXPECT_EQ(std::memcmp(done.output.data(), last.estimate.data(), s.value_dim * sizeof(float)), 0)
         << "RowDone.output differs from the last estimate";
   }
-  const float tiled_lse = tiled.lse[problem.LseOffset(ref.batch, ref.head, ref.row)];
-  EXPECT_EQ(done.lse, tiled_lse) << done.lse << " vs Tiled's " << tiled_lse;
-  const double reference_lse = reference.lse[problem.LseOffset(ref.batch, ref.head, ref.row)];
+  const int64_t lse_offset = problem.LseOffset(ref.batch, ref.head, ref.row);
+  if (tiled != nullptr) {
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      EXPECT_EQ(done.output[c], tiled->output[out_offset + c])
+          << "RowDone.output differs from Tiled's output row at c=" << c;
+    }
+    EXPECT_EQ(done.lse, tiled->lse[lse_offset])
+        << done.lse << " vs Tiled's " << tiled->lse[lse_offset];
+  }
+  const double reference_lse = reference.lse[lse_offset];
   if (std::isinf(reference_lse)) {
     EXPECT_EQ(done.lse, -INFINITY);
   } else {
     EXPECT_NEAR(done.lse, reference_lse, 1e-5 * std::max(1.0, std::abs(reference_lse)));
   }
 
-  // The full-matrix reference row is close to float64, and the reported error is exactly the
+  // Output and the full-matrix reference row are both fp32 computations on the (rounded)
+  // inputs, whatever their dtype: within 1e-5 of float64. The reported error is exactly the
   // distance between the two fp32 rows.
   double reference_magnitude = 1;
   for (int64_t c = 0; c < s.value_dim; ++c) {
@@ -238,38 +231,45 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
   }
 }
 
-// Traces `rows` of `host` (with `block_k` passed to the kernel as is) and checks every row.
-void CheckTrace(const HostProblem& host, int block_k, const std::vector<RowRef>& rows) {
-  CpuBackend backend(2, 0);
-  Problem problem = host.View();
-  problem.block_k = block_k;
-  const std::vector<TraceItem> items = CollectTrace(backend, problem, rows);
-  const Reference reference = ReferenceAttention(host);
-  const TiledResult tiled = RunTiled(backend, host, problem);
+class TraceTest : public BackendTest {
+ protected:
+  // Traces `rows` of `host` (with `block_k` passed to the kernel as is) and checks every row.
+  void CheckTrace(const HostProblem& host, int block_k, const std::vector<RowRef>& rows) {
+    SCOPED_TRACE(::testing::Message() << "block_k=" << block_k);
+    Problem problem = host.View();
+    problem.block_k = block_k;
+    const std::vector<TraceItem> items = CollectTrace(backend(), problem, rows);
+    const Reference reference = ReferenceAttention(host);
+    std::optional<KernelRun> tiled;
+    if (traits().trace_is_tiled_bit_for_bit) {
+      ASSERT_EQ(host.output_dtype, DType::kFloat32);
+      tiled = RunKernel(backend(), Kernel::kTiled, host, problem);
+    }
 
-  // Split the trace at each RowDone: rows arrive in the order requested, each complete.
-  size_t begin = 0;
-  size_t row_index = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (!std::holds_alternative<TraceRowDone>(items[i])) continue;
-    ASSERT_LT(row_index, rows.size()) << "more rows than requested";
-    const std::vector<TraceItem> row_items(items.begin() + begin, items.begin() + i + 1);
-    CheckRow(host, problem, rows[row_index], row_items, reference, tiled);
-    begin = i + 1;
-    ++row_index;
+    // Split the trace at each RowDone: rows arrive in the order requested, each complete.
+    size_t begin = 0;
+    size_t row_index = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!std::holds_alternative<TraceRowDone>(items[i])) continue;
+      ASSERT_LT(row_index, rows.size()) << "more rows than requested";
+      const std::vector<TraceItem> row_items(items.begin() + begin, items.begin() + i + 1);
+      CheckRow(host, problem, rows[row_index], row_items, reference, tiled ? &*tiled : nullptr);
+      begin = i + 1;
+      ++row_index;
+    }
+    EXPECT_EQ(row_index, rows.size());
+    EXPECT_EQ(begin, items.size()) << "steps after the last RowDone";
   }
-  EXPECT_EQ(row_index, rows.size());
-  EXPECT_EQ(begin, items.size()) << "steps after the last RowDone";
-}
+};
 
-TEST(TraceTest, ShortLastTileWithGqaAndBatches) {
+TEST_P(TraceTest, ShortLastTileWithGqaAndBatches) {
   // key_len 11 with block_k 3: tiles of 3, 3, 3 and 2 keys.
   const HostProblem host = RandomProblem(MakeShape(2, 6, 2, 13, 11, 7, 5), DType::kFloat32,
                                          /*causal=*/false, 3, 101);
   CheckTrace(host, 3, {{0, 0, 0}, {1, 5, 12}, {0, 3, 7}, {1, 2, 4}, {0, 1, 12}});
 }
 
-TEST(TraceTest, CausalWithMoreQueriesThanKeys) {
+TEST_P(TraceTest, CausalWithMoreQueriesThanKeys) {
   // Nq 17, Nk 11: rows 0..5 see no key (zero steps); row 6 sees key 0 only; row 16 sees all.
   const HostProblem host = RandomProblem(MakeShape(1, 2, 1, 17, 11, 9, 6), DType::kFloat32,
                                          /*causal=*/true, 3, 102);
@@ -277,7 +277,7 @@ TEST(TraceTest, CausalWithMoreQueriesThanKeys) {
              {{0, 0, 0}, {0, 1, 5}, {0, 0, 6}, {0, 1, 8}, {0, 0, 10}, {0, 1, 13}, {0, 0, 16}});
 }
 
-TEST(TraceTest, CausalWithFewerQueriesThanKeys) {
+TEST_P(TraceTest, CausalWithFewerQueriesThanKeys) {
   // Nq 7, Nk 20, block_k 4: row i sees i + 14 keys, so the last tiles are partly masked or
   // (for row 0, 14 keys: tiles 0..3) skipped entirely.
   const HostProblem host = RandomProblem(MakeShape(1, 4, 1, 7, 20, 5, 8), DType::kFloat32,
@@ -285,7 +285,7 @@ TEST(TraceTest, CausalWithFewerQueriesThanKeys) {
   CheckTrace(host, 4, {{0, 0, 0}, {0, 3, 1}, {0, 2, 5}, {0, 1, 6}});
 }
 
-TEST(TraceTest, PositionsPlaceASliceOfTheKeys) {
+TEST_P(TraceTest, PositionsPlaceASliceOfTheKeys) {
   // Keys 9..21 of a longer sequence, queries at 7..17: rows 0 and 1 see no key of the slice,
   // row 2 sees one, rows from 12 on all 13; block_k 4 leaves partly masked and skipped tiles.
   HostProblem host = RandomProblem(MakeShape(1, 4, 2, 11, 13, 6, 9), DType::kFloat32,
@@ -295,7 +295,7 @@ TEST(TraceTest, PositionsPlaceASliceOfTheKeys) {
   CheckTrace(host, 4, {{0, 0, 0}, {0, 1, 1}, {0, 2, 2}, {0, 3, 6}, {0, 0, 10}});
 }
 
-TEST(TraceTest, CausalLeftWindowSkipsTilesOnBothSides) {
+TEST_P(TraceTest, CausalLeftWindowSkipsTilesOnBothSides) {
   // Nq = Nk = 29, causal, window_left 5, block_k 3: row i sees keys [i − 5, i], so its first
   // step is tile (i − 5) / 3 and its last tile i / 3; every tile before and after is skipped.
   HostProblem host = RandomProblem(MakeShape(1, 4, 2, 29, 29, 7, 9), DType::kFloat32,
@@ -304,7 +304,7 @@ TEST(TraceTest, CausalLeftWindowSkipsTilesOnBothSides) {
   CheckTrace(host, 3, {{0, 0, 0}, {0, 1, 4}, {0, 2, 5}, {0, 3, 17}, {0, 0, 28}});
 }
 
-TEST(TraceTest, TwoSidedWindowWithoutCausal) {
+TEST_P(TraceTest, TwoSidedWindowWithoutCausal) {
   // Non-causal, window (4, 2) on a slice of keys: some rows see nothing of the slice.
   HostProblem host = RandomProblem(MakeShape(1, 2, 1, 13, 17, 5, 6), DType::kFloat32,
                                    /*causal=*/false, 4, 107);
@@ -315,14 +315,31 @@ TEST(TraceTest, TwoSidedWindowWithoutCausal) {
   CheckTrace(host, 4, {{0, 0, 0}, {0, 1, 5}, {0, 0, 6}, {0, 1, 12}});
 }
 
-TEST(TraceTest, BlockKLargerThanKeysAndOddDims) {
+TEST_P(TraceTest, BlockKLargerThanKeysAndOddDims) {
   const HostProblem host = RandomProblem(MakeShape(1, 3, 3, 9, 13, 33, 20), DType::kFloat32,
                                          /*causal=*/false, 64, 104);
   CheckTrace(host, 64, {{0, 0, 0}, {0, 2, 8}});
   CheckTrace(host, 1, {{0, 1, 4}});
 }
 
-TEST(TraceTest, LowPrecisionInputs) {
+TEST_P(TraceTest, BlockK7CausalGqaWideRows) {
+  // value_dim 72: three columns for some of a warp's lanes; causal Nq 40 < Nk 75, so the last
+  // tile of each row is partly masked.
+  const HostProblem host = RandomProblem(MakeShape(2, 4, 2, 40, 75, 70, 72), DType::kFloat32,
+                                         /*causal=*/true, 7, 205);
+  CheckTrace(host, 7, {{0, 0, 0}, {1, 3, 39}, {0, 2, 20}, {1, 1, 11}});
+}
+
+TEST_P(TraceTest, TilesWiderThanAWarpAndValueDim256) {
+  // Tiles of 64 and of 150 (> key_len) keys: more keys per tile than a warp's lanes; value_dim
+  // 256, CUDA's trace's widest: eight columns per lane.
+  const HostProblem host = RandomProblem(MakeShape(1, 2, 1, 5, 100, 48, 256), DType::kFloat32,
+                                         /*causal=*/false, 64, 206);
+  CheckTrace(host, 64, {{0, 0, 0}, {0, 1, 4}});
+  CheckTrace(host, 150, {{0, 1, 2}});
+}
+
+TEST_P(TraceTest, LowPrecisionInputs) {
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
     SCOPED_TRACE(DTypeName(dtype));
     HostProblem host = RandomProblem(MakeShape(1, 4, 2, 15, 23, 10, 7), dtype, /*causal=*/true, 5,
@@ -335,21 +352,23 @@ TEST(TraceTest, LowPrecisionInputs) {
 // A trace over a KV store's pages records exactly what the same trace over contiguous keys does
 // (every step's scores, weights, state and estimate; the row's output and reference), for odd
 // page sizes and a block_k that is not a multiple of the page, in every dtype.
-TEST(TraceTest, PagedKeysGiveTheContiguousTraceBitForBit) {
+TEST_P(TraceTest, PagedKeysGiveTheContiguousTraceBitForBit) {
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (int64_t page_tokens : {1, 5, 7}) {
       SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " page " << page_tokens);
       HostProblem host = RandomProblem(MakeShape(1, 6, 2, 9, 31, 11, 7), dtype, /*causal=*/true, 4,
                                        110 + page_tokens + 10 * static_cast<int>(dtype));
       host.output_dtype = DType::kFloat32;
-      CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, page_tokens);
-      absl::StatusOr<PagedCopy> paged = MakePaged(backend, host, {3, 8});
+      absl::StatusOr<Backend*> paged_backend = backend({.kv_page_tokens = page_tokens});
+      ASSERT_TRUE(paged_backend.ok()) << paged_backend.status();
+      absl::StatusOr<PagedCopy> paged = MakePaged(**paged_backend, host, {3, 8});
       ASSERT_TRUE(paged.ok()) << paged.status();
       const std::vector<RowRef> rows = {{0, 0, 0}, {0, 5, 8}, {0, 3, 4}};
-      const std::vector<TraceItem> contiguous = CollectTrace(backend, host.View(), rows);
-      const std::vector<TraceItem> items = CollectTrace(backend, paged->problem, rows);
+      const std::vector<TraceItem> contiguous = CollectTrace(**paged_backend, host.View(), rows);
+      const std::vector<TraceItem> items = CollectTrace(**paged_backend, paged->problem, rows);
       ASSERT_EQ(items.size(), contiguous.size());
       for (size_t i = 0; i < items.size(); ++i) {
+        ASSERT_EQ(items[i].index(), contiguous[i].index()) << "item " << i;
         if (const auto* step = std::get_if<TraceStep>(&items[i])) {
           const auto& expected = std::get<TraceStep>(contiguous[i]);
           EXPECT_EQ(step->scores, expected.scores) << "item " << i;
@@ -367,7 +386,8 @@ TEST(TraceTest, PagedKeysGiveTheContiguousTraceBitForBit) {
           EXPECT_EQ(done.lse, expected.lse) << "item " << i;
         }
       }
-      // And it is a correct trace: the recurrence, the reference and Tiled.
+      // And it is a correct trace: the recurrence, the reference (and Tiled where it is the
+      // trace's bits).
       if (dtype == DType::kFloat32) {
         CheckTrace(host, 4, rows);
       }
@@ -375,16 +395,17 @@ TEST(TraceTest, PagedKeysGiveTheContiguousTraceBitForBit) {
   }
 }
 
-TEST(TraceTest, SeedExampleRowZero) {
+// ---------------------------------------------------------------------------------------------
+// The seed's 8×4 example.
+
+TEST_P(TraceTest, SeedExampleRowZero) {
   const HostProblem host = SeedExample(1.f, 2);
   CheckTrace(host, 2, {{0, 0, 0}});
 
-  CpuBackend backend(1, 0);
-  const std::vector<TraceItem> items = CollectTrace(backend, host.View(), {{0, 0, 0}});
+  const std::vector<TraceItem> items = CollectTrace(backend(), host.View(), {{0, 0, 0}});
   ASSERT_EQ(items.size(), 5u);
-  constexpr float kRow0[] = {-0.593223f, 0.406777f, -1.332858f, -0.371937f};
   const TraceStep& last = std::get<TraceStep>(items[3]);
-  for (int c = 0; c < 4; ++c) EXPECT_NEAR(last.estimate[c], kRow0[c], 1e-6) << "c=" << c;
+  for (int c = 0; c < 4; ++c) EXPECT_NEAR(last.estimate[c], kSeedRow0[c], 1e-6) << "c=" << c;
   // After the first tile (keys 0 and 1, scores 2 and 1) the estimate is their softmax mix.
   const TraceStep& first = std::get<TraceStep>(items[0]);
   EXPECT_EQ(first.scores, (std::vector<float>{2.f, 1.f}));
@@ -393,15 +414,50 @@ TEST(TraceTest, SeedExampleRowZero) {
   EXPECT_NEAR(first.estimate[0], -4 * (1 - w1) - 3 * w1, 1e-6);
 }
 
-TEST(TraceTest, SeedExampleHugeScores) {
+TEST_P(TraceTest, SeedExampleHugeScores) {
   const HostProblem host = SeedExample(1000.f, 3);
   CheckTrace(host, 3, {{0, 0, 0}, {0, 0, 5}});
-  CpuBackend backend(1, 0);
-  const std::vector<TraceItem> items = CollectTrace(backend, host.View(), {{0, 0, 0}});
+  const std::vector<TraceItem> items = CollectTrace(backend(), host.View(), {{0, 0, 0}});
   ASSERT_FALSE(items.empty());
   const TraceRowDone& done = std::get<TraceRowDone>(items.back());
-  constexpr float kExpected[] = {-0.5f, 0.5f, -3.f, -2.f};
-  for (int c = 0; c < 4; ++c) EXPECT_NEAR(done.output[c], kExpected[c], 1e-6) << "c=" << c;
+  for (int c = 0; c < 4; ++c) EXPECT_NEAR(done.output[c], kSeedHugeRow0[c], 1e-6) << "c=" << c;
 }
+
+// Keys 0 and 7 of the example are identical, so row 0 gives them the same score and weight
+// (read from a one-tile trace, which records both).
+TEST_P(TraceTest, SeedExampleTiedKeysShareTheWeight) {
+  const HostProblem host = SeedExample(1.f, 8);
+  const std::vector<TraceItem> items = CollectTrace(backend(), host.View(), {{0, 0, 0}});
+  ASSERT_EQ(items.size(), 2u);
+  const TraceStep& step = std::get<TraceStep>(items[0]);
+  ASSERT_EQ(step.scores.size(), 8u);
+  EXPECT_EQ(step.scores[0], 2.f);
+  EXPECT_EQ(step.scores[7], 2.f);
+  EXPECT_EQ(step.weights[0], step.weights[7]);
+  EXPECT_NEAR(step.weights[0] / step.denominator, 0.304404, 1e-6);
+  double sum = 0;
+  for (float w : step.weights) sum += w / step.denominator;
+  EXPECT_NEAR(sum, 1.0, 1e-6);
+  const Reference ref = ReferenceAttention(host);
+  EXPECT_NEAR(std::get<TraceRowDone>(items[1]).lse, ref.lse[0], 1e-6);
+  for (Kernel kernel : {Kernel::kNaive, Kernel::kTiled}) {
+    SCOPED_TRACE(KernelName(kernel));
+    EXPECT_NEAR(RunKernel(backend(), kernel, host).lse[0], ref.lse[0], 1e-6);
+  }
+}
+
+// With the queries × 1000 the tied keys take (almost) all the weight, half each, and every
+// weight stays finite.
+TEST_P(TraceTest, SeedExampleHugeScoresKeepTheTie) {
+  const HostProblem host = SeedExample(1000.f, 8);
+  const std::vector<TraceItem> items = CollectTrace(backend(), host.View(), {{0, 0, 0}});
+  ASSERT_EQ(items.size(), 2u);
+  const TraceStep& step = std::get<TraceStep>(items[0]);
+  for (float w : step.weights) ASSERT_TRUE(std::isfinite(w));
+  EXPECT_EQ(step.weights[0], step.weights[7]);
+  EXPECT_NEAR(step.weights[0] / step.denominator, 0.5, 1e-6);
+}
+
+ATTN_BACKEND_SUITE(TraceTest);
 
 }  // namespace
