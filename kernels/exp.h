@@ -1,4 +1,5 @@
-// Exp: e^x for x ≤ 0, the softmax's e^(s − max), on one float or (on the CPU) on eight lanes.
+// Exp: e^x for x ≤ 0, the softmax's e^(s − max), on one float or (on the CPU) on lanes of eight
+// or sixteen (lanes::Floats, lanes::Floats16).
 //
 // Defined for x ≤ 0, which is all the softmax passes; −inf gives exactly 0. On the GPU it is
 // expf, libdevice's (within 2 ulp; the build uses no fast-math, so never the __expf
@@ -16,7 +17,8 @@
 // −100) e^x is exactly 0. Positive x is right up to 88 but not clamped above: no caller passes
 // one. Past the one clamp, only arithmetic and an integer max: the softmax runs this on every
 // score, and each select cost a measurable share of it (docs/perf.md). One template serves the
-// scalar and the eight-lane version, so lanes and scalar tails agree bit for bit.
+// scalar, the eight-lane and the sixteen-lane versions, so lanes and scalar tails agree bit for
+// bit.
 #pragma once
 
 #include <cmath>

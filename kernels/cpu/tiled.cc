@@ -24,13 +24,16 @@ ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t head,
   const int64_t dv = problem.shape.value_dim;
   const ScoreTransform transform = problem.transform(head);
   const Geometry geometry = problem.geometry();
-  // Each row's distance and visible keys only where they matter: finding them copies the
-  // geometry, which cost a few percent of an unmasked plain problem's softmax (docs/perf.md).
+  // Each row's visible keys and distance found only where they matter (unmasked, a row sees
+  // every key; untransformed, no score reads the distance): finding them copies the geometry,
+  // which cost a few percent of an unmasked plain problem's softmax (docs/perf.md).
   const bool transformed = !transform.Identity(), masked = geometry.Masked();
+  const KeyRange every_key{0, geometry.key_len};
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row_begin + r;
     float* s = scores + r * n;
-    if (transformed) transform.template Apply<V>(s, n, geometry.Distance(row_begin + r, key_begin));
-    if (masked) MaskTile(geometry.Visible(row_begin + r), key_begin, n, s);
+    ScoresOrHidden<V>(transform, masked ? geometry.Visible(row) : every_key,
+                      transformed ? geometry.Distance(row, 0) : 0, key_begin, n, s);
     const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     float* a = acc + r * acc_stride;
