@@ -36,7 +36,7 @@ namespace attn {
 namespace score_detail {
 
 template <typename F>  // float, lanes::Floats or lanes::Floats16
-ATTN_HOST_DEVICE F Tanh(F y) {
+ATTN_ALWAYS_INLINE F Tanh(F y) {
   const F zero = F{};
   const F a = y < zero ? -y : y;
   const F e = exp_detail::Exp(zero - a - a);
@@ -84,7 +84,7 @@ struct ScoreTransform {
   // distance p − t₀ (key j at p − t₀ − j), in lanes of V (lanes::Floats or lanes::Floats16; the
   // tail one float at a time, the same arithmetic).
   template <class V = lanes::Floats>
-  ATTN_HOST_DEVICE void Apply(float* scores, int64_t n, int64_t distance) const {
+  ATTN_ALWAYS_INLINE void Apply(float* scores, int64_t n, int64_t distance) const {
     if (Identity()) return;
     constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));
     const float inverse = softcap == 0.f ? 0.f : 1.f / softcap;
@@ -137,9 +137,9 @@ ATTN_HOST_DEVICE float ScoreOrHidden(const ScoreTransform& transform, KeyRange v
 // lanes of V: the transform of every score (ScoreTransform::Apply), then −inf for the keys the
 // row does not see (MaskTile).
 template <class V = lanes::Floats>
-ATTN_HOST_DEVICE void ScoresOrHidden(const ScoreTransform& transform, KeyRange visible,
-                                     int64_t distance, int64_t key_begin, int64_t n,
-                                     float* scores) {
+ATTN_ALWAYS_INLINE void ScoresOrHidden(const ScoreTransform& transform, KeyRange visible,
+                                       int64_t distance, int64_t key_begin, int64_t n,
+                                       float* scores) {
   transform.template Apply<V>(scores, n, distance - key_begin);
   MaskTile(visible, key_begin, n, scores);
 }

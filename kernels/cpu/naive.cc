@@ -24,8 +24,8 @@ namespace {
 // stable softmax (SoftmaxRow, online_softmax.h: the row max, e^(s − max), the sum, the
 // normalization) in lanes of Lanes (void: eight; lanes::Floats16 in the AVX-512 clone).
 template <class Lanes>
-ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
-                                      int64_t rows, float* scores, float* weights, float* lse) {
+ATTN_ALWAYS_INLINE void SoftmaxRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
+                                        int64_t rows, float* scores, float* weights, float* lse) {
   const int64_t n = problem.shape.key_len;
   const ScoreTransform transform = problem.transform(head);
   const Geometry geometry = problem.geometry();

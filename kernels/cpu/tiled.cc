@@ -17,10 +17,10 @@ namespace {
 
 // V: the lanes of the softmax's vector loops (lanes::Floats, or lanes::Floats16 under AVX-512).
 template <class V>
-ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
-                                           int64_t rows, int64_t key_begin, int n, float* scores,
-                                           float* acc, int acc_stride, OnlineSoftmaxRow* states,
-                                           float* rescales) {
+ATTN_ALWAYS_INLINE void VisitKeyTileRowsBody(const Problem& problem, int64_t head,
+                                             int64_t row_begin, int64_t rows, int64_t key_begin,
+                                             int n, float* scores, float* acc, int acc_stride,
+                                             OnlineSoftmaxRow* states, float* rescales) {
   const int64_t dv = problem.shape.value_dim;
   const ScoreTransform transform = problem.transform(head);
   const Geometry geometry = problem.geometry();
