@@ -1,5 +1,5 @@
 // lanes: eight (or sixteen) floats at a time on the CPU, for the softmax's vector loops
-// (online_softmax.h, exp.h) and KeyTile's kernels (cpu/key_tile_kernels.inc).
+// (online_softmax.h, exp.h) and KvTile's kernels (cpu/kv_tile_kernels.inc).
 //
 // GCC vector extensions: eight floats are SSE pairs in the portable build and one AVX register in
 // the AVX2 clone; sixteen are one AVX-512 register in the AVX-512 clone (cpu/cpu_dispatch.h).

@@ -190,7 +190,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
   ASSERT_EQ(static_cast<int64_t>(done.output.size()), s.value_dim);
   ASSERT_EQ(static_cast<int64_t>(done.reference.size()), s.value_dim);
 
-  // The output is Tiled's, bit for bit: the same KeyTile products and online-softmax
+  // The output is Tiled's, bit for bit: the same KvTile products and online-softmax
   // step, whose every sum runs in an order that does not depend on how many rows are computed
   // together.
   const int64_t out_offset = problem.OutputOffset(ref.batch, ref.head, ref.row);

@@ -96,7 +96,7 @@ void NaiveStorage::Give(Block block, int64_t count) {
   }
 }
 
-void NaiveRows(const Problem& problem, const float* query, const KeyTile& keys, int64_t head,
+void NaiveRows(const Problem& problem, const float* query, const KvTile& keys, int64_t head,
                int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
                float* out) {
   const int m = static_cast<int>(rows);
@@ -127,12 +127,12 @@ namespace {
 
 struct Worker {
   Fp32Rows query, key, value;
-  KeyTile head;              // The keys and values of head `packed_head`, packed as one tile.
+  KvTile head;               // The keys and values of head `packed_head`, packed as one tile.
   int64_t packed_head = -1;  // batch · kv_heads + kv_head; −1: none yet.
   std::vector<float> out, lse;
 
   // The block's head, packed now or kept from the worker's previous block of the same head.
-  const KeyTile& Head(const Problem& problem, const RowBlock& block) {
+  const KvTile& Head(const Problem& problem, const RowBlock& block) {
     const Shape& s = problem.shape;
     const int64_t id = block.batch * s.kv_heads + block.kv_head;
     if (id != packed_head) {
@@ -190,7 +190,7 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
         const float* query = worker.query.Load(
             problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin),
             rows * s.head_dim);
-        const KeyTile& head = worker.Head(problem, block);
+        const KvTile& head = worker.Head(problem, block);
         const int64_t offset =
             ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
         worker.out.resize(rows * AccStride(static_cast<int>(s.value_dim)));
