@@ -2,9 +2,10 @@
 // definition every kernel (CPU and CUDA), every trace and the test reference's contract follow.
 //
 // Order (FlashAttention's): the scale, then the softcap, then the ALiBi bias, then the mask
-// (kernels/geometry.h). ScoreOrHidden (one key: the CUDA kernels) and ScoresOrHidden (a tile in
-// place: the CPU kernels), at the end of this file, are that whole order: the one place a kernel
-// turns a scaled score into the score the softmax takes.
+// (kernels/geometry.h). ScoreOrHidden (one key: the CUDA Tiled, Decode and Trace kernels) and
+// ScoresOrHidden (a tile in place: CPU Tiled and Decode), at the end of this file, are that whole
+// order for keys a row may not see; Naive and the CUDA row kernel transform only a row's visible
+// keys and give the others weight 0 themselves.
 // Softcap (Gemma 2, Grok): a scaled score s becomes softcap · tanh(s / softcap), so every score
 // lies in [−softcap, softcap] however large q·k grows (tanh reaches ±1 in fp32); 0 turns it off.
 // ALiBi (BLOOM, MPT): query head h adds −slope_h · |p − t| for a query at position p and a key at

@@ -19,9 +19,9 @@
 namespace attn {
 
 // The online-softmax step for rows [row_begin, row_begin + rows) of query head `head` of a block
-// over the key tile starting at key_begin with n keys: transforms scores [rows, n] (scaled) with
-// the head's ScoreTransform and masks them with MaskTile,
-// turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
+// over the key tile starting at key_begin with n keys: turns scores [rows, n] (scaled) into the
+// softmax's scores in place (ScoresOrHidden: the head's transform, −inf for a key the row does
+// not see), then into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
 // acc [rows, value_dim] (row stride acc_stride) with OnlineSoftmaxRow::RescaleAccumulator,
 // recording the factors in rescales when not null. The caller then adds weights · V_tile to acc
 // (KvTile::Accumulate).
