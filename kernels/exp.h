@@ -1,4 +1,5 @@
-// Exp: e^x for x ≤ 0, the softmax's e^(s − max), on one float or (on the CPU) on eight lanes.
+// Exp: e^x for x ≤ 0, the softmax's e^(s − max), on one float or (on the CPU) on lanes of eight
+// or sixteen (lanes::Floats, lanes::Floats16).
 //
 // Defined for x ≤ 0, which is all the softmax passes; −inf gives exactly 0. On the GPU it is
 // expf, libdevice's (within 2 ulp; the build uses no fast-math, so never the __expf
@@ -16,7 +17,8 @@
 // −100) e^x is exactly 0. Positive x is right up to 88 but not clamped above: no caller passes
 // one. Past the one clamp, only arithmetic and an integer max: the softmax runs this on every
 // score, and each select cost a measurable share of it (docs/perf.md). One template serves the
-// scalar and the eight-lane version, so lanes and scalar tails agree bit for bit.
+// scalar, the eight-lane and the sixteen-lane versions, so lanes and scalar tails agree bit for
+// bit.
 #pragma once
 
 #include <cmath>
@@ -42,21 +44,21 @@ constexpr float kC2 = 0.49999994f, kC3 = 0.16666521f, kC4 = 0.041668389f, kC5 = 
                 kC6 = 0.0013814613f;  // e^r ≈ 1 + r + kC2·r² + … + kC6·r⁶
 
 // The bits of t shifted left into the exponent field, and bits read back as a float.
-ATTN_HOST_DEVICE int32_t ShiftedBits(float t) {
+ATTN_ALWAYS_INLINE int32_t ShiftedBits(float t) {
   return static_cast<int32_t>(std::bit_cast<uint32_t>(t) << 23);
 }
-ATTN_HOST_DEVICE lanes::Ints ShiftedBits(lanes::Floats t) {
+ATTN_ALWAYS_INLINE lanes::Ints ShiftedBits(lanes::Floats t) {
   return (lanes::Ints)((lanes::UInts)t << 23);
 }
-ATTN_HOST_DEVICE lanes::Ints16 ShiftedBits(lanes::Floats16 t) {
+ATTN_ALWAYS_INLINE lanes::Ints16 ShiftedBits(lanes::Floats16 t) {
   return (lanes::Ints16)((lanes::UInts16)t << 23);
 }
-ATTN_HOST_DEVICE float AsFloat(int32_t bits) { return std::bit_cast<float>(bits); }
-ATTN_HOST_DEVICE lanes::Floats AsFloat(lanes::Ints bits) { return (lanes::Floats)bits; }
-ATTN_HOST_DEVICE lanes::Floats16 AsFloat(lanes::Ints16 bits) { return (lanes::Floats16)bits; }
+ATTN_ALWAYS_INLINE float AsFloat(int32_t bits) { return std::bit_cast<float>(bits); }
+ATTN_ALWAYS_INLINE lanes::Floats AsFloat(lanes::Ints bits) { return (lanes::Floats)bits; }
+ATTN_ALWAYS_INLINE lanes::Floats16 AsFloat(lanes::Ints16 bits) { return (lanes::Floats16)bits; }
 
 template <typename F>  // float, lanes::Floats or lanes::Floats16
-ATTN_HOST_DEVICE F Exp(F x) {
+ATTN_ALWAYS_INLINE F Exp(F x) {
   const F low = F{} + kLow;
   const F clamped = x > low ? x : low;  // NaN gives kLow.
   const F t = clamped * kLog2e + kRound;
@@ -74,8 +76,8 @@ ATTN_HOST_DEVICE F Exp(F x) {
 
 namespace lanes {
 // attn::Exp on each lane.
-ATTN_HOST_DEVICE Floats Exp(Floats x) { return exp_detail::Exp(x); }
-ATTN_HOST_DEVICE Floats16 Exp(Floats16 x) { return exp_detail::Exp(x); }
+ATTN_ALWAYS_INLINE Floats Exp(Floats x) { return exp_detail::Exp(x); }
+ATTN_ALWAYS_INLINE Floats16 Exp(Floats16 x) { return exp_detail::Exp(x); }
 }  // namespace lanes
 #endif
 

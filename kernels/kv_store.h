@@ -60,14 +60,14 @@ class KvStore {
     for (int64_t h = 0; h < l.kv_heads; ++h) {
       for (int64_t t = 0; t < length; t += tokens_per_page - t % tokens_per_page) {
         const int64_t run = std::min(length, t - t % tokens_per_page + tokens_per_page) - t;
-        std::memcpy(
-            static_cast<char*>(key) + (h * length + t) * l.head_dim * element,
-            static_cast<const char*>(p.KeyPage(t)) + p.RowInPage(h, t, l.head_dim) * element,
-            run * l.head_dim * element);
-        std::memcpy(
-            static_cast<char*>(value) + (h * length + t) * l.value_dim * element,
-            static_cast<const char*>(p.ValuePage(t)) + p.RowInPage(h, t, l.value_dim) * element,
-            run * l.value_dim * element);
+        std::memcpy(static_cast<char*>(key) + (h * length + t) * l.head_dim * element,
+                    static_cast<const char*>(p.KeyPage(t)) +
+                        p.ElementOffsetInPage(h, t, l.head_dim) * element,
+                    run * l.head_dim * element);
+        std::memcpy(static_cast<char*>(value) + (h * length + t) * l.value_dim * element,
+                    static_cast<const char*>(p.ValuePage(t)) +
+                        p.ElementOffsetInPage(h, t, l.value_dim) * element,
+                    run * l.value_dim * element);
       }
     }
     return absl::OkStatus();

@@ -1,5 +1,5 @@
 // lanes: eight (or sixteen) floats at a time on the CPU, for the softmax's vector loops
-// (online_softmax.h, exp.h) and KeyTile's kernels (cpu/key_tile_kernels.inc).
+// (online_softmax.h, exp.h) and KvTile's kernels (cpu/kv_tile_kernels.inc).
 //
 // GCC vector extensions: eight floats are SSE pairs in the portable build and one AVX register in
 // the AVX2 clone; sixteen are one AVX-512 register in the AVX-512 clone (cpu/cpu_dispatch.h).
@@ -27,24 +27,24 @@ typedef int32_t Ints16 __attribute__((vector_size(64)));
 typedef uint32_t UInts16 __attribute__((vector_size(64)));
 
 template <class V = Floats>
-ATTN_HOST_DEVICE V Load(const float* p) {
+ATTN_ALWAYS_INLINE V Load(const float* p) {
   V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 template <class V>
-ATTN_HOST_DEVICE void Store(float* p, V v) {
+ATTN_ALWAYS_INLINE void Store(float* p, V v) {
   std::memcpy(p, &v, sizeof v);
 }
 template <class V = Floats>
-ATTN_HOST_DEVICE V Splat(float x) {
+ATTN_ALWAYS_INLINE V Splat(float x) {
   return V{} + x;
 }
 
 // op folded over the eight lanes as a tree (halves, then quarters, then pairs): three steps
 // instead of a chain of seven, in a fixed order.
 template <typename Op>
-ATTN_HOST_DEVICE float Reduce(Floats v, Op op) {
+ATTN_ALWAYS_INLINE float Reduce(Floats v, Op op) {
   v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
   v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
   v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
@@ -52,7 +52,7 @@ ATTN_HOST_DEVICE float Reduce(Floats v, Op op) {
 }
 // Sixteen lanes: the halves folded first, then as above.
 template <typename Op>
-ATTN_HOST_DEVICE float Reduce(Floats16 v, Op op) {
+ATTN_ALWAYS_INLINE float Reduce(Floats16 v, Op op) {
   const Floats low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   const Floats high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   return Reduce(op(low, high), op);

@@ -48,8 +48,10 @@ struct PagedKv {
   int64_t page_tokens = 1;
   DType dtype = DType::kFloat32;
 
-  // Where token `token` of kv head `kv_head` starts in its page's key or value block (elements).
-  ATTN_HOST_DEVICE int64_t RowInPage(int64_t kv_head, int64_t token, int64_t width) const {
+  // The offset, in elements, of token `token` of kv head `kv_head` from the start of its page's
+  // key or value block (width: head_dim or value_dim elements a row).
+  ATTN_HOST_DEVICE int64_t ElementOffsetInPage(int64_t kv_head, int64_t token,
+                                               int64_t width) const {
     return (kv_head * page_tokens + token % page_tokens) * width;
   }
   ATTN_HOST_DEVICE const void* KeyPage(int64_t token) const {

@@ -2,7 +2,10 @@
 // definition every kernel (CPU and CUDA), every trace and the test reference's contract follow.
 //
 // Order (FlashAttention's): the scale, then the softcap, then the ALiBi bias, then the mask
-// (kernels/geometry.h).
+// (kernels/geometry.h). ScoreOrHidden (one key: the CUDA Tiled, Decode and Trace kernels) and
+// ScoresOrHidden (a tile in place: CPU Tiled and Decode), at the end of this file, are that whole
+// order for keys a row may not see; Naive and the CUDA row kernel transform only a row's visible
+// keys and give the others weight 0 themselves.
 // Softcap (Gemma 2, Grok): a scaled score s becomes softcap · tanh(s / softcap), so every score
 // lies in [−softcap, softcap] however large q·k grows (tanh reaches ±1 in fp32); 0 turns it off.
 // ALiBi (BLOOM, MPT): query head h adds −slope_h · |p − t| for a query at position p and a key at
@@ -24,6 +27,7 @@
 #include <cstdint>
 
 #include "kernels/exp.h"
+#include "kernels/geometry.h"
 #include "kernels/host_device.h"
 #include "kernels/lanes.h"
 
@@ -33,7 +37,7 @@ namespace attn {
 namespace score_detail {
 
 template <typename F>  // float, lanes::Floats or lanes::Floats16
-ATTN_HOST_DEVICE F Tanh(F y) {
+ATTN_ALWAYS_INLINE F Tanh(F y) {
   const F zero = F{};
   const F a = y < zero ? -y : y;
   const F e = exp_detail::Exp(zero - a - a);
@@ -81,7 +85,7 @@ struct ScoreTransform {
   // distance p − t₀ (key j at p − t₀ − j), in lanes of V (lanes::Floats or lanes::Floats16; the
   // tail one float at a time, the same arithmetic).
   template <class V = lanes::Floats>
-  ATTN_HOST_DEVICE void Apply(float* scores, int64_t n, int64_t distance) const {
+  ATTN_ALWAYS_INLINE void Apply(float* scores, int64_t n, int64_t distance) const {
     if (Identity()) return;
     constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));
     const float inverse = softcap == 0.f ? 0.f : 1.f / softcap;
@@ -120,5 +124,26 @@ struct ScoreTransforms {
     return ScoreTransform{softcap, alibi_slopes != nullptr ? alibi_slopes[head] : 0.f};
   }
 };
+
+// The score the softmax takes for key `key` of a query row that sees keys `visible` and whose key
+// 0 lies at distance p − t = `distance` (Geometry::Distance(row, 0); key j at distance − j): the
+// head's transform of the key's scaled score when the row sees the key, else −inf (weight 0).
+ATTN_HOST_DEVICE float ScoreOrHidden(const ScoreTransform& transform, KeyRange visible,
+                                     int64_t distance, int64_t key, float scaled) {
+  return visible.Contains(key) ? transform(scaled, distance - key) : -INFINITY;
+}
+
+#if !defined(__CUDA_ARCH__)
+// ScoreOrHidden in place for the n scaled scores of keys key_begin … of a row (a tile), in
+// lanes of V: the transform of every score (ScoreTransform::Apply), then −inf for the keys the
+// row does not see (MaskTile).
+template <class V = lanes::Floats>
+ATTN_ALWAYS_INLINE void ScoresOrHidden(const ScoreTransform& transform, KeyRange visible,
+                                       int64_t distance, int64_t key_begin, int64_t n,
+                                       float* scores) {
+  transform.template Apply<V>(scores, n, distance - key_begin);
+  MaskTile(visible, key_begin, n, scores);
+}
+#endif
 
 }  // namespace attn

@@ -20,7 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/cpu_dispatch.h"
-#include "kernels/cpu/key_tile.h"
+#include "kernels/cpu/kv_tile.h"
 #include "kernels/cpu/naive.h"
 #include "kernels/problem.h"
 #include "tests/backend_suite.h"
@@ -62,7 +62,7 @@ void NaiveRowZero(const HostProblem& host, std::vector<float>& scores, std::vect
                   float* lse) {
   const Problem problem = host.View();
   const Shape& s = problem.shape;
-  KeyTile head;
+  KvTile head;
   head.Load(host.key.data(), host.value.data(), static_cast<int>(s.key_len),
             static_cast<int>(s.head_dim), static_cast<int>(s.value_dim), problem.scale);
   scores.assign(s.key_len, NAN);
@@ -138,7 +138,7 @@ TEST(ThreadsTest, OutputsAreBitIdenticalForAnyThreadCount) {
 // ---------------------------------------------------------------------------------------------
 // Tiled's packed key tiles: kept per head by each worker while they fit the backend's
 // max_packed_head_bytes, packed again for every row block past it (kernels/cpu/tiled.cc). Both
-// paths meet the float64 reference and give the same bits: KeyTile's sums do not depend on
+// paths meet the float64 reference and give the same bits: KvTile's sums do not depend on
 // which path packed the tile.
 
 TEST(PackedTilesTest, PackingAgainForEveryBlockMatchesTheReferenceAndTheKeptTiles) {
@@ -150,9 +150,9 @@ TEST(PackedTilesTest, PackingAgainForEveryBlockMatchesTheReferenceAndTheKeptTile
           RandomProblem(shape, dtype, causal, 23, 2000 + 2 * static_cast<int>(dtype) + causal);
       const Problem problem = host.View();
       const int64_t head_bytes =
-          problem.TilesPerRow() * KeyTile::PackedBytes(problem.block_k,
-                                                       static_cast<int>(shape.head_dim),
-                                                       static_cast<int>(shape.value_dim));
+          problem.TilesPerRow() * KvTile::PackedBytes(problem.block_k,
+                                                      static_cast<int>(shape.head_dim),
+                                                      static_cast<int>(shape.value_dim));
       const Reference ref = ReferenceAttention(host);
       CpuBackend kept(3, 0, head_bytes);  // Exactly fits: each head packed once per worker.
       const KernelRun baseline = RunKernel(kept, Kernel::kTiled, host);

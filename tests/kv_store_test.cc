@@ -45,7 +45,7 @@ float StoredElement(const KvStore& store, bool key, int64_t head, int64_t token,
   const PagedKv& pages = store.pages();
   const int64_t width = key ? store.layout().head_dim : store.layout().value_dim;
   const void* page = key ? pages.KeyPage(token) : pages.ValuePage(token);
-  return LoadElement(page, pages.dtype, pages.RowInPage(head, token, width) + c);
+  return LoadElement(page, pages.dtype, pages.ElementOffsetInPage(head, token, width) + c);
 }
 
 // The stored tokens [begin, begin + n) equal the appended ones, rounded to the store's dtype.

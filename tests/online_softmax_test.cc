@@ -2,12 +2,6 @@
 // against float64, the vector lanes (kernels/lanes.h) against the scalar code, and a row
 // visited tile by tile, or in strided shares, against the float64 softmax of the whole row.
 
-// lanes::Floats is a 32-byte vector; passing one by value between inline functions of this
-// baseline (non-AVX) build is fine, so GCC's note about the AVX calling convention is noise.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-
 #include "kernels/online_softmax.h"
 
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // Runtime dispatch for the CPU kernels' vector loops. The binary is portable (no -march=native:
 // baseline x86-64, SSE2), so each hot loop is compiled more than once — for the baseline, for
-// AVX2 + FMA and, for the key-tile kernels, the softmax step and the decode kernel (key_tile.cc,
+// AVX2 + FMA and, for the KvTile kernels, the softmax step and the decode kernel (kv_tile.cc,
 // tiled.cc, naive.cc, decode.cc), for AVX-512 — and the widest the CPU has runs (checked once).
 // Use:
 //

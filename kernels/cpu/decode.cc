@@ -98,9 +98,9 @@ void KvRowPointers(const Problem& problem, int64_t batch, int64_t kv_head, int64
     const int segment =
         static_cast<int>(std::min<int64_t>(pages.page_tokens - token % pages.page_tokens, n - j));
     const char* k = static_cast<const char*>(pages.KeyPage(token)) +
-                    pages.RowInPage(kv_head, token, s.head_dim) * element;
+                    pages.ElementOffsetInPage(kv_head, token, s.head_dim) * element;
     const char* v = static_cast<const char*>(pages.ValuePage(token)) +
-                    pages.RowInPage(kv_head, token, s.value_dim) * element;
+                    pages.ElementOffsetInPage(kv_head, token, s.value_dim) * element;
     for (int i = 0; i < segment; ++i) {
       keys[j + i] = k + i * key_row;
       values[j + i] = v + i * value_row;
@@ -110,7 +110,7 @@ void KvRowPointers(const Problem& problem, int64_t batch, int64_t kv_head, int64
 }
 
 // The loops three times: for the portable baseline, AVX2 + FMA and AVX-512 (16 lanes), the
-// last two inside pragma regions as key_tile.cc's are (the same reason: broadcasts from memory).
+// last two inside pragma regions as kv_tile.cc's are (the same reason: broadcasts from memory).
 namespace portable {
 using Floats = lanes::Floats;
 using UInts = lanes::UInts;

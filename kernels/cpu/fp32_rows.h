@@ -105,14 +105,14 @@ class Fp32Rows {
     const int64_t in_page = pages.page_tokens - begin % pages.page_tokens;
     if (pages.dtype == DType::kFloat32 && count <= in_page) {  // One page: in place.
       return static_cast<const float*>(table[begin / pages.page_tokens]) +
-             pages.RowInPage(kv_head, begin, width);
+             pages.ElementOffsetInPage(kv_head, begin, width);
     }
     if (static_cast<int64_t>(buffer_.size()) < count * width) buffer_.resize(count * width);
     for (int64_t token = begin; token < begin + count;) {
       const int64_t rows =
           std::min(pages.page_tokens - token % pages.page_tokens, begin + count - token);
       const char* page = static_cast<const char*>(table[token / pages.page_tokens]);
-      ConvertToFloat(page + pages.RowInPage(kv_head, token, width) * element, pages.dtype,
+      ConvertToFloat(page + pages.ElementOffsetInPage(kv_head, token, width) * element, pages.dtype,
                      rows * width, buffer_.data() + (token - begin) * width);
       token += rows;
     }

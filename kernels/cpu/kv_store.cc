@@ -129,7 +129,7 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
         const char* src =
             static_cast<const char*>(source.data) + (head * n + t) * width * source_element;
         char* dst = static_cast<char*>(const_cast<void*>(table[token / page_tokens_])) +
-                    pages_.RowInPage(head, token, width) * element;
+                    pages_.ElementOffsetInPage(head, token, width) * element;
         ConvertRows(src, source.dtype, rows * width, dst, layout_.dtype, scratch);
         t += rows;
       }

@@ -24,8 +24,8 @@ namespace {
 // stable softmax (SoftmaxRow, online_softmax.h: the row max, e^(s − max), the sum, the
 // normalization) in lanes of Lanes (void: eight; lanes::Floats16 in the AVX-512 clone).
 template <class Lanes>
-ATTN_HOST_DEVICE void SoftmaxRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
-                                      int64_t rows, float* scores, float* weights, float* lse) {
+ATTN_ALWAYS_INLINE void SoftmaxRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
+                                        int64_t rows, float* scores, float* weights, float* lse) {
   const int64_t n = problem.shape.key_len;
   const ScoreTransform transform = problem.transform(head);
   const Geometry geometry = problem.geometry();
@@ -96,7 +96,7 @@ void NaiveStorage::Give(Block block, int64_t count) {
   }
 }
 
-void NaiveRows(const Problem& problem, const float* query, const KeyTile& keys, int64_t head,
+void NaiveRows(const Problem& problem, const float* query, const KvTile& keys, int64_t head,
                int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
                float* out) {
   const int m = static_cast<int>(rows);
@@ -127,12 +127,12 @@ namespace {
 
 struct Worker {
   Fp32Rows query, key, value;
-  KeyTile head;              // The keys and values of head `packed_head`, packed as one tile.
+  KvTile head;               // The keys and values of head `packed_head`, packed as one tile.
   int64_t packed_head = -1;  // batch · kv_heads + kv_head; −1: none yet.
   std::vector<float> out, lse;
 
   // The block's head, packed now or kept from the worker's previous block of the same head.
-  const KeyTile& Head(const Problem& problem, const RowBlock& block) {
+  const KvTile& Head(const Problem& problem, const RowBlock& block) {
     const Shape& s = problem.shape;
     const int64_t id = block.batch * s.kv_heads + block.kv_head;
     if (id != packed_head) {
@@ -190,7 +190,7 @@ absl::StatusOr<Stats> NaiveAttention(const Problem& problem, const Outputs& outp
         const float* query = worker.query.Load(
             problem.query, problem.QueryOffset(block.batch, block.head, block.row_begin),
             rows * s.head_dim);
-        const KeyTile& head = worker.Head(problem, block);
+        const KvTile& head = worker.Head(problem, block);
         const int64_t offset =
             ((block.batch * s.heads + block.head) * s.query_len + block.row_begin) * s.key_len;
         worker.out.resize(rows * AccStride(static_cast<int>(s.value_dim)));

@@ -3,7 +3,7 @@
 // product, turned into a weight matrix by a stable (vectorized) softmax, and multiplied by the
 // values with a second product. Both matrices live in memory at once, 8·B·H·Nq·Nk bytes.
 //
-// The two products are KeyTile's (key_tile.h) over the whole head as one tile, not BLAS GEMMs:
+// The two products are KvTile's (kv_tile.h) over the whole head as one tile, not BLAS GEMMs:
 // at these skinny shapes (an inner dimension, or an output width, of head_dim) they ran faster
 // than Debian's OpenBLAS at its best core type, with AVX-512 and with AVX2 forced (docs/perf.md),
 // and they need no BLAS library that knows the CPU.
@@ -19,7 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
-#include "kernels/cpu/key_tile.h"
+#include "kernels/cpu/kv_tile.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/problem.h"
 
@@ -27,12 +27,12 @@ namespace attn {
 
 // Full-matrix attention for query rows [row_begin, row_begin + rows) of query head `head`, all
 // fp32: query [rows, head_dim]; `keys`: its kv head's key_len keys and values packed as one
-// KeyTile (with the problem's scale). Writes the scaled, transformed (softcap, ALiBi:
+// KvTile (with the problem's scale). Writes the scaled, transformed (softcap, ALiBi:
 // score_transform.h) and masked scores [rows, key_len], the weights
 // [rows, key_len], each row's log-sum-exp into lse (when not null; −inf for a row that sees no
 // key) and the output [rows, value_dim] into `out`, which must hold rows · AccStride(value_dim)
 // floats (the product's own row stride, packed to value_dim columns before NaiveRows returns).
-void NaiveRows(const Problem& problem, const float* query, const KeyTile& keys, int64_t head,
+void NaiveRows(const Problem& problem, const float* query, const KvTile& keys, int64_t head,
                int64_t row_begin, int64_t rows, float* scores, float* weights, float* lse,
                float* out);
 

@@ -8,7 +8,7 @@
 #include "kernels/cpu/aligned.h"
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/fp32_rows.h"
-#include "kernels/cpu/key_tile.h"
+#include "kernels/cpu/kv_tile.h"
 #include "kernels/cpu/row_blocks.h"
 
 namespace attn {
@@ -17,20 +17,23 @@ namespace {
 
 // V: the lanes of the softmax's vector loops (lanes::Floats, or lanes::Floats16 under AVX-512).
 template <class V>
-ATTN_HOST_DEVICE void VisitKeyTileRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
-                                           int64_t rows, int64_t key_begin, int n, float* scores,
-                                           float* acc, int acc_stride, OnlineSoftmaxRow* states,
-                                           float* rescales) {
+ATTN_ALWAYS_INLINE void VisitKeyTileRowsBody(const Problem& problem, int64_t head,
+                                             int64_t row_begin, int64_t rows, int64_t key_begin,
+                                             int n, float* scores, float* acc, int acc_stride,
+                                             OnlineSoftmaxRow* states, float* rescales) {
   const int64_t dv = problem.shape.value_dim;
   const ScoreTransform transform = problem.transform(head);
   const Geometry geometry = problem.geometry();
-  // Each row's distance and visible keys only where they matter: finding them copies the
-  // geometry, which cost a few percent of an unmasked plain problem's softmax (docs/perf.md).
+  // Each row's visible keys and distance found only where they matter (unmasked, a row sees
+  // every key; untransformed, no score reads the distance): finding them copies the geometry,
+  // which cost a few percent of an unmasked plain problem's softmax (docs/perf.md).
   const bool transformed = !transform.Identity(), masked = geometry.Masked();
+  const KeyRange every_key{0, geometry.key_len};
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row_begin + r;
     float* s = scores + r * n;
-    if (transformed) transform.template Apply<V>(s, n, geometry.Distance(row_begin + r, key_begin));
-    if (masked) MaskTile(geometry.Visible(row_begin + r), key_begin, n, s);
+    ScoresOrHidden<V>(transform, masked ? geometry.Visible(row) : every_key,
+                      transformed ? geometry.Distance(row, 0) : 0, key_begin, n, s);
     const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     float* a = acc + r * acc_stride;
@@ -114,7 +117,7 @@ namespace {
 
 struct Worker {
   Fp32Rows query, key, value;
-  std::vector<KeyTile> tiles;   // tiles[t]: tile t of head `packed_head` where packed[t].
+  std::vector<KvTile> tiles;    // tiles[t]: tile t of head `packed_head` where packed[t].
   std::vector<uint8_t> packed;  // [tiles]
   int64_t packed_head = -1;     // batch · kv_heads + kv_head; −1: none.
   AlignedVector<float> scores;  // [rows, block_k]: scores, then weights in place.
@@ -125,13 +128,13 @@ struct Worker {
   // Tile `tile` (n keys) of the block's head: packed now, or kept from an earlier block of the
   // same head. A head whose packed tiles would pass max_packed_head_bytes is packed again for
   // every block, one tile at a time.
-  const KeyTile& Tile(const Problem& problem, const RowBlock& block, int64_t tile, int n,
-                      int64_t max_packed_head_bytes) {
+  const KvTile& Tile(const Problem& problem, const RowBlock& block, int64_t tile, int n,
+                     int64_t max_packed_head_bytes) {
     const Shape& s = problem.shape;
     const int d = static_cast<int>(s.head_dim);
     const int dv = static_cast<int>(s.value_dim);
     const bool keep =
-        problem.TilesPerRow() * KeyTile::PackedBytes(static_cast<int>(problem.block_k), d, dv) <=
+        problem.TilesPerRow() * KvTile::PackedBytes(static_cast<int>(problem.block_k), d, dv) <=
         max_packed_head_bytes;
     const int64_t head = block.batch * s.kv_heads + block.kv_head;
     const size_t slot = keep ? static_cast<size_t>(tile) : 0;
@@ -153,7 +156,7 @@ struct Worker {
 
   int64_t scratch_bytes() const {
     int64_t bytes = query.scratch_bytes() + key.scratch_bytes() + value.scratch_bytes();
-    for (const KeyTile& tile : tiles) bytes += tile.scratch_bytes();
+    for (const KvTile& tile : tiles) bytes += tile.scratch_bytes();
     return bytes + static_cast<int64_t>((scores.capacity() + acc.capacity() + lse.capacity()) *
                                             sizeof(float) +
                                         states.capacity() * sizeof(OnlineSoftmaxRow));
@@ -179,11 +182,11 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
   for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
     const int64_t key_begin = tile * problem.block_k;
     const int n = static_cast<int>(std::min<int64_t>(problem.block_k, s.key_len - key_begin));
-    const KeyTile& key_tile = worker.Tile(problem, block, tile, n, max_packed_head_bytes);
-    key_tile.Scores(query, m, worker.scores.data());
+    const KvTile& kv_tile = worker.Tile(problem, block, tile, n, max_packed_head_bytes);
+    kv_tile.Scores(query, m, worker.scores.data());
     VisitKeyTileRows(problem, block.head, block.row_begin, rows, key_begin, n, worker.scores.data(),
                      worker.acc.data(), acc_stride, worker.states.data());
-    key_tile.Accumulate(worker.scores.data(), m, worker.acc.data());
+    kv_tile.Accumulate(worker.scores.data(), m, worker.acc.data());
   }
   // Normalized rows, packed to value_dim columns in place (row r moves down to r · dv).
   worker.lse.resize(rows);

@@ -2,8 +2,8 @@
 // of query rows visits block_k keys at a time, keeping only a running max, denominator and
 // weighted sum per row (online_softmax.h); nothing query_len × key_len is ever stored, and
 // tiles the mask (causal, window: kernels/geometry.h) hides entirely are never visited. Per tile:
-// the scores come from KeyTile::Scores, the online-softmax step runs vectorized over the tile, and
-// the weighted values accumulate with KeyTile::Accumulate. fp16/bf16 keys and values are converted
+// the scores come from KvTile::Scores, the online-softmax step runs vectorized over the tile, and
+// the weighted values accumulate with KvTile::Accumulate. fp16/bf16 keys and values are converted
 // a tile at a time, as they are packed; a worker packs each tile of a head once for all the head's
 // row blocks it runs.
 #pragma once
@@ -19,12 +19,12 @@
 namespace attn {
 
 // The online-softmax step for rows [row_begin, row_begin + rows) of query head `head` of a block
-// over the key tile starting at key_begin with n keys: transforms scores [rows, n] (scaled) with
-// the head's ScoreTransform and masks them with MaskTile,
-// turns them into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
+// over the key tile starting at key_begin with n keys: turns scores [rows, n] (scaled) into the
+// softmax's scores in place (ScoresOrHidden: the head's transform, −inf for a key the row does
+// not see), then into weights in place via OnlineSoftmaxRow::VisitTile, and rescales each row of
 // acc [rows, value_dim] (row stride acc_stride) with OnlineSoftmaxRow::RescaleAccumulator,
 // recording the factors in rescales when not null. The caller then adds weights · V_tile to acc
-// (KeyTile::Accumulate).
+// (KvTile::Accumulate).
 void VisitKeyTileRows(const Problem& problem, int64_t head, int64_t row_begin, int64_t rows,
                       int64_t key_begin, int n, float* scores, float* acc, int acc_stride,
                       OnlineSoftmaxRow* states, float* rescales = nullptr);

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "kernels/cpu/fp32_rows.h"
-#include "kernels/cpu/key_tile.h"
+#include "kernels/cpu/kv_tile.h"
 #include "kernels/cpu/naive.h"
 #include "kernels/cpu/tiled.h"
 #include "kernels/online_softmax.h"
@@ -133,7 +133,7 @@ class CpuTraceCursor final : public TraceCursor {
   const float* q_row_ = nullptr;
   const float* key_rows_ = nullptr;
   const float* value_rows_ = nullptr;
-  KeyTile key_tile_;  // The step's tile; in FinishRow the whole head, for the reference row.
+  KvTile key_tile_;  // The step's tile; in FinishRow the whole head, for the reference row.
   OnlineSoftmaxRow state_;
   std::vector<float> scores_, acc_, reference_;
   Stats stats_;

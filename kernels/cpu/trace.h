@@ -1,5 +1,5 @@
 // Trace on the CPU: the explainer's idea 3 watched step by step. For each requested row the
-// cursor runs Tiled's own tile step — KeyTile::Scores, VisitKeyTileRows, KeyTile::Accumulate — for
+// cursor runs Tiled's own tile step — KvTile::Scores, VisitKeyTileRows, KvTile::Accumulate — for
 // a block of one row, one tile per Next() call, and records what it computed; after a row's
 // last tile it reports the final output beside the full-matrix row computed by NaiveRows.
 #pragma once

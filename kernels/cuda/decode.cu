@@ -1,8 +1,11 @@
 // Decode on the GPU: split-KV attention (flash-decoding) of a batch of sequences over the pages
 // of their KV caches, read in place.
 //
-// Computes, for every item, query row i of head h: out = Σ_j softmax_j(scale · q·k_j) v_j over
-// the keys the row sees (all key_len, or bottom-right causal), and lse. Inputs (launch.h):
+// Computes, for every item, query row i of head h: out = Σ_j softmax_j(s_j) v_j and lse, where
+// s_j is the score of key j as every kernel takes it (ScoreOrHidden, score_transform.h): scale ·
+// q·k_j, soft-capped and ALiBi-biased by the head's transform, −inf for a key the row does not
+// see under the item's geometry (the positions of the cache's keys and of the new rows, causal,
+// the windows: kernels/geometry.h). Inputs (launch.h):
 // queries fp32 [heads, nq, head_dim]; keys and values in their pages (PagedKv), fp32, fp16 or
 // bf16, rows of head_dim / value_dim elements. Outputs: [heads, nq, value_dim] in each item's
 // output dtype, lse fp32.
@@ -104,13 +107,14 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
 
   OnlineSoftmax<WarpReduce> state[kRowsPerWarp];
   float acc[kRowsPerWarp][P / 32];
-  KeyRange visible[kRowsPerWarp];
+  KeyRange visible[kRowsPerWarp];  // The chunk's keys [begin, end) the row sees.
   ScoreTransform transform[kRowsPerWarp];
   int64_t distance[kRowsPerWarp];  // p − t of key 0 (Geometry::Distance).
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int r = warp + kWarps * k;
-    visible[k] = r < rows ? item.geometry.Visible((row0 + r) % nq) : KeyRange{};
+    const KeyRange row_visible = r < rows ? item.geometry.Visible((row0 + r) % nq) : KeyRange{};
+    visible[k] = KeyRange{max(row_visible.begin, begin), min(row_visible.end, end)};
     transform[k] = r < rows ? item.transforms.ForHead(unit.kv_head * group + (row0 + r) / nq)
                             : ScoreTransform{};
     distance[k] = item.geometry.Distance((row0 + r) % nq, 0);
@@ -125,9 +129,9 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       const int64_t token = tile + threadIdx.x;
       const int64_t page = token / item.pages.page_tokens;
       key_rows[threadIdx.x] = static_cast<const T*>(item.pages.key_pages[page]) +
-                              item.pages.RowInPage(unit.kv_head, token, head_dim);
+                              item.pages.ElementOffsetInPage(unit.kv_head, token, head_dim);
       value_rows[threadIdx.x] = static_cast<const T*>(item.pages.value_pages[page]) +
-                                item.pages.RowInPage(unit.kv_head, token, value_dim);
+                                item.pages.ElementOffsetInPage(unit.kv_head, token, value_dim);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kDecodeKeys * P; i += kThreads) {
@@ -148,9 +152,9 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       float dot = 0.f;
 #pragma unroll 8
       for (int c = 0; c < P; ++c) dot += q[c] * key[c];
-      const bool seen = lane < n && visible[k].Contains(tile + lane);
+      // Lanes past the tile's n keys hold keys past `end`, which visible[k] excludes.
       const float score =
-          seen ? transform[k](item.scale * dot, distance[k] - (tile + lane)) : -INFINITY;
+          ScoreOrHidden(transform[k], visible[k], distance[k], tile + lane, item.scale * dot);
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);
       const float weight = state[k].AddScore(score);

@@ -2,7 +2,8 @@
 // GEMMs (cuda_backend.cc), as in a framework's eager path:
 //   S = scale · Q Kᵀ      cuBLAS, fp32 [B·H·Nq, Nk] in device memory
 //   W = softmax(S)        SoftmaxKernel below (SoftmaxRow, online_softmax.h), fp32 [B·H·Nq, Nk]
-//                         beside S (causal mask here)
+//                         beside S; the transform (softcap, ALiBi) and the mask (positions,
+//                         causal, windows, ragged sequences) are applied here
 //   O = W V               cuBLAS, fp32
 // plus the conversions around them (ToFloatKernel for V, StoreKernel for the output dtype).
 // Measured: not yet on a GPU (see docs/perf.md).

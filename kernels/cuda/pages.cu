@@ -48,7 +48,7 @@ __global__ void GatherKernel(const PagedKv pages, const void* const* table, int6
     float value = 0.f;
     if (column < width) {
       value = LoadElement(table[token / pages.page_tokens], pages.dtype,
-                          pages.RowInPage(kv_head, token, width) + column);
+                          pages.ElementOffsetInPage(kv_head, token, width) + column);
     }
     StoreElement(out, out_dtype, i, value);
   }

@@ -1,8 +1,10 @@
 // Tiled attention on the GPU: FlashAttention-2-style fused forward kernels, and a row kernel
 // for what they do not cover.
 //
-// Computes out[b, h, i, :] = Σ_j softmax_j(scale · q_i·k_j) v_j over key tiles of block_k keys,
-// with the online-softmax state of each row (OnlineSoftmax, the same update the CPU and the trace
+// Computes out[b, h, i, :] = Σ_j softmax_j(s_ij) v_j over key tiles of block_k keys, s_ij the score
+// every kernel takes (ScoreOrHidden, score_transform.h: scale · q_i·k_j, soft-capped and
+// ALiBi-biased by head h's transform, −inf where row i does not see key j), with the
+// online-softmax state of each row (OnlineSoftmax, the same update the CPU and the trace
 // use; online_softmax.h) in registers; each output row is written once. Inputs: query
 // [B, H, Nq, P], key/value [B, Hkv, Nk, P] in one dtype, rows zero-padded to P (32, 64, 128 or
 // 256). Outputs: out [B, H, Nq, dv] fp32, lse [B, H, Nq] fp32.
@@ -22,9 +24,9 @@
 //                    weights: scores are recomputed rather than stored). Runs when the request's
 //                    block_k is not the fused kernels' or their shared memory passes the
 //                    device's opt-in limit; far slower.
-// Masks (causal, window: kernels/geometry.h): tiles holding no key a block's (or row's) rows see
-// are never loaded. GQA: query head h
-// reads key head h / (H / Hkv) in place (KvHeadOf).
+// Masks (positions, causal, windows, ragged sequences: kernels/geometry.h): tiles holding no key
+// a block's (or row's) rows see are never loaded. GQA: query head h reads key head h / (H / Hkv)
+// in place (KvHeadOf).
 // Measured: not yet on a GPU (see docs/perf.md); the static checks
 // (tests/static/cuda_static_check.sh) hold the fused kernels to no spills and no stack frame.
 #include <cuda_bf16.h>
@@ -272,7 +274,8 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       }
     }
 
-    // Scale and mask; this thread's largest score of each of its rows.
+    // Scale, transform (softcap, ALiBi) and mask: ScoreOrHidden; this thread's largest score of
+    // each of its rows.
     const int64_t key0 = tile * kKeys;
     float thread_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -281,9 +284,8 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
         const int64_t key_index = key0 + nb * 8 + quad * 2 + e % 2;
-        const float score = visible[r].Contains(key_index)
-                                ? work.transform(scores[nb][e] * p.scale, distance[r] - key_index)
-                                : -INFINITY;
+        const float score = ScoreOrHidden(work.transform, visible[r], distance[r], key_index,
+                                          scores[nb][e] * p.scale);
         scores[nb][e] = score;
         thread_max[r] = fmaxf(thread_max[r], score);
       }
@@ -395,9 +397,8 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
     float weight[kFp32RowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
-      const float s = visible[r].Contains(key_index)
-                          ? work.transform(score[r] * p.scale, distance[r] - key_index)
-                          : -INFINITY;
+      const float s =
+          ScoreOrHidden(work.transform, visible[r], distance[r], key_index, score[r] * p.scale);
       const float rescale = state[r].Rescale(s);
       Softmax::RescaleAccumulator(rescale, kColumns, [&](int c) -> float& { return out[r][c]; });
       weight[r] = state[r].AddScore(s);

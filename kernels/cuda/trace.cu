@@ -1,6 +1,6 @@
 // Trace on the GPU: the online softmax of chosen query rows, recorded step by step.
 //
-// One warp per traced row. For each key tile: the lanes compute the tile's scaled, masked scores
+// One warp per traced row. For each key tile: the lanes compute the tile's scores (ScoreOrHidden)
 // into the record; lane 0 runs OnlineSoftmaxRow::VisitTile on them — the very function the CPU
 // Tiled path and trace call — writing the weights and the running max, rescale and denominator
 // into the record; every lane then rescales (OnlineSoftmaxRow::RescaleAccumulator) and
@@ -42,7 +42,6 @@ __global__ void TraceKernel(const TraceParams params) {
   const KeyRange tiles = p.geometry.VisitedTiles(row, row, rec.block_k);
   const ScoreTransform transform = p.transforms.ForHead(head);
   const int64_t distance = p.geometry.Distance(row, 0);  // p − t of key 0.
-  auto transformed = [&](float scaled, int64_t key) { return transform(scaled, distance - key); };
 
   OnlineSoftmaxRow state;  // Identical in every lane: lane 0 computes, the others copy.
   float acc[kMaxColumnsPerLane] = {};
@@ -54,16 +53,10 @@ __global__ void TraceKernel(const TraceParams params) {
     float* weights = rec.weights + step * rec.block_k;
     for (int j = lane; j < n; j += 32) {
       const int64_t key = key_begin + j;
-      if (rec.scaled_scores != nullptr) {  // The scaled score before the transform, every key.
-        const float scaled = p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
-        rec.scaled_scores[step * rec.block_k + j] = scaled;
-        scores[j] = visible.Contains(key) ? transformed(scaled, key) : -INFINITY;
-      } else {
-        scores[j] =
-            visible.Contains(key)
-                ? transformed(p.scale * Dot(p, query_offset, kv_offset + key * p.pitch), key)
-                : -INFINITY;
-      }
+      const float scaled = p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
+      // The scaled score before the transform, every key.
+      if (rec.scaled_scores != nullptr) rec.scaled_scores[step * rec.block_k + j] = scaled;
+      scores[j] = ScoreOrHidden(transform, visible, distance, key, scaled);
     }
     __syncwarp();
     float* scalars = rec.scalars + step * kTraceScalars;
@@ -102,9 +95,8 @@ __global__ void TraceKernel(const TraceParams params) {
   // The reference: the whole score row, then its softmax, then the weighted sum.
   float* full = rec.reference_scores + r * s.key_len;
   for (int64_t j = lane; j < s.key_len; j += 32) {
-    full[j] = visible.Contains(j)
-                  ? transformed(p.scale * Dot(p, query_offset, kv_offset + j * p.pitch), j)
-                  : -INFINITY;
+    full[j] = ScoreOrHidden(transform, visible, distance, j,
+                            p.scale * Dot(p, query_offset, kv_offset + j * p.pitch));
   }
   SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);
   __syncwarp();  // Every lane's weights are visible to every lane.

@@ -34,7 +34,7 @@
 // status code, e.g. "RESOURCE_EXHAUSTED: Naive needs ...".
 //
 // Method naive_gemm (fp32, non-causal rows only): Naive's two matrix products alone, the same
-// KeyTile calls NaiveRows makes (kernels/cpu/naive.cc) for every 128-row block of every head —
+// KvTile calls NaiveRows makes (kernels/cpu/naive.cc) for every 128-row block of every head —
 // each worker packs a head once as one tile, then S = scale·Q·Kᵀ into the block's rows of an
 // [H, N, N] score matrix, then O = S·V — on `threads` workers, as the backend runs them; no
 // softmax, no allocation (the matrix is allocated and touched once, outside the timing). The
@@ -121,7 +121,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/cpu_dispatch.h"
-#include "kernels/cpu/key_tile.h"
+#include "kernels/cpu/kv_tile.h"
 #include "kernels/cpu/row_blocks.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/dtype.h"
@@ -746,7 +746,7 @@ void RunMemcopy(benchmark::State& state, int64_t mib, int threads) {
                                                      benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Naive's two products alone (see the top of this file): NaiveRows's KeyTile calls, with the same
+// Naive's two products alone (see the top of this file): NaiveRows's KvTile calls, with the same
 // arguments, per 128-row block, on `threads` workers.
 void RunNaiveGemm(benchmark::State& state, const Cell& cell, int threads) {
   if (DeadlinePassed()) return Skip(state, "timeout: --deadline_s passed before this row ran");
@@ -767,7 +767,7 @@ void RunNaiveGemm(benchmark::State& state, const Cell& cell, int threads) {
   const int n32 = static_cast<int>(n), d32 = static_cast<int>(d);
   const int stride = attn::AccStride(d32);
   struct Worker {
-    attn::KeyTile head;
+    attn::KvTile head;
     int64_t packed_head = -1;
     std::vector<float> out;
   };

@@ -141,7 +141,7 @@ std::vector<float> ReadBack(const KvStore& store, bool keys, int64_t length) {
            ++t) {
         for (int64_t c = 0; c < width; ++c) {
           out[(h * length + t) * width + c] =
-              LoadElement(page.data(), layout.dtype, pages.RowInPage(h, t, width) + c);
+              LoadElement(page.data(), layout.dtype, pages.ElementOffsetInPage(h, t, width) + c);
         }
       }
     }

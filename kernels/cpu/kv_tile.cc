@@ -1,4 +1,4 @@
-#include "kernels/cpu/key_tile.h"
+#include "kernels/cpu/kv_tile.h"
 
 #include <algorithm>
 #include <cstring>
@@ -25,7 +25,7 @@ using Floats = lanes::Floats;
 constexpr int kLanes = 8;
 constexpr int kRows = 6;
 constexpr int kBlockPanels = 1;
-#include "kernels/cpu/key_tile_kernels.inc"
+#include "kernels/cpu/kv_tile_kernels.inc"
 }  // namespace portable
 
 #if defined(__x86_64__) && defined(__clang__)
@@ -35,7 +35,7 @@ using Floats = lanes::Floats;
 constexpr int kLanes = 8;
 constexpr int kRows = 6;
 constexpr int kBlockPanels = 1;
-#include "kernels/cpu/key_tile_kernels.inc"
+#include "kernels/cpu/kv_tile_kernels.inc"
 }  // namespace avx2
 #pragma clang attribute pop
 #pragma clang attribute push( \
@@ -45,10 +45,10 @@ using Floats = lanes::Floats16;
 constexpr int kLanes = 16;
 constexpr int kRows = 12;
 constexpr int kBlockPanels = 2;
-#include "kernels/cpu/key_tile_kernels.inc"
+#include "kernels/cpu/kv_tile_kernels.inc"
 }  // namespace avx512
 #pragma clang attribute pop
-#define ATTN_KEY_TILE_X86 1
+#define ATTN_KV_TILE_X86 1
 #elif defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -57,7 +57,7 @@ using Floats = lanes::Floats;
 constexpr int kLanes = 8;
 constexpr int kRows = 6;
 constexpr int kBlockPanels = 1;
-#include "kernels/cpu/key_tile_kernels.inc"
+#include "kernels/cpu/kv_tile_kernels.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -67,22 +67,22 @@ using Floats = lanes::Floats16;
 constexpr int kLanes = 16;
 constexpr int kRows = 12;
 constexpr int kBlockPanels = 2;
-#include "kernels/cpu/key_tile_kernels.inc"
+#include "kernels/cpu/kv_tile_kernels.inc"
 }  // namespace avx512
 #pragma GCC pop_options
-#define ATTN_KEY_TILE_X86 1
+#define ATTN_KV_TILE_X86 1
 #endif
 
 }  // namespace
 
-void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, int value_dim,
-                   float scale) {
+void KvTile::Load(const float* keys, const float* values, int n, int head_dim, int value_dim,
+                  float scale) {
   n_ = n;
   head_dim_ = head_dim;
   stride_ = AccStride(value_dim);
   keys_.resize(static_cast<size_t>((n + kPanel - 1) / kPanel) * head_dim * kPanel);
   values_.resize(static_cast<size_t>(n) * stride_);
-#if defined(ATTN_KEY_TILE_X86)
+#if defined(ATTN_KV_TILE_X86)
   if (CpuHasAvx512()) {
     avx512::PackKeys(keys, n, head_dim, scale, keys_.data());
     avx512::PackValues(values, n, value_dim, values_.data());
@@ -98,16 +98,16 @@ void KeyTile::Load(const float* keys, const float* values, int n, int head_dim, 
   portable::PackValues(values, n, value_dim, values_.data());
 }
 
-void KeyTile::Scores(const float* queries, int m, float* scores) const {
-#if defined(ATTN_KEY_TILE_X86)
+void KvTile::Scores(const float* queries, int m, float* scores) const {
+#if defined(ATTN_KV_TILE_X86)
   if (CpuHasAvx512()) return avx512::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
   if (CpuHasAvx2Fma()) return avx2::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
 #endif
   portable::Scores(queries, m, head_dim_, keys_.data(), n_, scores);
 }
 
-void KeyTile::Accumulate(const float* weights, int m, float* acc) const {
-#if defined(ATTN_KEY_TILE_X86)
+void KvTile::Accumulate(const float* weights, int m, float* acc) const {
+#if defined(ATTN_KV_TILE_X86)
   if (CpuHasAvx512()) return avx512::Accumulate(weights, m, n_, values_.data(), stride_, acc);
   if (CpuHasAvx2Fma()) return avx2::Accumulate(weights, m, n_, values_.data(), stride_, acc);
 #endif

@@ -1,6 +1,6 @@
-// KeyTile: the two matrix products of one key tile on the CPU — scores = scale · Q·Kᵀ and
-// acc += W·V — for Tiled and Trace alike, so that a traced row is computed exactly as Tiled
-// computes it.
+// KvTile: the two matrix products of one tile of keys and values on the CPU — scores =
+// scale · Q·Kᵀ and acc += W·V — for Tiled and Trace alike, so that a traced row is computed
+// exactly as Tiled computes it.
 //
 // Vector kernels of our own rather than BLAS calls: the shapes are small and skinny (a block of
 // query rows × a tile of keys × head_dim), where a BLAS call's packing and dispatch cost a large
@@ -29,9 +29,9 @@ inline int AccStride(int value_dim) {
   return (value_dim + kTilePanel - 1) / kTilePanel * kTilePanel;
 }
 
-// One key tile's keys and values, packed for the two products. Tiled keeps a head's packed
+// One tile's keys and values, packed for the two products. Tiled keeps a head's packed
 // tiles for all the head's row blocks a worker runs (tiled.cc).
-class KeyTile {
+class KvTile {
  public:
   // Packs the tile's n keys [n, head_dim] and values [n, value_dim], fp32 rows, with the softmax
   // scale folded into the keys (exact for a power of two such as 1/√64). Copies both: the
