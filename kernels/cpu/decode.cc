@@ -337,10 +337,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
         OnlineSoftmaxRow other;
         other.max = other_state[0];
         other.denominator = other_state[1];
-        if (other.max == -INFINITY) continue;  // Saw no key: adds nothing (factor 0).
-        float mine, theirs;
-        state.Merge(other, &mine, &theirs);
-        for (int64_t i = 0; i < dv; ++i) acc[i] = acc[i] * mine + other_state[2 + i] * theirs;
+        state.MergeInto(other, other_state + 2, acc, dv);
       }
       for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i]);
       lse[r] = state.LogSumExp();

@@ -206,9 +206,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const DecodeBatch b
       OnlineSoftmaxRow other;
       other.max = states[2 * chunk];
       other.denominator = states[2 * chunk + 1];
-      float mine, theirs;
-      row.Merge(other, &mine, &theirs);
-      acc = acc * mine + accs[chunk * value_dim + c] * theirs;
+      row.MergeInto(other, &accs[chunk * value_dim + c], &acc, 1);
     }
     StoreElement(item.output, item.output_dtype, flat * value_dim + c, row.Normalize(acc));
     if (c == 0 && item.lse != nullptr) item.lse[flat] = row.LogSumExp();
