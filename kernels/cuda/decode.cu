@@ -17,7 +17,7 @@
 //                       then every lane accumulates its P/32 value columns in fp32 registers.
 //                       The chunk's unnormalized (acc, max, denominator) go to scratch.
 //   MergeKernel         one block per (item, row): the row's chunks combined in order with
-//                       OnlineSoftmax::Merge (the one merge rule), normalized and stored.
+//                       OnlineSoftmax::MergeInto (the one merge rule), normalized and stored.
 // The host (decode_method.cc) splits each cache into chunks so that the grid fills the device,
 // and the unit list covers the whole batch at once, whatever each cache's length.
 // Not yet done: double-buffered (cp.async) tiles and vector loads of the pages; the tiles are
