@@ -32,6 +32,18 @@ struct Stats {
   int64_t intermediate_bytes = 0;
   int64_t scratch_bytes = 0;
   int64_t peak_memory_bytes = 0;
+
+  // Adds the stats of a piece of work run after this one's (a batch's items, one after
+  // another): times, flops and traffic add up; memory is freed between pieces, so the largest
+  // scratch and peak stand. block_k is not summed: which tile a combined call reports is its
+  // caller's choice.
+  void Add(const Stats& other) {
+    compute_ns += other.compute_ns;
+    flops += other.flops;
+    intermediate_bytes += other.intermediate_bytes;
+    scratch_bytes = std::max(scratch_bytes, other.scratch_bytes);
+    peak_memory_bytes = std::max(peak_memory_bytes, other.peak_memory_bytes);
+  }
 };
 
 // Where a kernel writes its results: output [batch, heads, query_len, value_dim] in the
@@ -161,11 +173,8 @@ class Backend {
     for (size_t i = 0; i < problems.size(); ++i) {
       absl::StatusOr<Stats> stats = Tiled(problems[i], outputs[i]);
       if (!stats.ok()) return stats.status();
+      total.Add(*stats);
       total.block_k = stats->block_k;
-      total.compute_ns += stats->compute_ns;
-      total.flops += stats->flops;
-      total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
-      total.peak_memory_bytes = std::max(total.peak_memory_bytes, stats->peak_memory_bytes);
     }
     return total;
   }

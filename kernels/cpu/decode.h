@@ -58,7 +58,7 @@ inline int64_t DecodeRowsOf(const Problem& problem) {
 
 // The decode kernel over problems[i] into outputs[i] (every problem decode-shaped:
 // DecodeRowsOf ≤ kDecodeMaxRows; dense or paged). Asks every outputs[i].interrupt between tasks.
-// Never fails otherwise.
+// Never fails otherwise. Its Stats: block_k, flops and scratch_bytes (the caller times the call).
 absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problems,
                                       const std::vector<const Outputs*>& outputs, ThreadPool& pool);
 
