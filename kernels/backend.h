@@ -1,6 +1,7 @@
 // Backend: the interface every compute device implements (cpu/, cuda/).
 //
-// A backend is chosen once at start-up and then called concurrently from request handlers, so
+// A backend is chosen once at start-up (make_backend.h) and then called concurrently from
+// request handlers, so
 // implementations are thread-safe. Kernels see only Problems (already validated, see
 // problem.h), never protobuf or gRPC. Every method reports failure as a Status and never
 // aborts the process.
@@ -179,18 +180,5 @@ class Backend {
     return total;
   }
 };
-
-struct BackendConfig {
-  std::string device = "auto";  // "auto", "cpu", "cuda" or "cuda:N".
-  int threads = 0;              // CPU worker threads; 0 = hardware concurrency.
-  int64_t max_naive_bytes = 0;  // 0 = a quarter of physical memory.
-};
-
-// Creates the backend config.device names; "auto" is the first CUDA device when this build has
-// the CUDA backend and the machine a usable device, else the CPU (then *notice, when not null,
-// says why). INVALID_ARGUMENT for an unknown device, UNAVAILABLE for one this build or machine
-// cannot provide.
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendConfig& config,
-                                                     std::string* notice = nullptr);
 
 }  // namespace attn

@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "kernels/backend.h"
+#include "kernels/make_backend.h"
 #include "server/builder_options.h"
 #include "server/dashed_flags.h"
 #include "server/gateway.h"

@@ -35,6 +35,7 @@
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/make_backend.h"
 #include "kernels/problem.h"
 #include "server/request.h"
 
