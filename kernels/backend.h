@@ -69,6 +69,11 @@ struct TraceStep {
   int64_t key_end = 0;
   std::vector<float> scores;         // Scaled and transformed (softcap); −inf where masked.
   std::vector<float> scaled_scores;  // Before the transform; empty when it is the identity.
+  // Each key's ALiBi bias as the kernel added it (hidden keys too); empty without ALiBi slopes.
+  std::vector<float> biases;
+  // What hides each key from the row (Hidden::kNone where it sees it); empty when no mask
+  // applies (Geometry::Masked).
+  std::vector<Hidden> hidden;
   float max_before = 0;
   float max_after = 0;
   float rescale = 0;

@@ -134,7 +134,7 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
     if (cursor_->Next(&item)) {
       if (std::holds_alternative<TraceStep>(item)) ++steps_;
       if (std::holds_alternative<TraceRowDone>(item)) ++rows_;
-      EncodeTraceItem(problem_, item, &event_);
+      EncodeTraceItem(item, &event_);
     } else {
       v1::TraceEnd* end = event_.mutable_end();
       end->set_rows(rows_);

@@ -487,7 +487,7 @@ void FuzzTrace(const v1::TraceRequest& request) {
         Fail(absl::StrFormat("Trace ended early: row (%d, %d, %d) has %d of %d steps, %s",
                              row.batch, row.head, row.row, tile, tiles, Describe(p)));
       }
-      EncodeTraceItem(p, item, &event);
+      EncodeTraceItem(item, &event);
       const bool is_step = std::holds_alternative<TraceStep>(item);
       if (is_step != (tile < tiles)) {
         Fail(absl::StrFormat(
