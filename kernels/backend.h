@@ -1,10 +1,9 @@
 // Backend: the interface every compute device implements (cpu/, cuda/).
 //
 // A backend is chosen once at start-up (make_backend.h) and then called concurrently from
-// request handlers, so
-// implementations are thread-safe. Kernels see only Problems (already validated, see
-// problem.h), never protobuf or gRPC. Every method reports failure as a Status and never
-// aborts the process.
+// request handlers, so implementations are thread-safe. Kernels see only Problems (already
+// validated, see problem.h), never protobuf or gRPC. Every method reports failure as a Status
+// and never aborts the process.
 #pragma once
 
 #include <algorithm>
