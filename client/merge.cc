@@ -78,19 +78,10 @@ absl::StatusOr<AttentionState> MergeStates(const std::vector<AttentionState>& pa
     float* accumulator = merged.output.values.data() + r * width;  // Zeros: the empty state's.
     OnlineSoftmaxRow row;                                          // max −inf, denominator 0.
     for (const AttentionState& part : parts) {
-      const float lse = part.lse.values[r];
-      // A part whose slice this row cannot see adds nothing; skipping it (rather than adding
-      // 0 × its output) keeps whatever that output holds out of the sum.
-      if (lse == -INFINITY) continue;
-      OnlineSoftmaxRow other;  // The finished row (O, lse): Σ exp(s − lse) = 1, Σ … · v = O.
-      other.max = lse;
-      other.denominator = 1.f;
-      float mine, theirs;
-      row.Merge(other, &mine, &theirs);
-      const float* output = part.output.values.data() + r * width;
-      for (int64_t c = 0; c < width; ++c) {
-        accumulator[c] = accumulator[c] * mine + output[c] * theirs;
-      }
+      // The finished row (O, lse): Σ exp(s − lse) = 1, Σ … · v = O. A part whose slice this row
+      // cannot see (lse −inf) adds nothing, and its output is not read (MergeInto).
+      const OnlineSoftmaxRow other{.max = part.lse.values[r], .denominator = 1.f};
+      row.MergeInto(other, part.output.values.data() + r * width, accumulator, width);
     }
     for (int64_t c = 0; c < width; ++c) accumulator[c] = row.Normalize(accumulator[c]);
     merged.lse.values[r] = row.LogSumExp();

@@ -1,9 +1,9 @@
 // Backend: the interface every compute device implements (cpu/, cuda/).
 //
-// A backend is chosen once at start-up and then called concurrently from request handlers, so
-// implementations are thread-safe. Kernels see only Problems (already validated, see
-// problem.h), never protobuf or gRPC. Every method reports failure as a Status and never
-// aborts the process.
+// A backend is chosen once at start-up (make_backend.h) and then called concurrently from
+// request handlers, so implementations are thread-safe. Kernels see only Problems (already
+// validated, see problem.h), never protobuf or gRPC. Every method reports failure as a Status
+// and never aborts the process.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +32,18 @@ struct Stats {
   int64_t intermediate_bytes = 0;
   int64_t scratch_bytes = 0;
   int64_t peak_memory_bytes = 0;
+
+  // Adds the stats of a piece of work run after this one's (a batch's items, one after
+  // another): times, flops and traffic add up; memory is freed between pieces, so the largest
+  // scratch and peak stand. block_k is not summed: which tile a combined call reports is its
+  // caller's choice.
+  void Add(const Stats& other) {
+    compute_ns += other.compute_ns;
+    flops += other.flops;
+    intermediate_bytes += other.intermediate_bytes;
+    scratch_bytes = std::max(scratch_bytes, other.scratch_bytes);
+    peak_memory_bytes = std::max(peak_memory_bytes, other.peak_memory_bytes);
+  }
 };
 
 // Where a kernel writes its results: output [batch, heads, query_len, value_dim] in the
@@ -56,6 +68,11 @@ struct TraceStep {
   int64_t key_end = 0;
   std::vector<float> scores;         // Scaled and transformed (softcap); −inf where masked.
   std::vector<float> scaled_scores;  // Before the transform; empty when it is the identity.
+  // Each key's ALiBi bias as the kernel added it (hidden keys too); empty without ALiBi slopes.
+  std::vector<float> biases;
+  // What hides each key from the row (Hidden::kNone where it sees it); empty when no mask
+  // applies (Geometry::Masked).
+  std::vector<Hidden> hidden;
   float max_before = 0;
   float max_after = 0;
   float rescale = 0;
@@ -161,27 +178,11 @@ class Backend {
     for (size_t i = 0; i < problems.size(); ++i) {
       absl::StatusOr<Stats> stats = Tiled(problems[i], outputs[i]);
       if (!stats.ok()) return stats.status();
+      total.Add(*stats);
       total.block_k = stats->block_k;
-      total.compute_ns += stats->compute_ns;
-      total.flops += stats->flops;
-      total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
-      total.peak_memory_bytes = std::max(total.peak_memory_bytes, stats->peak_memory_bytes);
     }
     return total;
   }
 };
-
-struct BackendConfig {
-  std::string device = "auto";  // "auto", "cpu", "cuda" or "cuda:N".
-  int threads = 0;              // CPU worker threads; 0 = hardware concurrency.
-  int64_t max_naive_bytes = 0;  // 0 = a quarter of physical memory.
-};
-
-// Creates the backend config.device names; "auto" is the first CUDA device when this build has
-// the CUDA backend and the machine a usable device, else the CPU (then *notice, when not null,
-// says why). INVALID_ARGUMENT for an unknown device, UNAVAILABLE for one this build or machine
-// cannot provide.
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendConfig& config,
-                                                     std::string* notice = nullptr);
 
 }  // namespace attn

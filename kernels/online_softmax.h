@@ -14,7 +14,9 @@
 //
 // At the end: output = acc / l (0 when l is 0: the row saw no key), lse = m + log(l) (−inf
 // when l is 0). Because every weight is taken relative to the running max, no exp ever sees
-// a positive argument and nothing overflows however large the scores grow.
+// a positive argument and nothing overflows however large the scores grow. Two states of one
+// row over different keys merge by the same rule (MergeInto: max, denominator and accumulator),
+// so a row's keys may be split over tiles, threads, chunks or servers and the parts combined.
 //
 // Who holds a row. A tile's scores of one row may be spread over the threads that share the
 // row: one CPU thread (whose eight vector lanes VisitTile reduces itself), the four lanes of a
@@ -44,6 +46,12 @@ namespace attn {
 struct SerialReduce {
   ATTN_HOST_DEVICE static float Max(float x) { return x; }
   ATTN_HOST_DEVICE static float Sum(float x) { return x; }
+};
+
+// The factors a merge rescales its two sides by (OnlineSoftmax::MergeInto).
+struct MergeFactors {
+  float mine = 0.f;    // exp(m₁ − m) for the state merged into; 0 when it saw no key.
+  float theirs = 0.f;  // exp(m₂ − m) for the state merged in; 0 when it saw no key.
 };
 
 template <class Reduce>
@@ -153,16 +161,29 @@ struct OnlineSoftmax {
 #endif
 
   // Merges the state of the same row over other keys (another key range, worker or server)
-  // into this one — the same rule as a tile's: m = max(m₁, m₂), each side rescaled by
-  // exp(mᵢ − m) (0 for a side that saw no key), the denominators added. Both states whole (one
-  // thread's, or after Finish). Returns the factors for the accumulators:
-  // acc = acc · *mine + other_acc · *theirs.
-  ATTN_HOST_DEVICE void Merge(const OnlineSoftmax& other, float* mine, float* theirs) {
+  // and its accumulator into this state and `accumulator` — the same rule as a tile's:
+  // m = max(m₁, m₂), each side rescaled by exp(mᵢ − m) (0 for a side that saw no key), the
+  // denominators added and acc[i] = acc[i] · mine + other_accumulator[i] · theirs for the `count`
+  // accumulator elements this thread holds (the whole row, or one column of it). An other side
+  // that saw no key (max −inf) adds nothing and leaves this one as it was: its accumulator is
+  // never read, so whatever it holds stays out of the sum. Both states whole (one thread's, or
+  // after Finish). Returns the two factors, for a caller that records the merge (they are
+  // already applied).
+  ATTN_HOST_DEVICE MergeFactors MergeInto(const OnlineSoftmax& other,
+                                          const float* other_accumulator, float* accumulator,
+                                          int64_t count) {
     const float new_max = max > other.max ? max : other.max;
-    *mine = max == -INFINITY ? 0.f : Exp(max - new_max);
-    *theirs = other.max == -INFINITY ? 0.f : Exp(other.max - new_max);
-    denominator = denominator * *mine + other.denominator * *theirs;
+    const MergeFactors factors{
+        .mine = max == -INFINITY ? 0.f : Exp(max - new_max),
+        .theirs = other.max == -INFINITY ? 0.f : Exp(other.max - new_max),
+    };
+    if (other.max == -INFINITY) return factors;
+    denominator = denominator * factors.mine + other.denominator * factors.theirs;
     max = new_max;
+    for (int64_t i = 0; i < count; ++i) {
+      accumulator[i] = accumulator[i] * factors.mine + other_accumulator[i] * factors.theirs;
+    }
+    return factors;
   }
 
   // Adds the shares of the row's threads: after the last tile, once, by every thread of the row.

@@ -114,6 +114,10 @@ struct Problem {
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
 
+  // The storage dtype of the keys and of the values: the pages' for a problem over a cache.
+  DType key_dtype() const { return pages != nullptr ? pages->dtype : key.dtype; }
+  DType value_dtype() const { return pages != nullptr ? pages->dtype : value.dtype; }
+
   // What becomes of every scaled score before the mask: of every head, of head h.
   ScoreTransforms transforms() const { return ScoreTransforms{softcap, alibi_slopes}; }
   ScoreTransform transform(int64_t head) const { return transforms().ForHead(head); }

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "kernels/backend.h"
+#include "kernels/make_backend.h"
 #include "server/gateway.h"
 #include "server/request_log.h"
 #include "server/security.h"

@@ -113,7 +113,7 @@ static_assert(static_cast<int>(Hidden::kNone) == v1::HIDDEN_NONE &&
                   static_cast<int>(Hidden::kSequence) == v1::HIDDEN_SEQUENCE,
               "kernels/geometry.h's Hidden must number its reasons as the proto does");
 
-void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEvent* event) {
+void EncodeTraceItem(const TraceItem& item, v1::TraceEvent* event) {
   if (const TraceStep* step = std::get_if<TraceStep>(&item)) {
     v1::TileStep* message = event->mutable_step();
     EncodeRow(step->row, message->mutable_row());
@@ -129,19 +129,8 @@ void EncodeTraceItem(const Problem& problem, const TraceItem& item, v1::TraceEve
     EncodeFloats(step->accumulator, message->mutable_accumulator());
     EncodeFloats(step->estimate, message->mutable_estimate());
     EncodeFloats(step->scaled_scores, message->mutable_scaled_scores());
-    const Geometry geometry = problem.geometry();
-    if (problem.alibi_slopes != nullptr) {
-      const ScoreTransform transform = problem.transform(step->row.head);
-      for (int64_t key = step->key_begin; key < step->key_end; ++key) {
-        message->add_biases(
-            transform.Bias(static_cast<float>(geometry.Distance(step->row.row, key))));
-      }
-    }
-    if (geometry.Masked()) {
-      for (int64_t key = step->key_begin; key < step->key_end; ++key) {
-        message->add_hidden(static_cast<v1::Hidden>(geometry.HiddenBy(step->row.row, key)));
-      }
-    }
+    EncodeFloats(step->biases, message->mutable_biases());
+    for (const Hidden hidden : step->hidden) message->add_hidden(static_cast<v1::Hidden>(hidden));
     return;
   }
   const TraceRowDone& done = std::get<TraceRowDone>(item);

@@ -30,10 +30,8 @@ void EncodeStats(const Stats& stats, attention::v1::ExecutionStats* message);
 // The first event of a trace: the problem's shape and both methods' memory accounting.
 attention::v1::TraceStart EncodeTraceStart(const Problem& problem);
 
-// One cursor item of a trace of `problem` as a TraceEvent (a TileStep or a RowDone; a step's
-// ALiBi biases, TileStep.biases, from the problem's ScoreTransform, and what hides each key,
-// TileStep.hidden, from its Geometry).
-void EncodeTraceItem(const Problem& problem, const TraceItem& item,
-                     attention::v1::TraceEvent* event);
+// One cursor item of a trace as a TraceEvent (a TileStep or a RowDone), a copy of what the
+// kernel computed and recorded (a step's biases and hidden reasons included).
+void EncodeTraceItem(const TraceItem& item, attention::v1::TraceEvent* event);
 
 }  // namespace attn

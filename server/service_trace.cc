@@ -62,7 +62,6 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
 
   void Begin(const Problem& problem, std::unique_ptr<TraceCursor> cursor) {
     cursor_ = std::move(cursor);
-    problem_ = problem;
     *event_.mutable_start() = EncodeTraceStart(problem);
     Write();
   }
@@ -126,7 +125,7 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
     if (cursor_->Next(&item)) {
       if (std::holds_alternative<TraceStep>(item)) ++steps_;
       if (std::holds_alternative<TraceRowDone>(item)) ++rows_;
-      EncodeTraceItem(problem_, item, &event_);
+      EncodeTraceItem(item, &event_);
     } else {
       v1::TraceEnd* end = event_.mutable_end();
       end->set_rows(rows_);
@@ -138,7 +137,6 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
 
   const Backend& backend_;
   std::unique_ptr<TraceCursor> cursor_;
-  Problem problem_;  // Views the request's memory (or snapshot_), as the cursor does.
   const Clock::time_point start_;
   v1::TraceEvent event_;
   int64_t rows_ = 0;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "kernels/make_backend.h"
 #include "server/builder_options.h"
 
 namespace attn {

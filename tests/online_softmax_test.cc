@@ -1,6 +1,7 @@
 // The shared online-softmax step (kernels/online_softmax.h) on the CPU: its exp (kernels/exp.h)
 // against float64, the vector lanes (kernels/lanes.h) against the scalar code, and a row
-// visited tile by tile, or in strided shares, against the float64 softmax of the whole row.
+// visited tile by tile, or in strided shares, or in parts merged with MergeInto, against the
+// float64 softmax of the whole row.
 
 #include "kernels/online_softmax.h"
 
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kernels/exp.h"
@@ -194,8 +196,8 @@ TEST(SoftmaxRowTest, MatchesFloat64AndTheScalarShare) {
   }
 }
 
-// Merge (the rule that combines key ranges, workers and servers): a row split anywhere and its
-// two halves' states merged gives the whole row's max, denominator, accumulator and lse.
+// MergeInto (the rule that combines key ranges, workers and servers): a row split anywhere and
+// its two halves' states merged gives the whole row's max, denominator, accumulator and lse.
 TEST(MergeTest, SplitAnywhereEqualsTheWholeRow) {
   std::mt19937 rng(17);
   std::normal_distribution<float> normal(0.f, 6.f);
@@ -220,12 +222,10 @@ TEST(MergeTest, SplitAnywhereEqualsTheWholeRow) {
   float whole_acc;
   const OnlineSoftmaxRow whole = visit(0, n, &whole_acc);
   for (int split = 0; split <= n; ++split) {
-    float left_acc, right_acc;
-    OnlineSoftmaxRow merged = visit(0, split, &left_acc);
+    float acc, right_acc;
+    OnlineSoftmaxRow merged = visit(0, split, &acc);
     const OnlineSoftmaxRow right = visit(split, n, &right_acc);
-    float mine, theirs;
-    merged.Merge(right, &mine, &theirs);
-    const float acc = left_acc * mine + right_acc * theirs;
+    merged.MergeInto(right, &right_acc, &acc, 1);
     EXPECT_EQ(merged.max, whole.max) << "split " << split;
     EXPECT_NEAR(merged.denominator / whole.denominator, 1.0, 1e-6) << "split " << split;
     EXPECT_NEAR(merged.LogSumExp(), whole.LogSumExp(), 1e-6) << "split " << split;
@@ -239,40 +239,104 @@ TEST(MergeTest, SplitAnywhereEqualsTheWholeRow) {
   }
 }
 
+// Rows of odd lengths and widths cut into parts of odd sizes — among them an empty part and a
+// part whose every key is masked, both of which saw no key (max −inf) — each part visited in
+// tiles of 5 with its own accumulator, then merged into one state part by part with MergeInto:
+// the max, lse and output of the float64 softmax of one pass over all the keys.
+TEST(MergeTest, MergeIntoEqualsOnePassOverAllKeysInFloat64) {
+  std::mt19937 rng(29);
+  std::normal_distribution<float> normal(0.f, 5.f);
+  for (const auto& [n, dv] : {std::pair{37, 7}, std::pair{101, 3}, std::pair{13, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n << " dv " << dv);
+    std::vector<float> scores(n), values(n * dv);
+    for (float& s : scores) s = normal(rng);
+    for (float& v : values) v = normal(rng);
+    // Parts [cuts[i], cuts[i + 1]): the second one empty, the third one all masked.
+    const std::vector<int> cuts = {0, 3, 3, 8, n / 2 + 1, n - 2, n};
+    for (int j = 3; j < 8; ++j) scores[j] = -kInf;
+    for (int j = 9; j < n; j += 6) scores[j] = -kInf;
+
+    OnlineSoftmaxRow merged;
+    std::vector<float> acc(dv, 0.f);
+    for (size_t part = 0; part + 1 < cuts.size(); ++part) {
+      OnlineSoftmaxRow row;
+      std::vector<float> part_acc(dv, 0.f), weights(n);
+      for (int t = cuts[part]; t < cuts[part + 1]; t += 5) {
+        const int width = std::min(5, cuts[part + 1] - t);
+        const float rescale = row.VisitTile(scores.data() + t, width, weights.data() + t);
+        for (int c = 0; c < dv; ++c) {
+          part_acc[c] *= rescale;
+          for (int j = t; j < t + width; ++j) part_acc[c] += weights[j] * values[j * dv + c];
+        }
+      }
+      // A part that saw no key is never read: garbage in its accumulator changes nothing.
+      if (row.max == -kInf) part_acc.assign(dv, std::numeric_limits<float>::quiet_NaN());
+      merged.MergeInto(row, part_acc.data(), acc.data(), dv);
+    }
+
+    double max = -INFINITY;
+    for (float s : scores) max = std::max<double>(max, s);
+    double sum = 0;
+    std::vector<double> expected(dv, 0.0);
+    for (int j = 0; j < n; ++j) {
+      const double w = scores[j] == -kInf ? 0.0 : std::exp(static_cast<double>(scores[j]) - max);
+      sum += w;
+      for (int c = 0; c < dv; ++c) expected[c] += w * values[j * dv + c];
+    }
+    EXPECT_EQ(merged.max, static_cast<float>(max));
+    EXPECT_NEAR(merged.LogSumExp(), max + std::log(sum), 1e-5 * std::max(1.0, std::abs(max)));
+    double scale = 0;
+    for (int c = 0; c < dv; ++c) scale = std::max(scale, std::abs(expected[c] / sum));
+    for (int c = 0; c < dv; ++c) {
+      EXPECT_NEAR(merged.Normalize(acc[c]), expected[c] / sum, 1e-5 * std::max(1.0, scale))
+          << "column " << c;
+    }
+  }
+}
+
 // A side that saw no key (max −inf) contributes a factor of exactly 0 and leaves the other
-// side's state bit for bit, on either side of the merge.
+// side's state and accumulator bit for bit, on either side of the merge.
 TEST(MergeTest, ASideWithNoKeyLeavesTheOtherExactly) {
   OnlineSoftmaxRow seen;
   seen.max = 3.25f;
   seen.denominator = 1.75f;
+  const float seen_acc[2] = {-2.5f, 0.375f};
   const OnlineSoftmaxRow empty;
-  float mine, theirs;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float unread[2] = {nan, nan};  // An empty state's accumulator is never read.
   OnlineSoftmaxRow left = seen;
-  left.Merge(empty, &mine, &theirs);
-  EXPECT_EQ(mine, 1.f);
-  EXPECT_EQ(theirs, 0.f);
+  float left_acc[2] = {seen_acc[0], seen_acc[1]};
+  MergeFactors factors = left.MergeInto(empty, unread, left_acc, 2);
+  EXPECT_EQ(factors.mine, 1.f);
+  EXPECT_EQ(factors.theirs, 0.f);
   EXPECT_EQ(left.max, seen.max);
   EXPECT_EQ(left.denominator, seen.denominator);
+  EXPECT_EQ(left_acc[0], seen_acc[0]);
+  EXPECT_EQ(left_acc[1], seen_acc[1]);
   OnlineSoftmaxRow right = empty;
-  right.Merge(seen, &mine, &theirs);
-  EXPECT_EQ(mine, 0.f);
-  EXPECT_EQ(theirs, 1.f);
+  float right_acc[2] = {0.f, 0.f};  // The empty state's.
+  factors = right.MergeInto(seen, seen_acc, right_acc, 2);
+  EXPECT_EQ(factors.mine, 0.f);
+  EXPECT_EQ(factors.theirs, 1.f);
   EXPECT_EQ(right.max, seen.max);
   EXPECT_EQ(right.denominator, seen.denominator);
-  EXPECT_FALSE(std::isnan(0.f * mine + 5.f * theirs));
+  EXPECT_EQ(right_acc[0], seen_acc[0]);
+  EXPECT_EQ(right_acc[1], seen_acc[1]);
 }
 
 // Two empty sides: still empty — max −inf, denominator 0, both factors 0 (never −inf − −inf),
 // output 0, lse −inf.
 TEST(MergeTest, BothSidesEmptyStayEmpty) {
   OnlineSoftmaxRow row;
-  float mine = 7.f, theirs = 7.f;
-  row.Merge(OnlineSoftmaxRow{}, &mine, &theirs);
-  EXPECT_EQ(mine, 0.f);
-  EXPECT_EQ(theirs, 0.f);
+  float acc = 0.f;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const MergeFactors factors = row.MergeInto(OnlineSoftmaxRow{}, &nan, &acc, 1);
+  EXPECT_EQ(factors.mine, 0.f);
+  EXPECT_EQ(factors.theirs, 0.f);
   EXPECT_EQ(row.max, -kInf);
   EXPECT_EQ(row.denominator, 0.f);
-  EXPECT_EQ(row.Normalize(0.f * mine), 0.f);
+  EXPECT_EQ(acc, 0.f);
+  EXPECT_EQ(row.Normalize(acc), 0.f);
   EXPECT_EQ(row.LogSumExp(), -kInf);
 }
 

@@ -348,11 +348,10 @@ absl::StatusOr<MergeTrace> MergeTraces(const v1::TraceRequest& request,
       step.part_max = part.max;
       step.part_denominator = part.denominator;
       const OnlineSoftmaxRow incoming{.max = part.max, .denominator = part.denominator};
-      running.Merge(incoming, &step.running_rescale, &step.part_rescale);
-      for (int64_t c = 0; c < width; ++c) {
-        accumulator[c] =
-            accumulator[c] * step.running_rescale + part.accumulator[c] * step.part_rescale;
-      }
+      const MergeFactors factors =
+          running.MergeInto(incoming, part.accumulator.data(), accumulator.data(), width);
+      step.running_rescale = factors.mine;
+      step.part_rescale = factors.theirs;
       step.max_after = running.max;
       step.denominator = running.denominator;
       step.accumulator = accumulator;

@@ -74,11 +74,9 @@ bool CpuBackend::RunsInline(const Problem& problem) const {
   const Shape& s = problem.shape;
   const int64_t query_bytes =
       s.batch * s.heads * s.query_len * s.head_dim * ElementSize(problem.query.dtype);
-  const DType key_dtype = problem.pages != nullptr ? problem.pages->dtype : problem.key.dtype;
-  const DType value_dtype = problem.pages != nullptr ? problem.pages->dtype : problem.value.dtype;
-  const int64_t key_value_bytes =
-      s.batch * s.kv_heads * s.key_len *
-      (s.head_dim * ElementSize(key_dtype) + s.value_dim * ElementSize(value_dtype));
+  const int64_t key_value_bytes = s.batch * s.kv_heads * s.key_len *
+                                  (s.head_dim * ElementSize(problem.key_dtype()) +
+                                   s.value_dim * ElementSize(problem.value_dtype()));
   return problem.Flops() <= kInlineFlops && query_bytes + key_value_bytes <= kInlineInputBytes;
 }
 
@@ -124,18 +122,18 @@ absl::StatusOr<Stats> CpuBackend::Decode(const std::vector<Problem>& problems,
     }
     absl::StatusOr<Stats> stats = Tiled(problems[i], outputs[i]);
     if (!stats.ok()) return stats.status();
+    total.Add(*stats);
     total.block_k = stats->block_k;  // The decode kernel's tile, below, wins when both ran.
-    total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
   }
   if (!decode_problems.empty()) {
     absl::StatusOr<Stats> stats = DecodeAttention(decode_problems, decode_outputs, pool_);
     if (!stats.ok()) return stats.status();
+    total.Add(*stats);
     total.block_k = stats->block_k;
-    total.scratch_bytes = std::max(total.scratch_bytes, stats->scratch_bytes);
   }
+  // The batch's own time and peak: every output is held until the call returns.
   int64_t output_bytes = 0;
   for (const Problem& problem : problems) {
-    total.flops += problem.Flops();
     output_bytes += problem.OutputElements() * ElementSize(problem.output_dtype) +
                     (problem.return_lse ? problem.LseElements() * 4 : 0);
   }

@@ -189,12 +189,6 @@ void RunChunks(DType dtype, const DecodeRun& run, DecodeScratch& scratch) {
   }
 }
 
-// The keys' dtype (keys and values share it in both layouts the server builds; the decode
-// kernel reads keys and values of one dtype).
-DType KvDtypeOf(const Problem& problem) {
-  return problem.pages != nullptr ? problem.pages->dtype : problem.key.dtype;
-}
-
 // One problem's place in the batch's task list and partial states.
 struct Item {
   const Problem* problem = nullptr;
@@ -308,7 +302,9 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     scratch.states.resize(item.rows);
     scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);  // A ring of tiles.
     scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
-    RunChunks(KvDtypeOf(p), run, scratch);
+    // The kernel reads keys and values of one dtype: the keys' (both layouts the server builds
+    // give the values the same).
+    RunChunks(p.key_dtype(), run, scratch);
   });
   if (!status.ok()) return status;
 
@@ -337,10 +333,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
         OnlineSoftmaxRow other;
         other.max = other_state[0];
         other.denominator = other_state[1];
-        if (other.max == -INFINITY) continue;  // Saw no key: adds nothing (factor 0).
-        float mine, theirs;
-        state.Merge(other, &mine, &theirs);
-        for (int64_t i = 0; i < dv; ++i) acc[i] = acc[i] * mine + other_state[2 + i] * theirs;
+        state.MergeInto(other, other_state + 2, acc, dv);
       }
       for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i]);
       lse[r] = state.LogSumExp();
@@ -356,6 +349,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
 
   Stats stats;
   stats.block_k = kDecodeTile;
+  for (const Item& item : items) stats.flops += item.problem->Flops();
   stats.scratch_bytes = static_cast<int64_t>(partials.capacity() * sizeof(float));
   for (const DecodeScratch& worker : workers) stats.scratch_bytes += worker.bytes();
   for (const std::vector<float>& out : merged) {

@@ -83,6 +83,19 @@ class CpuTraceCursor final : public TraceCursor {
     // The transformed and masked scores, as VisitKeyTileRows sees them.
     TransformTile(problem_, ref.head, ref.row, step.key_begin, step.scores.data(), n);
     MaskTile(problem_.Visible(ref.row), step.key_begin, n, step.scores.data());
+    const Geometry geometry = problem_.geometry();
+    if (problem_.alibi_slopes != nullptr) {
+      // The bias TransformTile added to each key: ScoreTransform::Apply's, from the tile's
+      // first distance, float(p − t₀) − j.
+      const ScoreTransform transform = problem_.transform(ref.head);
+      const float first = static_cast<float>(geometry.Distance(ref.row, step.key_begin));
+      step.biases.resize(n);
+      for (int j = 0; j < n; ++j) step.biases[j] = transform.Bias(first - static_cast<float>(j));
+    }
+    if (geometry.Masked()) {  // Why MaskTile hid each key it hid.
+      step.hidden.resize(n);
+      for (int j = 0; j < n; ++j) step.hidden[j] = geometry.HiddenBy(ref.row, step.key_begin + j);
+    }
     step.max_before = state_.max;
     VisitKeyTileRows(problem_, ref.head, ref.row, 1, step.key_begin, n, scores_.data(), acc_.data(),
                      static_cast<int>(acc_.size()), &state_, &step.rescale);

@@ -153,6 +153,8 @@ class RecordedTraceCursor final : public TraceCursor {
     int64_t key_len = 0, value_dim = 0;
     std::vector<float> scores, weights, scalars, accumulator, estimate, output, reference, lse;
     std::vector<float> scaled_scores;  // Empty when the transform is the identity.
+    std::vector<float> biases;         // Empty without ALiBi slopes.
+    std::vector<Hidden> hidden;        // Empty when no mask applies.
   };
 
   RecordedTraceCursor(Records records, Stats stats) : records_(std::move(records)), stats_(stats) {}
@@ -177,6 +179,14 @@ class RecordedTraceCursor final : public TraceCursor {
       if (!r.scaled_scores.empty()) {
         out.scaled_scores.assign(r.scaled_scores.begin() + step * r.block_k,
                                  r.scaled_scores.begin() + step * r.block_k + n);
+      }
+      if (!r.biases.empty()) {
+        out.biases.assign(r.biases.begin() + step * r.block_k,
+                          r.biases.begin() + step * r.block_k + n);
+      }
+      if (!r.hidden.empty()) {
+        out.hidden.assign(r.hidden.begin() + step * r.block_k,
+                          r.hidden.begin() + step * r.block_k + n);
       }
       const float* scalars = &r.scalars[step * kTraceScalars];
       out.max_before = scalars[0];
@@ -268,9 +278,17 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
     buffers.push_back(
         {&records.scaled_scores, steps * problem.block_k, &device_records.scaled_scores});
   }
+  if (problem.alibi_slopes != nullptr) {  // Each key's bias, for TileStep.
+    buffers.push_back({&records.biases, steps * problem.block_k, &device_records.biases});
+  }
   for (Buffer& buffer : buffers) {
     ATTN_ASSIGN_OR_RETURN(*buffer.device, memory.Allocate<float>(buffer.count * 4));
     buffer.host->resize(buffer.count);
+  }
+  if (problem.geometry().Masked()) {  // What hides each key, for TileStep.
+    records.hidden.resize(steps * problem.block_k);
+    ATTN_ASSIGN_OR_RETURN(device_records.hidden,
+                          memory.Allocate<Hidden>(steps * problem.block_k * sizeof(Hidden)));
   }
   ATTN_ASSIGN_OR_RETURN(device_records.reference_scores,
                         memory.Allocate<float>(n_rows * s.key_len * 4));
@@ -288,6 +306,12 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
         Check(cudaMemcpyAsync(buffer.host->data(), *buffer.device, buffer.count * 4,
                               cudaMemcpyDeviceToHost, slot.stream),
               "cudaMemcpyAsync (trace records)"));
+  }
+  if (device_records.hidden != nullptr) {
+    ATTN_RETURN_IF_ERROR(Check(cudaMemcpyAsync(records.hidden.data(), device_records.hidden,
+                                               records.hidden.size() * sizeof(Hidden),
+                                               cudaMemcpyDeviceToHost, slot.stream),
+                               "cudaMemcpyAsync (trace records)"));
   }
   ATTN_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.stream), "Trace on the device"));
 

@@ -23,14 +23,6 @@
 
 namespace attn::cuda {
 
-// The dtype of a problem's keys and values: the pages' for a problem over a cache.
-inline DType KeyDType(const Problem& problem) {
-  return problem.pages != nullptr ? problem.pages->dtype : problem.key.dtype;
-}
-inline DType ValueDType(const Problem& problem) {
-  return problem.pages != nullptr ? problem.pages->dtype : problem.value.dtype;
-}
-
 // The request's inputs from the host and its results, in their own dtypes, dense: what
 // ExecutionStats counts neither as scratch nor (the inputs) as peak memory. A cache's keys and
 // values are not inputs of the request (they are already on the device).

@@ -28,7 +28,7 @@ constexpr int kStreams = 4;  // Requests that can run on the device at once.
 // else fp32 (the host converts the query, the gather or the host the keys and values).
 DType DeviceDType(const Problem& problem) {
   const bool same =
-      problem.query.dtype == KeyDType(problem) && KeyDType(problem) == ValueDType(problem);
+      problem.query.dtype == problem.key_dtype() && problem.key_dtype() == problem.value_dtype();
   return same ? problem.query.dtype : DType::kFloat32;
 }
 

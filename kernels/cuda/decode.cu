@@ -20,7 +20,7 @@
 //                       then every lane accumulates its P/32 value columns in fp32 registers.
 //                       The chunk's unnormalized (acc, max, denominator) go to scratch.
 //   MergeKernel         one block per (item, row): the row's chunks combined in order with
-//                       OnlineSoftmax::Merge (the one merge rule), normalized and stored.
+//                       OnlineSoftmax::MergeInto (the one merge rule), normalized and stored.
 // The host (decode_method.cc) splits each cache into chunks so that the grid fills the device,
 // and the unit list covers the whole batch at once, whatever each cache's length.
 // Not yet done: double-buffered (cp.async) tiles and vector loads of the pages; the tiles are
@@ -210,9 +210,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const DecodeBatch b
       OnlineSoftmaxRow other;
       other.max = states[2 * chunk];
       other.denominator = states[2 * chunk + 1];
-      float mine, theirs;
-      row.Merge(other, &mine, &theirs);
-      acc = acc * mine + accs[chunk * value_dim + c] * theirs;
+      row.MergeInto(other, &accs[chunk * value_dim + c], &acc, 1);
     }
     StoreElement(item.output, item.output_dtype, flat * value_dim + c, row.Normalize(acc));
     if (c == 0 && item.lse != nullptr) item.lse[flat] = row.LogSumExp();

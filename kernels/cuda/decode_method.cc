@@ -33,13 +33,6 @@ constexpr int64_t kStaticSharedBytes = 2 * kDecodeKeys * 8;  // The tile's row p
 int64_t RoundUp(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 int64_t Align(int64_t bytes) { return RoundUp(bytes, 16); }
 
-void AddStats(const Stats& stats, Stats* total) {
-  total->compute_ns += stats.compute_ns;
-  total->flops += stats.flops;
-  total->scratch_bytes = std::max(total->scratch_bytes, stats.scratch_bytes);
-  total->peak_memory_bytes = std::max(total->peak_memory_bytes, stats.peak_memory_bytes);
-}
-
 }  // namespace
 
 absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
@@ -61,7 +54,7 @@ absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
                        DecodeSharedBytes(pitch) + kStaticSharedBytes <= options_.max_shared_bytes;
     if (!split) {
       ATTN_ASSIGN_OR_RETURN(const Stats stats, Tiled(problem, outputs[i]));
-      AddStats(stats, &total);
+      total.Add(stats);
       continue;
     }
     auto& group = groups[{static_cast<int>(problem.pages->dtype), pitch}];
@@ -75,7 +68,7 @@ absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
           const Stats stats,
           DecodeGroup({group.first.begin() + begin, group.first.begin() + end},
                       {group.second.begin() + begin, group.second.begin() + end}, key.second));
-      AddStats(stats, &total);
+      total.Add(stats);
     }
   }
   return total;

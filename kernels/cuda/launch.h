@@ -114,6 +114,8 @@ struct TraceRecords {
   float* reference = nullptr;           // [rows, value_dim]: the full-matrix result
   float* lse = nullptr;                 // [rows]
   float* reference_scores = nullptr;    // [rows, key_len]: the full score → weight row
+  float* biases = nullptr;              // [steps, block_k]: each key's ALiBi bias; null: none
+  Hidden* hidden = nullptr;             // [steps, block_k]: what hides each key; null: no mask
 };
 
 constexpr int kTraceScalars = 4;

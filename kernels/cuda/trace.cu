@@ -53,6 +53,12 @@ __global__ void TraceKernel(const TraceParams params) {
     float* weights = rec.weights + step * rec.block_k;
     for (int j = lane; j < n; j += 32) {
       const int64_t key = key_begin + j;
+      // What the score of the key is made of besides q·k, hidden keys too: the bias the
+      // transform adds, and what hides the key.
+      if (rec.biases != nullptr) {
+        rec.biases[step * rec.block_k + j] = transform.Bias(static_cast<float>(distance - key));
+      }
+      if (rec.hidden != nullptr) rec.hidden[step * rec.block_k + j] = p.geometry.HiddenBy(row, key);
       const float scaled = p.scale * Dot(p, query_offset, kv_offset + key * p.pitch);
       // The scaled score before the transform, every key.
       if (rec.scaled_scores != nullptr) rec.scaled_scores[step * rec.block_k + j] = scaled;

@@ -35,6 +35,7 @@
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/make_backend.h"
 #include "kernels/problem.h"
 #include "server/request.h"
 #include "server/response.h"
@@ -487,7 +488,7 @@ void FuzzTrace(const v1::TraceRequest& request) {
         Fail(absl::StrFormat("Trace ended early: row (%d, %d, %d) has %d of %d steps, %s",
                              row.batch, row.head, row.row, tile, tiles, Describe(p)));
       }
-      EncodeTraceItem(p, item, &event);
+      EncodeTraceItem(item, &event);
       const bool is_step = std::holds_alternative<TraceStep>(item);
       if (is_step != (tile < tiles)) {
         Fail(absl::StrFormat(

@@ -1,4 +1,4 @@
-#include "kernels/backend.h"
+#include "kernels/make_backend.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
