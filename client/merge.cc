@@ -9,13 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
-// The kernels' header brings their eight-lane vector helpers (kernels/lanes.h), always inlined,
-// so that their calling convention never matters (attn_kernels builds with -Wno-psabi too); this
-// file uses only the scalar Merge.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
 #include "kernels/online_softmax.h"
-#pragma GCC diagnostic pop
 
 namespace attn::client {
 namespace {

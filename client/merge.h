@@ -6,7 +6,7 @@
 // A finished row of one part is its output O (already divided by its denominator) and its
 // log-sum-exp lse. Read as an online-softmax state (kernels/online_softmax.h) it is
 // {max = lse, denominator = 1, accumulator = O}: Σ exp(s − lse) = 1 over its keys and
-// Σ exp(s − lse)·v = O. Merging such states with OnlineSoftmaxRow::MergeInto — the same rule that
+// Σ exp(s − lse)·v = O. Merging such states with OnlineSoftmax::MergeInto — the same rule that
 // combines key tiles inside a kernel — gives, for every row,
 //   lse = log Σᵢ exp(lseᵢ),   O = Σᵢ exp(lseᵢ − lse) · Oᵢ,
 // with every exponent taken against the running max, so nothing overflows. A part whose row saw

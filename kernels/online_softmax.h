@@ -19,9 +19,9 @@
 // so a row's keys may be split over tiles, threads, chunks or servers and the parts combined.
 //
 // Who holds a row. A tile's scores of one row may be spread over the threads that share the
-// row: one CPU thread (whose eight vector lanes VisitTile reduces itself), the four lanes of a
-// quad (the tensor-core kernel), a warp, a block. The Reduce policy — Max and Sum of one float
-// over those threads, every thread getting the result — is the only thing that varies:
+// row: one CPU thread (whose eight or sixteen vector lanes VisitTile reduces itself), the four
+// lanes of a quad (the tensor-core kernel), a warp, a block. The Reduce policy — Max and Sum of one
+// float over those threads, every thread getting the result — is the only thing that varies:
 // SerialReduce below, the shuffle and block reductions in kernels/cuda/reduce.h. Every thread
 // of a row holds the row's max (Rescale reduces it). `denominator` is this thread's share: the
 // sum of the weights this thread added, rescaled like the whole; Finish() adds the shares once,

@@ -14,12 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "client/cli/render.h"
 #include "client/merge.h"
-// The kernels' header brings their eight-lane vector helpers (kernels/lanes.h), always inlined;
-// this file uses only the scalar Merge (as client/merge.cc does).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
 #include "kernels/online_softmax.h"
-#pragma GCC diagnostic pop
 
 namespace attn::cli {
 namespace {

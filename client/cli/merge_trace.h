@@ -7,7 +7,7 @@
 // its last TileStep's {max_after, denominator, accumulator} (a row that sees no key of the slice
 // has no step: max −inf, denominator 0, accumulator zeros) with its RowDone's lse. The states then
 // merge one server at a time into a running state that starts empty, with the one merge rule,
-// OnlineSoftmaxRow::Merge (kernels/online_softmax.h): m_new = max(m_running, m_part), the running
+// OnlineSoftmax::MergeInto (kernels/online_softmax.h): m_new = max(m_running, m_part), the running
 // state rescaled by exp(m_running − m_new), the part's by exp(m_part − m_new), denominators and
 // accumulators added; after each step the estimate is accumulator / denominator. The final
 // estimate is compared with a float64 reference computed here from the request's own query, key

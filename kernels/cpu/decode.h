@@ -9,7 +9,7 @@
 // never copied to fp32), a tile of kDecodeTile keys at a time through the online-softmax step of
 // online_softmax.h, as one stream (the prefetching runs on across chunk boundaries), and leaves
 // each chunk's state {max, denominator, accumulator} for each row. A second pass
-// merges each row's chunk states in chunk order with OnlineSoftmaxRow::MergeInto — exact: the same
+// merges each row's chunk states in chunk order with OnlineSoftmax::MergeInto — exact: the same
 // rule as a tile's — and writes output and lse as Tiled does. Rows see the keys their mask
 // leaves them (causal, window: kernels/geometry.h); chunks no row sees are never read.
 //
