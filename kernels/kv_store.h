@@ -48,23 +48,25 @@ class KvStore {
   // The pages as kernels read them, valid until the next Append or Truncate.
   virtual const PagedKv& pages() const = 0;
 
-  // Copies tokens [0, length) out to dense host tensors in the store's dtype, key
-  // [kv_heads, length, head_dim] and value [kv_heads, length, value_dim]: a snapshot for work
-  // that outlives the registry's hold on the cache (a trace's stream). Default: reads pages()
-  // on the host, for a store in host memory; a device store overrides it (and may fail).
-  virtual absl::Status CopyOut(int64_t length, void* key, void* value) const {
+  // Copies tokens [begin, end) out to dense host tensors in the store's dtype, key
+  // [kv_heads, end − begin, head_dim] and value [kv_heads, end − begin, value_dim]
+  // (0 ≤ begin ≤ end ≤ length()): a snapshot for work that outlives the registry's hold on the
+  // cache (a trace's stream), a chunk of an export, a record of the cache's file. Default: reads
+  // pages() on the host, for a store in host memory; a device store overrides it (and may fail).
+  virtual absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const {
     const KvLayout& l = layout();
     const PagedKv& p = pages();
     const int64_t element = ElementSize(l.dtype);
     const int64_t tokens_per_page = page_tokens();
+    const int64_t n = end - begin;
     for (int64_t h = 0; h < l.kv_heads; ++h) {
-      for (int64_t t = 0; t < length; t += tokens_per_page - t % tokens_per_page) {
-        const int64_t run = std::min(length, t - t % tokens_per_page + tokens_per_page) - t;
-        std::memcpy(static_cast<char*>(key) + (h * length + t) * l.head_dim * element,
+      for (int64_t t = begin; t < end; t += tokens_per_page - t % tokens_per_page) {
+        const int64_t run = std::min(end, t - t % tokens_per_page + tokens_per_page) - t;
+        std::memcpy(static_cast<char*>(key) + (h * n + t - begin) * l.head_dim * element,
                     static_cast<const char*>(p.KeyPage(t)) +
                         p.ElementOffsetInPage(h, t, l.head_dim) * element,
                     run * l.head_dim * element);
-        std::memcpy(static_cast<char*>(value) + (h * length + t) * l.value_dim * element,
+        std::memcpy(static_cast<char*>(value) + (h * n + t - begin) * l.value_dim * element,
                     static_cast<const char*>(p.ValuePage(t)) +
                         p.ElementOffsetInPage(h, t, l.value_dim) * element,
                     run * l.value_dim * element);

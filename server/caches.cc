@@ -4,11 +4,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <optional>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/caches_internal.h"
+#include "server/value_scan.h"
 
 namespace attn {
 namespace {
@@ -19,6 +23,12 @@ constexpr size_t kRememberedExpired = 1 << 16;  // Expired ids kept for their NO
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t WallNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
@@ -41,34 +51,6 @@ absl::StatusOr<std::string> NewId() {
 
 }  // namespace
 
-struct CacheRegistry::Entry {
-  Entry(CacheRegistry& registry, std::string id, std::string owner, int64_t serial,
-        std::unique_ptr<KvStore> store)
-      : registry(registry),
-        id(std::move(id)),
-        owner(std::move(owner)),
-        serial(serial),
-        store(std::move(store)),
-        last_used_ns(NowNs()) {}
-  // The last lease has ended and the registry has let go: the pages go back to the budget.
-  ~Entry() { registry.Release(reserved_bytes); }
-
-  CacheRegistry& registry;
-  const std::string id, owner;
-  const int64_t serial;
-
-  std::mutex mutex;  // Held by a Lease: guards store, reserved_bytes and the maxima.
-  std::unique_ptr<KvStore> store;
-  int64_t reserved_bytes = 0;  // Of the registry's budget: store->BytesFor(length).
-  double max_abs_key = 0, max_abs_value = 0;
-
-  // Readable without the mutex (Describe, List, metrics, expiry).
-  std::atomic<int64_t> length{0};
-  std::atomic<int64_t> bytes{0};
-  std::atomic<int64_t> last_used_ns;
-  std::atomic<int> leases{0};
-};
-
 namespace {
 
 // Past this an idle limit is "never" in all but name; capping it keeps the sweep's nanosecond
@@ -85,6 +67,7 @@ CacheLimits Capped(CacheLimits limits) {
 CacheRegistry::CacheRegistry(Backend& backend, CacheLimits limits)
     : backend_(backend), limits_(Capped(limits)) {
   if (limits_.idle_seconds > 0) sweeper_ = std::thread([this] { Sweep(); });
+  if (persistent()) writer_ = std::thread([this] { WriteBehind(); });
 }
 
 CacheRegistry::~CacheRegistry() {
@@ -94,6 +77,13 @@ CacheRegistry::~CacheRegistry() {
   }
   wake_.notify_all();
   if (sweeper_.joinable()) sweeper_.join();
+  if (writer_.joinable()) writer_.join();
+  if (persistent()) {
+    if (absl::Status flushed = Flush(/*shutdown=*/true); !flushed.ok()) {
+      std::fprintf(stderr, "attnd: caches not all on disk at exit: %s\n",
+                   std::string(flushed.message()).c_str());
+    }
+  }
   std::map<std::string, std::shared_ptr<Entry>> entries;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -126,28 +116,56 @@ absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
   const int64_t first_page = (*store)->BytesFor(1);
   absl::StatusOr<std::string> id = NewId();
   if (!id.ok()) return id.status();
-  std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this server holds ", entries_.size(), " caches, its --max-caches=", limits_.max_caches,
-          "; delete caches you no longer need"));
-    }
     if (first_page > limits_.budget_bytes - reserved_bytes_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "a cache's first page takes ", first_page,
           " bytes and this server's --cache-bytes=", limits_.budget_bytes, " has ",
           limits_.budget_bytes - reserved_bytes_, " left; delete caches you no longer need"));
     }
-    entry = std::make_shared<Entry>(*this, *id, owner, created_++, *std::move(store));
-    entries_.emplace(*id, entry);
+  }
+  auto entry = std::make_shared<Entry>(*this, *id, owner, 0, WallNs(), *std::move(store), NowNs());
+  if (persistent()) {
+    if (absl::Status file = CreateFile(*entry); !file.ok()) return file;
+  }
+  if (absl::Status inserted = Insert(entry, /*new_id_if_taken=*/false); !inserted.ok()) {
+    if (entry->file != nullptr) entry->file->Remove();
+    return inserted;
   }
   CacheDescription description;
   description.id = entry->id;
   description.layout = layout;
   description.page_tokens = entry->store->page_tokens();
+  if (persistent()) description.durable_length = 0;
   return description;
+}
+
+absl::Status CacheRegistry::Insert(std::shared_ptr<Entry> entry, bool new_id_if_taken) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this server holds ", entries_.size(), " caches, its --max-caches=", limits_.max_caches,
+        "; delete caches you no longer need"));
+  }
+  if (entries_.count(entry->id) != 0) {
+    if (!new_id_if_taken) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("cache ", entry->id,
+                       " already exists on this server; import with a new id "
+                       "(CacheChunk.new_id_if_taken) or delete it first"));
+    }
+    if (entry->file != nullptr) {
+      return absl::InternalError("a persisted cache cannot change its id");  // Never reached.
+    }
+    absl::StatusOr<std::string> id = NewId();
+    if (!id.ok()) return id.status();
+    entry->id = *id;
+  }
+  entry->serial = created_++;
+  moved_.erase(entry->id);
+  entries_.emplace(entry->id, std::move(entry));
+  return absl::OkStatus();
 }
 
 std::shared_ptr<CacheRegistry::Entry> CacheRegistry::Find(const std::string& owner,
@@ -160,6 +178,14 @@ std::shared_ptr<CacheRegistry::Entry> CacheRegistry::Find(const std::string& own
     if (lease) found->second->leases.fetch_add(1);  // A cache someone waits for is not idle.
     return found->second;
   }
+  const auto moved = moved_.find(id);
+  if (moved != moved_.end() && moved->second.first == owner) {
+    *status = absl::NotFoundError(absl::StrCat(field, ": cache ", id,
+                                               " was handed to another server while this one "
+                                               "drained; moved_to=",
+                                               moved->second.second));
+    return nullptr;
+  }
   const auto expired = expired_.find(id);
   if (expired != expired_.end() && expired->second == owner) {
     *status = absl::NotFoundError(absl::StrCat(field, ": cache ", id, " expired after ",
@@ -167,9 +193,9 @@ std::shared_ptr<CacheRegistry::Entry> CacheRegistry::Find(const std::string& own
                                                " s unused (--cache-idle-seconds); create a new "
                                                "one and append its tokens again"));
   } else {
-    *status = absl::NotFoundError(
-        absl::StrCat(field, ": no cache \"", id.substr(0, 64),
-                     "\" (unknown, deleted, or lost in a server restart: caches live in memory)"));
+    *status = absl::NotFoundError(absl::StrCat(
+        field, ": no cache \"", id.substr(0, 64),
+        "\" (unknown, deleted, or lost in a restart of a server without --cache-dir)"));
   }
   return nullptr;
 }
@@ -178,14 +204,15 @@ void CacheRegistry::Touch(Entry& entry) { entry.last_used_ns.store(NowNs()); }
 
 namespace {
 
-CacheDescription DescriptionOf(const std::string& id, const KvStore& store, int64_t length,
-                               int64_t bytes) {
+CacheDescription DescriptionOf(const CacheRegistry::Entry& entry, int64_t length, int64_t bytes,
+                               bool persistent) {
   CacheDescription description;
-  description.id = id;
-  description.layout = store.layout();
+  description.id = entry.id;
+  description.layout = entry.store->layout();
   description.length = length;
   description.bytes = bytes;
-  description.page_tokens = store.page_tokens();
+  description.page_tokens = entry.store->page_tokens();
+  if (persistent) description.durable_length = std::min(length, entry.durable.load());
   return description;
 }
 
@@ -197,7 +224,7 @@ absl::StatusOr<CacheDescription> CacheRegistry::Describe(const std::string& owne
   std::shared_ptr<Entry> entry = Find(owner, id, "cache_id", &status);
   if (entry == nullptr) return status;
   Touch(*entry);
-  return DescriptionOf(entry->id, *entry->store, entry->length.load(), entry->bytes.load());
+  return DescriptionOf(*entry, entry->length.load(), entry->bytes.load(), persistent());
 }
 
 absl::Status CacheRegistry::Delete(const std::string& owner, const std::string& id) {
@@ -215,6 +242,7 @@ absl::Status CacheRegistry::Delete(const std::string& owner, const std::string& 
     Find(owner, id, "cache_id", &status);
     return status;
   }
+  RemoveFile(*entry);
   return absl::OkStatus();  // The memory goes when the last lease on it ends (entry's release).
 }
 
@@ -231,7 +259,7 @@ std::vector<CacheDescription> CacheRegistry::List(const std::string& owner) {
   std::vector<CacheDescription> descriptions;
   for (const auto& entry : mine) {
     descriptions.push_back(
-        DescriptionOf(entry->id, *entry->store, entry->length.load(), entry->bytes.load()));
+        DescriptionOf(*entry, entry->length.load(), entry->bytes.load(), persistent()));
   }
   return descriptions;
 }
@@ -310,17 +338,22 @@ double CacheRegistry::Lease::max_abs_key() const { return entry_->max_abs_key; }
 double CacheRegistry::Lease::max_abs_value() const { return entry_->max_abs_value; }
 
 CacheDescription CacheRegistry::Lease::Describe() const {
-  return DescriptionOf(entry_->id, *entry_->store, entry_->store->length(), entry_->store->bytes());
+  return DescriptionOf(*entry_, entry_->store->length(), entry_->store->bytes(),
+                       registry_->persistent());
 }
 
-absl::Status CacheRegistry::Lease::CopyOut(void* key, void* value) const {
-  return entry_->store->CopyOut(entry_->store->length(), key, value);
+absl::Status CacheRegistry::Lease::CopyOut(int64_t begin, int64_t end, void* key,
+                                           void* value) const {
+  return entry_->store->CopyOut(begin, end, key, value);
 }
 
 absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorView& value, int64_t n,
                                           double max_abs_key, double max_abs_value) {
   Entry& entry = *entry_;
   KvStore& store = *entry.store;
+  if (absl::Status disk = registry_->ReserveDisk(entry, store.length() + n); !disk.ok()) {
+    return disk;
+  }
   const int64_t needed = store.BytesFor(store.length() + n);
   const int64_t more = needed - entry.reserved_bytes;
   if (more > 0) {
@@ -338,6 +371,10 @@ absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorVie
 
 void CacheRegistry::Lease::Commit() {
   Entry& entry = *entry_;
+  if (entry.store->length() > length_at_start_ && entry.file != nullptr) {
+    int64_t clean = 0;
+    entry.dirty_since_ns.compare_exchange_strong(clean, NowNs());
+  }
   length_at_start_ = entry.store->length();
   max_abs_key_at_start_ = entry.max_abs_key;
   max_abs_value_at_start_ = entry.max_abs_value;
@@ -377,6 +414,7 @@ void CacheRegistry::Sweep() {
           expired_.erase(expired_order_.front());
           expired_order_.pop_front();
         }
+        RemoveFile(entry);
         dropped.push_back(std::move(it->second));
         it = entries_.erase(it);
       } else {
@@ -387,6 +425,137 @@ void CacheRegistry::Sweep() {
     dropped.clear();
     lock.lock();
   }
+}
+
+absl::StatusOr<CacheRegistry::Import> CacheRegistry::BeginImport(const std::string& owner,
+                                                                 const std::string& id,
+                                                                 const std::string& field,
+                                                                 const KvLayout& layout,
+                                                                 bool new_id_if_taken) {
+  const bool well_formed = id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
+                             return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f');
+                           });
+  if (!well_formed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", id.substr(0, 64),
+                     "\" is not a cache id (32 lowercase hex digits, as ExportCache sends)"));
+  }
+  absl::StatusOr<std::unique_ptr<KvStore>> store = backend_.CreateKvStore(layout);
+  if (!store.ok()) return store.status();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this server holds ", entries_.size(), " caches, its --max-caches=", limits_.max_caches,
+          "; delete caches you no longer need"));
+    }
+    if (!new_id_if_taken && entries_.count(id) != 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat(field, ": cache ", id,
+                       " already exists on this server; import with a new id "
+                       "(CacheChunk.new_id_if_taken) or delete it first"));
+    }
+  }
+  auto entry = std::make_shared<Entry>(*this, id, owner, 0, WallNs(), *std::move(store), NowNs());
+  return Import(this, std::move(entry), new_id_if_taken);
+}
+
+CacheRegistry::Import::Import(CacheRegistry* registry, std::shared_ptr<Entry> entry,
+                              bool new_id_if_taken)
+    : registry_(registry), entry_(std::move(entry)), new_id_if_taken_(new_id_if_taken) {
+  entry_->leases.fetch_add(1);  // The Lease's, given back when it ends.
+  lease_.emplace(Lease(registry_, entry_));
+}
+
+CacheRegistry::Import::~Import() = default;  // The lease rolls back what was not finished.
+
+const KvLayout& CacheRegistry::Import::layout() const { return lease_->layout(); }
+int64_t CacheRegistry::Import::length() const { return lease_->length(); }
+
+absl::Status CacheRegistry::Import::Append(const void* key, const void* value, int64_t n,
+                                           const std::string& field) {
+  return AppendStored(*lease_, key, value, n, field);
+}
+
+absl::Status CacheRegistry::AppendStored(Lease& lease, const void* key, const void* value,
+                                         int64_t n, const std::string& field) {
+  const KvLayout& layout = lease.layout();
+  const ValueScan keys = ScanValues(key, layout.dtype, layout.kv_heads * n * layout.head_dim);
+  const ValueScan values = ScanValues(value, layout.dtype, layout.kv_heads * n * layout.value_dim);
+  for (const auto& [scan, what] : {std::pair{keys, "key"}, std::pair{values, "value"}}) {
+    if (scan.first_non_finite >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": a ", what, " element is ", scan.non_finite_value, " (element ",
+                       scan.first_non_finite, " of the ", n, " tokens at ", lease.length(),
+                       "); a cache holds finite values only"));
+    }
+  }
+  return lease.Append(TensorView{key, layout.dtype}, TensorView{value, layout.dtype}, n,
+                      keys.max_abs, values.max_abs);
+}
+
+absl::StatusOr<CacheDescription> CacheRegistry::Import::Finish() {
+  Entry& entry = *entry_;
+  // Pick the id first (a file is named by it), then write the file's header and reserve its
+  // blocks, then show the cache: a failure at any step leaves nothing behind.
+  {
+    std::lock_guard<std::mutex> lock(registry_->mutex_);
+    if (registry_->entries_.count(entry.id) != 0) {
+      if (!new_id_if_taken_) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("cache ", entry.id,
+                         " already exists on this server; import with a new id "
+                         "(CacheChunk.new_id_if_taken) or delete it first"));
+      }
+      absl::StatusOr<std::string> id = NewId();
+      if (!id.ok()) return id.status();
+      entry.id = *id;
+    }
+  }
+  if (registry_->persistent()) {
+    if (absl::Status file = registry_->CreateFile(entry); !file.ok()) return file;
+    if (absl::Status disk = registry_->ReserveDisk(entry, entry.store->length()); !disk.ok()) {
+      entry.file->Remove();
+      return disk;
+    }
+  }
+  lease_->Commit();
+  if (entry.file != nullptr && entry.store->length() > 0) entry.dirty_since_ns.store(NowNs());
+  if (absl::Status inserted = registry_->Insert(entry_, /*new_id_if_taken=*/false);
+      !inserted.ok()) {
+    if (entry.file != nullptr) entry.file->Remove();
+    return inserted;
+  }
+  CacheDescription description = lease_->Describe();
+  lease_.reset();
+  return description;
+}
+
+void CacheRegistry::MarkMoved(const std::string& owner, const std::string& id,
+                              const std::string& target) {
+  std::shared_ptr<Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = entries_.find(id);
+    if (found == entries_.end() || found->second->owner != owner) return;
+    entry = std::move(found->second);
+    entries_.erase(found);
+    moved_[id] = {owner, target};
+  }
+  RemoveFile(*entry);
+}
+
+std::vector<std::pair<std::string, std::string>> CacheRegistry::AllCaches() const {
+  std::vector<std::shared_ptr<Entry>> all;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, entry] : entries_) all.push_back(entry);
+  }
+  std::sort(all.begin(), all.end(),
+            [](const auto& a, const auto& b) { return a->serial < b->serial; });
+  std::vector<std::pair<std::string, std::string>> caches;
+  for (const auto& entry : all) caches.emplace_back(entry->owner, entry->id);
+  return caches;
 }
 
 int64_t CacheRegistry::caches() const {

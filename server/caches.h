@@ -19,9 +19,19 @@
 // - One call may hold several caches (AcquireAll, a Decode batch): they are taken in id order,
 //   so two calls naming the same caches cannot deadlock, and their appends are all or nothing
 //   together (LeaseGroup).
+// - With a directory (attnd --cache-dir) every cache is also a file there (server/cache_file.h),
+//   written behind the memory by one thread at most `sync_seconds` late and fsynced; Restore
+//   reads them back at start (ids, owners, layouts, the verified prefix of the tokens), Flush
+//   writes everything at a clean shutdown. A deleted or expired cache's file is removed. An
+//   append reserves its disk blocks before it changes anything, so a full disk refuses it
+//   (RESOURCE_EXHAUSTED naming the directory) and memory stays a prefix-extension of the disk.
+//   caches_disk.cc holds this part.
+// - Import builds a cache out of sight and shows it only once whole (ImportCache); a cache
+//   handed to another server (MarkMoved) answers NOT_FOUND ending "moved_to=HOST:PORT".
 // Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -29,6 +39,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -46,6 +57,8 @@ struct CacheLimits {
   int64_t budget_bytes = 0;                // Pages of all caches together (> 0).
   int64_t idle_seconds = 0;                // An unused cache lives this long; 0 = forever.
   int64_t max_caches = kDefaultMaxCaches;  // Caches alive at once (> 0).
+  std::string dir = "";                    // --cache-dir; empty: caches live in memory only.
+  int64_t sync_seconds = 1;                // --cache-sync-seconds: the disk's lag, at most.
 };
 
 // What a client sees of a cache (attention.v1.CacheInfo).
@@ -55,12 +68,14 @@ struct CacheDescription {
   int64_t length = 0;
   int64_t bytes = 0;
   int64_t page_tokens = 0;
+  std::optional<int64_t> durable_length;  // Tokens on disk; only with a directory.
+  std::optional<uint32_t> crc32c;         // Of the tokens (an import's answer only).
 };
 
 class CacheRegistry {
-  struct Entry;
-
  public:
+  struct Entry;  // One cache (server/caches_internal.h): opaque outside the registry's files.
+
   // The backend makes the stores and must outlive the registry.
   CacheRegistry(Backend& backend, CacheLimits limits);
   ~CacheRegistry();
@@ -91,8 +106,8 @@ class CacheRegistry {
     double max_abs_key() const;
     double max_abs_value() const;
     CacheDescription Describe() const;
-    // Copies the tokens out to dense host tensors (KvStore::CopyOut).
-    absl::Status CopyOut(void* key, void* value) const;
+    // Copies tokens [begin, end) out to dense host tensors (KvStore::CopyOut).
+    absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const;
 
     // Appends n tokens (dense host tensors, any dtype) whose largest magnitudes are given,
     // within the registry's budget (RESOURCE_EXHAUSTED naming --cache-bytes). All or nothing.
@@ -156,10 +171,60 @@ class CacheRegistry {
   absl::StatusOr<KvLayout> LayoutOf(const std::string& owner, const std::string& id,
                                     const std::string& field);
 
-  // For metrics: caches, tokens and bytes in use now.
+  // A cache built from another server's export (ImportCache): invisible until Finish.
+  class Import {
+   public:
+    Import(Import&&) = default;
+    Import& operator=(Import&&) = delete;
+    ~Import();  // Without Finish: the tokens and their budget are given back.
+    const KvLayout& layout() const;
+    int64_t length() const;
+    // Appends n tokens, dense in the cache's dtype ([kv_heads, n, head_dim] and
+    // [kv_heads, n, value_dim]), within the budget (as Lease::Append). INVALID_ARGUMENT naming
+    // `field` when one is not finite.
+    absl::Status Append(const void* key, const void* value, int64_t n, const std::string& field);
+    // Shows the cache: under the id asked for when it is free, else ALREADY_EXISTS or (with
+    // new_id_if_taken) a new one; RESOURCE_EXHAUSTED at --max-caches or a full disk.
+    absl::StatusOr<CacheDescription> Finish();
+
+   private:
+    friend class CacheRegistry;
+    Import(CacheRegistry* registry, std::shared_ptr<Entry> entry, bool new_id_if_taken);
+    CacheRegistry* registry_;
+    std::shared_ptr<Entry> entry_;
+    std::optional<Lease> lease_;
+    bool new_id_if_taken_;
+  };
+  // An Import of a cache named `id` (32 lowercase hex digits, as this server draws them;
+  // INVALID_ARGUMENT naming `field` otherwise) with `layout`, owned by `owner`.
+  absl::StatusOr<Import> BeginImport(const std::string& owner, const std::string& id,
+                                     const std::string& field, const KvLayout& layout,
+                                     bool new_id_if_taken);
+
+  // The cache now lives at `target` (attnd --drain-to): it is dropped here, and calls naming it
+  // get NOT_FOUND ending "moved_to=<target>".
+  void MarkMoved(const std::string& owner, const std::string& id, const std::string& target);
+  // Every cache's (owner, id), oldest first: what a drain hands over.
+  std::vector<std::pair<std::string, std::string>> AllCaches() const;
+
+  // Persistence (caches_disk.cc). Restore reads the directory's caches in; call it once, before
+  // the server serves. It returns a line per cache restored or damaged (for the log), or the
+  // error that keeps the server from starting (an unreadable directory, caches over the budget).
+  bool persistent() const { return !limits_.dir.empty(); }
+  absl::StatusOr<std::vector<std::string>> Restore();
+  // Writes and fsyncs everything not yet on disk (the writer thread's pass, with every cache
+  // waited for). At a clean shutdown, also gives back preallocated blocks.
+  absl::Status Flush(bool shutdown = false);
+
+  // For metrics: caches, tokens and bytes in use now; bytes on disk, the disk's lag behind the
+  // memory (seconds since the oldest append not yet durable; 0 when none) and the wall-clock
+  // time of the last flush (seconds since the epoch, 0 before the first).
   int64_t caches() const;
   int64_t tokens() const;
   int64_t bytes() const;
+  int64_t disk_bytes() const;
+  double disk_lag_seconds() const;
+  double last_flush_seconds() const;
 
  private:
   // The owner's entry, or null with *status NOT_FOUND. With `lease`, counts a lease on it
@@ -172,6 +237,20 @@ class CacheRegistry {
   // fit) or gives back -bytes.
   absl::Status Reserve(int64_t bytes);
   void Release(int64_t bytes);
+  // Adds a built entry under its id (or a new one when taken and `new_id_if_taken`).
+  absl::Status Insert(std::shared_ptr<Entry> entry, bool new_id_if_taken);
+  // caches_disk.cc: the file of a new cache; the writer's loop and one pass of it.
+  absl::Status CreateFile(Entry& entry);
+  // Reserves the disk blocks for `tokens` tokens of the entry's file (a no-op without one);
+  // RESOURCE_EXHAUSTED naming the directory when the disk is full or the writer is failing.
+  absl::Status ReserveDisk(Entry& entry, int64_t tokens);
+  void RemoveFile(Entry& entry);
+  // Appends tokens as they come from a file or an export (dense, the store's dtype), with their
+  // maxima: INVALID_ARGUMENT naming `field` when one is not finite.
+  static absl::Status AppendStored(Lease& lease, const void* key, const void* value, int64_t n,
+                                   const std::string& field);
+  void WriteBehind();
+  absl::Status WritePass(bool wait_for_every_cache);
 
   Backend& backend_;
   const CacheLimits limits_;
@@ -179,11 +258,17 @@ class CacheRegistry {
   std::map<std::string, std::shared_ptr<Entry>> entries_;  // By id.
   std::deque<std::string> expired_order_;                  // Bounded memory of expired ids.
   std::map<std::string, std::string> expired_;             // Expired id → owner.
-  int64_t reserved_bytes_ = 0;                             // Pages of all live caches.
-  int64_t created_ = 0;                                    // For List's oldest-first order.
+  std::map<std::string, std::pair<std::string, std::string>> moved_;  // id → (owner, target).
+  int64_t reserved_bytes_ = 0;                                        // Pages of all live caches.
+  int64_t created_ = 0;  // For List's oldest-first order.
   bool stopping_ = false;
   std::condition_variable wake_;
   std::thread sweeper_;
+  // Persistence: the writer thread and what the metrics read.
+  std::mutex write_mutex_;  // One pass at a time (the thread's, a Flush).
+  std::thread writer_;
+  std::atomic<int64_t> last_flush_ns_{0};
+  std::atomic<bool> disk_failed_{false};
 };
 
 }  // namespace attn

@@ -68,6 +68,18 @@ ABSL_FLAG(int64_t, cache_bytes, 0,
 ABSL_FLAG(int64_t, cache_idle_seconds, 3600,
           "A KV cache unused this long is dropped (later calls: NOT_FOUND, expired); 0 = never "
           "(as is anything past 2^31).");
+ABSL_FLAG(std::string, cache_dir, "",
+          "Keep every KV cache on disk in this directory too (created if missing): appends are "
+          "written behind, at most --cache-sync-seconds late, and fsynced; a SIGTERM flushes "
+          "everything; a start restores every cache before serving. Empty = memory only (a "
+          "restart loses the caches).");
+ABSL_FLAG(int64_t, cache_sync_seconds, 1,
+          "With --cache-dir: how far the disk may lag the memory, seconds (≥ 1); a crash loses at "
+          "most the appends of the last this many seconds, which clients re-send.");
+ABSL_FLAG(std::string, drain_to, "",
+          "On SIGTERM, once the calls in flight have answered, move every KV cache to the attnd "
+          "at this host:port (plaintext gRPC, this server's bearer token) before exiting; calls "
+          "naming a moved cache get NOT_FOUND ending moved_to=host:port. Empty = none.");
 ABSL_FLAG(int, shutdown_grace, 30,
           "Seconds in-flight calls get to finish after SIGTERM/SIGINT (a second signal exits at "
           "once).");
@@ -139,6 +151,15 @@ absl::StatusOr<AttndConfig> ConfigFromFlags() {
   service.caches.idle_seconds = absl::GetFlag(FLAGS_cache_idle_seconds);
   if (service.caches.budget_bytes < 0) return bad("--cache-bytes must be ≥ 0");
   if (service.caches.idle_seconds < 0) return bad("--cache-idle-seconds must be ≥ 0");
+  service.caches.dir = absl::GetFlag(FLAGS_cache_dir);
+  while (service.caches.dir.size() > 1 && service.caches.dir.back() == '/') {
+    service.caches.dir.pop_back();
+  }
+  service.caches.sync_seconds = absl::GetFlag(FLAGS_cache_sync_seconds);
+  if (service.caches.sync_seconds < 1 || service.caches.sync_seconds > 86400) {
+    return bad("--cache-sync-seconds must be in [1, 86400]");
+  }
+  config.drain_to = absl::GetFlag(FLAGS_drain_to);
   config.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace);
   if (config.shutdown_grace_seconds < 0) return bad("--shutdown-grace must be ≥ 0");
 
@@ -153,6 +174,14 @@ absl::StatusOr<AttndConfig> ConfigFromFlags() {
                          config.listen);
   if (!security.ok()) return security.status();
   config.security = *std::move(security);
+  // A moved cache belongs to whoever imports it: under mutual TLS that would be this server's
+  // certificate, not the cache's owner. Until a peer can vouch for owners, refuse the pair.
+  if (!config.drain_to.empty() && !absl::GetFlag(FLAGS_tls_client_ca).empty()) {
+    return bad("--drain-to cannot be used with --tls-client-ca (a moved cache would change owner)");
+  }
+  if (!config.drain_to.empty() && !absl::GetFlag(FLAGS_tls_cert).empty()) {
+    return bad("--drain-to speaks plaintext gRPC to its peer; it cannot be used with --tls-cert");
+  }
 
   config.backend = {.device = absl::GetFlag(FLAGS_device),
                     .threads = absl::GetFlag(FLAGS_threads),

@@ -32,6 +32,7 @@ struct AttndConfig {
   ServiceConfig service;
   int64_t max_health_watches = 0;  // --max-health-watches, ≥ 1.
   int shutdown_grace_seconds = 0;  // --shutdown-grace, ≥ 0.
+  std::string drain_to;            // --drain-to: the peer a drain hands the caches to; "" = none.
   ServerSecurity security;         // From the TLS, token and --insecure flags, for --listen.
   GatewayConfig gateway;           // --http-cors-origin, with security's token and message limit.
 };

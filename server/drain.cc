@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <thread>
 
+#include "server/handover.h"
+
 namespace attn {
 namespace {
 
@@ -29,6 +31,9 @@ absl::Status CatchShutdownSignals() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  // A write past a file-size limit (ulimit -f) must fail with EFBIG, which the cache files report
+  // as a full disk, not kill the process with every cache in it.
+  signal(SIGXFSZ, SIG_IGN);
   return absl::OkStatus();
 }
 
@@ -39,7 +44,8 @@ int WaitForShutdownSignal() {
   return byte;
 }
 
-void Drain(RunningServer& server, int signal, int grace_seconds) {
+void Drain(RunningServer& server, int signal, const AttndConfig& config) {
+  const int grace_seconds = config.shutdown_grace_seconds;
   std::printf("attnd: signal %d, draining (in-flight calls get %d s; signal again to exit now)\n",
               signal, grace_seconds);
   std::fflush(stdout);
@@ -63,6 +69,28 @@ void Drain(RunningServer& server, int signal, int grace_seconds) {
   // Calls that never reached a compute worker are answered now (UNAVAILABLE), before gRPC
   // cancels what is left; none may run once the server is gone.
   server.service.CancelQueued();
+  CacheRegistry& caches = server.service.caches();
+  if (!config.drain_to.empty()) {
+    const HandOverResult handed =
+        HandOverCaches(caches, config.drain_to, config.security.auth_token);
+    for (const std::string& line : handed.lines) std::printf("attnd: %s\n", line.c_str());
+    std::fflush(stdout);
+    if (handed.moved > 0) {
+      std::this_thread::sleep_until(
+          std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(2)));
+    }
+  }
+  if (caches.persistent()) {
+    const absl::Status flushed = caches.Flush(/*shutdown=*/true);
+    if (flushed.ok()) {
+      std::printf("attnd: caches flushed to --cache-dir=%s (%lld bytes)\n",
+                  caches.limits().dir.c_str(), static_cast<long long>(caches.disk_bytes()));
+    } else {
+      std::fprintf(stderr, "attnd: caches NOT all flushed to --cache-dir: %s\n",
+                   std::string(flushed.message()).c_str());
+    }
+    std::fflush(stdout);
+  }
   // Health Watch streams end now (after sending NOT_SERVING), so gRPC need not wait for them.
   server.health.Shutdown();
   server.grpc->Shutdown(deadline);

@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
 
   std::thread drainer([&] {
     const int signal = attn::WaitForShutdownSignal();
-    attn::Drain(server, signal, config->shutdown_grace_seconds);
+    attn::Drain(server, signal, *config);
   });
   server.grpc->Wait();
   drainer.join();

@@ -298,6 +298,19 @@ void AddServerGauges(MetricsRegistry& registry, const AttentionService& service,
   registry.AddGaugeCallback("attnd_cache_bytes",
                             "Memory the KV caches' pages take (of --cache-bytes), bytes.",
                             [&service] { return static_cast<double>(service.caches().bytes()); });
+  if (service.caches().persistent()) {
+    registry.AddGaugeCallback(
+        "attnd_cache_disk_bytes", "Bytes the KV caches' files take in --cache-dir.",
+        [&service] { return static_cast<double>(service.caches().disk_bytes()); });
+    registry.AddGaugeCallback(
+        "attnd_cache_disk_lag_seconds",
+        "How long the oldest append not yet durable in --cache-dir has waited (0: none waits).",
+        [&service] { return service.caches().disk_lag_seconds(); });
+    registry.AddGaugeCallback(
+        "attnd_cache_last_flush_seconds",
+        "When the KV caches were last written and fsynced to --cache-dir, seconds since the epoch.",
+        [&service] { return service.caches().last_flush_seconds(); });
+  }
   registry.AddGaugeCallback("attnd_host_memory_rss_bytes",
                             "Resident memory of the attnd process (/proc/self/statm), bytes.",
                             [] { return static_cast<double>(ProcessResidentBytes()); });

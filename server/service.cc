@@ -304,6 +304,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_max_caches(caches_.limits().max_caches);
   response->set_max_inflight_bytes(queue_.limits().max_inflight_bytes);
   response->set_trace_idle_seconds(trace_watch_.idle_seconds());
+  response->set_cache_persistent(caches_.persistent());
+  if (caches_.persistent()) response->set_cache_sync_seconds(caches_.limits().sync_seconds);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -90,6 +90,11 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
                                    const attention::v1::DecodeRequest* request,
                                    attention::v1::DecodeResponse* response) override;
+  grpc::ServerWriteReactor<attention::v1::CacheChunk>* ExportCache(
+      grpc::CallbackServerContext* context,
+      const attention::v1::ExportCacheRequest* request) override;
+  grpc::ServerReadReactor<attention::v1::CacheChunk>* ImportCache(
+      grpc::CallbackServerContext* context, attention::v1::CacheInfo* response) override;
 
   // From now on every new call that computes or makes or grows a cache (Naive, Tiled, Trace,
   // CreateCache, AppendCache, Decode) is refused with UNAVAILABLE (the server is shutting down);
@@ -103,7 +108,9 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // opening, AppendCache, Decode) and no Trace stream is open (their answers handed to gRPC), or
   // until `deadline`; whether it got there. Thread-safe.
   bool WaitUntilIdle(std::chrono::system_clock::time_point deadline) const;
-  bool Idle() const { return queue_.queued() + queue_.running() + open_traces_.load() == 0; }
+  bool Idle() const {
+    return queue_.queued() + queue_.running() + open_traces_.load() + open_transfers_.load() == 0;
+  }
   const AdmissionLimits& admission() const { return queue_.limits(); }
 
   // Calls waiting for a compute worker, and computing on one now: Naive, Tiled, a Trace's
@@ -116,6 +123,7 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // Trace streams cancelled because their reader stopped reading (for metrics).
   int64_t idle_traces_cancelled() const { return trace_watch_.cancelled(); }
   const CacheRegistry& caches() const { return caches_; }
+  CacheRegistry& caches() { return caches_; }
 
  private:
   enum class Method { kNaive, kTiled };
@@ -148,6 +156,7 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   std::atomic<bool> loss_reported_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> open_traces_{0};
+  std::atomic<int64_t> open_transfers_{0};  // ExportCache and ImportCache streams.
   std::atomic<int64_t> snapshot_bytes_{0};  // Cache copies held by open traces.
   CacheRegistry caches_;     // Before queue_: queued work holds leases on its caches.
   StreamWatch trace_watch_;  // Before queue_: queued work opens trace streams.

@@ -1,12 +1,15 @@
 // AttentionService (service.h), its KV-cache handlers: CreateCache, AppendCache, GetCacheInfo,
-// DeleteCache and ListCaches, and Decode (a batch of one-step appends and attentions, each over
-// its own cache, all or nothing). The request checks are request.h's, the caches' rules
+// DeleteCache and ListCaches, Decode (a batch of one-step appends and attentions, each over
+// its own cache, all or nothing), and ExportCache and ImportCache (a cache as a stream of
+// chunks, cache_transfer.h). The request checks are request.h's, the caches' rules
 // caches.h's: these handlers order them, and queue what reads every element or changes a cache.
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/cache_transfer.h"
+#include "server/compute_queue.h"
 #include "server/response.h"
 #include "server/security.h"
 #include "server/service.h"
@@ -35,6 +38,105 @@ grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context) {
   return reactor;
 }
 
+// Counts one ExportCache or ImportCache stream among the open ones (a drain waits for them).
+class TransferCount {
+ public:
+  explicit TransferCount(std::atomic<int64_t>& open) : open_(open) { open_.fetch_add(1); }
+  ~TransferCount() { open_.fetch_sub(1); }
+  TransferCount(const TransferCount&) = delete;
+  TransferCount& operator=(const TransferCount&) = delete;
+
+ private:
+  std::atomic<int64_t>& open_;
+};
+
+// ExportCache's stream: one chunk per completed write (its flow control), each chunk's tokens
+// copied while the write before it is on its way.
+class ExportWriter final : public grpc::ServerWriteReactor<v1::CacheChunk> {
+ public:
+  ExportWriter(std::atomic<int64_t>& open, CacheExporter exporter)
+      : count_(open), exporter_(std::move(exporter)) {
+    WriteNext();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "export stream closed by the client"));
+      return;
+    }
+    WriteNext();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() {
+    RunGuarded(
+        [this] {
+          absl::StatusOr<bool> more = exporter_.Next(&chunk_);
+          if (!more.ok()) {
+            Finish(ToGrpcStatus(more.status()));
+          } else if (*more) {
+            StartWrite(&chunk_);
+          } else {
+            Finish(grpc::Status::OK);
+          }
+        },
+        [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); });
+  }
+
+  TransferCount count_;
+  CacheExporter exporter_;
+  v1::CacheChunk chunk_;
+};
+
+class FailedExport final : public grpc::ServerWriteReactor<v1::CacheChunk> {
+ public:
+  explicit FailedExport(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
+// ImportCache's stream: each chunk checked and added as it arrives; the cache appears when the
+// client has sent them all (CacheImporter::Finish). A failure ends the call at once, and the
+// tokens taken so far are given back.
+class ImportReader final : public grpc::ServerReadReactor<v1::CacheChunk> {
+ public:
+  ImportReader(std::atomic<int64_t>& open, CacheRegistry& caches, std::string owner,
+               v1::CacheInfo* response)
+      : count_(open), importer_(caches, std::move(owner)), response_(response) {
+    StartRead(&chunk_);
+  }
+  void OnReadDone(bool ok) override {
+    RunGuarded(
+        [this, ok] {
+          if (!ok) {  // The client has sent every chunk (or went away: then no one reads this).
+            absl::StatusOr<CacheDescription> cache = importer_.Finish();
+            if (cache.ok()) EncodeCacheInfo(*cache, response_);
+            Finish(cache.ok() ? grpc::Status::OK : ToGrpcStatus(cache.status()));
+            return;
+          }
+          if (absl::Status added = importer_.Add(chunk_, chunks_++); !added.ok()) {
+            Finish(ToGrpcStatus(added));
+            return;
+          }
+          StartRead(&chunk_);
+        },
+        [this](const absl::Status& status) { Finish(ToGrpcStatus(status)); });
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  TransferCount count_;
+  CacheImporter importer_;
+  v1::CacheInfo* response_;
+  v1::CacheChunk chunk_;
+  int64_t chunks_ = 0;
+};
+
+class FailedImport final : public grpc::ServerReadReactor<v1::CacheChunk> {
+ public:
+  explicit FailedImport(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerContext* context,
@@ -53,11 +155,12 @@ grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerContext* context,
                                                         const v1::AppendCacheRequest* request,
                                                         v1::CacheInfo* response) {
-  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
-  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
   const std::string owner = CallerIdentity(*context);
+  // The cache first: one a draining server handed over answers where it went (moved_to).
   const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
   if (!layout.ok()) return Failed(context, layout.status());
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
   const absl::StatusOr<NewTokens> tokens =
       ParseNewTokens("", TensorOrNull(request->has_key(), request->key()),
                      TensorOrNull(request->has_value(), request->value()), *layout, false);
@@ -143,9 +246,8 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
   if (absl::Status count = CheckDecodeItemCount(*request); !count.ok()) {
     return Failed(context, count);
   }
-  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
-  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
   const std::string owner = CallerIdentity(*context);
+  // The caches first: one a draining server handed over answers where it went (moved_to).
   absl::StatusOr<DecodeBatch> batch = ParseDecodeRequest(
       *request,
       [&](const std::string& id, const std::string& field) {
@@ -153,6 +255,8 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
       },
       backend_.default_block_k(), config_.max_message_bytes);
   if (!batch.ok()) return Failed(context, batch.status());
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
   const int64_t reply_bytes = batch->reply_bytes;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor, response](const absl::Status& status) {
@@ -245,6 +349,23 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
                                          .refuse = fail});
   if (!accepted.ok()) fail(accepted);
   return reactor;
+}
+
+grpc::ServerWriteReactor<v1::CacheChunk>* AttentionService::ExportCache(
+    grpc::CallbackServerContext* context, const v1::ExportCacheRequest* request) {
+  absl::StatusOr<CacheExporter> exporter =
+      CacheExporter::Start(caches_, CallerIdentity(*context), request->cache_id(), "cache_id");
+  if (!exporter.ok()) return new FailedExport(exporter.status());
+  return new ExportWriter(open_transfers_, *std::move(exporter));
+}
+
+grpc::ServerReadReactor<v1::CacheChunk>* AttentionService::ImportCache(
+    grpc::CallbackServerContext* context, v1::CacheInfo* response) {
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) {
+    return new FailedImport(accepting);
+  }
+  if (absl::Status device = CheckDevice(); !device.ok()) return new FailedImport(device);
+  return new ImportReader(open_transfers_, caches_, CallerIdentity(*context), response);
 }
 
 }  // namespace attn

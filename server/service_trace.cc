@@ -269,7 +269,8 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
       }
       std::vector<char>& snapshot = writer->snapshot();
       snapshot.resize(key_bytes + value_bytes);
-      if (absl::Status copied = lease->CopyOut(snapshot.data(), snapshot.data() + key_bytes);
+      if (absl::Status copied =
+              lease->CopyOut(0, lease->length(), snapshot.data(), snapshot.data() + key_bytes);
           !copied.ok()) {
         writer->Fail(copied);
         return;

@@ -43,6 +43,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const AttndConfig& co
   if (!backend.ok()) return backend.status();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto server = std::make_unique<RunningServer>(config, *std::move(backend));
+  absl::StatusOr<std::vector<std::string>> restored = server->service.caches().Restore();
+  if (!restored.ok()) return restored.status();
+  server->restored = *std::move(restored);
   if (!config.http_listen.empty()) {
     // The HTTP port is plaintext whatever gRPC uses: off loopback it needs --insecure too.
     if (absl::Status status = server->http.Start(config.http_listen, config.insecure);
@@ -94,6 +97,14 @@ void PrintStartupLines(const RunningServer& server, const AttndConfig& config) {
       static_cast<long long>(config.service.trace.idle_seconds),
       static_cast<long long>(server.health.max_watches()), config.shutdown_grace_seconds);
   std::printf("  security: %s\n", config.security.summary.c_str());
+  if (caches.dir.empty()) {
+    std::printf("  caches: in memory only (no --cache-dir: a restart loses them)\n");
+  } else {
+    std::printf("  caches: persistent in --cache-dir=%s (cache-sync-seconds=%lld)\n",
+                caches.dir.c_str(), static_cast<long long>(caches.sync_seconds));
+  }
+  if (!config.drain_to.empty()) std::printf("  drain-to: %s\n", config.drain_to.c_str());
+  for (const std::string& line : server.restored) std::printf("  %s\n", line.c_str());
   const std::string http_banner =
       server.http.port() != 0 ? absl::StrCat("http://", server.http.address(),
                                              " (/metrics /healthz /readyz; JSON gateway /v1/naive "

@@ -2,7 +2,8 @@
 // and, unless --http-listen is empty, HTTP on the side port.
 //
 // StartServer builds, in order: the backend; the health service; the attention service (whose
-// device loss clears /readyz and health); the metrics registry and the request log (one
+// device loss clears /readyz and health), whose caches --cache-dir restores before anything
+// serves; the metrics registry and the request log (one
 // interceptor) with the process gauges; the JSON gateway and the HTTP port, bound before gRPC so
 // that a port in use fails the start before anything serves; then gRPC's server with both
 // services, the credentials and the interceptors. Once gRPC serves, the gateway gets its
@@ -16,6 +17,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
@@ -49,7 +52,8 @@ struct RunningServer {
   Gateway gateway;           // The JSON gateway (/v1) and the viewer, on the HTTP port.
   HttpPort http;
   std::unique_ptr<grpc::Server> grpc;
-  int port = 0;  // The gRPC port bound (--listen may ask for :0).
+  int port = 0;                       // The gRPC port bound (--listen may ask for :0).
+  std::vector<std::string> restored;  // With --cache-dir: what the restore found, for the log.
 };
 
 absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const AttndConfig& config);

@@ -53,8 +53,8 @@ class FaultyStore final : public KvStore {
   }
   void Truncate(int64_t length) override { inner_->Truncate(length); }
   const PagedKv& pages() const override { return inner_->pages(); }
-  absl::Status CopyOut(int64_t length, void* key, void* value) const override {
-    return inner_->CopyOut(length, key, value);
+  absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const override {
+    return inner_->CopyOut(begin, end, key, value);
   }
 
  private:

@@ -150,23 +150,24 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   return absl::OkStatus();
 }
 
-absl::Status CudaKvStore::CopyOut(int64_t length, void* key, void* value) const {
+absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* value) const {
   ATTN_RETURN_IF_ERROR(device_->Start());
   SlotPool::Lease lease(device_->slots());
   const cudaStream_t stream = lease.slot().stream;
   const int64_t element = ElementSize(layout_.dtype);
   const int64_t key_row = layout_.head_dim * element, value_row = layout_.value_dim * element;
+  const int64_t n = end - begin;
   for (int64_t h = 0; h < layout_.kv_heads; ++h) {
-    for (int64_t t = 0; t < length;) {
+    for (int64_t t = begin; t < end;) {
       const int64_t page = t / page_tokens_, in_page = t % page_tokens_;
-      const int64_t run = std::min(length - t, page_tokens_ - in_page);
+      const int64_t run = std::min(end - t, page_tokens_ - in_page);
       const int64_t row_in_page = h * page_tokens_ + in_page;
       ATTN_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(static_cast<char*>(key) + (h * length + t) * key_row,
+          cudaMemcpyAsync(static_cast<char*>(key) + (h * n + t - begin) * key_row,
                           static_cast<const char*>(key_entries_[page]) + row_in_page * key_row,
                           run * key_row, cudaMemcpyDeviceToHost, stream));
       ATTN_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(static_cast<char*>(value) + (h * length + t) * value_row,
+          cudaMemcpyAsync(static_cast<char*>(value) + (h * n + t - begin) * value_row,
                           static_cast<const char*>(value_entries_[page]) + row_in_page * value_row,
                           run * value_row, cudaMemcpyDeviceToHost, stream));
       t += run;

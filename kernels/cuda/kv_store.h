@@ -45,7 +45,7 @@ class CudaKvStore final : public KvStore {
   void Truncate(int64_t length) override;
   const PagedKv& pages() const override { return paged_; }
   // Device → host, a page segment of one kv head at a time, through a stream slot.
-  absl::Status CopyOut(int64_t length, void* key, void* value) const override;
+  absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const override;
 
  private:
   int64_t KeyBlockBytes() const {

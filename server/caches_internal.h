@@ -1,0 +1,57 @@
+// CacheRegistry's entry (server/caches.h): one cache as the registry's two files see it,
+// caches.cc (ids, owners, budget, leases, expiry, import) and caches_disk.cc (its file, the
+// writer thread, restore). Nothing else includes this.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "server/cache_file.h"
+#include "server/caches.h"
+
+namespace attn {
+
+struct CacheRegistry::Entry {
+  Entry(CacheRegistry& registry, std::string id, std::string owner, int64_t serial,
+        int64_t created_ns, std::unique_ptr<KvStore> store, int64_t now_ns)
+      : registry(registry),
+        id(std::move(id)),
+        owner(std::move(owner)),
+        serial(serial),
+        created_ns(created_ns),
+        store(std::move(store)),
+        last_used_ns(now_ns) {}
+  // The last lease has ended and the registry has let go: the pages go back to the budget.
+  ~Entry() { registry.Release(reserved_bytes); }
+
+  CacheRegistry& registry;
+  std::string id;  // Set before the entry is in the registry (an import may draw a new one).
+  const std::string owner;
+  int64_t serial;            // List's order (oldest first); set with id.
+  const int64_t created_ns;  // Wall clock at creation, kept in the file for List's order.
+
+  std::mutex mutex;  // Held by a Lease: guards store, reserved_bytes and the maxima.
+  std::unique_ptr<KvStore> store;
+  int64_t reserved_bytes = 0;  // Of the registry's budget: store->BytesFor(length).
+  double max_abs_key = 0, max_abs_value = 0;
+
+  // Readable without the mutex (Describe, List, metrics, expiry).
+  std::atomic<int64_t> length{0};
+  std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> last_used_ns;
+  std::atomic<int> leases{0};
+
+  // With a directory: the file (its calls under file_mutex), the tokens in it and fsynced, and
+  // since when (steady ns) committed tokens have waited for the disk (0: none wait).
+  std::mutex file_mutex;
+  std::unique_ptr<CacheFile> file;
+  std::atomic<int64_t> durable{0};
+  std::atomic<int64_t> dirty_since_ns{0};
+  std::atomic<int64_t> file_bytes{0};
+};
+
+}  // namespace attn
