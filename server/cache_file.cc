@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -296,6 +297,13 @@ int64_t CacheFile::BoundFor(int64_t tokens) const {
 
 absl::Status CacheFile::Reserve(int64_t bytes) {
   if (removed_ || bytes <= reserved_) return absl::OkStatus();
+  // A file-size limit (ulimit -f) is a full disk for this process; preallocating beyond the end
+  // would not meet it (the size does not change), the writes would.
+  rlimit limit;
+  if (getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
+      static_cast<uint64_t>(bytes) > limit.rlim_cur) {
+    return Failed("cannot allocate space for", EFBIG);
+  }
   // Ahead by an eighth (at least 1 MiB), so that one-token appends rarely reach the disk here.
   const int64_t ahead = std::max<int64_t>(bytes + bytes / 8, bytes + (int64_t{1} << 20));
   int result = fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, ahead);

@@ -80,6 +80,7 @@ class CacheFile {
   const std::string& path() const { return path_; }
   int64_t size() const { return size_; }  // Bytes written (records verified or written).
   int64_t tokens() const { return tokens_; }
+  int64_t reserved() const { return reserved_; }  // Bytes Reserve has allocated so far.
 
   // An upper bound on the file's size holding `tokens` tokens however they were written: the
   // header, their payload and a record header per token.

@@ -65,8 +65,12 @@ absl::Status CacheRegistry::ReserveDisk(Entry& entry, int64_t tokens) {
         "the caches' disk (--cache-dir=", limits_.dir,
         ") is failing writes; appends are refused until they succeed again (free space there)"));
   }
+  const int64_t bound = entry.file->BoundFor(tokens);  // Of immutable fields: no lock needed.
+  if (bound <= entry.disk_reserved.load()) return absl::OkStatus();  // A decode step, mostly.
   std::lock_guard<std::mutex> lock(entry.file_mutex);
-  return entry.file->Reserve(entry.file->BoundFor(tokens));
+  const absl::Status reserved = entry.file->Reserve(bound);
+  entry.disk_reserved.store(entry.file->reserved());
+  return reserved;
 }
 
 void CacheRegistry::RemoveFile(Entry& entry) {
@@ -257,6 +261,7 @@ absl::Status CacheRegistry::Flush(bool shutdown) {
     for (const auto& [id, entry] : entries_) {
       std::lock_guard<std::mutex> file_lock(entry->file_mutex);
       if (entry->file != nullptr) entry->file->Trim();
+      entry->disk_reserved.store(0);
     }
   }
   return written;

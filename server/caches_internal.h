@@ -45,13 +45,15 @@ struct CacheRegistry::Entry {
   std::atomic<int64_t> last_used_ns;
   std::atomic<int> leases{0};
 
-  // With a directory: the file (its calls under file_mutex), the tokens in it and fsynced, and
-  // since when (steady ns) committed tokens have waited for the disk (0: none wait).
+  // With a directory: the file (its calls under file_mutex; `file` itself is set before the
+  // entry is shared and never changes after), the tokens in it and fsynced, since when (steady
+  // ns) committed tokens have waited for the disk (0: none wait), its size and its allocation.
   std::mutex file_mutex;
   std::unique_ptr<CacheFile> file;
   std::atomic<int64_t> durable{0};
   std::atomic<int64_t> dirty_since_ns{0};
   std::atomic<int64_t> file_bytes{0};
+  std::atomic<int64_t> disk_reserved{0};  // file->reserved(), readable without file_mutex.
 };
 
 }  // namespace attn

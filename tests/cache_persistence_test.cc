@@ -1,0 +1,526 @@
+// Caches on disk (issue 29): the cache file's format and its damage handling
+// (server/cache_file.h), CRC32C (common/crc32c.h), and the registry's restore, removal, budget
+// and import (server/caches.h) on a real directory. Every damaged file must give back exactly a
+// prefix of what was written, never a token that was not.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "server/cache_file.h"
+#include "server/caches.h"
+
+namespace attn {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory under the test's temporary directory, removed at the end.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "attn_cache_test_XXXXXX").string();
+    path_ = mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Random tokens of a layout, dense [kv_heads, n, dim] in its dtype (any bit pattern but
+// non-finite ones: random finite floats rounded to the dtype).
+struct Tokens {
+  std::vector<char> key, value;
+};
+
+Tokens RandomTokens(const KvLayout& layout, int64_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
+  Tokens tokens;
+  const int64_t element = ElementSize(layout.dtype);
+  tokens.key.resize(layout.kv_heads * n * layout.head_dim * element);
+  tokens.value.resize(layout.kv_heads * n * layout.value_dim * element);
+  for (std::vector<char>* part : {&tokens.key, &tokens.value}) {
+    for (int64_t i = 0; i < static_cast<int64_t>(part->size()) / element; ++i) {
+      StoreElement(part->data(), layout.dtype, i, uniform(rng));
+    }
+  }
+  return tokens;
+}
+
+// Token t of dense [kv_heads, n, dim] parts, as its bytes (every head's row).
+std::string TokenBytes(const KvLayout& layout, const Tokens& tokens, int64_t n, int64_t t) {
+  const int64_t element = ElementSize(layout.dtype);
+  std::string bytes;
+  for (int64_t h = 0; h < layout.kv_heads; ++h) {
+    bytes.append(tokens.key.data() + (h * n + t) * layout.head_dim * element,
+                 layout.head_dim * element);
+    bytes.append(tokens.value.data() + (h * n + t) * layout.value_dim * element,
+                 layout.value_dim * element);
+  }
+  return bytes;
+}
+
+CacheFileHeader Header(const KvLayout& layout) {
+  CacheFileHeader header;
+  header.id = "0123456789abcdef0123456789abcdef";
+  header.owner = "CN=someone";
+  header.layout = layout;
+  header.created_ns = 1234567890123;
+  return header;
+}
+
+// Opens `path`, collecting each token's bytes in order.
+struct Opened {
+  absl::Status status;
+  CacheFileHeader header;
+  CacheFile::Report report;
+  std::vector<std::string> tokens;
+  std::unique_ptr<CacheFile> file;
+};
+
+Opened OpenFile(const std::string& path) {
+  Opened opened;
+  absl::StatusOr<std::unique_ptr<CacheFile>> file = CacheFile::Open(
+      path, &opened.header,
+      [&](int64_t start, int64_t n, const void* key, const void* value) {
+        EXPECT_EQ(start, static_cast<int64_t>(opened.tokens.size()));
+        Tokens part;
+        const KvLayout& l = opened.header.layout;
+        const int64_t element = ElementSize(l.dtype);
+        part.key.assign(static_cast<const char*>(key),
+                        static_cast<const char*>(key) + l.kv_heads * n * l.head_dim * element);
+        part.value.assign(static_cast<const char*>(value),
+                          static_cast<const char*>(value) + l.kv_heads * n * l.value_dim * element);
+        for (int64_t t = 0; t < n; ++t) opened.tokens.push_back(TokenBytes(l, part, n, t));
+        return absl::OkStatus();
+      },
+      &opened.report);
+  opened.status = file.status();
+  if (file.ok()) opened.file = *std::move(file);
+  return opened;
+}
+
+// A file of three records (5, 1 and 7 tokens); the tokens' bytes in order.
+std::vector<std::string> WriteThreeRecords(const std::string& dir, const KvLayout& layout,
+                                           std::string* path) {
+  std::mt19937 rng(29);
+  absl::StatusOr<std::unique_ptr<CacheFile>> file = CacheFile::Create(dir, Header(layout));
+  EXPECT_TRUE(file.ok()) << file.status();
+  std::vector<std::string> tokens;
+  for (int64_t n : {5, 1, 7}) {
+    const Tokens part = RandomTokens(layout, n, rng);
+    EXPECT_TRUE((*file)->Reserve((*file)->BoundFor((*file)->tokens() + n)).ok());
+    EXPECT_TRUE((*file)->Write(n, part.key.data(), part.value.data()).ok());
+    for (int64_t t = 0; t < n; ++t) tokens.push_back(TokenBytes(layout, part, n, t));
+  }
+  EXPECT_TRUE((*file)->Sync().ok());
+  (*file)->Trim();
+  *path = (*file)->path();
+  return tokens;
+}
+
+const KvLayout kGqaBf16{.kv_heads = 2, .head_dim = 3, .value_dim = 5, .dtype = DType::kBFloat16};
+
+TEST(Crc32cTest, KnownVectorsAndChaining) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);  // The standard check value.
+  EXPECT_EQ(Crc32c("", 0), 0u);
+  std::mt19937 rng(7);
+  std::vector<unsigned char> data(1000);
+  for (unsigned char& byte : data) byte = static_cast<unsigned char>(rng());
+  for (size_t split : {0, 1, 7, 8, 9, 500, 999, 1000}) {
+    EXPECT_EQ(Crc32c(data.data() + split, data.size() - split, Crc32c(data.data(), split)),
+              Crc32c(data.data(), data.size()))
+        << split;
+  }
+  // The table and the instruction agree (on a CPU with SSE4.2, Crc32c took the latter).
+  for (size_t n : {0, 1, 3, 8, 15, 64, 1000}) {
+    EXPECT_EQ(~crc32c_internal::Portable(data.data(), n, ~0u), Crc32c(data.data(), n)) << n;
+  }
+}
+
+TEST(CacheFileTest, RoundTripKeepsHeaderAndEveryBit) {
+  TempDir dir;
+  std::string path;
+  const std::vector<std::string> written = WriteThreeRecords(dir.path(), kGqaBf16, &path);
+  EXPECT_EQ(path, dir.path() + "/0123456789abcdef0123456789abcdef.kv");
+  Opened opened = OpenFile(path);
+  ASSERT_TRUE(opened.status.ok()) << opened.status;
+  EXPECT_EQ(opened.header.id, "0123456789abcdef0123456789abcdef");
+  EXPECT_EQ(opened.header.owner, "CN=someone");
+  EXPECT_EQ(opened.header.created_ns, 1234567890123);
+  EXPECT_EQ(opened.header.layout.kv_heads, 2);
+  EXPECT_EQ(opened.header.layout.head_dim, 3);
+  EXPECT_EQ(opened.header.layout.value_dim, 5);
+  EXPECT_EQ(opened.header.layout.dtype, DType::kBFloat16);
+  EXPECT_EQ(opened.report.dropped_bytes, 0);
+  EXPECT_EQ(opened.tokens, written);
+  EXPECT_EQ(opened.file->tokens(), 13);
+  EXPECT_EQ(opened.file->size(), static_cast<int64_t>(fs::file_size(path)));
+}
+
+// Every single-byte change anywhere in the file: the open either refuses the header or keeps
+// a prefix of the records before the damage, each token bit-identical to what was written.
+TEST(CacheFileTest, AnyFlippedByteKeepsOnlyAVerifiedPrefix) {
+  TempDir dir;
+  std::string path;
+  const std::vector<std::string> written = WriteThreeRecords(dir.path(), kGqaBf16, &path);
+  const std::string original = ReadFile(path);
+  const int64_t token_bytes = 2 * (3 + 5) * 2;
+  const int64_t records_start =
+      static_cast<int64_t>(original.size()) - 3 * CacheFile::kRecordHeaderBytes - 13 * token_bytes;
+  const int64_t record_end[] = {records_start + CacheFile::kRecordHeaderBytes + 5 * token_bytes,
+                                records_start + 2 * CacheFile::kRecordHeaderBytes + 6 * token_bytes,
+                                static_cast<int64_t>(original.size())};
+  const int64_t tokens_before[] = {0, 5, 6};
+  int refused = 0, cut = 0;
+  for (int64_t at = 0; at < static_cast<int64_t>(original.size()); ++at) {
+    std::string damaged = original;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x10);
+    WriteFile(path, damaged);
+    Opened opened = OpenFile(path);
+    if (at < records_start) {
+      EXPECT_EQ(opened.status.code(), absl::StatusCode::kDataLoss) << "byte " << at;
+      ++refused;
+      continue;
+    }
+    ASSERT_TRUE(opened.status.ok()) << "byte " << at << ": " << opened.status;
+    int record = 0;
+    while (at >= record_end[record]) ++record;
+    ASSERT_EQ(static_cast<int64_t>(opened.tokens.size()), tokens_before[record]) << "byte " << at;
+    EXPECT_TRUE(std::equal(opened.tokens.begin(), opened.tokens.end(), written.begin()));
+    EXPECT_GT(opened.report.dropped_bytes, 0);
+    EXPECT_FALSE(opened.report.why_dropped.empty());
+    // The file was cut back to the prefix, so what is written next follows it.
+    EXPECT_EQ(static_cast<int64_t>(fs::file_size(path)), opened.file->size());
+    ++cut;
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(cut, 0);
+}
+
+TEST(CacheFileTest, TruncatedFileKeepsTheWholeRecordsAndTakesMoreAfterThem) {
+  TempDir dir;
+  std::string path;
+  const std::vector<std::string> written = WriteThreeRecords(dir.path(), kGqaBf16, &path);
+  const int64_t size = static_cast<int64_t>(fs::file_size(path));
+  fs::resize_file(path, size - 10);  // Inside the last record's payload.
+  Opened opened = OpenFile(path);
+  ASSERT_TRUE(opened.status.ok()) << opened.status;
+  ASSERT_EQ(opened.tokens.size(), 6u);
+  EXPECT_TRUE(std::equal(opened.tokens.begin(), opened.tokens.end(), written.begin()));
+  EXPECT_NE(opened.report.why_dropped.find("ends inside"), std::string::npos)
+      << opened.report.why_dropped;
+  // Appending after the cut and reopening: the prefix, then the new tokens.
+  std::mt19937 rng(3);
+  const Tokens more = RandomTokens(kGqaBf16, 2, rng);
+  ASSERT_TRUE(opened.file->Write(2, more.key.data(), more.value.data()).ok());
+  ASSERT_TRUE(opened.file->Sync().ok());
+  opened.file.reset();
+  Opened again = OpenFile(path);
+  ASSERT_TRUE(again.status.ok());
+  ASSERT_EQ(again.tokens.size(), 8u);
+  EXPECT_EQ(again.report.dropped_bytes, 0);
+  EXPECT_EQ(again.tokens[6], TokenBytes(kGqaBf16, more, 2, 0));
+  EXPECT_EQ(again.tokens[7], TokenBytes(kGqaBf16, more, 2, 1));
+}
+
+TEST(CacheFileTest, ListingSkipsAndRemovesHalfCreatedFiles) {
+  TempDir dir;
+  std::string path;
+  WriteThreeRecords(dir.path(), kGqaBf16, &path);
+  WriteFile(dir.path() + "/ffffffffffffffffffffffffffffffff.kv.tmp", "half");
+  WriteFile(dir.path() + "/notes.txt", "x");
+  absl::StatusOr<std::vector<std::string>> files = ListCacheFiles(dir.path());
+  ASSERT_TRUE(files.ok());
+  EXPECT_EQ(*files, std::vector<std::string>{path});
+  EXPECT_FALSE(fs::exists(dir.path() + "/ffffffffffffffffffffffffffffffff.kv.tmp"));
+  EXPECT_EQ(ListCacheFiles(dir.path() + "/missing").status().code(), absl::StatusCode::kInternal);
+}
+
+// Under a file-size limit (what a full disk looks like to one process): Reserve and Write say
+// RESOURCE_EXHAUSTED naming the directory, and a failed write leaves the file as it was. Run in
+// a child process, so the limit stays there.
+TEST(CacheFileTest, FullDiskIsResourceExhaustedAndLeavesTheFileWhole) {
+  TempDir dir;
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit = {64 << 10, 64 << 10};
+    setrlimit(RLIMIT_FSIZE, &limit);
+    absl::StatusOr<std::unique_ptr<CacheFile>> file =
+        CacheFile::Create(dir.path(), Header(kGqaBf16));
+    if (!file.ok()) _exit(10);
+    std::mt19937 rng(1);
+    const Tokens small = RandomTokens(kGqaBf16, 100, rng);  // 6.4 KB.
+    if (!(*file)->Write(100, small.key.data(), small.value.data()).ok()) _exit(11);
+    const int64_t size = (*file)->size();
+    const absl::Status reserve = (*file)->Reserve((*file)->BoundFor(100000));
+    if (reserve.code() != absl::StatusCode::kResourceExhausted) _exit(12);
+    if (std::string(reserve.message()).find("--cache-dir=" + dir.path()) == std::string::npos) {
+      _exit(13);
+    }
+    const Tokens big = RandomTokens(kGqaBf16, 8000, rng);  // 512 KB: past the limit.
+    const absl::Status write = (*file)->Write(8000, big.key.data(), big.value.data());
+    if (write.code() != absl::StatusCode::kResourceExhausted) _exit(14);
+    if ((*file)->size() != size || static_cast<int64_t>(fs::file_size((*file)->path())) != size) {
+      _exit(15);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's check number " << WEXITSTATUS(status)
+                                    << " failed (see the test's _exit codes)";
+  Opened opened = OpenFile(dir.path() + "/0123456789abcdef0123456789abcdef.kv");
+  ASSERT_TRUE(opened.status.ok());
+  EXPECT_EQ(opened.tokens.size(), 100u);
+  EXPECT_EQ(opened.report.dropped_bytes, 0);
+}
+
+// ---- the registry on a directory --------------------------------------------------------------
+
+class RegistryOnDiskTest : public ::testing::Test {
+ protected:
+  CacheLimits Limits(int64_t budget = int64_t{64} << 20) {
+    return {.budget_bytes = budget, .idle_seconds = 0, .dir = dir_.path(), .sync_seconds = 1};
+  }
+  // Appends n random tokens through a lease; their bytes, token by token.
+  std::vector<std::string> Append(CacheRegistry& registry, const std::string& owner,
+                                  const std::string& id, int64_t n) {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire(owner, id, "cache_id");
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    const KvLayout layout = lease->layout();
+    const Tokens tokens = RandomTokens(layout, n, rng_);
+    EXPECT_TRUE(lease
+                    ->Append(TensorView{tokens.key.data(), layout.dtype},
+                             TensorView{tokens.value.data(), layout.dtype}, n, 3.0, 3.0)
+                    .ok());
+    lease->Commit();
+    std::vector<std::string> bytes;
+    for (int64_t t = 0; t < n; ++t) bytes.push_back(TokenBytes(layout, tokens, n, t));
+    return bytes;
+  }
+  std::vector<std::string> Contents(CacheRegistry& registry, const std::string& owner,
+                                    const std::string& id) {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire(owner, id, "cache_id");
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return {};
+    const KvLayout layout = lease->layout();
+    const int64_t n = lease->length();
+    Tokens tokens;
+    tokens.key.resize(layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype));
+    tokens.value.resize(layout.kv_heads * n * layout.value_dim * ElementSize(layout.dtype));
+    EXPECT_TRUE(lease->CopyOut(0, n, tokens.key.data(), tokens.value.data()).ok());
+    std::vector<std::string> bytes;
+    for (int64_t t = 0; t < n; ++t) bytes.push_back(TokenBytes(layout, tokens, n, t));
+    return bytes;
+  }
+
+  TempDir dir_;
+  CpuBackend backend_{1, 0};
+  std::mt19937 rng_{2029};
+};
+
+TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
+  const KvLayout layouts[] = {
+      {.kv_heads = 1, .head_dim = 16, .value_dim = 16, .dtype = DType::kFloat32},
+      {.kv_heads = 2, .head_dim = 8, .value_dim = 8, .dtype = DType::kBFloat16},
+      {.kv_heads = 2, .head_dim = 24, .value_dim = 40, .dtype = DType::kFloat16}};
+  const std::string owners[] = {"alice", "bob", "alice"};
+  std::vector<std::string> ids;
+  std::vector<std::vector<std::string>> contents;
+  {
+    CacheRegistry registry(backend_, Limits());
+    ASSERT_TRUE(registry.persistent());
+    for (int i = 0; i < 3; ++i) {
+      absl::StatusOr<CacheDescription> cache = registry.Create(owners[i], layouts[i]);
+      ASSERT_TRUE(cache.ok()) << cache.status();
+      ASSERT_EQ(cache->durable_length, 0);
+      ids.push_back(cache->id);
+      contents.push_back(Append(registry, owners[i], cache->id, 300 + 77 * i));
+      std::vector<std::string> more = Append(registry, owners[i], cache->id, 1);
+      contents.back().insert(contents.back().end(), more.begin(), more.end());
+    }
+    ASSERT_TRUE(registry.Flush().ok());
+    EXPECT_EQ(registry.Describe("alice", ids[0])->durable_length, 301);
+    EXPECT_GT(registry.disk_bytes(), 0);
+    EXPECT_EQ(registry.disk_lag_seconds(), 0.0);
+    EXPECT_GT(registry.last_flush_seconds(), 1.7e9);
+  }  // Destroyed: a clean shutdown.
+  CacheRegistry restored(backend_, Limits());
+  absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
+  ASSERT_TRUE(lines.ok()) << lines.status();
+  ASSERT_EQ(lines->size(), 1u);
+  EXPECT_NE((*lines)[0].find("restored 3 caches"), std::string::npos) << (*lines)[0];
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<CacheDescription> info = restored.Describe(owners[i], ids[i]);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->length, static_cast<int64_t>(contents[i].size()));
+    EXPECT_EQ(info->durable_length, info->length);
+    EXPECT_EQ(info->layout.kv_heads, layouts[i].kv_heads);
+    EXPECT_EQ(info->layout.value_dim, layouts[i].value_dim);
+    EXPECT_EQ(info->layout.dtype, layouts[i].dtype);
+    EXPECT_EQ(Contents(restored, owners[i], ids[i]), contents[i]) << i;
+  }
+  EXPECT_EQ(restored.Describe("bob", ids[0]).status().code(), absl::StatusCode::kNotFound);
+  const std::vector<CacheDescription> alice = restored.List("alice");
+  ASSERT_EQ(alice.size(), 2u);
+  EXPECT_EQ(alice[0].id, ids[0]);  // Oldest first, as before the restart.
+  EXPECT_EQ(alice[1].id, ids[2]);
+  // Appends after the restore land after the restored tokens, and survive the next restart.
+  std::vector<std::string> later = Append(restored, "bob", ids[1], 5);
+  contents[1].insert(contents[1].end(), later.begin(), later.end());
+  ASSERT_TRUE(restored.Delete("alice", ids[2]).ok());
+  EXPECT_FALSE(fs::exists(dir_.path() + "/" + ids[2] + ".kv"));
+  ASSERT_TRUE(restored.Flush(/*shutdown=*/true).ok());
+  CacheRegistry again(backend_, Limits());
+  ASSERT_TRUE(again.Restore().ok());
+  EXPECT_EQ(again.caches(), 2);
+  EXPECT_EQ(Contents(again, "bob", ids[1]), contents[1]);
+}
+
+TEST_F(RegistryOnDiskTest, TheWriterThreadCatchesUpWithinTheSyncInterval) {
+  CacheRegistry registry(backend_, Limits());
+  const KvLayout layout{.kv_heads = 1, .head_dim = 4, .value_dim = 4, .dtype = DType::kFloat32};
+  absl::StatusOr<CacheDescription> cache = registry.Create("o", layout);
+  ASSERT_TRUE(cache.ok());
+  Append(registry, "o", cache->id, 10);
+  EXPECT_EQ(registry.Describe("o", cache->id)->durable_length, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (registry.Describe("o", cache->id)->durable_length != 10 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(registry.Describe("o", cache->id)->durable_length, 10);
+}
+
+TEST_F(RegistryOnDiskTest, RestoreOverTheBudgetRefusesToStartAndKeepsTheFiles) {
+  const KvLayout layout{.kv_heads = 4, .head_dim = 64, .value_dim = 64, .dtype = DType::kFloat32};
+  std::string id;
+  {
+    CacheRegistry registry(backend_, Limits());
+    absl::StatusOr<CacheDescription> cache = registry.Create("o", layout);
+    ASSERT_TRUE(cache.ok());
+    id = cache->id;
+    Append(registry, "o", id, 2000);
+  }
+  CacheRegistry small(backend_, Limits(/*budget=*/1 << 20));
+  absl::StatusOr<std::vector<std::string>> lines = small.Restore();
+  EXPECT_EQ(lines.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(lines.status().message().find("--cache-bytes"), std::string::npos) << lines.status();
+  EXPECT_TRUE(fs::exists(dir_.path() + "/" + id + ".kv"));
+  EXPECT_EQ(small.caches(), 0);
+}
+
+TEST_F(RegistryOnDiskTest, DamagedFilesAreCutOrSetAsideAndTheOthersRestoredWhole) {
+  const KvLayout layout{.kv_heads = 1, .head_dim = 8, .value_dim = 8, .dtype = DType::kFloat32};
+  std::vector<std::string> ids;
+  std::vector<std::vector<std::string>> contents;
+  {
+    CacheRegistry registry(backend_, Limits());
+    for (int i = 0; i < 3; ++i) {
+      ids.push_back(registry.Create("o", layout)->id);
+      contents.push_back(Append(registry, "o", ids[i], 40));
+      ASSERT_TRUE(registry.Flush().ok());  // Two records: 40 tokens, then 40.
+      std::vector<std::string> more = Append(registry, "o", ids[i], 40);
+      ASSERT_TRUE(registry.Flush().ok());
+      contents[i].insert(contents[i].end(), more.begin(), more.end());
+    }
+  }
+  const std::string cut = dir_.path() + "/" + ids[0] + ".kv";
+  fs::resize_file(cut, fs::file_size(cut) - 1);
+  const std::string header = dir_.path() + "/" + ids[1] + ".kv";
+  std::string bytes = ReadFile(header);
+  bytes[20] = static_cast<char>(bytes[20] ^ 1);
+  WriteFile(header, bytes);
+  CacheRegistry restored(backend_, Limits());
+  absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
+  ASSERT_TRUE(lines.ok()) << lines.status();
+  ASSERT_EQ(lines->size(), 3u);
+  EXPECT_NE((*lines)[0].find("restored 2 caches"), std::string::npos) << (*lines)[0];
+  EXPECT_NE((*lines)[0].find("1 files refused"), std::string::npos) << (*lines)[0];
+  std::vector<std::string> first(contents[0].begin(), contents[0].begin() + 40);
+  EXPECT_EQ(Contents(restored, "o", ids[0]), first);
+  EXPECT_EQ(restored.Describe("o", ids[1]).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(fs::exists(header + ".damaged"));
+  EXPECT_EQ(Contents(restored, "o", ids[2]), contents[2]);
+}
+
+TEST_F(RegistryOnDiskTest, ImportAppearsOnlyWholeAndKeepsOrReplacesItsId) {
+  CacheRegistry registry(backend_, Limits());
+  const KvLayout layout{.kv_heads = 2, .head_dim = 4, .value_dim = 6, .dtype = DType::kBFloat16};
+  const std::string id = "00112233445566778899aabbccddeeff";
+  EXPECT_EQ(
+      registry.BeginImport("o", "../etc/passwd", "info.cache_id", layout, false).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  const Tokens tokens = RandomTokens(layout, 50, rng_);
+  {
+    absl::StatusOr<CacheRegistry::Import> abandoned =
+        registry.BeginImport("o", id, "info.cache_id", layout, false);
+    ASSERT_TRUE(abandoned.ok());
+    ASSERT_TRUE(abandoned->Append(tokens.key.data(), tokens.value.data(), 50, "chunk 1: ").ok());
+    EXPECT_EQ(registry.caches(), 0);  // Invisible until Finish.
+  }
+  EXPECT_EQ(registry.bytes(), 0);  // The abandoned import gave its pages back.
+  absl::StatusOr<CacheRegistry::Import> import =
+      registry.BeginImport("o", id, "info.cache_id", layout, false);
+  ASSERT_TRUE(import.ok());
+  ASSERT_TRUE(import->Append(tokens.key.data(), tokens.value.data(), 50, "chunk 1: ").ok());
+  absl::StatusOr<CacheDescription> finished = import->Finish();
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_EQ(finished->id, id);
+  EXPECT_EQ(finished->length, 50);
+  EXPECT_EQ(registry.BeginImport("o", id, "info.cache_id", layout, false).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  absl::StatusOr<CacheRegistry::Import> second =
+      registry.BeginImport("o", id, "info.cache_id", layout, true);
+  ASSERT_TRUE(second.ok());
+  absl::StatusOr<CacheDescription> renamed = second->Finish();
+  ASSERT_TRUE(renamed.ok());
+  EXPECT_NE(renamed->id, id);
+  EXPECT_EQ(registry.caches(), 2);
+  // A non-finite element is refused, naming the chunk.
+  absl::StatusOr<CacheRegistry::Import> third =
+      registry.BeginImport("o", "ffeeddccbbaa99887766554433221100", "f", layout, false);
+  ASSERT_TRUE(third.ok());
+  Tokens bad = tokens;
+  StoreElement(bad.value.data(), layout.dtype, 7, std::numeric_limits<float>::infinity());
+  const absl::Status refused = third->Append(bad.key.data(), bad.value.data(), 50, "chunk 2: key");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("chunk 2"), std::string::npos) << refused;
+}
+
+}  // namespace
+}  // namespace attn
