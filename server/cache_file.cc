@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
@@ -368,6 +370,27 @@ void CacheFile::Remove() {
   removed_ = true;
   unlink(path_.c_str());
 }
+
+absl::StatusOr<std::unique_ptr<CacheDirLock>> CacheDirLock::Take(const std::string& dir) {
+  const std::string path = dir + "/attnd.lock";
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char holder[32] = {};
+    [[maybe_unused]] const ssize_t got = pread(fd, holder, sizeof holder - 1, 0);
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("another attnd (pid ", absl::StripAsciiWhitespace(holder),
+                     ") uses --cache-dir=", dir, "; two servers must never share one directory"));
+  }
+  const std::string pid = absl::StrCat(getpid(), "\n");
+  if (ftruncate(fd, 0) == 0) WriteAll(fd, pid.data(), pid.size(), 0);
+  return std::unique_ptr<CacheDirLock>(new CacheDirLock(fd));
+}
+
+CacheDirLock::~CacheDirLock() { close(fd_); }  // Closing the file releases the lock.
 
 absl::StatusOr<std::vector<std::string>> ListCacheFiles(const std::string& dir) {
   DIR* handle = opendir(dir.c_str());

@@ -115,6 +115,21 @@ class CacheFile {
   bool removed_ = false;
 };
 
+// Holds DIR/attnd.lock (flock) while it lives, so that two servers never write one directory.
+class CacheDirLock {
+ public:
+  // FAILED_PRECONDITION naming the directory and the holder's pid when another process holds
+  // it; INTERNAL when the lock file cannot be made.
+  static absl::StatusOr<std::unique_ptr<CacheDirLock>> Take(const std::string& dir);
+  ~CacheDirLock();
+  CacheDirLock(const CacheDirLock&) = delete;
+  CacheDirLock& operator=(const CacheDirLock&) = delete;
+
+ private:
+  explicit CacheDirLock(int fd) : fd_(fd) {}
+  int fd_;
+};
+
 // The cache files in `dir` (DIR/*.kv), sorted; removes leftover DIR/*.kv.tmp (a crash during
 // a Create). INTERNAL naming the directory when it cannot be read.
 absl::StatusOr<std::vector<std::string>> ListCacheFiles(const std::string& dir);

@@ -48,6 +48,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/kv_store.h"
+#include "server/cache_file.h"
 
 namespace attn {
 
@@ -207,9 +208,10 @@ class CacheRegistry {
   // Every cache's (owner, id), oldest first: what a drain hands over.
   std::vector<std::pair<std::string, std::string>> AllCaches() const;
 
-  // Persistence (caches_disk.cc). Restore reads the directory's caches in; call it once, before
-  // the server serves. It returns a line per cache restored or damaged (for the log), or the
-  // error that keeps the server from starting (an unreadable directory, caches over the budget).
+  // Persistence (caches_disk.cc). Restore takes the directory's lock (FAILED_PRECONDITION when
+  // another attnd holds it) and reads its caches in; call it once, before the server serves. It
+  // returns a line per cache restored or damaged (for the log), or the error that keeps the server
+  // from starting (an unreadable directory, caches over the budget).
   bool persistent() const { return !limits_.dir.empty(); }
   absl::StatusOr<std::vector<std::string>> Restore();
   // Writes and fsyncs everything not yet on disk (the writer thread's pass, with every cache
@@ -265,7 +267,8 @@ class CacheRegistry {
   std::condition_variable wake_;
   std::thread sweeper_;
   // Persistence: the writer thread and what the metrics read.
-  std::mutex write_mutex_;  // One pass at a time (the thread's, a Flush).
+  std::unique_ptr<CacheDirLock> dir_lock_;  // Held from Restore on.
+  std::mutex write_mutex_;                  // One pass at a time (the thread's, a Flush).
   std::thread writer_;
   std::atomic<int64_t> last_flush_ns_{0};
   std::atomic<bool> disk_failed_{false};

@@ -86,6 +86,9 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
     return absl::InternalError(
         absl::StrCat("cannot create --cache-dir=", limits_.dir, ": ", std::strerror(errno)));
   }
+  absl::StatusOr<std::unique_ptr<CacheDirLock>> lock = CacheDirLock::Take(limits_.dir);
+  if (!lock.ok()) return lock.status();
+  dir_lock_ = *std::move(lock);
   absl::StatusOr<std::vector<std::string>> paths = ListCacheFiles(limits_.dir);
   if (!paths.ok()) return paths.status();
   const Clock::time_point start = Clock::now();

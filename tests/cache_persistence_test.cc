@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/cache_file.h"
@@ -379,36 +380,50 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
     EXPECT_EQ(registry.disk_lag_seconds(), 0.0);
     EXPECT_GT(registry.last_flush_seconds(), 1.7e9);
   }  // Destroyed: a clean shutdown.
-  CacheRegistry restored(backend_, Limits());
-  absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
-  ASSERT_TRUE(lines.ok()) << lines.status();
-  ASSERT_EQ(lines->size(), 1u);
-  EXPECT_NE((*lines)[0].find("restored 3 caches"), std::string::npos) << (*lines)[0];
-  for (int i = 0; i < 3; ++i) {
-    absl::StatusOr<CacheDescription> info = restored.Describe(owners[i], ids[i]);
-    ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_EQ(info->length, static_cast<int64_t>(contents[i].size()));
-    EXPECT_EQ(info->durable_length, info->length);
-    EXPECT_EQ(info->layout.kv_heads, layouts[i].kv_heads);
-    EXPECT_EQ(info->layout.value_dim, layouts[i].value_dim);
-    EXPECT_EQ(info->layout.dtype, layouts[i].dtype);
-    EXPECT_EQ(Contents(restored, owners[i], ids[i]), contents[i]) << i;
-  }
-  EXPECT_EQ(restored.Describe("bob", ids[0]).status().code(), absl::StatusCode::kNotFound);
-  const std::vector<CacheDescription> alice = restored.List("alice");
-  ASSERT_EQ(alice.size(), 2u);
-  EXPECT_EQ(alice[0].id, ids[0]);  // Oldest first, as before the restart.
-  EXPECT_EQ(alice[1].id, ids[2]);
-  // Appends after the restore land after the restored tokens, and survive the next restart.
-  std::vector<std::string> later = Append(restored, "bob", ids[1], 5);
-  contents[1].insert(contents[1].end(), later.begin(), later.end());
-  ASSERT_TRUE(restored.Delete("alice", ids[2]).ok());
-  EXPECT_FALSE(fs::exists(dir_.path() + "/" + ids[2] + ".kv"));
-  ASSERT_TRUE(restored.Flush(/*shutdown=*/true).ok());
+  {
+    CacheRegistry restored(backend_, Limits());
+    absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
+    ASSERT_TRUE(lines.ok()) << lines.status();
+    ASSERT_EQ(lines->size(), 1u);
+    EXPECT_NE((*lines)[0].find("restored 3 caches"), std::string::npos) << (*lines)[0];
+    for (int i = 0; i < 3; ++i) {
+      absl::StatusOr<CacheDescription> info = restored.Describe(owners[i], ids[i]);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->length, static_cast<int64_t>(contents[i].size()));
+      EXPECT_EQ(info->durable_length, info->length);
+      EXPECT_EQ(info->layout.kv_heads, layouts[i].kv_heads);
+      EXPECT_EQ(info->layout.value_dim, layouts[i].value_dim);
+      EXPECT_EQ(info->layout.dtype, layouts[i].dtype);
+      EXPECT_EQ(Contents(restored, owners[i], ids[i]), contents[i]) << i;
+    }
+    EXPECT_EQ(restored.Describe("bob", ids[0]).status().code(), absl::StatusCode::kNotFound);
+    const std::vector<CacheDescription> alice = restored.List("alice");
+    ASSERT_EQ(alice.size(), 2u);
+    EXPECT_EQ(alice[0].id, ids[0]);  // Oldest first, as before the restart.
+    EXPECT_EQ(alice[1].id, ids[2]);
+    // Appends after the restore land after the restored tokens, and survive the next restart.
+    std::vector<std::string> later = Append(restored, "bob", ids[1], 5);
+    contents[1].insert(contents[1].end(), later.begin(), later.end());
+    ASSERT_TRUE(restored.Delete("alice", ids[2]).ok());
+    EXPECT_FALSE(fs::exists(dir_.path() + "/" + ids[2] + ".kv"));
+    ASSERT_TRUE(restored.Flush(/*shutdown=*/true).ok());
+  }  // The server stops (and lets go of the directory's lock).
   CacheRegistry again(backend_, Limits());
   ASSERT_TRUE(again.Restore().ok());
   EXPECT_EQ(again.caches(), 2);
   EXPECT_EQ(Contents(again, "bob", ids[1]), contents[1]);
+}
+
+TEST_F(RegistryOnDiskTest, TwoServersNeverShareADirectory) {
+  CacheRegistry first(backend_, Limits());
+  ASSERT_TRUE(first.Restore().ok());
+  {
+    CacheRegistry second(backend_, Limits());
+    const absl::StatusOr<std::vector<std::string>> refused = second.Restore();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(refused.status().message().find(absl::StrCat("pid ", getpid())), std::string::npos)
+        << refused.status();
+  }
 }
 
 TEST_F(RegistryOnDiskTest, TheWriterThreadCatchesUpWithinTheSyncInterval) {
