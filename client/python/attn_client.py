@@ -65,9 +65,47 @@ A `Cache` tracks the length it believes the cache has and sends it as expected_l
 append and decode (a retried call is then refused with FAILED_PRECONDITION instead of storing
 tokens twice; `refresh()` re-reads the length). Cache ids (str) work everywhere a Cache does,
 with expected_length passed explicitly. Keys and values for a Cache are sent in its dtype unless
-`dtype=` says otherwise. Caches live in the server's memory: NOT_FOUND after a restart, a
-delete, or --cache-idle-seconds unused. Cache infos are dicts of CacheInfo's fields (cache_id,
-kv_heads, head_dim, value_dim, dtype as a name, length, bytes, page_tokens).
+`dtype=` says otherwise. Cache infos are dicts of CacheInfo's fields (cache_id, kv_heads,
+head_dim, value_dim, dtype as a name, length, bytes, page_tokens, durable_length, crc32c; the
+last two None when the server did not send them).
+
+Persistence and recovery: without attnd --cache-dir caches live in the server's memory only
+(NOT_FOUND after a restart, a delete, or --cache-idle-seconds unused). With it they are written
+behind to disk at most --cache-sync-seconds late and a restart restores them up to
+`durable_length`, the tokens already fsynced, which every answer reports. A Cache keeps a
+*replay tail*: every token it sent (append, and decode items with key/value), exactly as sent,
+from the last durable_length it saw on (whole entries ending at or before it are dropped; none is
+kept when the server does not persist). After a crash or restart, `refresh()` re-reads the
+length L; when L is short of the Cache's length it re-sends tokens [L, length) from the tail
+(appends with expected_length = L, the entry straddling L sliced along the token axis), so the
+sequence continues where it was:
+
+    try:
+        step = cache.decode(q, k1, v1)
+    except AttnError as error:             # UNAVAILABLE while attnd restarts, ...
+        cache.refresh()                     # re-sends what the restart lost, then retry
+    cache.replay_tail                       # [(start, n), ...]: what it could re-send
+
+When the tail does not reach back to L (tokens sent before a durable_length that the server
+then lost, e.g. a damaged file), refresh() raises AttnError DATA_LOSS saying so: the sequence
+must be prefilled again; the Cache is left as it was. A draining attnd --drain-to PEER hands its
+caches over and then answers NOT_FOUND ending "moved_to=HOST:PORT": a Cache's append, decode
+and refresh follow that once (a Client to HOST:PORT with the same token, TLS, timeout and
+message size, shared by the Client's Caches, closed with it) and retry the call; `cache.client`
+is then that Client.
+
+Export and import (bit-exact, in the cache's dtype):
+
+    chunks = client.export_cache(cache)                 # [CacheChunk, ...]
+    client.export_cache(cache, "seq.attnexp")           # a file → the export's info dict
+    copy = other.import_cache("seq.attnexp")            # a Cache, the same id when free there
+    copy = other.import_cache(chunks, new_id_if_taken=True)
+
+The file is `attn cache export`'s: 8 bytes "ATTNEXP1", then per CacheChunk a u32 little-endian
+length and the serialized chunk. The last chunk's crc32c is the CRC32C of every chunk's key
+bytes then value bytes; `crc32c(data, crc=0)` computes it (pure Python; zlib.crc32 is another
+polynomial), and export_cache(..., verify=True) checks it. The target refuses a cut or damaged
+stream whole (DATA_LOSS) and an id it already has (ALREADY_EXISTS, unless new_id_if_taken).
 
 Positions: naive, tiled and trace take key_position (key j is at key_position + j; default 0)
 and query_position (query row i at query_position + i; None: bottom-right), which the causal
@@ -160,6 +198,10 @@ or call close(), to release the channel.
 
 import math
 import numbers
+import os
+import re
+import struct
+import threading
 
 import grpc
 import numpy as np
@@ -170,7 +212,8 @@ from attention.v1 import attention_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_float32",
            "float32_to_bf16", "merge_states", "seed_example", "standard_alibi_slopes",
-           "cumulative_lengths", "MAX_MESSAGE_BYTES", "MAX_POSITION"]
+           "cumulative_lengths", "crc32c", "EXPORT_FILE_MAGIC", "MAX_MESSAGE_BYTES",
+           "MAX_POSITION"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -232,6 +275,47 @@ def float32_to_bf16(values):
     if nan.any():
         rounded[nan] = ((bits[nan] >> 16) | 0x40).astype("<u2")
     return rounded
+
+
+# --- CRC32C -------------------------------------------------------------------------------------
+
+def _crc32c_tables():
+    """Slicing-by-8 tables of CRC32C: table 0 is the byte-at-a-time one (reflected polynomial
+    0x82F63B78), table k advances a byte's contribution by k more zero bytes."""
+    first = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        first.append(crc)
+    tables = [first]
+    for _ in range(7):
+        tables.append([(crc >> 8) ^ first[crc & 0xFF] for crc in tables[-1]])
+    return tuple(tuple(table) for table in tables)
+
+
+_CRC32C_TABLES = _crc32c_tables()
+
+
+def crc32c(data, crc=0):
+    """CRC32C (Castagnoli, reflected polynomial 0x82F63B78, as iSCSI, ext4 and attnd use it) of
+    `data` (bytes-like), extending `crc`, the checksum of what came before, as attn::Crc32c
+    does: crc32c(b, crc32c(a)) == crc32c(a + b); crc32c(b"123456789") == 0xE3069283. Pure
+    Python with tables (8 bytes a step, some 8 MB/s); zlib.crc32 is a different polynomial."""
+    if isinstance(crc, bool) or not isinstance(crc, numbers.Integral) or not 0 <= crc < 1 << 32:
+        raise ValueError("crc must be a CRC32C value, an int in [0, 2^32), not %r" % (crc,))
+    data = memoryview(data).cast("B")
+    t0, t1, t2, t3, t4, t5, t6, t7 = _CRC32C_TABLES
+    crc = int(crc) ^ 0xFFFFFFFF
+    whole = len(data) - len(data) % 8
+    for low, high in struct.iter_unpack("<II", data[:whole]):
+        low ^= crc
+        crc = (t7[low & 0xFF] ^ t6[(low >> 8) & 0xFF] ^ t5[(low >> 16) & 0xFF] ^ t4[low >> 24]
+               ^ t3[high & 0xFF] ^ t2[(high >> 8) & 0xFF] ^ t1[(high >> 16) & 0xFF]
+               ^ t0[high >> 24])
+    for byte in data[whole:]:
+        crc = t0[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
 
 
 # --- Merging the parts of a split problem ------------------------------------------------------
@@ -459,9 +543,13 @@ def _widen(array, dtype_name):
 
 
 def _cache_dict(info):
-    """A CacheInfo → {field name: value}, the dtype as a name ("fp32", ...)."""
+    """A CacheInfo → {field name: value}, the dtype as a name ("fp32", ...), an unset optional
+    field (durable_length without --cache-dir, crc32c but from ImportCache) None."""
     result = _message_dict(info)
     result["dtype"] = _DTYPE_NAMES.get(result["dtype"], str(result["dtype"]))
+    for field in info.DESCRIPTOR.fields:
+        if field.containing_oneof is not None and not info.HasField(field.name):
+            result[field.name] = None
     return result
 
 
@@ -494,20 +582,123 @@ class DecodeResult:
             len(self.outputs), [o.shape for o in self.outputs], self.stats.get("backend"))
 
 
-class Cache:
-    """A server-resident KV cache as this client believes it (made by Client.create_cache, or
-    Client.open_cache for an existing id). Not thread-safe: one sequence, one writer.
+_ELEMENT_BYTES = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2}
 
-    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), info (the last
-    CacheInfo dict the server sent). `length` is what append() and decode() send as
-    expected_length; each successful call sets it from the server's answer."""
+# The most bytes of keys and values refresh() re-sends in one AppendCache.
+_REPLAY_APPEND_BYTES = 64 << 20
+
+
+def _tokens_view(tensor):
+    """A cache-token Tensor ([kv_heads, n, dim], or [n, dim]) as a uint8 array [outer, n, bytes
+    per token and head], a view of its data."""
+    shape = [int(x) for x in tensor.shape]
+    if len(shape) not in (2, 3):
+        raise ValueError("cache tokens must be [kv_heads, n, dim] or [n, dim], not shape %s"
+                         % (shape,))
+    outer, n, dim = ([1] + shape) if len(shape) == 2 else shape
+    raw = np.frombuffer(tensor.data, dtype=np.uint8)
+    return raw.reshape(outer, n, dim * _ELEMENT_BYTES.get(tensor.dtype, 1))
+
+
+def _token_count(tensor):
+    """n of a cache-token Tensor [kv_heads, n, dim] or [n, dim]."""
+    return int(tensor.shape[1] if len(tensor.shape) == 3 else tensor.shape[0])
+
+
+def _join_tokens(tensors, ranges):
+    """Tokens [a, b) of each Tensor (`ranges`, one (a, b) per tensor, all of one dtype and
+    rank) joined along the token axis → one Tensor."""
+    first = tensors[0]
+    parts = [_tokens_view(t)[:, a:b, :] for t, (a, b) in zip(tensors, ranges)]
+    joined = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    shape = [int(x) for x in first.shape]
+    shape[len(shape) - 2] = joined.shape[1]
+    return pb.Tensor(shape=shape, dtype=first.dtype,
+                     data=np.ascontiguousarray(joined).tobytes())
+
+
+class _Sent:
+    """One entry of a Cache's replay tail: tokens [start, start + n) as key and value Tensors,
+    exactly as they were sent."""
+
+    __slots__ = ("start", "n", "key", "value")
+
+    def __init__(self, start, key, value):
+        self.start, self.n, self.key, self.value = int(start), _token_count(key), key, value
+
+    @property
+    def end(self):
+        return self.start + self.n
+
+    def kind(self):
+        """What tokens joined into one append must share: dtype and ranks."""
+        return (self.key.dtype, self.value.dtype, len(self.key.shape), len(self.value.shape))
+
+    def head(self, end):
+        """This entry cut back to the tokens before `end` (start < end < self.end)."""
+        return _Sent(self.start, _join_tokens([self.key], [(0, end - self.start)]),
+                     _join_tokens([self.value], [(0, end - self.start)]))
+
+
+def _moved_to(error):
+    """HOST:PORT of an AttnError NOT_FOUND whose message names where a draining server handed
+    the cache ("... moved_to=HOST:PORT"), else None."""
+    if not isinstance(error, AttnError) or error.code != grpc.StatusCode.NOT_FOUND:
+        return None
+    found = re.findall(r"moved_to=([^\s;,]+)", error.message)
+    return found[-1] if found else None
+
+
+class Cache:
+    """A server-resident KV cache as this client believes it (made by Client.create_cache,
+    Client.open_cache for an existing id, or Client.import_cache). Not thread-safe: one
+    sequence, one writer.
+
+    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), durable_length
+    (tokens on the server's disk, None when it does not persist), info (the last CacheInfo dict
+    the server sent). `length` is what append() and decode() send as expected_length; each
+    successful call sets it from the server's answer. replay_tail: [(start, n), ...], the tokens
+    kept to re-send (see refresh()). `client` is the Client it calls (another one once it
+    followed a moved_to)."""
 
     def __init__(self, client, info):
         self.client = client
+        self._tail = []  # _Sent entries, by start, not overlapping.
         self._set(info)
 
     def _set(self, info):
+        """Takes a CacheInfo (dict or message) the server answered for this cache: drops the
+        replay tail's entries that end at or before its durable_length, or all of them when it
+        has none (the server does not persist)."""
         self.info = info if isinstance(info, dict) else _cache_dict(info)
+        durable = self.info.get("durable_length")
+        if durable is None:
+            self._tail = []
+        else:
+            self._tail = [sent for sent in self._tail if sent.end > durable]
+
+    def _record(self, start, key, value):
+        """Tokens [start, start + n) sent and stored (key, value: the Tensors sent); _set with
+        the answer follows. Entries at or past `start` (re-sent over) give way."""
+        kept = []
+        for sent in self._tail:
+            if sent.start >= start:
+                continue
+            kept.append(sent.head(start) if sent.end > start else sent)
+        kept.append(_Sent(start, key, value))
+        self._tail = kept
+
+    def _follow(self, call):
+        """call() (which reads self.client); once more on a Client to HOST:PORT when it fails
+        NOT_FOUND with moved_to=HOST:PORT. Not followed twice in a row."""
+        try:
+            return call()
+        except AttnError as error:
+            target = _moved_to(error)
+            if target is None:
+                raise
+        self.client = self.client._moved_client(target)
+        return call()
 
     id = property(lambda self: self.info["cache_id"])
     length = property(lambda self: self.info["length"])
@@ -515,11 +706,14 @@ class Cache:
     head_dim = property(lambda self: self.info["head_dim"])
     value_dim = property(lambda self: self.info["value_dim"])
     dtype = property(lambda self: self.info["dtype"])
+    durable_length = property(lambda self: self.info.get("durable_length"))
+    replay_tail = property(lambda self: [(sent.start, sent.n) for sent in self._tail])
 
     def append(self, key, value, *, dtype=None):
         """Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] (rank 2 when
-        kv_heads is 1) at `length` → the new CacheInfo dict. dtype None: the cache's."""
-        return self.client.append(self, key, value, dtype=dtype)
+        kv_heads is 1) at `length` → the new CacheInfo dict. dtype None: the cache's. Follows a
+        moved_to once (see the module docstring)."""
+        return self._follow(lambda: self.client.append(self, key, value, dtype=dtype))
 
     def decode(self, query, key=None, value=None, *, key_position=0, query_position=None,
                **options):
@@ -527,17 +721,80 @@ class Cache:
         query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
         value_dim]). key_position, query_position: this item's positions (Client.decode).
         options: causal, scale, block_k, return_lse, dtype, output_dtype, window_left,
-        window_right, softcap, alibi_slopes."""
+        window_right, softcap, alibi_slopes. Follows a moved_to once."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
         if key is not None or value is not None:
             item.update(key=key, value=value)
-        result = self.client.decode([item], **options)
+        result = self._follow(lambda: self.client.decode([item], **options))
         return _ItemResult(result)
 
     def refresh(self):
-        """Re-reads the cache's info (and so `length`) from the server → the CacheInfo dict."""
-        return self.client.cache_info(self)
+        """Re-reads the cache's info from the server → the CacheInfo dict, and recovers what a
+        restart lost: when the server holds L tokens, fewer than `length`, tokens [L, length)
+        are re-sent from the replay tail (AppendCache with expected_length = L, an entry
+        straddling L sliced, as few appends as practical) and the final answer adopted. When the
+        tail does not reach back to L: AttnError DATA_LOSS (the sequence must be prefilled
+        again), the Cache left as it was. L ≥ length: the server's info is adopted as it is.
+        Follows a moved_to once."""
+        return self._follow(self._refresh)
+
+    def _refresh(self):
+        client = self.client
+        info = _cache_dict(client._cache_info(self.id))
+        held, length = info["length"], self.length
+        if held >= length:
+            self._set(info)
+            return self.info
+        for key, value, start in self._replay(held, length):
+            request = pb.AppendCacheRequest(cache_id=self.id, key=key, value=value,
+                                            expected_length=start)
+            self._set(client._call("AppendCache", client._stub.AppendCache, request))
+        return self.info
+
+    def _replay(self, held, length):
+        """The appends that re-send tokens [held, length) from the tail → [(key, value,
+        start)]; AttnError DATA_LOSS when the tail does not cover them."""
+        pieces, position = [], held  # (sent, a, b): tokens [a, b) of `sent`, relative.
+        for sent in self._tail:
+            if sent.end <= position:
+                continue
+            if sent.start > position or position >= length:
+                break
+            end = min(sent.end, length)
+            pieces.append((sent, position - sent.start, end - sent.start))
+            position = end
+        if position < length:
+            if not self._tail:
+                kept = ("kept none to re-send (only tokens past the last durable_length it saw "
+                        "are kept; none when the server does not persist)")
+            else:
+                kept = ("kept tokens only from %d on (those past the last durable_length it "
+                        "saw)" % self._tail[0].start)
+                if self._tail[0].start <= held:
+                    kept += " and none at %d" % position
+            raise AttnError("Refresh", grpc.StatusCode.DATA_LOSS,
+                            "cache %s: the server holds %d tokens, this Cache had %d; it %s, "
+                            "so it cannot re-send tokens [%d, %d): the sequence must be "
+                            "prefilled again" % (self.id, held, length, kept, held, length))
+        appends, group, group_bytes, start = [], [], 0, held
+        for sent, a, b in pieces:
+            size = (len(sent.key.data) + len(sent.value.data)) * (b - a) // max(sent.n, 1)
+            if group and (group[0][0].kind() != sent.kind()
+                          or group_bytes + size > _REPLAY_APPEND_BYTES):
+                appends.append(group)
+                group, group_bytes = [], 0
+            group.append((sent, a, b))
+            group_bytes += size
+        if group:
+            appends.append(group)
+        result = []
+        for group in appends:
+            ranges = [(a, b) for _, a, b in group]
+            result.append((_join_tokens([sent.key for sent, _, _ in group], ranges),
+                           _join_tokens([sent.value for sent, _, _ in group], ranges), start))
+            start += sum(b - a for a, b in ranges)
+        return result
 
     def delete(self):
         """Deletes the cache on the server; later calls naming it get NOT_FOUND."""
@@ -588,6 +845,11 @@ class Client:
             raise ValueError("a client certificate needs TLS: pass tls_ca too")
         self.target = target
         self.timeout = timeout
+        # What a Client for another server (a cache's moved_to) is made with.
+        self._settings = dict(token=token, tls_ca=tls_ca, timeout=timeout, tls_cert=tls_cert,
+                              tls_key=tls_key, max_message_bytes=max_message_bytes)
+        self._moved_clients = {}
+        self._moved_lock = threading.Lock()
         self._metadata = (("authorization", "Bearer " + token),) if token else None
         options = [("grpc.max_send_message_length", int(max_message_bytes)),
                    ("grpc.max_receive_message_length", int(max_message_bytes))]
@@ -611,7 +873,23 @@ class Client:
             response_deserializer=lambda raw: raw)
 
     def close(self):
+        """Closes the channel, and those of the Clients made for moved caches."""
+        with self._moved_lock:
+            moved, self._moved_clients = list(self._moved_clients.values()), {}
+        for client in moved:
+            client.close()
         self._channel.close()
+
+    def _moved_client(self, target):
+        """The Client for `target` (a moved_to) with this one's settings, made once."""
+        if target == self.target:
+            return self
+        with self._moved_lock:
+            client = self._moved_clients.get(target)
+            if client is None:
+                client = Client(target, **self._settings)
+                self._moved_clients[target] = client
+        return client
 
     def __enter__(self):
         return self
@@ -864,6 +1142,7 @@ class Client:
                                         expected_length=expected)
         info = _cache_dict(self._call("AppendCache", self._stub.AppendCache, request))
         if isinstance(cache, Cache):
+            cache._record(expected, request.key, request.value)
             cache._set(info)
         return info
 
@@ -872,7 +1151,9 @@ class Client:
                           pb.GetCacheInfoRequest(cache_id=cache_id))
 
     def cache_info(self, cache):
-        """GetCacheInfo of a Cache or id → its CacheInfo dict (a Cache takes its length)."""
+        """GetCacheInfo of a Cache or id → its CacheInfo dict (a Cache takes it as it is, its
+        length too, even a shorter one; Cache.refresh() is what re-sends tokens a restart
+        lost)."""
         info = _cache_dict(self._cache_info(_cache_id(cache)))
         if isinstance(cache, Cache):
             cache._set(info)
@@ -888,6 +1169,118 @@ class Client:
         NOT_FOUND (and so does deleting it again)."""
         self._call("DeleteCache", self._stub.DeleteCache,
                    pb.DeleteCacheRequest(cache_id=_cache_id(cache)))
+
+    def _export_chunks(self, cache):
+        """ExportCache's stream → its CacheChunk messages, AttnError on a failure (the stream
+        cancelled when the caller stops early)."""
+        call = None
+        try:
+            call = self._stub.ExportCache(pb.ExportCacheRequest(cache_id=_cache_id(cache)),
+                                          timeout=self.timeout, metadata=self._metadata)
+            for chunk in call:
+                yield chunk
+        except grpc.RpcError as error:
+            raise AttnError.from_rpc_error("ExportCache", error) from None
+        finally:
+            if call is not None:
+                call.cancel()
+
+    def export_cache(self, cache, path=None, *, verify=False):
+        """ExportCache of a Cache or id: its layout and tokens, bit-exact in its dtype.
+
+        path None → the list of CacheChunk messages: the first carries info (CacheInfo: id,
+        layout, length = the tokens exported), each tokens [start, start + n) as key [kv_heads,
+        n, head_dim] and value [kv_heads, n, value_dim] Tensors, the last crc32c (of every
+        chunk's key.data then value.data). With path: the chunks written to that file as
+        `attn cache export` writes them (EXPORT_FILE_MAGIC, then per chunk a u32 little-endian
+        length and the serialized chunk; written to path + ".tmp", renamed when whole) → the
+        export's info dict, its crc32c the last chunk's. verify: check that CRC32C here too
+        (crc32c(); pure Python, some 8 MB/s). AttnError DATA_LOSS when the stream ends without
+        its crc32c or verify finds another."""
+        check = _ExportCheck(verify)
+        if path is None:
+            chunks = []
+            for chunk in self._export_chunks(cache):
+                check.add(chunk)
+                chunks.append(chunk)
+            check.finish()
+            return chunks
+        path = os.fspath(path)
+        partial = path + ".tmp"
+        try:
+            with open(partial, "wb") as out:
+                out.write(EXPORT_FILE_MAGIC)
+                for chunk in self._export_chunks(cache):
+                    check.add(chunk)
+                    data = chunk.SerializeToString()
+                    out.write(struct.pack("<I", len(data)))
+                    out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            info = check.finish()
+            os.replace(partial, path)
+        except BaseException:
+            try:
+                os.unlink(partial)
+            except OSError:
+                pass
+            raise
+        return info
+
+    def import_cache(self, chunks, new_id_if_taken=False):
+        """ImportCache → a Cache for the imported copy, under this server's budget and the
+        caller's identity. chunks: export_cache's list (or any iterable of CacheChunk
+        messages), or the path of an export file. The copy keeps the export's cache id when it
+        is free here; else ALREADY_EXISTS, or a new id with new_id_if_taken=True. A stream cut
+        short or damaged (a token missing, a CRC32C that does not match) is refused whole,
+        DATA_LOSS, and nothing is imported; so is a file cut inside a chunk (the message names
+        the file). The answer's crc32c (the Cache's info) is that of the tokens stored. The
+        imported tokens are not in the Cache's replay tail: keep the export until
+        durable_length reaches them."""
+        problem = []  # What stopped the stream early: (exception class, message).
+        if isinstance(chunks, (str, bytes, os.PathLike)):
+            path = os.fsdecode(chunks)
+            source = open(path, "rb")
+            try:
+                magic = source.read(len(EXPORT_FILE_MAGIC))
+                if magic != EXPORT_FILE_MAGIC:
+                    raise ValueError("%s is not a cache export file: it starts %r, not %r"
+                                     % (path, magic, EXPORT_FILE_MAGIC))
+            except BaseException:
+                source.close()
+                raise
+            messages = _read_export_file(source, path, problem)
+        elif isinstance(chunks, pb.CacheChunk) or not hasattr(chunks, "__iter__"):
+            raise TypeError("chunks must be an iterable of CacheChunk messages (export_cache's "
+                            "list) or a file path, not %s" % type(chunks).__name__)
+        else:
+            source, messages = None, _checked_chunks(chunks, problem)
+
+        def stream():
+            for index, chunk in enumerate(messages):
+                if index == 0 and chunk.new_id_if_taken != bool(new_id_if_taken):
+                    first = pb.CacheChunk()
+                    first.CopyFrom(chunk)
+                    first.new_id_if_taken = bool(new_id_if_taken)
+                    chunk = first
+                yield chunk
+
+        try:
+            info = self._call("ImportCache", self._stub.ImportCache, stream())
+        except AttnError as error:
+            if problem:
+                kind, message = problem[0]
+                if kind is AttnError:
+                    raise AttnError("ImportCache", grpc.StatusCode.DATA_LOSS,
+                                    "%s; nothing imported (the server said: %s)"
+                                    % (message, error.message)) from None
+                raise kind(message) from None
+            raise
+        finally:
+            if source is not None:
+                source.close()
+        # Even with a `problem`: the server had every chunk (their CRC32C verified) before it.
+        return Cache(self, info)
 
     def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
                dtype=None, output_dtype=None, key_position=None, query_position=None,
@@ -926,7 +1319,7 @@ class Client:
                                   window_left=window_left, window_right=window_right,
                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                   query=_item_query(items[0]) if items else None))
-        caches = []
+        caches, sent = [], []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
             if isinstance(item, dict):
@@ -964,15 +1357,103 @@ class Client:
                 message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype))
                 message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype))
             caches.append(cache)
+            sent.append(message if key is not None else None)
         result = DecodeResult(self._call("Decode", self._stub.Decode, request))
         if len(result.caches) != len(caches) or len(result.outputs) != len(caches):
             raise AttnError("Decode", grpc.StatusCode.INTERNAL,
                             "%d outputs and %d cache infos for %d items"
                             % (len(result.outputs), len(result.caches), len(caches)))
-        for cache, info in zip(caches, result.caches):
+        for cache, message, info in zip(caches, sent, result.caches):
             if isinstance(cache, Cache):
+                if message is not None:
+                    cache._record(message.expected_length, message.key, message.value)
                 cache._set(info)
         return result
+
+
+# The first bytes of a cache export file (`attn cache export ID --to FILE`, export_cache(.., path)).
+EXPORT_FILE_MAGIC = b"ATTNEXP1"
+
+
+class _ExportCheck:
+    """Follows an export stream chunk by chunk: its first chunk's info, its tokens, the crc32c
+    of its last chunk and, with verify, the CRC32C of the tokens seen."""
+
+    def __init__(self, verify):
+        self.verify = verify
+        self.info = None
+        self.chunks = self.tokens = 0
+        self.crc = 0
+        self.sent_crc = None
+
+    def add(self, chunk):
+        if self.chunks == 0:
+            if not chunk.HasField("info"):
+                raise AttnError("ExportCache", grpc.StatusCode.DATA_LOSS,
+                                "the export's first chunk carries no info")
+            self.info = _cache_dict(chunk.info)
+        self.chunks += 1
+        if chunk.HasField("key"):
+            self.tokens += _token_count(chunk.key)
+            if self.verify:
+                self.crc = crc32c(chunk.value.data, crc32c(chunk.key.data, self.crc))
+        if chunk.HasField("crc32c"):
+            self.sent_crc = chunk.crc32c
+
+    def finish(self):
+        """→ the export's info dict (crc32c: the last chunk's); AttnError DATA_LOSS when the
+        stream is not whole or, with verify, its CRC32C is not the tokens'."""
+        if self.info is None:
+            raise AttnError("ExportCache", grpc.StatusCode.DATA_LOSS, "the export held no chunk")
+        if self.sent_crc is None or self.tokens != self.info["length"]:
+            raise AttnError("ExportCache", grpc.StatusCode.DATA_LOSS,
+                            "the export of cache %s ended after %d of its %d tokens%s"
+                            % (self.info["cache_id"], self.tokens, self.info["length"],
+                               "" if self.sent_crc is not None else " without its crc32c"))
+        if self.verify and self.crc != self.sent_crc:
+            raise AttnError("ExportCache", grpc.StatusCode.DATA_LOSS,
+                            "the export of cache %s says CRC32C %d, its tokens have %d"
+                            % (self.info["cache_id"], self.sent_crc, self.crc))
+        info = dict(self.info)
+        info["crc32c"] = self.sent_crc
+        return info
+
+
+def _read_export_file(source, path, problem):
+    """The CacheChunk messages of an export file open past its magic; stops at its end, or at
+    a chunk cut short or unreadable (noted in `problem` as (AttnError, what))."""
+    size = os.fstat(source.fileno()).st_size
+    index = 0
+    while True:
+        at = source.tell()
+        prefix = source.read(4)
+        if not prefix:
+            return
+        length = struct.unpack("<I", prefix)[0] if len(prefix) == 4 else -1
+        if length < 0 or length > size - at - 4:
+            problem.append((AttnError, "%s is cut inside chunk %d (at byte %d of %d)"
+                            % (path, index, at, size)))
+            return
+        chunk = pb.CacheChunk()
+        try:
+            chunk.ParseFromString(source.read(length))
+        except Exception as error:  # google.protobuf.message.DecodeError
+            problem.append((AttnError, "%s: chunk %d (at byte %d) does not parse: %s"
+                            % (path, index, at, error)))
+            return
+        yield chunk
+        index += 1
+
+
+def _checked_chunks(chunks, problem):
+    """The CacheChunk messages of `chunks`; stops at anything else (noted in `problem` as
+    (TypeError, what))."""
+    for index, chunk in enumerate(chunks):
+        if not isinstance(chunk, pb.CacheChunk):
+            problem.append((TypeError, "chunks[%d] is a %s, not a CacheChunk"
+                            % (index, type(chunk).__name__)))
+            return
+        yield chunk
 
 
 def _cache_id(cache):
