@@ -301,13 +301,15 @@ absl::Status CacheFile::Reserve(int64_t bytes) {
   if (removed_ || bytes <= reserved_) return absl::OkStatus();
   // A file-size limit (ulimit -f) is a full disk for this process; preallocating beyond the end
   // would not meet it (the size does not change), the writes would.
+  int64_t most = INT64_MAX;
   rlimit limit;
-  if (getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
-      static_cast<uint64_t>(bytes) > limit.rlim_cur) {
-    return Failed("cannot allocate space for", EFBIG);
+  if (getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    most = static_cast<int64_t>(std::min<rlim_t>(limit.rlim_cur, INT64_MAX));
   }
+  if (bytes > most) return Failed("cannot allocate space for", EFBIG);
   // Ahead by an eighth (at least 1 MiB), so that one-token appends rarely reach the disk here.
-  const int64_t ahead = std::max<int64_t>(bytes + bytes / 8, bytes + (int64_t{1} << 20));
+  const int64_t ahead =
+      std::min(most, std::max<int64_t>(bytes + bytes / 8, bytes + (int64_t{1} << 20)));
   int result = fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, ahead);
   if (result != 0 && DiskFull(errno)) {
     result = fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, bytes);  // Perhaps the exact need fits.
@@ -318,7 +320,7 @@ absl::Status CacheFile::Reserve(int64_t bytes) {
   }
   if (result != 0) {
     if (DiskFull(errno)) return Failed("cannot allocate space for", errno);
-    reserved_ = INT64_MAX;  // This file system cannot preallocate: writes find out instead.
+    reserved_ = most;  // This file system cannot preallocate: writes find out instead.
     return absl::OkStatus();
   }
   reserved_ = ahead;

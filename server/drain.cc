@@ -44,7 +44,7 @@ int WaitForShutdownSignal() {
   return byte;
 }
 
-void Drain(RunningServer& server, int signal, const AttndConfig& config) {
+int Drain(RunningServer& server, int signal, const AttndConfig& config) {
   const int grace_seconds = config.shutdown_grace_seconds;
   std::printf("attnd: signal %d, draining (in-flight calls get %d s; signal again to exit now)\n",
               signal, grace_seconds);
@@ -80,8 +80,10 @@ void Drain(RunningServer& server, int signal, const AttndConfig& config) {
           std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(2)));
     }
   }
+  int status = 0;
   if (caches.persistent()) {
     const absl::Status flushed = caches.Flush(/*shutdown=*/true);
+    if (!flushed.ok()) status = 3;
     if (flushed.ok()) {
       std::printf("attnd: caches flushed to --cache-dir=%s (%lld bytes)\n",
                   caches.limits().dir.c_str(), static_cast<long long>(caches.disk_bytes()));
@@ -96,6 +98,7 @@ void Drain(RunningServer& server, int signal, const AttndConfig& config) {
   server.grpc->Shutdown(deadline);
   std::printf("attnd: drained, exiting\n");
   std::fflush(stdout);
+  return status;
 }
 
 }  // namespace attn

@@ -31,7 +31,9 @@ absl::Status CatchShutdownSignals();
 int WaitForShutdownSignal();
 
 // The drain above, after `signal` (for the message), with config's --shutdown-grace for calls in
-// flight, its --drain-to and its bearer token for the peer.
-void Drain(RunningServer& server, int signal, const AttndConfig& config);
+// flight, its --drain-to and its bearer token for the peer. Returns attnd's exit status: 0, or 3
+// when --cache-dir could not take every cache (the log says why; what is on disk is a verified
+// prefix of each, and clients re-send the rest).
+int Drain(RunningServer& server, int signal, const AttndConfig& config);
 
 }  // namespace attn

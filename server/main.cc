@@ -2,8 +2,8 @@
 // serve until SIGINT or SIGTERM → drain (server/drain.h).
 //
 // Exit status: 0 after a drain; 2 for a configuration or start-up error (its message on stderr);
-// 1 when a second signal cuts the drain short. --help, and flags Abseil cannot parse, exit inside
-// ParseAttndFlags with Abseil's own status.
+// 1 when a second signal cuts the drain short; 3 after a drain whose flush to --cache-dir failed.
+// --help, and flags Abseil cannot parse, exit inside ParseAttndFlags with Abseil's own status.
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -35,12 +35,13 @@ int main(int argc, char** argv) {
   attn::RunningServer& server = **started;
   attn::PrintStartupLines(server, *config);
 
+  int status = 0;
   std::thread drainer([&] {
     const int signal = attn::WaitForShutdownSignal();
-    attn::Drain(server, signal, *config);
+    status = attn::Drain(server, signal, *config);
   });
   server.grpc->Wait();
   drainer.join();
   server.http.Stop();
-  return 0;
+  return status;
 }

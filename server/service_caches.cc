@@ -100,14 +100,18 @@ class FailedExport final : public grpc::ServerWriteReactor<v1::CacheChunk> {
 class ImportReader final : public grpc::ServerReadReactor<v1::CacheChunk> {
  public:
   ImportReader(std::atomic<int64_t>& open, CacheRegistry& caches, std::string owner,
-               v1::CacheInfo* response)
-      : count_(open), importer_(caches, std::move(owner)), response_(response) {
+               grpc::CallbackServerContext* context, v1::CacheInfo* response)
+      : count_(open), importer_(caches, std::move(owner)), context_(context), response_(response) {
     StartRead(&chunk_);
   }
   void OnReadDone(bool ok) override {
     RunGuarded(
         [this, ok] {
-          if (!ok) {  // The client has sent every chunk (or went away: then no one reads this).
+          if (!ok && context_->IsCancelled()) {  // The client gave up: nothing is imported.
+            Finish(grpc::Status(grpc::StatusCode::CANCELLED, "import cancelled by the client"));
+            return;
+          }
+          if (!ok) {  // The client has sent every chunk.
             absl::StatusOr<CacheDescription> cache = importer_.Finish();
             if (cache.ok()) EncodeCacheInfo(*cache, response_);
             Finish(cache.ok() ? grpc::Status::OK : ToGrpcStatus(cache.status()));
@@ -126,6 +130,7 @@ class ImportReader final : public grpc::ServerReadReactor<v1::CacheChunk> {
  private:
   TransferCount count_;
   CacheImporter importer_;
+  grpc::CallbackServerContext* context_;
   v1::CacheInfo* response_;
   v1::CacheChunk chunk_;
   int64_t chunks_ = 0;
@@ -365,7 +370,7 @@ grpc::ServerReadReactor<v1::CacheChunk>* AttentionService::ImportCache(
     return new FailedImport(accepting);
   }
   if (absl::Status device = CheckDevice(); !device.ok()) return new FailedImport(device);
-  return new ImportReader(open_transfers_, caches_, CallerIdentity(*context), response);
+  return new ImportReader(open_transfers_, caches_, CallerIdentity(*context), context, response);
 }
 
 }  // namespace attn
