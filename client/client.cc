@@ -3,14 +3,18 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/crc32c.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/dtype.h"
 #include "proto/dtype_mapping.h"
@@ -45,6 +49,138 @@ bool SplitHostPort(absl::string_view endpoint, std::string* host, std::string* p
   int port_number;
   return !host->empty() && absl::SimpleAtoi(*port, &port_number) && port_number > 0 &&
          port_number < 65536;
+}
+
+// `status` with `context` before its message, its code kept.
+absl::Status Annotated(const absl::Status& status, absl::string_view context) {
+  return absl::Status(status.code(), absl::StrCat(context, status.message()));
+}
+
+int64_t ElementBytes(v1::DType dtype) {
+  return ElementSize(FromProtoDType(dtype).value_or(DType::kFloat32));
+}
+
+std::string Hex(uint32_t crc) { return absl::StrFormat("0x%08x", crc); }
+
+// The CRC32C of an export (CacheChunk.crc32c) extended by one chunk: its key data, then its
+// value data.
+uint32_t ChunkCrc(const v1::CacheChunk& chunk, uint32_t crc) {
+  const std::string& key = chunk.key().data();
+  const std::string& value = chunk.value().data();
+  return Crc32c(value.data(), value.size(), Crc32c(key.data(), key.size(), crc));
+}
+
+// What an export stream says about itself, taken in as its chunks go by: the first chunk's
+// info, the CRC32C of the tokens computed here, the crc32c its last chunk states.
+class ExportTally {
+ public:
+  void Add(const v1::CacheChunk& chunk) {
+    if (chunks_++ == 0) info_ = chunk.info();
+    crc_ = ChunkCrc(chunk, crc_);
+    if (chunk.has_crc32c()) stated_ = chunk.crc32c();
+  }
+  int64_t chunks() const { return chunks_; }
+  // The first chunk's info, with crc32c set to the tokens'.
+  v1::CacheInfo Info() const {
+    v1::CacheInfo info = info_;
+    info.set_crc32c(crc_);
+    return info;
+  }
+  // DATA_LOSS unless the stream ended with its last chunk, whose crc32c is the tokens'.
+  absl::Status CheckWhole() const {
+    if (chunks_ == 0) return absl::DataLossError("the export stream held no chunk");
+    if (!stated_) {
+      return absl::DataLossError(absl::StrCat("the export stream of cache ", info_.cache_id(),
+                                              " ended without its last chunk (crc32c)"));
+    }
+    if (*stated_ != crc_) {
+      return absl::DataLossError(absl::StrCat("the export of cache ", info_.cache_id(),
+                                              " states CRC32C ", Hex(*stated_), ", its tokens' is ",
+                                              Hex(crc_)));
+    }
+    return absl::OkStatus();
+  }
+  // DATA_LOSS unless `answer`, an import's, holds the export's tokens: its length and crc32c.
+  absl::Status CheckAnswer(const v1::CacheInfo& answer) const {
+    if (answer.length() == info_.length() && answer.has_crc32c() && answer.crc32c() == crc_ &&
+        stated_ == crc_) {
+      return absl::OkStatus();
+    }
+    return absl::DataLossError(
+        absl::StrCat("the import answered cache ", answer.cache_id(), " of ", answer.length(),
+                     " tokens with CRC32C ", answer.has_crc32c() ? Hex(answer.crc32c()) : "(none)",
+                     "; the export of cache ", info_.cache_id(), " held ", info_.length(),
+                     " tokens with CRC32C ", Hex(crc_), " (its last chunk states ",
+                     stated_ ? Hex(*stated_) : "none", ")"));
+  }
+
+ private:
+  int64_t chunks_ = 0;
+  v1::CacheInfo info_;
+  uint32_t crc_ = 0;
+  std::optional<uint32_t> stated_;
+};
+
+// An ImportCache on `to` of the chunks of an export that `next` gives (the first one asking for
+// a new id when new_id_if_taken), its answer checked against them (ExportTally). A failed check
+// deletes the import again. `next`'s errors are returned as they are, the server's after
+// "import into TARGET: ".
+absl::StatusOr<v1::CacheInfo> ImportChecked(
+    Client& to, bool new_id_if_taken,
+    const std::function<absl::StatusOr<bool>(v1::CacheChunk*)>& next) {
+  ExportTally tally;
+  absl::Status source_status;
+  absl::StatusOr<v1::CacheInfo> imported =
+      to.ImportCache([&](v1::CacheChunk* chunk) -> absl::StatusOr<bool> {
+        absl::StatusOr<bool> more = next(chunk);
+        if (more.ok() && !*more) source_status = tally.CheckWhole();
+        if (!more.ok()) source_status = more.status();
+        if (!source_status.ok()) return source_status;
+        if (!*more) return false;
+        if (tally.chunks() == 0) chunk->set_new_id_if_taken(new_id_if_taken);
+        tally.Add(*chunk);
+        return true;
+      });
+  if (!source_status.ok()) return source_status;
+  const std::string into = absl::StrCat("import into ", to.target(), ": ");
+  if (!imported.ok()) return Annotated(imported.status(), into);
+  if (absl::Status checked = tally.CheckAnswer(*imported); !checked.ok()) {
+    const absl::Status deleted = to.DeleteCache(imported->cache_id());
+    return Annotated(
+        checked,
+        absl::StrCat(into,
+                     deleted.ok() ? "deleted the copy again: " : "could not delete the copy (",
+                     deleted.ok() ? "" : deleted.ToString(), deleted.ok() ? "" : "): "));
+  }
+  return imported;
+}
+
+// [heads, tokens, width] of a key or value tensor: rank 3, or rank 2 for one head.
+struct TokenShape {
+  int64_t heads = 0, tokens = 0, width = 0;
+};
+
+TokenShape ShapeOf(const v1::Tensor& tensor) {
+  if (tensor.shape_size() == 3) return {tensor.shape(0), tensor.shape(1), tensor.shape(2)};
+  if (tensor.shape_size() == 2) return {1, tensor.shape(0), tensor.shape(1)};
+  return {};
+}
+
+// The AppendCache of tokens (key, value) after the first expected_length.
+v1::AppendCacheRequest AppendRequest(const std::string& cache_id, const v1::Tensor& key,
+                                     const v1::Tensor& value, int64_t expected_length) {
+  v1::AppendCacheRequest request;
+  request.set_cache_id(cache_id);
+  *request.mutable_key() = key;
+  *request.mutable_value() = value;
+  request.set_expected_length(expected_length);
+  return request;
+}
+
+const absl::Status& StatusOf(const absl::Status& status) { return status; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& result) {
+  return result.status();
 }
 
 }  // namespace
@@ -130,7 +266,8 @@ absl::StatusOr<Array> FromTensor(const v1::Tensor& tensor) {
   return array;
 }
 
-Client::Client(const std::string& target, ClientOptions options) : options_(options) {
+Client::Client(const std::string& target, ClientOptions options)
+    : target_(target), options_(std::move(options)) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
   arguments.SetMaxSendMessageSize(options_.max_message_bytes);
@@ -251,6 +388,282 @@ absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& reque
   return Unary(*stub_, &v1::AttentionService::Stub::Decode, request);
 }
 
+absl::Status Client::ExportCache(const std::string& cache_id,
+                                 const std::function<bool(const v1::CacheChunk&)>& on_chunk) {
+  std::unique_ptr<ExportStream> stream = OpenExport(cache_id);
+  v1::CacheChunk chunk;
+  for (int64_t chunks = 1;; ++chunks) {
+    absl::StatusOr<bool> more = stream->Next(&chunk);
+    if (!more.ok()) return more.status();
+    if (!*more) return absl::OkStatus();
+    if (!on_chunk(chunk)) {
+      return absl::CancelledError(absl::StrCat("the export of cache ", cache_id,
+                                               " was stopped by its reader after ", chunks,
+                                               " chunks"));
+    }
+  }
+}
+
+std::unique_ptr<ExportStream> Client::OpenExport(const std::string& cache_id) {
+  return std::unique_ptr<ExportStream>(new ExportStream(*this, cache_id));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::ImportCache(
+    const std::function<absl::StatusOr<bool>(v1::CacheChunk*)>& next) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::CacheInfo response;
+  std::unique_ptr<grpc::ClientWriter<v1::CacheChunk>> writer =
+      stub_->ImportCache(&context, &response);
+  v1::CacheChunk chunk;
+  while (true) {
+    chunk.Clear();
+    absl::StatusOr<bool> more = next(&chunk);
+    if (!more.ok()) {
+      context.TryCancel();
+      (void)writer->Finish();
+      return more.status();
+    }
+    if (!*more) break;
+    if (!writer->Write(chunk)) break;  // The server ended the call: Finish says why.
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  if (!status.ok()) return ToAbsl(status);
+  return response;
+}
+
+ExportStream::ExportStream(Client& client, const std::string& cache_id) {
+  client.Prepare(&context_);
+  v1::ExportCacheRequest request;
+  request.set_cache_id(cache_id);
+  reader_ = client.stub_->ExportCache(&context_, request);
+}
+
+ExportStream::~ExportStream() {
+  if (finished_) return;
+  context_.TryCancel();
+  (void)reader_->Finish();
+}
+
+absl::StatusOr<bool> ExportStream::Next(v1::CacheChunk* chunk) {
+  if (!finished_) {
+    chunk->Clear();
+    if (reader_->Read(chunk)) return true;
+    finished_ = ToAbsl(reader_->Finish());
+  }
+  if (!finished_->ok()) return *finished_;
+  return false;
+}
+
+std::optional<std::string> MovedTo(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kNotFound) return std::nullopt;
+  constexpr absl::string_view kMark = "moved_to=";
+  const absl::string_view message = status.message();
+  const size_t at = message.rfind(kMark);
+  if (at == absl::string_view::npos) return std::nullopt;
+  absl::string_view target = absl::StripLeadingAsciiWhitespace(message.substr(at + kMark.size()));
+  target = target.substr(0, target.find_first_of(" \t\r\n"));
+  if (target.empty()) return std::nullopt;
+  return std::string(target);
+}
+
+absl::StatusOr<v1::CacheInfo> CopyCache(Client& from, Client& to, const std::string& id,
+                                        bool new_id_if_taken) {
+  std::unique_ptr<ExportStream> source = from.OpenExport(id);
+  const std::string export_from = absl::StrCat("export from ", from.target(), ": ");
+  return ImportChecked(to, new_id_if_taken, [&](v1::CacheChunk* chunk) -> absl::StatusOr<bool> {
+    absl::StatusOr<bool> more = source->Next(chunk);
+    if (!more.ok()) return Annotated(more.status(), export_from);
+    return more;
+  });
+}
+
+absl::StatusOr<v1::CacheInfo> MoveCache(Client& from, Client& to, const std::string& id,
+                                        bool new_id_if_taken) {
+  absl::StatusOr<v1::CacheInfo> moved = CopyCache(from, to, id, new_id_if_taken);
+  if (!moved.ok()) return moved;
+  if (absl::Status deleted = from.DeleteCache(id); !deleted.ok()) {
+    return Annotated(
+        deleted, absl::StrCat("cache ", id, " was copied to ", to.target(), " as ",
+                              moved->cache_id(), " but not deleted from ", from.target(), ": "));
+  }
+  return moved;
+}
+
+namespace {
+
+// Records longer than this are not chunks of an export (theirs stay under 4 MiB).
+constexpr uint32_t kMaxRecordBytes = uint32_t{1} << 30;
+
+// The error of a failed file call, from errno (which a short fread or fwrite may leave 0: then
+// UNKNOWN, never OK).
+absl::Status FileError(absl::string_view what, const std::string& path) {
+  const int error = errno;
+  if (error == 0) return absl::UnknownError(absl::StrCat(what, " ", path));
+  return absl::ErrnoToStatus(error, absl::StrCat(what, " ", path));
+}
+
+}  // namespace
+
+absl::StatusOr<ExportFileWriter> ExportFileWriter::Create(const std::string& path) {
+  errno = 0;
+  std::FILE* file = std::fopen(path.c_str(), "wb");
+  if (file == nullptr) return FileError("cannot create", path);
+  ExportFileWriter writer(path, file);
+  if (std::fwrite(kExportFileMagic.data(), 1, kExportFileMagic.size(), file) !=
+      kExportFileMagic.size()) {
+    return FileError("cannot write", path);
+  }
+  return writer;
+}
+
+ExportFileWriter::ExportFileWriter(ExportFileWriter&& other) noexcept
+    : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+
+ExportFileWriter::~ExportFileWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+absl::Status ExportFileWriter::Write(const v1::CacheChunk& chunk) {
+  if (file_ == nullptr) return absl::FailedPreconditionError(path_ + " is closed");
+  std::string bytes;
+  if (!chunk.SerializeToString(&bytes) || bytes.size() > kMaxRecordBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a chunk of ", chunk.ByteSizeLong(), " bytes does not fit ", path_));
+  }
+  const uint32_t size = static_cast<uint32_t>(bytes.size());
+  errno = 0;
+  const unsigned char prefix[4] = {
+      static_cast<unsigned char>(size), static_cast<unsigned char>(size >> 8),
+      static_cast<unsigned char>(size >> 16), static_cast<unsigned char>(size >> 24)};
+  if (std::fwrite(prefix, 1, 4, file_) != 4 ||
+      std::fwrite(bytes.data(), 1, bytes.size(), file_) != bytes.size()) {
+    return FileError("cannot write", path_);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExportFileWriter::Close() {
+  if (file_ == nullptr) return absl::OkStatus();
+  errno = 0;
+  absl::Status status;
+  if (std::fflush(file_) != 0) status = FileError("cannot write", path_);
+  if (std::fclose(file_) != 0 && status.ok()) status = FileError("cannot write", path_);
+  file_ = nullptr;
+  return status;
+}
+
+absl::StatusOr<ExportFileReader> ExportFileReader::Open(const std::string& path) {
+  errno = 0;
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) return FileError("cannot open", path);
+  ExportFileReader reader(path, file);
+  char magic[8];
+  const size_t got = std::fread(magic, 1, sizeof magic, file);
+  if (std::ferror(file)) return FileError("cannot read", path);
+  if (got != kExportFileMagic.size() || absl::string_view(magic, got) != kExportFileMagic) {
+    return absl::DataLossError(absl::StrCat(path, ": not an attn cache export (its first ",
+                                            kExportFileMagic.size(), " bytes are not \"",
+                                            kExportFileMagic, "\")"));
+  }
+  return reader;
+}
+
+ExportFileReader::ExportFileReader(ExportFileReader&& other) noexcept
+    : path_(std::move(other.path_)),
+      file_(std::exchange(other.file_, nullptr)),
+      records_(other.records_),
+      offset_(other.offset_),
+      crc_(other.crc_),
+      ended_(other.ended_) {}
+
+ExportFileReader::~ExportFileReader() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+absl::StatusOr<bool> ExportFileReader::Next(v1::CacheChunk* chunk) {
+  chunk->Clear();
+  if (ended_) return false;
+  if (file_ == nullptr) return absl::FailedPreconditionError(path_ + " is closed");
+  const std::string record = absl::StrCat(path_, ": record ", records_, " (at byte ", offset_, ")");
+  unsigned char prefix[4];
+  errno = 0;
+  size_t got = std::fread(prefix, 1, 4, file_);
+  if (std::ferror(file_)) return FileError("cannot read", path_);
+  if (got == 0) {
+    return absl::DataLossError(
+        absl::StrCat(path_, ": ends after ", records_,
+                     " chunks, before the one carrying crc32c (the last): the file was cut short"));
+  }
+  if (got < 4) {
+    return absl::DataLossError(
+        absl::StrCat(record, " is cut short: its length has ", got, " of 4 bytes"));
+  }
+  const uint32_t size = uint32_t{prefix[0]} | uint32_t{prefix[1]} << 8 | uint32_t{prefix[2]} << 16 |
+                        uint32_t{prefix[3]} << 24;
+  if (size > kMaxRecordBytes) {
+    return absl::DataLossError(
+        absl::StrCat(record, " says it holds ", size, " bytes, more than any chunk"));
+  }
+  std::string bytes(size, '\0');
+  got = std::fread(bytes.data(), 1, size, file_);
+  if (std::ferror(file_)) return FileError("cannot read", path_);
+  if (got < size) {
+    return absl::DataLossError(
+        absl::StrCat(record, " is cut short: ", got, " of its ", size, " bytes"));
+  }
+  if (!chunk->ParseFromString(bytes)) {
+    return absl::DataLossError(absl::StrCat(record, " does not parse as a CacheChunk"));
+  }
+  crc_ = ChunkCrc(*chunk, crc_);
+  offset_ += 4 + int64_t{size};
+  ++records_;
+  if (chunk->has_crc32c()) {  // The last chunk: its CRC32C checked, and nothing after it.
+    ended_ = true;
+    if (chunk->crc32c() != crc_) {
+      return absl::DataLossError(absl::StrCat(path_, ": its tokens' CRC32C is ", Hex(crc_),
+                                              ", its last chunk states ", Hex(chunk->crc32c()),
+                                              ": the file is damaged"));
+    }
+    if (std::fgetc(file_) != EOF) {
+      return absl::DataLossError(absl::StrCat(path_, ": goes on after its last chunk (record ",
+                                              records_ - 1, ", ending at byte ", offset_, ")"));
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<v1::CacheInfo> ExportCacheToFile(Client& client, const std::string& id,
+                                                const std::string& path) {
+  absl::StatusOr<ExportFileWriter> writer = ExportFileWriter::Create(path);
+  if (!writer.ok()) return writer.status();
+  ExportTally tally;
+  absl::Status written;
+  absl::Status status = client.ExportCache(id, [&](const v1::CacheChunk& chunk) {
+    tally.Add(chunk);
+    written = writer->Write(chunk);
+    return written.ok();
+  });
+  if (!written.ok()) status = written;
+  if (status.ok()) status = tally.CheckWhole();
+  if (status.ok()) status = writer->Close();
+  if (!status.ok()) {
+    (void)writer->Close();
+    std::remove(path.c_str());
+    return status;
+  }
+  return tally.Info();
+}
+
+absl::StatusOr<v1::CacheInfo> ImportCacheFromFile(Client& client, const std::string& path,
+                                                  bool new_id_if_taken) {
+  absl::StatusOr<ExportFileReader> reader = ExportFileReader::Open(path);
+  if (!reader.ok()) return reader.status();
+  return ImportChecked(client, new_id_if_taken,
+                       [&](v1::CacheChunk* chunk) { return reader->Next(chunk); });
+}
+
 v1::AttentionRequest CacheRequest(const std::string& cache_id, const v1::Tensor& query,
                                   const v1::AttentionOptions& options) {
   v1::AttentionRequest request;
@@ -266,14 +679,65 @@ absl::StatusOr<Cache> Cache::Create(Client& client, const v1::CreateCacheRequest
   return Cache(client, *std::move(info));
 }
 
+int64_t Cache::kept_from() const { return tail_.empty() ? length() : tail_.front()->start; }
+
+template <typename Call>
+auto Cache::FollowingMoves(const Call& call) -> decltype(call(std::declval<Client&>())) {
+  auto result = call(*client_);
+  const std::optional<std::string> target = MovedTo(StatusOf(result));
+  if (!target) return result;
+  moved_client_ = std::make_shared<Client>(*target, client_->options());
+  client_ = moved_client_.get();
+  return call(*client_);
+}
+
+void Cache::Adopt(const v1::CacheInfo& info, const v1::Tensor* key, const v1::Tensor* value) {
+  const int64_t before = length();
+  info_ = info;
+  if (!info.has_durable_length()) {  // The server does not persist: nothing to send again.
+    tail_.clear();
+    return;
+  }
+  const int64_t sent = key != nullptr && value != nullptr ? ShapeOf(*key).tokens : 0;
+  if (sent > 0 && info.length() == before + sent) {
+    if (info.length() > info.durable_length()) {
+      tail_.push_back(std::make_shared<const Sent>(Sent{before, sent, *key, *value}));
+    }
+  } else if (info.length() != before) {
+    tail_.clear();  // Tokens this Cache has not seen: the tail would have a gap.
+  }
+  while (!tail_.empty() && tail_.front()->start + tail_.front()->tokens <= info.durable_length()) {
+    tail_.pop_front();
+  }
+}
+
+v1::Tensor Cache::Gather(bool keys, int64_t begin, int64_t end) const {
+  // Every kept tensor of the cache has its heads, width and dtype: the server took them.
+  const v1::Tensor& model = keys ? tail_.front()->key : tail_.front()->value;
+  const TokenShape shape = ShapeOf(model);
+  const int64_t row = shape.width * ElementBytes(model.dtype());
+  v1::Tensor gathered;
+  std::string* data = gathered.mutable_data();
+  data->reserve(shape.heads * (end - begin) * row);
+  for (int64_t h = 0; h < shape.heads; ++h) {
+    for (const std::shared_ptr<const Sent>& sent : tail_) {
+      const int64_t first = std::max(begin, sent->start);
+      const int64_t last = std::min(end, sent->start + sent->tokens);
+      if (first >= last) continue;
+      const std::string& bytes = (keys ? sent->key : sent->value).data();
+      data->append(bytes, (h * sent->tokens + first - sent->start) * row, (last - first) * row);
+    }
+  }
+  for (const int64_t extent : {shape.heads, end - begin, shape.width}) gathered.add_shape(extent);
+  gathered.set_dtype(model.dtype());
+  return gathered;
+}
+
 absl::StatusOr<v1::CacheInfo> Cache::Append(const v1::Tensor& key, const v1::Tensor& value) {
-  v1::AppendCacheRequest request;
-  request.set_cache_id(id());
-  *request.mutable_key() = key;
-  *request.mutable_value() = value;
-  request.set_expected_length(length());
-  absl::StatusOr<v1::CacheInfo> info = client_->AppendCache(request);
-  if (info.ok()) info_ = *info;
+  const v1::AppendCacheRequest request = AppendRequest(id(), key, value, length());
+  absl::StatusOr<v1::CacheInfo> info =
+      FollowingMoves([&](Client& client) { return client.AppendCache(request); });
+  if (info.ok()) Adopt(*info, &key, &value);
   return info;
 }
 
@@ -288,29 +752,76 @@ v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key,
   return item;
 }
 
+void Cache::Update(const v1::CacheInfo& info) { Adopt(info, nullptr, nullptr); }
+
+void Cache::Update(const v1::CacheInfo& info, const v1::DecodeItem& item) {
+  const bool appended = item.expected_length() == length() && item.has_key() && item.has_value();
+  Adopt(info, appended ? &item.key() : nullptr, appended ? &item.value() : nullptr);
+}
+
 absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const v1::Tensor* key,
                                                  const v1::Tensor* value,
                                                  const v1::AttentionOptions& options) {
   v1::DecodeRequest request;
   *request.add_items() = Item(query, key, value);
   *request.mutable_options() = options;
-  absl::StatusOr<v1::DecodeResponse> response = client_->Decode(request);
+  absl::StatusOr<v1::DecodeResponse> response =
+      FollowingMoves([&](Client& client) { return client.Decode(request); });
   if (!response.ok()) return response;
   if (response->caches_size() != 1 || response->outputs_size() != 1) {
     return absl::InternalError(absl::StrCat("Decode of one item answered ",
                                             response->outputs_size(), " outputs and ",
                                             response->caches_size(), " cache infos"));
   }
-  info_ = response->caches(0);
+  Adopt(response->caches(0), key, value);
   return response;
 }
 
 absl::StatusOr<v1::CacheInfo> Cache::Refresh() {
-  absl::StatusOr<v1::CacheInfo> info = client_->GetCacheInfo(id());
-  if (info.ok()) info_ = *info;
+  absl::StatusOr<v1::CacheInfo> info =
+      FollowingMoves([&](Client& client) { return client.GetCacheInfo(id()); });
+  if (!info.ok()) return info;
+  const int64_t held = info->length();
+  if (held >= length()) {
+    Adopt(*info, nullptr, nullptr);
+    return info;
+  }
+  if (kept_from() > held) {
+    return absl::DataLossError(
+        absl::StrCat("cache ", id(), ": the server holds ", held, " tokens, this client sent ",
+                     length(), " and kept them only from ", kept_from(),
+                     " on (the rest were durable, or the server does not persist caches): tokens [",
+                     held, ", ", kept_from(), ") are lost; prefill the sequence again"));
+  }
+  // Tokens [held, length()) again, from the tail, in appends of at most kReplayAppendBytes.
+  const Sent& front = *tail_.front();
+  const int64_t token_bytes =
+      static_cast<int64_t>(front.key.data().size() + front.value.data().size()) /
+      std::max<int64_t>(1, front.tokens);
+  const int64_t per_append =
+      std::max<int64_t>(1, kReplayAppendBytes / std::max<int64_t>(1, token_bytes));
+  for (int64_t begin = held; begin < length();) {
+    const int64_t end = std::min(length(), begin + per_append);
+    info = client_->AppendCache(
+        AppendRequest(id(), Gather(true, begin, end), Gather(false, begin, end), begin));
+    if (!info.ok()) {
+      return Annotated(info.status(),
+                       absl::StrCat("cache ", id(), ": sending tokens [", begin, ", ", end,
+                                    ") again after the server kept ", held, ": "));
+    }
+    begin = end;
+  }
+  Adopt(*info, nullptr, nullptr);
   return info;
 }
 
-absl::Status Cache::Delete() { return client_->DeleteCache(id()); }
+absl::Status Cache::Delete() {
+  return FollowingMoves([&](Client& client) { return client.DeleteCache(id()); });
+}
+
+void Cache::Rebind(Client& client) {
+  client_ = &client;
+  moved_client_.reset();
+}
 
 }  // namespace attn::client

@@ -6,14 +6,20 @@
 // and stub are); each call may carry a deadline.
 //
 // Server-resident KV caches: Client has one method per cache RPC (CreateCache, AppendCache,
-// GetCacheInfo, DeleteCache, ListCaches, Decode); Naive, Tiled and Trace attend over a cache
-// when their request names one (AttentionRequest.cache_id, see CacheRequest). `Cache` keeps a
-// cache's id and the length the client believes it has, sending it as expected_length on every
-// append and decode and taking the server's answer as the new length.
+// GetCacheInfo, DeleteCache, ListCaches, Decode, ExportCache, ImportCache); Naive, Tiled and
+// Trace attend over a cache when their request names one (AttentionRequest.cache_id, see
+// CacheRequest). `Cache` keeps a cache's id and the length the client believes it has, sending
+// it as expected_length on every append and decode and taking the server's answer as the new
+// length; it also keeps the tokens the server has not yet made durable and sends them again
+// when a restarted server lost them, and follows a cache that a draining server moved
+// (moved_to). CopyCache and MoveCache stream a cache from one server to another; the export
+// file helpers keep one in a file (`attn cache export`).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -21,10 +27,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/sync_stream.h"
 
 namespace attn::client {
 
@@ -77,6 +86,8 @@ struct ClientOptions {
   std::string token{};
 };
 
+class ExportStream;
+
 class Client {
  public:
   // Connects lazily: the first call dials `target` (e.g. "127.0.0.1:50051", a list
@@ -111,7 +122,27 @@ class Client {
   absl::StatusOr<attention::v1::ListCachesResponse> ListCaches();
   absl::StatusOr<attention::v1::DecodeResponse> Decode(const attention::v1::DecodeRequest& request);
 
+  // ExportCache's stream, calling on_chunk for each chunk in order (attention.proto: the first
+  // carries info, the last crc32c). on_chunk returning false cancels the stream; the call then
+  // returns CANCELLED. Otherwise returns the stream's status.
+  absl::Status ExportCache(const std::string& cache_id,
+                           const std::function<bool(const attention::v1::CacheChunk&)>& on_chunk);
+  // The same stream read one chunk at a time (OpenExport(id)->Next(&chunk)), for a caller that
+  // pulls, e.g. an ImportCache on another server. The Client must outlive it.
+  std::unique_ptr<ExportStream> OpenExport(const std::string& cache_id);
+  // ImportCache: calls next for each chunk to send (it fills the cleared chunk and returns true,
+  // or false when none is left) and returns the server's answer. An error from next cancels the
+  // call, so nothing is imported, and is returned as is.
+  absl::StatusOr<attention::v1::CacheInfo> ImportCache(
+      const std::function<absl::StatusOr<bool>(attention::v1::CacheChunk*)>& next);
+
+  // What this client was made with: a client for another server of the same deployment (a
+  // cache's moved_to) is made with them.
+  const std::string& target() const { return target_; }
+  const ClientOptions& options() const { return options_; }
+
  private:
+  friend class ExportStream;
   void Prepare(grpc::ClientContext* context) const;
   // One unary call of `method` on `stub`, prepared as above (deadline, token).
   template <typename Stub, typename Request, typename Response>
@@ -120,11 +151,108 @@ class Client {
                                                               Response*),
                                  const Request& request) const;
 
+  std::string target_;
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
+
+// One ExportCache stream, read by the caller (Client::OpenExport). Cancels the stream when
+// destroyed before its end. Not thread-safe.
+class ExportStream {
+ public:
+  ~ExportStream();
+  ExportStream(const ExportStream&) = delete;
+  ExportStream& operator=(const ExportStream&) = delete;
+
+  // The next chunk into *chunk; false after the last one (the stream ended OK); the stream's
+  // error otherwise (then and after the end, every later call answers the same).
+  absl::StatusOr<bool> Next(attention::v1::CacheChunk* chunk);
+
+ private:
+  friend class Client;
+  ExportStream(Client& client, const std::string& cache_id);
+
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<attention::v1::CacheChunk>> reader_;
+  std::optional<absl::Status> finished_;  // Set once the stream has ended.
+};
+
+// The server a NOT_FOUND names when the cache was moved there by a draining server: the
+// message's "moved_to=HOST:PORT" (attention.proto); nullopt for any other status.
+std::optional<std::string> MovedTo(const absl::Status& status);
+
+// Copies cache `id` from `from` to `to`, streaming the export's chunks straight into the
+// import (one chunk at a time, never the whole cache in memory), then checks the target's answer:
+// its length must be the export's info.length and its crc32c the export's (the CRC32C of the
+// chunks' key and value data, computed here too and compared with the export's last chunk). The
+// target keeps the id when it is free there, else ALREADY_EXISTS, or a new id with new_id_if_taken.
+// DATA_LOSS on any mismatch (the target's copy is then deleted). Returns the target's answer.
+// Errors name the side ("export from T: ...", "import into T: ...") and keep the server's message.
+absl::StatusOr<attention::v1::CacheInfo> CopyCache(Client& from, Client& to, const std::string& id,
+                                                   bool new_id_if_taken);
+// CopyCache, then DeleteCache on `from`: the source is deleted only once the copy checked out.
+absl::StatusOr<attention::v1::CacheInfo> MoveCache(Client& from, Client& to, const std::string& id,
+                                                   bool new_id_if_taken);
+
+// The file `attn cache export` writes: kExportFileMagic, then for each CacheChunk of the
+// export, in order, its serialized size as a little-endian u32 and the serialized message.
+inline constexpr absl::string_view kExportFileMagic = "ATTNEXP1";
+
+// Writes an export file chunk by chunk. Not thread-safe.
+class ExportFileWriter {
+ public:
+  // Creates (or truncates) `path` and writes the magic.
+  static absl::StatusOr<ExportFileWriter> Create(const std::string& path);
+  ExportFileWriter(ExportFileWriter&& other) noexcept;
+  ExportFileWriter& operator=(ExportFileWriter&&) = delete;
+  ~ExportFileWriter();  // Closes the file if Close was not called (errors then go unreported).
+
+  absl::Status Write(const attention::v1::CacheChunk& chunk);
+  // Flushes and closes the file; the first error of any write or of the close.
+  absl::Status Close();
+
+ private:
+  ExportFileWriter(std::string path, std::FILE* file) : path_(std::move(path)), file_(file) {}
+  std::string path_;
+  std::FILE* file_;
+};
+
+// Reads an export file chunk by chunk and checks it as it goes: DATA_LOSS naming the file for a
+// wrong magic, a record cut short or that does not parse, a file that ends before the chunk
+// carrying crc32c (cut at a record boundary) or goes on after it, and tokens whose CRC32C is
+// not the one the last chunk states. Not thread-safe.
+class ExportFileReader {
+ public:
+  // Opens `path` and checks the magic.
+  static absl::StatusOr<ExportFileReader> Open(const std::string& path);
+  ExportFileReader(ExportFileReader&& other) noexcept;
+  ExportFileReader& operator=(ExportFileReader&&) = delete;
+  ~ExportFileReader();
+
+  // The next chunk into *chunk (cleared first); false after the last.
+  absl::StatusOr<bool> Next(attention::v1::CacheChunk* chunk);
+
+ private:
+  ExportFileReader(std::string path, std::FILE* file) : path_(std::move(path)), file_(file) {}
+  std::string path_;
+  std::FILE* file_;
+  int64_t records_ = 0;  // Records read.
+  int64_t offset_ = 8;   // Of the next record, in bytes.
+  uint32_t crc_ = 0;     // Of the tokens read so far.
+  bool ended_ = false;   // The chunk carrying crc32c has been read.
+};
+
+// The export of cache `id` from `client` into the file `path` (removed again on any failure).
+// Returns the first chunk's info with crc32c set to the export's.
+absl::StatusOr<attention::v1::CacheInfo> ExportCacheToFile(Client& client, const std::string& id,
+                                                           const std::string& path);
+// A cache on `client` from the export file `path` (new_id_if_taken as for CopyCache), its
+// answer checked as CopyCache checks one. Returns the server's answer.
+absl::StatusOr<attention::v1::CacheInfo> ImportCacheFromFile(Client& client,
+                                                             const std::string& path,
+                                                             bool new_id_if_taken);
 
 // The standard ALiBi slopes for `heads` query heads (Press et al.; BLOOM's): for a power of two
 // n, head h's slope is 2^(−8(h+1)/n); otherwise the n = 2^⌊log₂ heads⌋ slopes, then every other
@@ -140,20 +268,48 @@ attention::v1::AttentionRequest CacheRequest(const std::string& cache_id,
 // One cache as this client sees it: its id and the length it believes the cache has. Append and
 // Decode send that length as expected_length and take the length of the server's answer, so a
 // retried call is refused (FAILED_PRECONDITION) rather than storing tokens twice; after such a
-// refusal, Refresh() re-reads the length. Not thread-safe (one sequence, one writer); the Client
-// must outlive it. Copyable: copies share nothing but the Client.
+// refusal, Refresh() re-reads the length.
+//
+// Recovery (the protocol the Python and Node clients follow too):
+// - Replay tail. Every token sent through Append, Decode or Update(info, item) is kept, as sent,
+//   until the server says it is durable: each answer drops the kept appends that end at or
+//   before its durable_length, and an answer without durable_length (a server without
+//   --cache-dir) drops them all. So the tail holds about the last --cache-sync-seconds of
+//   appends.
+// - Refresh() after a restart: when the server holds L tokens, fewer than length(), and the tail
+//   reaches back to L, it sends tokens [L, length()) again (the kept append that straddles L
+//   sliced along its token axis) in appends of at most kReplayAppendBytes, and returns the
+//   answer; when the tail does not reach back, DATA_LOSS (the sequence must be prefilled again)
+//   and the Cache is left as it was.
+// - moved_to: when Append, Decode, Refresh or Delete fails NOT_FOUND naming moved_to=HOST:PORT
+//   (MovedTo), the Cache makes a Client for HOST:PORT with the first one's options, keeps it,
+//   and retries the call there once (a second moved_to in a row is returned as the error).
+//
+// Not thread-safe (one sequence, one writer). The Client it was made with must outlive it (a
+// Client it made for a moved_to lives as long as the last copy). Copies are cheap: they share
+// the Clients and the kept tokens (immutable), and go their own ways from then on.
 class Cache {
  public:
+  // Bytes of key and value data a Refresh re-sends per AppendCache, at most (one token at
+  // least): well under attnd's default --max-message-bytes (1 GiB).
+  static constexpr int64_t kReplayAppendBytes = int64_t{8} << 20;
+
   // A new, empty cache on `client`.
   static absl::StatusOr<Cache> Create(Client& client,
                                       const attention::v1::CreateCacheRequest& request);
-  // An existing cache (e.g. from ListCaches or GetCacheInfo), believed to have info.length().
+  // An existing cache (e.g. from ListCaches or GetCacheInfo), believed to have info.length();
+  // no tokens kept.
   Cache(Client& client, attention::v1::CacheInfo info) : client_(&client), info_(std::move(info)) {}
 
   const std::string& id() const { return info_.cache_id(); }
   int64_t length() const { return info_.length(); }
   // The last CacheInfo the server sent for this cache.
   const attention::v1::CacheInfo& info() const { return info_; }
+  // The Client this Cache calls now (another than the first after following a moved_to).
+  Client& client() const { return *client_; }
+  // The first token of the kept tail: a Refresh can recover a server that holds at least this
+  // many tokens. length() when nothing is kept.
+  int64_t kept_from() const;
 
   // Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] at length().
   absl::StatusOr<attention::v1::CacheInfo> Append(const attention::v1::Tensor& key,
@@ -165,20 +321,46 @@ class Cache {
       const attention::v1::Tensor* value = nullptr,
       const attention::v1::AttentionOptions& options = {});
   // The DecodeItem for this cache in a batched Client::Decode, with expected_length = length().
-  // After the call succeeds, pass Update the response's caches[i] for this item.
+  // After the call succeeds, pass Update the response's caches[i] for this item and the item.
   attention::v1::DecodeItem Item(const attention::v1::Tensor& query,
                                  const attention::v1::Tensor* key = nullptr,
                                  const attention::v1::Tensor* value = nullptr) const;
-  // Takes `info` (the server's answer naming this cache) as what the cache now holds.
-  void Update(const attention::v1::CacheInfo& info) { info_ = info; }
-  // Re-reads the cache's info (and so its length) from the server.
+  // Takes `info` (the server's answer naming this cache) as what the cache now holds. With the
+  // `item` that produced it, its key and value join the kept tail; without, a length that moved
+  // drops the tail (its tokens are not known here).
+  void Update(const attention::v1::CacheInfo& info);
+  void Update(const attention::v1::CacheInfo& info, const attention::v1::DecodeItem& item);
+  // Re-reads the cache's info from the server, re-sending the tokens it lost (above).
   absl::StatusOr<attention::v1::CacheInfo> Refresh();
   // Deletes the cache on the server.
   absl::Status Delete();
+  // Calls `client` from now on, keeping the id, length and kept tokens: e.g. the server came
+  // back at another address, or from a copy of its --cache-dir. The Client must outlive this.
+  void Rebind(Client& client);
 
  private:
+  // One append as sent: tokens [start, start + tokens).
+  struct Sent {
+    int64_t start;
+    int64_t tokens;
+    attention::v1::Tensor key;
+    attention::v1::Tensor value;
+  };
+  // Takes the server's answer `info` to a call that appended key and value (null: none) at
+  // length(): keeps them unless durable, keeps the tail contiguous up to the new length, and
+  // drops what info says is durable.
+  void Adopt(const attention::v1::CacheInfo& info, const attention::v1::Tensor* key,
+             const attention::v1::Tensor* value);
+  // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor.
+  attention::v1::Tensor Gather(bool keys, int64_t begin, int64_t end) const;
+  // call(client()), and once more on the moved_to server's Client when it fails naming one.
+  template <typename Call>
+  auto FollowingMoves(const Call& call) -> decltype(call(std::declval<Client&>()));
+
   Client* client_;
+  std::shared_ptr<Client> moved_client_;  // The Client made for a moved_to, when one was.
   attention::v1::CacheInfo info_;
+  std::deque<std::shared_ptr<const Sent>> tail_;  // Contiguous, ending at length().
 };
 
 }  // namespace attn::client

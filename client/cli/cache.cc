@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <utility>
@@ -67,6 +68,10 @@ void PrintInfo(std::FILE* out, const v1::CacheInfo& info, bool json) {
                 info.head_dim(), info.value_dim(), v1::DType_Name(info.dtype()));
   absl::FPrintF(out, "  length %d tokens, %s in pages of %d tokens\n", info.length(),
                 Bytes(info.bytes()), info.page_tokens());
+  if (info.has_durable_length()) {
+    absl::FPrintF(out, "  durable %d tokens (on the server's disk)\n", info.durable_length());
+  }
+  if (info.has_crc32c()) absl::FPrintF(out, "  CRC32C 0x%08x\n", info.crc32c());
 }
 
 // Appends `count` random tokens [kv_heads, ·, head_dim | value_dim] in `dtype` through `append`
@@ -388,7 +393,8 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
                              std::FILE* out) {
   if (args.empty()) {
     return absl::InvalidArgumentError(
-        "give a cache command: create, append, info, list or delete (attn --help)");
+        "give a cache command: create, append, info, list, delete, export, import or move (attn "
+        "--help)");
   }
   const std::string& command = args[0];
   if (command == "create") {
@@ -455,8 +461,63 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
     absl::FPrintF(out, "deleted cache %s\n", args[1]);
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown cache command \"", command,
-                                                 "\": use create, append, info, list or delete"));
+  if (command == "export") {
+    if (args.size() != 2 || flags.to.empty()) {
+      return absl::InvalidArgumentError("usage: attn cache export CACHE_ID --to FILE");
+    }
+    absl::StatusOr<client::Client*> owner = client.ClientFor(args[1]);
+    if (!owner.ok()) return owner.status();
+    absl::StatusOr<v1::CacheInfo> exported = client::ExportCacheToFile(**owner, args[1], flags.to);
+    if (!exported.ok()) return exported.status();
+    if (flags.json) {
+      absl::FPrintF(out, "%s\n", Json(*exported));
+      return absl::OkStatus();
+    }
+    std::error_code error;
+    const uintmax_t bytes = std::filesystem::file_size(flags.to, error);
+    absl::FPrintF(out, "exported cache %s to %s: %d tokens, CRC32C 0x%08x, %s\n", args[1], flags.to,
+                  exported->length(), exported->crc32c(),
+                  error ? "?" : Bytes(static_cast<int64_t>(bytes)));
+    return absl::OkStatus();
+  }
+  if (command == "import") {
+    if (args.size() != 2) {
+      return absl::InvalidArgumentError("usage: attn cache import FILE [--new-id]");
+    }
+    if (client.endpoints().size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attn cache import puts the cache on one server: give --target one address, not ",
+          client.endpoints().size()));
+    }
+    client::Client server(client.endpoints()[0], flags.client_options);
+    absl::StatusOr<v1::CacheInfo> imported =
+        client::ImportCacheFromFile(server, args[1], flags.new_id);
+    if (!imported.ok()) return imported.status();
+    PrintInfo(out, *imported, flags.json);
+    return absl::OkStatus();
+  }
+  if (command == "move") {
+    if (args.size() != 2 || flags.from.empty() || flags.to.empty()) {
+      return absl::InvalidArgumentError(
+          "usage: attn cache move CACHE_ID --from HOST:PORT --to HOST:PORT [--new-id]");
+    }
+    client::Client from(flags.from, flags.client_options);
+    client::Client to(flags.to, flags.client_options);
+    absl::StatusOr<v1::CacheInfo> moved = client::MoveCache(from, to, args[1], flags.new_id);
+    if (!moved.ok()) return moved.status();
+    PrintInfo(out, *moved, flags.json);
+    if (!flags.json) {
+      absl::FPrintF(out, "moved %s from %s to %s: %d tokens, CRC32C 0x%08x%s\n", args[1],
+                    flags.from, flags.to, moved->length(), moved->crc32c(),
+                    moved->cache_id() == args[1]
+                        ? ""
+                        : absl::StrCat("; its id there is ", moved->cache_id()));
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown cache command \"", command,
+                   "\": use create, append, info, list, delete, export, import or move"));
 }
 
 absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& flags,
@@ -502,7 +563,7 @@ absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& 
     if (response->outputs_size() != 1 || response->caches_size() != 1) {
       return absl::InternalError(absl::StrCat(response->outputs_size(), " outputs for 1 item"));
     }
-    cache.Update(response->caches(0));
+    cache.Update(response->caches(0), request.items(0));
     *output = response->outputs(0);
     *stats = response->stats();
     return absl::OkStatus();

@@ -1,9 +1,13 @@
-// attn cache create|append|info|list|delete and attn decode: server-resident KV caches from the
-// command line.
+// attn cache create|append|info|list|delete|export|import|move and attn decode: server-resident
+// KV caches from the command line.
 //
 //   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16]
 //   attn cache append ID --tokens N [--expected-length L]   N random tokens (uniform in [-1, 1))
 //   attn cache info ID | attn cache list | attn cache delete ID
+//   attn cache export ID --to FILE          the cache's tokens, bit-exact, into an export file
+//   attn cache import FILE [--new-id]       a cache from an export file, on the one --target
+//   attn cache move ID --from A --to B [--new-id]   streamed from server A to B, checked, then
+//                                           deleted on A (client/client.h MoveCache)
 //   attn decode [--heads H --kv-heads K --head-dim D --value-dim V --dtype T] [--tokens N]
 //               [--steps M]
 //
@@ -22,7 +26,8 @@
 // (compute: the slowest part's; sent: all parts' requests), and at the end each part's length.
 //
 // The commands go through a MultiServerClient, so with a --target list each cache stays on the
-// server that created it (found by asking each endpoint when a later command names it).
+// server that created it (found by asking each endpoint when a later command names it); import
+// needs one server to import into, and move names its two servers itself.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "attention/v1/attention.pb.h"
+#include "client/client.h"
 #include "client/multi_server_client.h"
 
 namespace attn::cli {
@@ -52,6 +58,10 @@ struct CacheFlags {
   bool json = false;        // create/append/info/list: protobuf JSON instead of text.
   bool shard_keys = false;  // decode: one cache split over every endpoint (ShardedCache).
   attention::v1::AttentionOptions options;  // decode: block_k, …
+  std::string to;       // export: the file to write; move: the server to move the cache to.
+  std::string from;     // move: the server holding the cache.
+  bool new_id = false;  // import, move: a new id when the cache's is taken on the target.
+  client::ClientOptions client_options;  // import, move: how to dial their servers.
 };
 
 // attn cache SUBCOMMAND [ID]: `args` are the words after "cache".

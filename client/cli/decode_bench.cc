@@ -295,7 +295,7 @@ absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
   }
   int64_t tokens = 0;
   for (size_t i = 0; i < caches.size(); ++i) {
-    caches[i].Update(response->caches(static_cast<int>(i)));
+    caches[i].Update(response->caches(static_cast<int>(i)), request.items(static_cast<int>(i)));
     tokens += caches[i].length();
   }
   if (samples == nullptr) return absl::OkStatus();

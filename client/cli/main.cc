@@ -21,6 +21,8 @@
 //   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16] [--json]
 //   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
 //   attn cache info ID | attn cache list | attn cache delete ID
+//   attn cache export ID --to FILE | attn cache import FILE [--new-id]
+//   attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]
 //   attn decode       [--heads H] [--kv-heads K] [--head-dim D] [--value-dim V] [--dtype ...]
 //                     [--tokens N] [--steps M] [--block-k K] [--shard-keys]   (client/cli/cache.h)
 #include <unistd.h>
@@ -116,7 +118,8 @@ ABSL_FLAG(bool, follow, false,
 ABSL_FLAG(int32_t, follow_ms, 250, "trace --follow: pause between steps, milliseconds.");
 ABSL_FLAG(bool, json, false,
           "trace: print each event as one line of JSON (protobuf's JSON mapping), for scripts; "
-          "cache create|append|info|list: the CacheInfo (ListCachesResponse) as JSON.");
+          "cache create|append|info|list|export|import|move: the CacheInfo (ListCachesResponse) "
+          "as JSON.");
 ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
 ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
 ABSL_FLAG(std::string, tls_ca, "",
@@ -159,6 +162,13 @@ ABSL_FLAG(std::string, lengths, "1k,2k,4k,8k,16k,32k",
           "bench --decode: cache lengths (tokens cached before the timed steps; k = ×1024).");
 ABSL_FLAG(std::string, batches, "1,16",
           "bench --decode: sequences per Decode call (one cache each).");
+ABSL_FLAG(std::string, to, "",
+          "cache export: the file to write the export to; cache move: the server (host:port) to "
+          "move the cache to.");
+ABSL_FLAG(std::string, from, "", "cache move: the server (host:port) holding the cache.");
+ABSL_FLAG(bool, new_id, false,
+          "cache import, cache move: give the cache a new id when its own is taken on the target "
+          "server (otherwise ALREADY_EXISTS).");
 ABSL_FLAG(std::string, cache, "",
           "naive/tiled/trace: attend over this KV cache's keys and values (attn cache create) "
           "instead of inline ones; only the query of --random 1,H,N,D or --example is sent.");
@@ -567,6 +577,10 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.seed = absl::GetFlag(FLAGS_seed);
   flags.json = absl::GetFlag(FLAGS_json);
   flags.shard_keys = absl::GetFlag(FLAGS_shard_keys);
+  flags.to = absl::GetFlag(FLAGS_to);
+  flags.from = absl::GetFlag(FLAGS_from);
+  flags.new_id = absl::GetFlag(FLAGS_new_id);
+  flags.client_options = options;
   absl::StatusOr<v1::AttentionOptions> attention_options = ReadOptions(flags.heads);
   if (!attention_options.ok()) return Fail(attention_options.status());
   flags.options = *std::move(attention_options);
@@ -625,6 +639,10 @@ int main(int argc, char** argv) {
       "  attn cache create --kv-heads 8 --head-dim 128 --dtype bf16   a server-resident KV cache\n"
       "  attn cache append ID --tokens 1000   1000 random tokens; also: cache info|delete ID, "
       "cache list\n"
+      "  attn cache export ID --to FILE       the cache's tokens into a file; attn cache import "
+      "FILE [--new-id] puts it back\n"
+      "  attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]   streamed to another "
+      "server, checked (length, CRC32C), then deleted on the first\n"
       "  attn decode --heads 32 --kv-heads 8 --head-dim 128 --tokens 4096 --steps 16   a decode "
       "loop:\n"
       "      per-step latency and bytes sent, beside a stateless Tiled call's\n"
@@ -639,7 +657,7 @@ int main(int argc, char** argv) {
   if (words.empty() || (words.size() != 1 && words[0] != "cache")) {
     std::fprintf(stderr,
                  "attn: give one command: info, health, naive, tiled, trace, bench, cache "
-                 "create|append|info|list|delete or decode (--help)\n");
+                 "create|append|info|list|delete|export|import|move or decode (--help)\n");
     return 2;
   }
   const std::string command = words[0];

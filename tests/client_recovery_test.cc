@@ -1,0 +1,527 @@
+// The C++ client's recovery protocol (client/client.h Cache, CopyCache, MoveCache; issue 29)
+// against in-process attnd services on loopback, CPU backend:
+// - a server restarted from a copy of its --cache-dir taken at a Flush (a crash that lost the
+//   appends after it): Refresh sends the lost tokens again from the Cache's tail (appends, a
+//   Decode's token, a batched Decode item's), and Tiled over the recovered cache is bit-identical
+//   to the original's;
+// - a kept append that straddles the server's length is sliced (rank-2 tensors of one kv head);
+// - DATA_LOSS, the Cache unchanged, when the tail does not reach back (a server without
+//   --cache-dir keeps none; one with it drops what it said was durable);
+// - a cache moved away (CacheRegistry::MarkMoved, as a drain does) is followed once, not twice;
+// - ExportCache's chunks and CRC32C, MoveCache deleting the source only after the copy checked
+//   out, and refusing (DATA_LOSS, source kept, copy deleted) a target whose answer differs.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "attention/v1/attention.grpc.pb.h"
+#include "client/client.h"
+#include "common/crc32c.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "server/service.h"
+
+namespace attn {
+namespace {
+
+namespace v1 = attention::v1;
+
+// One in-process server, with its cache directory when given; `client` calls it.
+struct Server {
+  std::unique_ptr<CpuBackend> backend;
+  std::unique_ptr<AttentionService> service;
+  std::unique_ptr<grpc::Server> grpc;
+  std::string endpoint;
+  std::unique_ptr<client::Client> client;
+
+  ~Server() {
+    if (grpc) grpc->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+};
+
+client::ClientOptions Options() {
+  client::ClientOptions options;
+  options.timeout = std::chrono::seconds(30);
+  return options;
+}
+
+std::unique_ptr<Server> StartServer(const std::string& dir = "") {
+  auto server = std::make_unique<Server>();
+  server->backend = std::make_unique<CpuBackend>(2, 0);
+  ServiceConfig config;
+  // The write-behind thread runs every sync_seconds / 2: an hour keeps it out of a test, so the
+  // disk holds exactly what the test's Flush calls wrote.
+  config.caches = {
+      .budget_bytes = int64_t{256} << 20, .idle_seconds = 0, .dir = dir, .sync_seconds = 3600};
+  server->service = std::make_unique<AttentionService>(*server->backend, config);
+  const absl::StatusOr<std::vector<std::string>> restored = server->service->caches().Restore();
+  EXPECT_TRUE(restored.ok()) << restored.status();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  builder.RegisterService(server->service.get());
+  server->grpc = builder.BuildAndStart();
+  EXPECT_NE(server->grpc, nullptr);
+  server->endpoint = absl::StrCat("127.0.0.1:", port);
+  server->client = std::make_unique<client::Client>(server->endpoint, Options());
+  return server;
+}
+
+// A sequence's keys [kv_heads, length, head_dim] and values [kv_heads, length, value_dim],
+// uniform in [-1, 1), sent in `dtype`.
+struct Sequence {
+  int64_t kv_heads, head_dim, value_dim, length;
+  v1::DType dtype;
+  std::vector<float> keys, values;
+
+  Sequence(int64_t kv_heads, int64_t head_dim, int64_t value_dim, int64_t length, v1::DType dtype,
+           uint64_t seed)
+      : kv_heads(kv_heads), head_dim(head_dim), value_dim(value_dim), length(length), dtype(dtype) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+    keys.resize(kv_heads * length * head_dim);
+    values.resize(kv_heads * length * value_dim);
+    for (float& x : keys) x = uniform(rng);
+    for (float& x : values) x = uniform(rng);
+  }
+
+  v1::CreateCacheRequest Create() const {
+    v1::CreateCacheRequest request;
+    request.set_kv_heads(kv_heads);
+    request.set_head_dim(head_dim);
+    request.set_value_dim(value_dim);
+    request.set_dtype(dtype);
+    return request;
+  }
+  // Tokens [begin, end): [kv_heads, n, dim], or [n, dim] with rank2 (one kv head).
+  v1::Tensor Keys(int64_t begin, int64_t end, bool rank2 = false) const {
+    return Slice(keys, head_dim, begin, end, rank2);
+  }
+  v1::Tensor Values(int64_t begin, int64_t end, bool rank2 = false) const {
+    return Slice(values, value_dim, begin, end, rank2);
+  }
+
+ private:
+  v1::Tensor Slice(const std::vector<float>& all, int64_t width, int64_t begin, int64_t end,
+                   bool rank2) const {
+    client::Array array;
+    array.shape = rank2 ? std::vector<int64_t>{end - begin, width}
+                        : std::vector<int64_t>{kv_heads, end - begin, width};
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const auto first = all.begin() + (h * length + begin) * width;
+      array.values.insert(array.values.end(), first, first + (end - begin) * width);
+    }
+    return client::ToTensor(array, dtype);
+  }
+};
+
+// A query of 4 heads over `seq`'s kv heads, 3 rows.
+v1::Tensor Query(const Sequence& seq, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  client::Array query;
+  query.shape = {4, 3, seq.head_dim};
+  query.values.resize(4 * 3 * seq.head_dim);
+  for (float& x : query.values) x = uniform(rng);
+  return client::ToTensor(query, seq.dtype);
+}
+
+// Tiled of a fixed query over cache `id` on `client`: its output's and lse's bytes.
+std::string TiledBytes(client::Client& client, const std::string& id, const Sequence& seq) {
+  v1::AttentionOptions options;
+  options.set_causal(true);
+  options.set_block_k(16);
+  options.set_return_lse(true);
+  const absl::StatusOr<v1::AttentionResponse> response =
+      client.Tiled(client::CacheRequest(id, Query(seq, 99), options));
+  EXPECT_TRUE(response.ok()) << response.status();
+  if (!response.ok()) return "";
+  EXPECT_FALSE(response->output().data().empty());
+  return response->output().data() + response->lse().data();
+}
+
+// Puts tokens [0, n) of `seq` under `id` on `client` (ImportCache of one chunk): a server that
+// lost the tokens after them.
+absl::StatusOr<v1::CacheInfo> ImportPrefix(client::Client& client, const std::string& id,
+                                           const Sequence& seq, int64_t n) {
+  v1::CacheChunk chunk;
+  v1::CacheInfo& info = *chunk.mutable_info();
+  info.set_cache_id(id);
+  info.set_kv_heads(seq.kv_heads);
+  info.set_head_dim(seq.head_dim);
+  info.set_value_dim(seq.value_dim);
+  info.set_dtype(seq.dtype);
+  info.set_length(n);
+  *chunk.mutable_key() = seq.Keys(0, n);
+  *chunk.mutable_value() = seq.Values(0, n);
+  const std::string& key = chunk.key().data();
+  const std::string& value = chunk.value().data();
+  chunk.set_crc32c(Crc32c(value.data(), value.size(), Crc32c(key.data(), key.size())));
+  bool sent = false;
+  return client.ImportCache([&](v1::CacheChunk* next) -> absl::StatusOr<bool> {
+    if (sent) return false;
+    *next = chunk;
+    sent = true;
+    return true;
+  });
+}
+
+int64_t LengthOn(client::Client& client, const std::string& id) {
+  const absl::StatusOr<v1::CacheInfo> info = client.GetCacheInfo(id);
+  EXPECT_TRUE(info.ok()) << info.status();
+  return info.ok() ? info->length() : -1;
+}
+
+class ClientRecoveryTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (const std::string& dir : dirs_) std::filesystem::remove_all(dir);
+  }
+  // A new empty directory, removed after the test.
+  std::string TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "client_recovery.XXXXXX");
+    EXPECT_NE(mkdtemp(pattern.data()), nullptr);
+    dirs_.push_back(pattern);
+    return pattern;
+  }
+
+ private:
+  std::vector<std::string> dirs_;
+};
+
+TEST_F(ClientRecoveryTest, RefreshSendsAgainWhatARestartFromTheDiskLost) {
+  const std::string dir = TempDir(), copy = TempDir();
+  std::unique_ptr<Server> one = StartServer(dir);
+  const Sequence seq(2, 16, 8, 80, v1::DTYPE_BFLOAT16, 1);
+  absl::StatusOr<client::Cache> created = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::Cache& cache = *created;
+  for (const auto& [begin, end] : {std::pair{0, 10}, {10, 25}, {25, 40}}) {
+    ASSERT_TRUE(cache.Append(seq.Keys(begin, end), seq.Values(begin, end)).ok());
+  }
+  ASSERT_TRUE(cache.info().has_durable_length());
+  EXPECT_EQ(cache.info().durable_length(), 0);
+  EXPECT_EQ(cache.kept_from(), 0);  // Nothing durable yet: every append kept.
+
+  // The disk gets the first 40 tokens; the copy is what a crash from now on would leave.
+  ASSERT_TRUE(one->service->caches().Flush().ok());
+  std::filesystem::copy(
+      dir, copy,
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+
+  // The answers now say 40 are durable: the appends up to there are dropped from the tail.
+  ASSERT_TRUE(cache.Append(seq.Keys(40, 60), seq.Values(40, 60)).ok());
+  EXPECT_EQ(cache.info().durable_length(), 40);
+  EXPECT_EQ(cache.kept_from(), 40);
+  ASSERT_TRUE(cache.Append(seq.Keys(60, 75), seq.Values(60, 75)).ok());
+  // A Decode's token and a batched Decode item's two join the tail too.
+  const v1::Tensor decode_key = seq.Keys(75, 76), decode_value = seq.Values(75, 76);
+  ASSERT_TRUE(cache.Decode(Query(seq, 5), &decode_key, &decode_value).ok());
+  const v1::Tensor item_key = seq.Keys(76, 78), item_value = seq.Values(76, 78);
+  v1::DecodeRequest batch;
+  *batch.add_items() = cache.Item(Query(seq, 6), &item_key, &item_value);
+  const absl::StatusOr<v1::DecodeResponse> decoded = one->client->Decode(batch);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  cache.Update(decoded->caches(0), batch.items(0));
+  ASSERT_EQ(cache.length(), 78);
+  EXPECT_EQ(cache.kept_from(), 40);
+
+  // The "restarted" server holds the 40 flushed tokens; Refresh sends tokens [40, 78) again.
+  std::unique_ptr<Server> two = StartServer(copy);
+  ASSERT_EQ(LengthOn(*two->client, cache.id()), 40);
+  client::Cache recovered = cache;
+  recovered.Rebind(*two->client);
+  const absl::StatusOr<v1::CacheInfo> refreshed = recovered.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 78);
+  EXPECT_EQ(recovered.length(), 78);
+  EXPECT_EQ(LengthOn(*two->client, cache.id()), 78);
+  EXPECT_EQ(recovered.kept_from(), 40);  // The restarted server's disk still holds 40.
+  EXPECT_EQ(cache.length(), 78);         // The copy it came from is untouched.
+  EXPECT_EQ(&cache.client(), one->client.get());
+
+  // The recovered cache is the original, bit for bit.
+  EXPECT_EQ(TiledBytes(*two->client, cache.id(), seq), TiledBytes(*one->client, cache.id(), seq));
+
+  // Once the restarted server has flushed, a Refresh learns it and keeps nothing.
+  ASSERT_TRUE(two->service->caches().Flush().ok());
+  ASSERT_TRUE(recovered.Refresh().ok());
+  EXPECT_EQ(recovered.info().durable_length(), 78);
+  EXPECT_EQ(recovered.kept_from(), 78);
+}
+
+TEST_F(ClientRecoveryTest, RefreshSlicesTheAppendThatStraddlesTheServersLength) {
+  std::unique_ptr<Server> one = StartServer(TempDir());
+  std::unique_ptr<Server> two = StartServer();  // Not persistent.
+  const Sequence seq(1, 16, 16, 50, v1::DTYPE_BFLOAT16, 2);
+  absl::StatusOr<client::Cache> created = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::Cache& cache = *created;
+  // Rank-2 tensors (one kv head), so the slice is along their axis 0.
+  ASSERT_TRUE(cache.Append(seq.Keys(0, 20, true), seq.Values(0, 20, true)).ok());
+  ASSERT_TRUE(one->service->caches().Flush().ok());
+  ASSERT_TRUE(cache.Append(seq.Keys(20, 50, true), seq.Values(20, 50, true)).ok());
+  EXPECT_EQ(cache.kept_from(), 20);
+
+  // Server two holds the first 35 tokens: 15 of the kept append's 30 must be sent again.
+  const absl::StatusOr<v1::CacheInfo> prefix = ImportPrefix(*two->client, cache.id(), seq, 35);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  cache.Rebind(*two->client);
+  const absl::StatusOr<v1::CacheInfo> refreshed = cache.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 50);
+  EXPECT_EQ(LengthOn(*two->client, cache.id()), 50);
+  EXPECT_EQ(TiledBytes(*two->client, cache.id(), seq), TiledBytes(*one->client, cache.id(), seq));
+  // Server two does not persist (no durable_length): the Cache keeps nothing from now on.
+  EXPECT_FALSE(cache.info().has_durable_length());
+  EXPECT_EQ(cache.kept_from(), 50);
+}
+
+TEST_F(ClientRecoveryTest, RefreshSendsALongTailInSeveralAppends) {
+  std::unique_ptr<Server> one = StartServer(TempDir());
+  std::unique_ptr<Server> two = StartServer();
+  // 2 × (64 + 64) fp32 = 1 KiB a token: the 11 000 lost tokens take two appends of at most
+  // kReplayAppendBytes (8192 tokens, then 2808), the first ending inside the second kept append.
+  const Sequence seq(2, 64, 64, 12000, v1::DTYPE_FLOAT32, 7);
+  static_assert(client::Cache::kReplayAppendBytes == 8192 * 1024);
+  absl::StatusOr<client::Cache> cache = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(cache->Append(seq.Keys(0, 4000), seq.Values(0, 4000)).ok());
+  ASSERT_TRUE(cache->Append(seq.Keys(4000, 12000), seq.Values(4000, 12000)).ok());
+  EXPECT_EQ(cache->kept_from(), 0);
+  ASSERT_TRUE(ImportPrefix(*two->client, cache->id(), seq, 1000).ok());
+  cache->Rebind(*two->client);
+  const absl::StatusOr<v1::CacheInfo> refreshed = cache->Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 12000);
+  EXPECT_EQ(TiledBytes(*two->client, cache->id(), seq), TiledBytes(*one->client, cache->id(), seq));
+}
+
+TEST_F(ClientRecoveryTest, RefreshIsDataLossWhenTheTailDoesNotReachBack) {
+  std::unique_ptr<Server> memory = StartServer();
+  std::unique_ptr<Server> disk = StartServer(TempDir());
+  std::unique_ptr<Server> other = StartServer();
+  const Sequence seq(2, 8, 8, 40, v1::DTYPE_FLOAT32, 3);
+
+  // A server without --cache-dir: its answers carry no durable_length, so nothing is kept.
+  absl::StatusOr<client::Cache> in_memory = client::Cache::Create(*memory->client, seq.Create());
+  ASSERT_TRUE(in_memory.ok()) << in_memory.status();
+  ASSERT_TRUE(in_memory->Append(seq.Keys(0, 10), seq.Values(0, 10)).ok());
+  ASSERT_TRUE(in_memory->Append(seq.Keys(10, 30), seq.Values(10, 30)).ok());
+  EXPECT_EQ(in_memory->kept_from(), 30);
+  ASSERT_TRUE(ImportPrefix(*other->client, in_memory->id(), seq, 10).ok());
+  in_memory->Rebind(*other->client);
+  const absl::StatusOr<v1::CacheInfo> lost = in_memory->Refresh();
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDataLoss) << lost.status();
+  EXPECT_TRUE(absl::StrContains(lost.status().message(), "the server holds 10 tokens"))
+      << lost.status();
+  EXPECT_TRUE(absl::StrContains(lost.status().message(), "only from 30 on")) << lost.status();
+  EXPECT_EQ(in_memory->length(), 30);                        // The Cache keeps its state...
+  EXPECT_EQ(LengthOn(*other->client, in_memory->id()), 10);  // ...and sent nothing.
+
+  // A persistent server said 30 were durable, so the tail starts there; a server holding 20
+  // cannot be recovered.
+  absl::StatusOr<client::Cache> on_disk = client::Cache::Create(*disk->client, seq.Create());
+  ASSERT_TRUE(on_disk.ok()) << on_disk.status();
+  ASSERT_TRUE(on_disk->Append(seq.Keys(0, 30), seq.Values(0, 30)).ok());
+  ASSERT_TRUE(disk->service->caches().Flush().ok());
+  ASSERT_TRUE(on_disk->Append(seq.Keys(30, 40), seq.Values(30, 40)).ok());
+  EXPECT_EQ(on_disk->kept_from(), 30);
+  ASSERT_TRUE(ImportPrefix(*other->client, on_disk->id(), seq, 20).ok());
+  on_disk->Rebind(*other->client);
+  const absl::StatusOr<v1::CacheInfo> dropped = on_disk->Refresh();
+  EXPECT_EQ(dropped.status().code(), absl::StatusCode::kDataLoss) << dropped.status();
+  EXPECT_TRUE(absl::StrContains(dropped.status().message(), "tokens [20, 30) are lost"))
+      << dropped.status();
+  EXPECT_EQ(on_disk->length(), 40);
+  EXPECT_EQ(on_disk->kept_from(), 30);
+}
+
+TEST_F(ClientRecoveryTest, ACacheThatMovedIsFollowedOnceNotTwice) {
+  std::unique_ptr<Server> one = StartServer(), two = StartServer();
+  const Sequence seq(2, 8, 8, 40, v1::DTYPE_FLOAT32, 4);
+  absl::StatusOr<client::Cache> created = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::Cache& cache = *created;
+  ASSERT_TRUE(cache.Append(seq.Keys(0, 20), seq.Values(0, 20)).ok());
+
+  // Handed to server two as a drain does: copied (same id), then marked moved on server one.
+  const absl::StatusOr<v1::CacheInfo> copied =
+      client::CopyCache(*one->client, *two->client, cache.id(), false);
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  EXPECT_EQ(copied->cache_id(), cache.id());
+  one->service->caches().MarkMoved("", cache.id(), two->endpoint);
+  const absl::StatusOr<v1::CacheInfo> gone = one->client->GetCacheInfo(cache.id());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client::MovedTo(gone.status()), two->endpoint) << gone.status();
+  EXPECT_EQ(client::MovedTo(absl::NotFoundError("no cache")), std::nullopt);
+  EXPECT_EQ(client::MovedTo(absl::UnavailableError("moved_to=x:1")), std::nullopt);
+
+  // Append follows it to server two.
+  const absl::StatusOr<v1::CacheInfo> appended = cache.Append(seq.Keys(20, 30), seq.Values(20, 30));
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_EQ(appended->length(), 30);
+  EXPECT_EQ(cache.client().target(), two->endpoint);
+  EXPECT_EQ(LengthOn(*two->client, cache.id()), 30);
+
+  // And back to server one: Decode follows it there.
+  ASSERT_TRUE(client::CopyCache(*two->client, *one->client, cache.id(), false).ok());
+  two->service->caches().MarkMoved("", cache.id(), one->endpoint);
+  const v1::Tensor key = seq.Keys(30, 31), value = seq.Values(30, 31);
+  const absl::StatusOr<v1::DecodeResponse> decoded = cache.Decode(Query(seq, 7), &key, &value);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(cache.length(), 31);
+  EXPECT_EQ(cache.client().target(), one->endpoint);
+  EXPECT_EQ(LengthOn(*one->client, cache.id()), 31);
+
+  // Each server says the other has it: one hop, then the second moved_to is the answer.
+  absl::StatusOr<client::Cache> looped = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(looped.ok()) << looped.status();
+  ASSERT_TRUE(client::CopyCache(*one->client, *two->client, looped->id(), false).ok());
+  one->service->caches().MarkMoved("", looped->id(), two->endpoint);
+  two->service->caches().MarkMoved("", looped->id(), one->endpoint);
+  const absl::StatusOr<v1::CacheInfo> refreshed = looped->Refresh();
+  EXPECT_EQ(refreshed.status().code(), absl::StatusCode::kNotFound) << refreshed.status();
+  EXPECT_EQ(client::MovedTo(refreshed.status()), one->endpoint) << refreshed.status();
+  EXPECT_EQ(looped->client().target(), two->endpoint);
+}
+
+TEST_F(ClientRecoveryTest, MoveCacheStreamsChecksAndDeletesTheSource) {
+  std::unique_ptr<Server> one = StartServer(), two = StartServer();
+  // 6000 tokens of 2 × (64 + 64) fp32 = 6 144 000 bytes: two chunks of at most 4 MiB.
+  const Sequence seq(2, 64, 64, 6000, v1::DTYPE_FLOAT32, 5);
+  absl::StatusOr<client::Cache> cache = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(cache->Append(seq.Keys(0, 6000), seq.Values(0, 6000)).ok());
+  const std::string id = cache->id();
+
+  int64_t chunks = 0, tokens = 0;
+  uint32_t crc = 0;
+  std::optional<uint32_t> stated;
+  ASSERT_TRUE(one->client
+                  ->ExportCache(
+                      id,
+                      [&](const v1::CacheChunk& chunk) {
+                        if (chunks++ == 0) {
+                          EXPECT_EQ(chunk.info().length(), 6000);
+                        }
+                        EXPECT_EQ(chunk.start(), tokens);
+                        tokens += chunk.key().shape(1);
+                        crc = Crc32c(chunk.key().data().data(), chunk.key().data().size(), crc);
+                        crc = Crc32c(chunk.value().data().data(), chunk.value().data().size(), crc);
+                        if (chunk.has_crc32c()) stated = chunk.crc32c();
+                        return true;
+                      })
+                  .ok());
+  EXPECT_EQ(chunks, 2);
+  EXPECT_EQ(tokens, 6000);
+  EXPECT_EQ(stated, crc);
+  const absl::Status stopped =
+      one->client->ExportCache(id, [](const v1::CacheChunk&) { return false; });
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled) << stopped;
+
+  const std::string before = TiledBytes(*one->client, id, seq);
+  const absl::StatusOr<v1::CacheInfo> moved = client::MoveCache(*one->client, *two->client, id,
+                                                                /*new_id_if_taken=*/false);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->cache_id(), id);
+  EXPECT_EQ(moved->length(), 6000);
+  EXPECT_EQ(moved->crc32c(), crc);
+  EXPECT_EQ(one->client->GetCacheInfo(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(TiledBytes(*two->client, id, seq), before);
+
+  const absl::StatusOr<v1::CacheInfo> unknown =
+      client::MoveCache(*two->client, *one->client, std::string(32, '0'), false);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
+  EXPECT_TRUE(absl::StartsWith(unknown.status().message(), "export from " + two->endpoint))
+      << unknown.status();
+}
+
+// A server whose ImportCache takes every chunk and answers one token more than it got; it
+// notes the caches it is asked to delete.
+class WrongImportService final : public v1::AttentionService::CallbackService {
+ public:
+  grpc::ServerReadReactor<v1::CacheChunk>* ImportCache(grpc::CallbackServerContext* context,
+                                                       v1::CacheInfo* response) override {
+    class Reader final : public grpc::ServerReadReactor<v1::CacheChunk> {
+     public:
+      explicit Reader(v1::CacheInfo* response) : response_(response) { StartRead(&chunk_); }
+      void OnReadDone(bool ok) override {
+        if (ok) {
+          if (chunk_.has_info()) *response_ = chunk_.info();
+          if (chunk_.has_crc32c()) response_->set_crc32c(chunk_.crc32c());
+          StartRead(&chunk_);
+          return;
+        }
+        response_->set_length(response_->length() + 1);
+        Finish(grpc::Status::OK);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      v1::CacheInfo* response_;
+      v1::CacheChunk chunk_;
+    };
+    return new Reader(response);
+  }
+  grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
+                                        const v1::DeleteCacheRequest* request,
+                                        v1::DeleteCacheResponse* response) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      deleted_.push_back(request->cache_id());
+    }
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  std::vector<std::string> deleted() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return deleted_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::string> deleted_;
+};
+
+TEST_F(ClientRecoveryTest, MoveCacheRefusesATargetWhoseAnswerDiffers) {
+  std::unique_ptr<Server> one = StartServer();
+  WrongImportService wrong;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&wrong);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  client::Client target(absl::StrCat("127.0.0.1:", port), Options());
+
+  const Sequence seq(2, 8, 8, 30, v1::DTYPE_FLOAT32, 6);
+  absl::StatusOr<client::Cache> cache = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(cache->Append(seq.Keys(0, 30), seq.Values(0, 30)).ok());
+
+  const absl::StatusOr<v1::CacheInfo> moved = client::MoveCache(*one->client, target, cache->id(),
+                                                                /*new_id_if_taken=*/false);
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kDataLoss) << moved.status();
+  EXPECT_TRUE(absl::StrContains(moved.status().message(), "of 31 tokens")) << moved.status();
+  EXPECT_TRUE(absl::StrContains(moved.status().message(), "held 30 tokens")) << moved.status();
+  EXPECT_EQ(LengthOn(*one->client, cache->id()), 30);                 // The source stays.
+  EXPECT_EQ(wrong.deleted(), std::vector<std::string>{cache->id()});  // The bad copy goes.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+}  // namespace
+}  // namespace attn
