@@ -76,6 +76,11 @@ class KvStore {
   }
 };
 
+// Bytes one token takes in a store of this layout: every KV head's key and value.
+inline int64_t TokenBytes(const KvLayout& layout) {
+  return layout.kv_heads * (layout.head_dim + layout.value_dim) * ElementSize(layout.dtype);
+}
+
 // Pages that `length` tokens fill, `page_tokens` to a page (the last one maybe partly).
 inline int64_t PagesFor(int64_t length, int64_t page_tokens) {
   return length / page_tokens + (length % page_tokens != 0);

@@ -115,10 +115,6 @@ std::string EncodeHeader(const CacheFileHeader& header) {
   return out;
 }
 
-int64_t TokenBytes(const KvLayout& layout) {
-  return layout.kv_heads * (layout.head_dim + layout.value_dim) * ElementSize(layout.dtype);
-}
-
 }  // namespace
 
 CacheFile::CacheFile(std::string path, int fd, const KvLayout& layout, int64_t header_bytes)

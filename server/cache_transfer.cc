@@ -15,10 +15,6 @@ namespace v1 = attention::v1;
 
 namespace {
 
-int64_t TokenBytes(const KvLayout& layout) {
-  return layout.kv_heads * (layout.head_dim + layout.value_dim) * ElementSize(layout.dtype);
-}
-
 void SetShape(v1::Tensor* tensor, int64_t kv_heads, int64_t n, int64_t dim, DType dtype) {
   tensor->add_shape(kv_heads);
   tensor->add_shape(n);

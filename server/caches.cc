@@ -8,7 +8,6 @@
 #include <optional>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/caches_internal.h"
@@ -17,20 +16,11 @@
 namespace attn {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using caches_internal::IsCacheId;
+using caches_internal::SteadyNs;
+using caches_internal::WallNs;
 
 constexpr size_t kRememberedExpired = 1 << 16;  // Expired ids kept for their NOT_FOUND message.
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
-
-int64_t WallNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // 128 bits from the kernel's CSPRNG as 32 lowercase hex digits.
 absl::StatusOr<std::string> NewId() {
@@ -125,7 +115,8 @@ absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
           limits_.budget_bytes - reserved_bytes_, " left; delete caches you no longer need"));
     }
   }
-  auto entry = std::make_shared<Entry>(*this, *id, owner, 0, WallNs(), *std::move(store), NowNs());
+  auto entry =
+      std::make_shared<Entry>(*this, *id, owner, 0, WallNs(), *std::move(store), SteadyNs());
   if (persistent()) {
     if (absl::Status file = CreateFile(*entry); !file.ok()) return file;
   }
@@ -200,7 +191,7 @@ std::shared_ptr<CacheRegistry::Entry> CacheRegistry::Find(const std::string& own
   return nullptr;
 }
 
-void CacheRegistry::Touch(Entry& entry) { entry.last_used_ns.store(NowNs()); }
+void CacheRegistry::Touch(Entry& entry) { entry.last_used_ns.store(SteadyNs()); }
 
 namespace {
 
@@ -373,7 +364,7 @@ void CacheRegistry::Lease::Commit() {
   Entry& entry = *entry_;
   if (entry.store->length() > length_at_start_ && entry.file != nullptr) {
     int64_t clean = 0;
-    entry.dirty_since_ns.compare_exchange_strong(clean, NowNs());
+    entry.dirty_since_ns.compare_exchange_strong(clean, SteadyNs());
   }
   length_at_start_ = entry.store->length();
   max_abs_key_at_start_ = entry.max_abs_key;
@@ -403,7 +394,7 @@ void CacheRegistry::Sweep() {
   while (!stopping_) {
     wake_.wait_for(lock, period);
     if (stopping_) break;
-    const int64_t cutoff = NowNs() - limits_.idle_seconds * 1'000'000'000;
+    const int64_t cutoff = SteadyNs() - limits_.idle_seconds * 1'000'000'000;
     std::vector<std::shared_ptr<Entry>> dropped;  // Destroyed outside the mutex.
     for (auto it = entries_.begin(); it != entries_.end();) {
       Entry& entry = *it->second;
@@ -432,10 +423,7 @@ absl::StatusOr<CacheRegistry::Import> CacheRegistry::BeginImport(const std::stri
                                                                  const std::string& field,
                                                                  const KvLayout& layout,
                                                                  bool new_id_if_taken) {
-  const bool well_formed = id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
-                             return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f');
-                           });
-  if (!well_formed) {
+  if (!IsCacheId(id)) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": \"", id.substr(0, 64),
                      "\" is not a cache id (32 lowercase hex digits, as ExportCache sends)"));
@@ -456,7 +444,8 @@ absl::StatusOr<CacheRegistry::Import> CacheRegistry::BeginImport(const std::stri
                        "(CacheChunk.new_id_if_taken) or delete it first"));
     }
   }
-  auto entry = std::make_shared<Entry>(*this, id, owner, 0, WallNs(), *std::move(store), NowNs());
+  auto entry =
+      std::make_shared<Entry>(*this, id, owner, 0, WallNs(), *std::move(store), SteadyNs());
   return Import(this, std::move(entry), new_id_if_taken);
 }
 
@@ -520,7 +509,7 @@ absl::StatusOr<CacheDescription> CacheRegistry::Import::Finish() {
     }
   }
   lease_->Commit();
-  if (entry.file != nullptr && entry.store->length() > 0) entry.dirty_since_ns.store(NowNs());
+  if (entry.file != nullptr && entry.store->length() > 0) entry.dirty_since_ns.store(SteadyNs());
   if (absl::Status inserted = registry_->Insert(entry_, /*new_id_if_taken=*/false);
       !inserted.ok()) {
     if (entry.file != nullptr) entry.file->Remove();

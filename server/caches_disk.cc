@@ -19,23 +19,9 @@ namespace attn {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
-
-int64_t WallNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-bool IsCacheId(const std::string& id) {
-  return id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
-           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-         });
-}
+using caches_internal::IsCacheId;
+using caches_internal::SteadyNs;
+using caches_internal::WallNs;
 
 }  // namespace
 

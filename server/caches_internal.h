@@ -3,7 +3,9 @@
 // writer thread, restore). Nothing else includes this.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -14,6 +16,29 @@
 #include "server/caches.h"
 
 namespace attn {
+namespace caches_internal {
+
+// The steady clock (idle expiry, the disk's lag) and the wall clock (a cache's creation time,
+// kept in its file; the last flush), in ns.
+inline int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+inline int64_t WallNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A cache id as this server draws them: 32 lowercase hex digits (also a file's name).
+inline bool IsCacheId(const std::string& id) {
+  return id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
+}
+
+}  // namespace caches_internal
 
 struct CacheRegistry::Entry {
   Entry(CacheRegistry& registry, std::string id, std::string owner, int64_t serial,
