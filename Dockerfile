@@ -4,6 +4,10 @@
 #   docker run --rm --gpus all -p 127.0.0.1:50051:50051 -p 127.0.0.1:8080:8080 attnd:0.1.0
 #   docker build -t attnd:0.1.0-cpu --build-arg BASE_BUILD=debian:12 \
 #     --build-arg BASE_RUNTIME=debian:12 --build-arg ATTN_CUDA=OFF .   # CPU only
+# KV caches that survive a restart: a volume on /var/lib/attnd/caches and --cache-dir on it, e.g.
+#   docker run -d --gpus all -p 127.0.0.1:50051:50051 -p 127.0.0.1:8080:8080 \
+#     -v attnd-caches:/var/lib/attnd/caches attnd:0.1.0 --listen 0.0.0.0:50051 \
+#     --http-listen 0.0.0.0:8080 --device auto --insecure --cache-dir /var/lib/attnd/caches
 #
 # Build arguments, one Dockerfile for both images:
 #   BASE_BUILD, BASE_RUNTIME  the bases of the two stages: the pinned nvidia/cuda devel and runtime
@@ -22,7 +26,8 @@
 # What has been run: tests/image_test.sh (a stage of tests/run.sh, so CI on every change) builds
 # the CPU image on a Debian 12 base made with debootstrap and runs it: non-root, read-only root,
 # HEALTHCHECK, Naive/Tiled/Trace and caches from the client outside, the --insecure rule, token
-# and TLS, drain on `docker stop`, and deploy/compose.yaml. The GPU image has NOT been built:
+# and TLS, drain on `docker stop`, caches kept across `docker stop` and `docker start` in a volume
+# for --cache-dir, and deploy/compose.yaml. The GPU image has NOT been built:
 # these machines reach no image registry (so no nvidia/cuda base) and no Ubuntu package
 # registry, so its Ubuntu 24.04 package names are unverified by any install (install-deps.sh).
 # tests/deploy_static_test.py checks this file statically against the CI recipe.
@@ -46,8 +51,15 @@ FROM ${BASE_RUNTIME} AS runtime
 COPY deploy/install-deps.sh /tmp/
 RUN ATTN_DEPS=runtime /tmp/install-deps.sh \
  && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh \
- && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnd
+ && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnd \
+ && install -d -o 10001 -g 10001 -m 0700 /var/lib/attnd /var/lib/attnd/caches
 COPY --from=build /src/build/release/attnd /src/build/release/attn /usr/local/bin/
+# /var/lib/attnd/caches: where deploy/compose.yaml and deploy/k8s mount a volume for
+# --cache-dir, owned by uid 10001 (attnd writes its cache files there). A new, empty Docker
+# volume mounted on it takes this directory's owner and mode, so attnd can write to it under a
+# read-only root; a Kubernetes volume gets its group from the pod's fsGroup instead. No VOLUME
+# line: without --cache-dir (the default below) nothing is written there, and an anonymous
+# volume per `docker run` would only pile up.
 
 # A numeric user, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.
 USER 10001:10001

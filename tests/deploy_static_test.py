@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Static checks of the deployment files (issue 7): the Dockerfile, deploy/k8s/ and
+"""Static checks of the deployment files (issues 7 and 29): the Dockerfile, deploy/k8s/ and
 deploy/compose.yaml. tests/image_test.sh builds and runs the CPU image (issue 17); the GPU image
 and the cluster run nowhere here, so this reads the files and checks what they say against each
 other and against the build recipe tests/run.sh uses:
@@ -13,17 +13,28 @@ other and against the build recipe tests/run.sh uses:
     own), copies attnd and attn from the build stage, runs as a non-root user, exposes the gRPC
     and HTTP ports attnd listens on, has a HEALTHCHECK with `attn health`, and starts attnd with
     arguments attnd accepts (a non-loopback plaintext --listen needs --insecure or TLS; a
-    non-loopback --http-listen needs --insecure whatever gRPC uses, the HTTP port having no TLS).
+    non-loopback --http-listen needs --insecure whatever gRPC uses, the HTTP port having no TLS;
+    --cache-sync-seconds is at least 1; --drain-to is host:port and never beside --tls-cert or
+    --tls-client-ca); the runtime stage creates the --cache-dir directory the deployments mount
+    (/var/lib/attnd/caches), owned by the image's USER, so a new Docker volume there takes that
+    owner and attnd can write to it under a read-only root.
   Every attnd command shown in a comment of the Dockerfile, deploy/compose.yaml or deploy/k8s/
-    (an example to copy) follows the same --listen and --http-listen rules.
-  deploy/k8s: every file parses (yaml.safe_load_all) and is listed in kustomization.yaml; the
-    Deployment asks for nvidia.com/gpu 1, listens where the Dockerfile does, has gRPC startup,
-    liveness and readiness probes on that port, runs non-root with a read-only root filesystem
-    and no privilege escalation, and reads --auth-token-file from the Secret volume's path; the
-    Services and the PDB select the Deployment's pods, the headless one has clusterIP None.
-  deploy/compose.yaml: parses, reserves an NVIDIA GPU, same ports, the token from a secret; its
-    CPU service (attnd-cpu, the one tests/image_test.sh brings up) is the same service without
-    the GPU, built with ATTN_CUDA=OFF on one base for both stages, and starts only when named.
+    (an example to copy) follows the same rules.
+  deploy/k8s: every file parses (yaml.safe_load_all) and is listed in kustomization.yaml; attnd
+    is one StatefulSet (its caches persist, so each replica keeps a volume of its own), governed
+    by the headless Service; it asks for nvidia.com/gpu 1, listens where the Dockerfile does,
+    has gRPC startup, liveness and readiness probes on that port, runs non-root with a read-only
+    root filesystem and no privilege escalation, and reads --auth-token-file from the Secret
+    volume's path; --cache-dir is the mount path of a volumeClaimTemplates claim (one
+    ReadWriteOnce volume per replica, writable through the pod's fsGroup), its
+    terminationGracePeriodSeconds leaves room after --shutdown-grace for the hand-over and the
+    flush, and it offers --drain-to commented out; the Services and the PDB select its pods, the
+    headless one has clusterIP None.
+  deploy/compose.yaml: parses, reserves an NVIDIA GPU, same ports, the token from a secret,
+    --cache-dir on a named volume mounted where the image creates the directory, a
+    stop_grace_period past --shutdown-grace with room for the flush; its CPU service (attnd-cpu,
+    the one tests/image_test.sh brings up) is the same service without the GPU, built with
+    ATTN_CUDA=OFF on one base for both stages, and starts only when named.
   yamllint --strict -c deploy/.yamllint deploy: clean.
 
 Usage: deploy_static_test.py [REPO_ROOT]. Prints one line per check and "N passed, N failed".
@@ -192,7 +203,32 @@ def attnd_ports(argv, where):
         f"{where}: plain HTTP on --http-listen {http} without --insecure: attnd exits with "
         "status 2 (the HTTP port has no TLS, so TLS on gRPC does not cover it)")
     assert flag(argv, "--device") in (None, "auto"), f"{where}: --device is not auto"
+    sync = flag(argv, "--cache-sync-seconds")
+    assert sync is None or (sync.isdigit() and int(sync) >= 1), \
+        f"{where}: --cache-sync-seconds {sync}: attnd wants a whole number of seconds >= 1"
+    drain = flag(argv, "--drain-to")
+    if drain:
+        host_port(drain)
+        assert not flag(argv, "--tls-cert") and not flag(argv, "--tls-client-ca"), (
+            f"{where}: --drain-to with TLS: attnd refuses it (the hand-over speaks plaintext)")
+    cache_dir = flag(argv, "--cache-dir")
+    assert cache_dir is None or cache_dir.startswith("/"), \
+        f"{where}: --cache-dir {cache_dir} is not an absolute path"
     return grpc_port, http_port
+
+
+def shutdown_grace(argv):
+    """attnd's --shutdown-grace in seconds (its default, 30, when not given)."""
+    return int(flag(argv, "--shutdown-grace") or 30)
+
+
+# The --cache-dir path compose and k8s mount a volume on, and the image creates for its user.
+CACHE_DIR = "/var/lib/attnd/caches"
+# Seconds a stop must leave after --shutdown-grace: the flush writes what the last
+# --cache-sync-seconds appended (well under a second), and with --drain-to offered (k8s) the
+# hand-over streams every cache to the peer.
+FLUSH_SECONDS = 15
+HAND_OVER_SECONDS = 60
 
 
 def run_preset():
@@ -301,6 +337,23 @@ def dockerfile_runs_as_non_root():
 
 
 @check
+def dockerfile_creates_the_cache_dir_for_its_user():
+    runtime = stages()[-1]
+    user = [a for i, a in runtime["lines"] if i == "USER"][-1]
+    uid, _, gid = user.partition(":")
+    runs = re.sub(r"\s+", " ", " && ".join(a for i, a in runtime["lines"] if i == "RUN"))
+    made = None
+    for m in re.finditer(r"\binstall -d ((?:-[ogm] \S+ )*)([^&;]*)", runs):
+        if CACHE_DIR in m.group(2).split():
+            made = dict(re.findall(r"-([ogm]) (\S+)", m.group(1)))
+    assert made is not None, f"the runtime stage does not create {CACHE_DIR} (install -d)"
+    assert made.get("o") == uid and made.get("g") == (gid or uid), \
+        f"{CACHE_DIR} is owned by {made.get('o')}:{made.get('g')}, the image runs as {user}"
+    assert not any(i == "VOLUME" for i, _ in runtime["lines"]), \
+        "a VOLUME line makes an anonymous volume at every docker run; compose and k8s mount one"
+
+
+@check
 def dockerfile_exposes_attnd_ports():
     exposed = set()
     for i, a in stages()[-1]["lines"]:
@@ -340,16 +393,19 @@ def k8s_objects(kind):
     return [doc for docs in k8s_docs().values() for doc in docs if doc.get("kind") == kind]
 
 
-def the_deployment():
-    deployments = k8s_objects("Deployment")
-    assert len(deployments) == 1, f"{len(deployments)} Deployments in deploy/k8s"
-    return deployments[0]
+def the_workload():
+    """attnd's StatefulSet: each replica keeps a volume of its own for its caches."""
+    sets = k8s_objects("StatefulSet")
+    assert len(sets) == 1, f"{len(sets)} StatefulSets in deploy/k8s"
+    assert not k8s_objects("Deployment"), \
+        "a Deployment in deploy/k8s: attnd's pods keep caches on their own volumes (StatefulSet)"
+    return sets[0]
 
 
 def the_container():
-    containers = the_deployment()["spec"]["template"]["spec"]["containers"]
+    containers = the_workload()["spec"]["template"]["spec"]["containers"]
     attnd = [c for c in containers if c.get("name") == "attnd"]
-    assert len(attnd) == 1, "no container named attnd in the Deployment"
+    assert len(attnd) == 1, "no container named attnd in the StatefulSet"
     return attnd[0]
 
 
@@ -364,7 +420,7 @@ def selects(selector, labels):
 @check
 def k8s_files_parse_and_are_listed():
     docs = k8s_docs()
-    expected = {"deployment.yaml", "service.yaml", "service-headless.yaml", "pdb.yaml",
+    expected = {"statefulset.yaml", "service.yaml", "service-headless.yaml", "pdb.yaml",
                 "kustomization.yaml"}
     assert expected <= set(docs), f"deploy/k8s lacks {sorted(expected - set(docs))}"
     for f, d in docs.items():
@@ -383,7 +439,7 @@ def k8s_files_parse_and_are_listed():
 
 
 @check
-def k8s_deployment_gpu_limit():
+def k8s_workload_gpu_limit():
     resources = the_container().get("resources") or {}
     limit = (resources.get("limits") or {}).get(GPU)
     request = (resources.get("requests") or {}).get(GPU)
@@ -394,11 +450,11 @@ def k8s_deployment_gpu_limit():
 
 
 @check
-def k8s_deployment_ports_and_grpc_probes():
+def k8s_workload_ports_and_grpc_probes():
     container = the_container()
-    grpc_port, http_port = attnd_ports(container_argv(container), "deployment.yaml")
+    grpc_port, http_port = attnd_ports(container_argv(container), "statefulset.yaml")
     assert (grpc_port, http_port) == docker_ports(), \
-        f"the Deployment listens on {grpc_port}/{http_port}, the image on {docker_ports()}"
+        f"the StatefulSet listens on {grpc_port}/{http_port}, the image on {docker_ports()}"
     ports = {p["containerPort"] for p in container.get("ports") or []}
     assert {grpc_port, http_port} <= ports, f"containerPorts {sorted(ports)}"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -412,8 +468,8 @@ def k8s_deployment_ports_and_grpc_probes():
 
 
 @check
-def k8s_deployment_non_root():
-    pod = the_deployment()["spec"]["template"]["spec"]
+def k8s_workload_non_root():
+    pod = the_workload()["spec"]["template"]["spec"]
     pod_sc = pod.get("securityContext") or {}
     sc = the_container().get("securityContext") or {}
     assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, "runAsNonRoot is not true"
@@ -429,8 +485,8 @@ def k8s_deployment_non_root():
 def k8s_token_from_secret_file():
     container = the_container()
     path = flag(container_argv(container), "--auth-token-file")
-    assert path, "the Deployment does not pass --auth-token-file"
-    volumes = {v["name"]: v for v in the_deployment()["spec"]["template"]["spec"]["volumes"]}
+    assert path, "the StatefulSet does not pass --auth-token-file"
+    volumes = {v["name"]: v for v in the_workload()["spec"]["template"]["spec"]["volumes"]}
     found = False
     for mount in container.get("volumeMounts") or []:
         secret = (volumes.get(mount["name"]) or {}).get("secret")
@@ -451,9 +507,70 @@ def k8s_token_from_secret_file():
 
 
 @check
+def k8s_cache_dir_on_a_volume_per_replica():
+    workload = the_workload()
+    container = the_container()
+    pod = workload["spec"]["template"]["spec"]
+    path = flag(container_argv(container), "--cache-dir")
+    assert path == CACHE_DIR, f"--cache-dir is {path!r}, not {CACHE_DIR} (the image's directory)"
+    claims = {c["metadata"]["name"]: c for c in workload["spec"].get("volumeClaimTemplates") or []}
+    mounts = [m for m in container.get("volumeMounts") or [] if m["mountPath"] == path]
+    assert len(mounts) == 1, f"{len(mounts)} volumes mounted at --cache-dir {path}"
+    mount = mounts[0]
+    assert not mount.get("readOnly") and not mount.get("subPath"), \
+        f"the volume at {path} is mounted readOnly or as a subPath"
+    assert mount["name"] in claims, (
+        f"{path} is the volume {mount['name']!r}, not a claim of volumeClaimTemplates "
+        f"({sorted(claims)}): the caches would not outlive the pod")
+    assert mount["name"] not in {v["name"] for v in pod.get("volumes") or []}, \
+        f"a pod volume named {mount['name']} shadows the claim"
+    claim = claims[mount["name"]]["spec"]
+    assert claim.get("accessModes") == ["ReadWriteOnce"], \
+        f"the cache claim's accessModes are {claim.get('accessModes')}; one pod writes it"
+    assert ((claim.get("resources") or {}).get("requests") or {}).get("storage"), \
+        "the cache claim requests no storage"
+    security = pod.get("securityContext") or {}
+    image_user = [a for i, a in stages()[-1]["lines"] if i == "USER"][-1].partition(":")
+    group = image_user[2] or image_user[0]
+    assert str(security.get("fsGroup")) == group, \
+        f"fsGroup {security.get('fsGroup')}: the volume must be writable by the image's group " \
+        f"{group}"
+    headless = [svc["metadata"]["name"] for svc in k8s_objects("Service")
+                if svc["spec"].get("clusterIP") == "None"]
+    assert workload["spec"].get("serviceName") in headless, \
+        f"serviceName {workload['spec'].get('serviceName')!r} is not a headless Service"
+
+
+@check
+def k8s_grace_covers_drain_hand_over_and_flush():
+    argv = container_argv(the_container())
+    grace = shutdown_grace(argv)
+    pod_grace = the_workload()["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    want = grace + HAND_OVER_SECONDS + FLUSH_SECONDS
+    assert pod_grace >= want, (
+        f"terminationGracePeriodSeconds {pod_grace}: after --shutdown-grace {grace} s the "
+        f"hand-over (--drain-to) and the flush need room, at least {want} s in all")
+
+
+@check
+def k8s_drain_to_offered_commented_out():
+    """--drain-to as a commented pair of list items in the attnd container's args (uncommented
+    ones are checked by attnd_ports with the other arguments)."""
+    text = read("deploy/k8s/statefulset.yaml")
+    m = re.search(r"^\s*#\s*- --drain-to\s*\n\s*#\s*- (\S+)\s*$", text, re.M)
+    assert m, "statefulset.yaml offers no commented `# - --drain-to` / `# - HOST:PORT`"
+    host, _ = host_port(m.group(1))
+    headless = [svc["metadata"]["name"] for svc in k8s_objects("Service")
+                if svc["spec"].get("clusterIP") == "None"]
+    assert any(host == f"{the_workload()['metadata']['name']}-0.{h}" or
+               host.startswith(f"{the_workload()['metadata']['name']}-0.{h}.") for h in headless), \
+        f"--drain-to {m.group(1)}: name pod 0 through the headless Service (the one that stays)"
+
+
+@check
 def k8s_services_and_pdb_select_the_pods():
-    labels = the_deployment()["spec"]["template"]["metadata"]["labels"]
-    assert selects(the_deployment()["spec"]["selector"]["matchLabels"], labels)
+    labels = the_workload()["spec"]["template"]["metadata"]["labels"]
+    assert selects(the_workload()["spec"]["selector"]["matchLabels"], labels)
     grpc_port = docker_ports()[0]
     container_ports = {p.get("name"): p["containerPort"] for p in the_container()["ports"]}
     services = {s["metadata"]["name"]: s for s in k8s_objects("Service")}
@@ -501,6 +618,48 @@ def compose_gpu_ports_and_token():
     assert user and user not in ("0", "root"), f"compose user {user!r}"
 
 
+def seconds(duration):
+    """Compose's duration ("45s", "1m30s", "90") in seconds."""
+    text = str(duration)
+    if text.isdigit():
+        return int(text)
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert parts and text, f"not a duration: {duration!r}"
+    h, m, s_ = (int(g or 0) for g in parts.groups())
+    return 3600 * h + 60 * m + s_
+
+
+@check
+def compose_cache_dir_on_a_named_volume():
+    compose = yaml.safe_load(read("deploy/compose.yaml"))
+    named = compose.get("volumes") or {}
+    for name, service in compose["services"].items():
+        argv = [str(a) for a in service.get("command") or []]
+        path = flag(argv, "--cache-dir")
+        assert path == CACHE_DIR, \
+            f"{name}: --cache-dir is {path!r}, not {CACHE_DIR} (the image's directory)"
+        mounted = []
+        for volume in service.get("volumes") or []:
+            if isinstance(volume, str):
+                source, _, rest = volume.partition(":")
+                target, _, mode = rest.partition(":")
+                volume = {"type": "volume", "source": source, "target": target,
+                          "read_only": "ro" in mode.split(",")}
+            if volume.get("target") == path:
+                mounted.append(volume)
+        assert len(mounted) == 1, f"{name}: {len(mounted)} volumes mounted at --cache-dir {path}"
+        volume = mounted[0]
+        assert volume.get("type", "volume") == "volume" and volume.get("source") in named, (
+            f"{name}: {path} is {volume.get('source')!r}, not a named volume of the file's "
+            f"volumes ({sorted(named)}); a new named volume takes the image directory's owner")
+        assert not volume.get("read_only"), f"{name}: the cache volume is read-only"
+        grace = shutdown_grace(argv)
+        stop = seconds(service.get("stop_grace_period", "10s"))
+        assert stop >= grace + FLUSH_SECONDS, (
+            f"{name}: stop_grace_period {stop} s: after --shutdown-grace {grace} s the flush "
+            f"needs room, at least {grace + FLUSH_SECONDS} s")
+
+
 @check
 def compose_cpu_service_is_the_gpu_one_without_the_gpu():
     services = yaml.safe_load(read("deploy/compose.yaml"))["services"]
@@ -515,8 +674,8 @@ def compose_cpu_service_is_the_gpu_one_without_the_gpu():
         "attnd-cpu does not build both stages on one base"
     assert cpu.get("image") and cpu.get("image") != gpu.get("image"), \
         "attnd-cpu and attnd would tag the same image"
-    for key in ("command", "ports", "secrets", "user", "read_only", "tmpfs", "security_opt",
-                "cap_drop", "stop_grace_period"):
+    for key in ("command", "ports", "secrets", "volumes", "user", "read_only", "tmpfs",
+                "security_opt", "cap_drop", "stop_grace_period"):
         assert cpu.get(key) == gpu.get(key), f"attnd-cpu's {key} differs from attnd's"
 
 

@@ -159,21 +159,24 @@ def static_check(where, command, built_images):
         if args[:3] == ["create", "secret", "generic"]:
             name = args[3]
             key = [a for a in args if a.startswith("--from-file=")][0].split("=")[1]
-            volumes = [v for d in k8s if d.get("kind") == "Deployment"
+            workloads = [d for d in k8s if d.get("kind") in ("Deployment", "StatefulSet")]
+            volumes = [v for d in workloads
                        for v in d["spec"]["template"]["spec"].get("volumes", [])]
             if not any(v.get("secret", {}).get("secretName") == name for v in volumes):
-                fail(where, f"no Deployment in deploy/k8s mounts the Secret {name}")
-            deployment = open(os.path.join(root, "deploy/k8s/deployment.yaml")).read()
-            if f"/{key}" not in deployment:
-                fail(where, f"deploy/k8s/deployment.yaml reads no file named {key}")
+                fail(where, f"no Deployment or StatefulSet in deploy/k8s mounts the Secret {name}")
+            args = [str(a) for d in workloads for c in d["spec"]["template"]["spec"]["containers"]
+                    for a in c.get("args", []) + c.get("command", [])]
+            if not any(a.endswith(f"/{key}") for a in args):
+                fail(where, f"no container in deploy/k8s reads a file named {key}")
         elif args[:2] == ["apply", "-k"]:
             if not os.path.isfile(os.path.join(root, args[2], "kustomization.yaml")):
                 fail(where, f"no kustomization.yaml in {args[2]}")
         elif args[:1] == ["scale"]:
             kind, name = args[1].split("/")
-            if not any(d.get("kind") == "Deployment" and d["metadata"]["name"] == name
-                       for d in k8s):
-                fail(where, f"deploy/k8s has no Deployment {name}")
+            kind = {"deploy": "Deployment", "deployment": "Deployment", "sts": "StatefulSet",
+                    "statefulset": "StatefulSet"}.get(kind, kind)
+            if not any(d.get("kind") == kind and d["metadata"]["name"] == name for d in k8s):
+                fail(where, f"deploy/k8s has no {kind} {name}")
         else:
             fail(where, f"no static check for kubectl {' '.join(args[:2])}")
     elif words[0] == "bash" or program.endswith(".sh"):

@@ -11,8 +11,16 @@
 #   4. plaintext on 0.0.0.0 without --insecure exits 2; a token and TLS files mounted as the
 #      Dockerfile's comments describe are served (and its HEALTHCHECK with --tls-ca works);
 #   5. `docker stop` during a long call: the call finishes OK and the container exits 0;
-#   6. deploy/compose.yaml's attnd-cpu comes up healthy, serves with its token secret, stops 0.
-# Starts dockerd when none answers (and stops it again); removes every container it started.
+#   6. KV caches in a Docker volume for --cache-dir (issue 29): two caches (fp32, and bf16
+#      read by GQA queries) created and grown, `docker stop` (SIGTERM: drained, flushed, exit
+#      0), `docker start`: the same caches, lengths and list, and Tiled over each bit for bit
+#      as before the stop; they take appends where they left off; a new container from the
+#      image on the same volume (an upgrade) restores them too, and the volume's files belong
+#      to uid 10001;
+#   7. deploy/compose.yaml's attnd-cpu comes up healthy, serves with its token secret, keeps a
+#      cache in its volume across `stop` and `start`, stops 0.
+# Starts dockerd when none answers (and stops it again); removes every container and volume it
+# started.
 # Prints the debootstrap time, the image's build time and its size.
 # Usage: image_test.sh RELEASE_BUILD_DIR   (the host's attn and its Python stubs, python/)
 set -euo pipefail
@@ -36,11 +44,14 @@ client=""
 cleanup() {  # Every step may fail (a half-started run): none may stop the others.
   [ -z "$client" ] || kill "$client" 2>/dev/null || true
   if [ -n "$dockerd_pid" ] || "$docker" info >/dev/null 2>&1; then
-    "${compose[@]}" down --timeout 5 >/dev/null 2>&1 || true
+    "${compose[@]}" down -v --timeout 5 >/dev/null 2>&1 || true
     local leftover
     leftover=$("$docker" ps -aq --filter "label=$label" 2>/dev/null || true)
     # shellcheck disable=SC2086  # One id a word.
     [ -z "$leftover" ] || "$docker" rm -f $leftover >/dev/null 2>&1 || true
+    leftover=$("$docker" volume ls -q --filter "label=$label" 2>/dev/null || true)
+    # shellcheck disable=SC2086  # One name a word.
+    [ -z "$leftover" ] || "$docker" volume rm -f $leftover >/dev/null 2>&1 || true
   fi
   if [ -n "$dockerd_pid" ]; then
     kill "$dockerd_pid" 2>/dev/null || true
@@ -68,8 +79,9 @@ if ! "$docker" info >/dev/null 2>&1; then
   "$docker" info >/dev/null 2>&1 || fail "dockerd did not answer in 60 s" "$work/dockerd.log"
 fi
 # What a killed run left (compose's container would come back by its restart policy).
-"${compose[@]}" down --timeout 5 >/dev/null 2>&1 || true
+"${compose[@]}" down -v --timeout 5 >/dev/null 2>&1 || true
 "$docker" ps -aq --filter "label=$label" | xargs -r "$docker" rm -f >/dev/null
+"$docker" volume ls -q --filter "label=$label" | xargs -r "$docker" volume rm -f >/dev/null
 
 # --- 1. the base image ------------------------------------------------------------------------
 # Everything that decides its contents is in its key, so a change makes a new base and an
@@ -343,7 +355,88 @@ check drain-logged 0 'draining' -- "$docker" logs "$main"
 echo "image_test: docker stop returned after $stop_seconds s, the call in flight finished"
 "$docker" rm -f "$main" >/dev/null
 
-# --- 6. deploy/compose.yaml -------------------------------------------------------------------
+# --- 6. KV caches in a volume, across docker stop and docker start ---------------------------
+# attnd --cache-dir on a named volume at /var/lib/attnd/caches, the directory the image creates
+# for uid 10001 (a new volume takes its owner), as deploy/compose.yaml and deploy/k8s mount it.
+# The root stays read-only: the volume is the one place attnd writes.
+volume=attnd-image-test-caches
+"$docker" volume create --label "$label" "$volume" >/dev/null
+disk=attnd-image-test-disk
+cache_dir=/var/lib/attnd/caches
+persistent=("${hardened[@]}" -v "$volume:$cache_dir" --health-interval 2s)
+persistent_args=(--listen 0.0.0.0:50051 --http-listen 0.0.0.0:8080 --device auto --insecure
+  --cache-dir "$cache_dir")
+"$docker" run -d --name "$disk" "${persistent[@]}" "$image" "${persistent_args[@]}" >/dev/null
+wait_healthy "$disk"
+d=(--target "127.0.0.1:$(host_port "$disk" 50051)" --timeout-ms 30000)
+check disk-banner 0 "caches: persistent in --cache-dir=$cache_dir \(cache-sync-seconds=1\)" -- \
+  "$docker" logs "$disk"
+check disk-restored-none 0 "restored 0 caches \(0 tokens, 0 bytes\) from --cache-dir=$cache_dir" -- \
+  "$docker" logs "$disk"
+new_cache() {  # new_cache ATTN_ARGS... : the id `attn cache create` printed (empty on failure)
+  "$attn" "$@" 2>&1 | sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p'
+}
+fp32=$(new_cache "${d[@]}" cache create --kv-heads 2 --head-dim 16 --dtype f32)
+bf16=$(new_cache "${d[@]}" cache create --kv-heads 2 --head-dim 64 --value-dim 32 --dtype bf16)
+check disk-created 0 '^[0-9a-f]{32} [0-9a-f]{32}$' -- echo "$fp32 $bf16"
+check disk-append-fp32 0 'length 100 tokens' -- "$attn" "${d[@]}" cache append "$fp32" --tokens 100
+check disk-append-fp32-again 0 'length 130 tokens' -- \
+  "$attn" "${d[@]}" cache append "$fp32" --tokens 30 --expected-length 100 --seed 2
+check disk-append-bf16 0 'length 700 tokens' -- \
+  "$attn" "${d[@]}" cache append "$bf16" --tokens 700 --seed 3
+# What the caches answer before the stop: the list, and Tiled's output bytes over each (one
+# causal query block over the fp32 cache; GQA, 8 query heads over its 2 kv heads, on the bf16).
+tiled_over() {  # tiled_over TARGET_ARGS... OUT_PREFIX: Tiled over both caches into OUT_PREFIX.*
+  local out=${*: -1}
+  "$attn" "${@:1:$#-1}" tiled --cache "$fp32" --random 1,4,3,16 --causal --seed 5 \
+    --output-file "$out.fp32" >/dev/null &&
+    "$attn" "${@:1:$#-1}" tiled --cache "$bf16" --random 1,8,2,64 --dtype bf16 --seed 6 --lse \
+      --output-file "$out.bf16" >/dev/null
+}
+check disk-tiled-before 0 '' -- tiled_over "${d[@]}" "$dir/before"
+"$attn" "${d[@]}" cache list >"$dir/list.before" 2>&1 || true
+check disk-list-before 0 "^$bf16 +2 +64 +32 +DTYPE_BFLOAT16 +700 " -- cat "$dir/list.before"
+started=$SECONDS
+"$docker" stop -t 60 "$disk" >/dev/null
+echo "image_test: docker stop of the persistent server returned after $((SECONDS - started)) s"
+check disk-stop-exit-0 0 '^0$' -- "$docker" inspect -f '{{.State.ExitCode}}' "$disk"
+check disk-flushed 0 "caches flushed to --cache-dir=$cache_dir \([0-9]+ bytes\)" -- \
+  "$docker" logs "$disk"
+"$docker" start "$disk" >/dev/null
+wait_healthy "$disk"
+d=(--target "127.0.0.1:$(host_port "$disk" 50051)" --timeout-ms 30000)  # Ports may move.
+check disk-restored 0 "restored 2 caches \(830 tokens, [0-9]+ bytes\) from --cache-dir=$cache_dir" -- \
+  "$docker" logs "$disk"
+check disk-info-fp32 0 'length 130 tokens' -- "$attn" "${d[@]}" cache info "$fp32"
+check disk-info-bf16 0 'length 700 tokens' -- "$attn" "${d[@]}" cache info "$bf16"
+check disk-list-same 0 '' -- diff "$dir/list.before" <("$attn" "${d[@]}" cache list 2>&1)
+check disk-tiled-after 0 '' -- tiled_over "${d[@]}" "$dir/after"
+check disk-tiled-same-fp32 0 '' -- cmp "$dir/before.fp32" "$dir/after.fp32"
+check disk-tiled-same-bf16 0 '' -- cmp "$dir/before.bf16" "$dir/after.bf16"
+check disk-append-after 0 'length 135 tokens' -- \
+  "$attn" "${d[@]}" cache append "$fp32" --tokens 5 --expected-length 130 --seed 4
+check disk-stale-after 1 'FAILED_PRECONDITION: .*holds 135 tokens' -- \
+  "$attn" "${d[@]}" cache append "$fp32" --tokens 5 --expected-length 130
+check disk-files-owned 0 '^10001 700$' -- "$docker" exec "$disk" stat -c '%u %a' "$cache_dir"
+check disk-files 0 "^10001 $fp32\.kv$" -- "$docker" exec "$disk" \
+  sh -c "cd $cache_dir && stat -c '%u %n' *.kv"
+check disk-metric 0 '^[1-9][0-9]*$' -- metric "$(host_port "$disk" 8080)" attnd_cache_disk_bytes
+# An upgrade: the container removed, a new one from the image on the same volume.
+"$docker" stop -t 60 "$disk" >/dev/null
+"$docker" rm -f "$disk" >/dev/null
+"$docker" run -d --name "$disk" "${persistent[@]}" "$image" "${persistent_args[@]}" >/dev/null
+wait_healthy "$disk"
+d=(--target "127.0.0.1:$(host_port "$disk" 50051)" --timeout-ms 30000)
+check disk-new-container 0 "restored 2 caches \(835 tokens, " -- "$docker" logs "$disk"
+check disk-new-container-info 0 'length 135 tokens' -- "$attn" "${d[@]}" cache info "$fp32"
+check disk-new-container-tiled 0 '' -- tiled_over "${d[@]}" "$dir/new"
+check disk-new-container-same-bf16 0 '' -- cmp "$dir/before.bf16" "$dir/new.bf16"
+check disk-delete 0 "^deleted cache $bf16$" -- "$attn" "${d[@]}" cache delete "$bf16"
+check disk-delete-removes-file 1 '' -- "$docker" exec "$disk" test -e "$cache_dir/$bf16.kv"
+"$docker" rm -f "$disk" >/dev/null
+"$docker" volume rm "$volume" >/dev/null
+
+# --- 7. deploy/compose.yaml -------------------------------------------------------------------
 # The CPU service as the file defines it, on free loopback ports and a token of its own; the
 # image built above carries its tag, so `up` builds nothing.
 free_port() {
@@ -369,9 +462,17 @@ check compose-token-secret 0 'security: plaintext, bearer token required .*\[--i
 check compose-no-token 1 'UNAUTHENTICATED' -- \
   "$attn" --target "127.0.0.1:$ATTN_GRPC_PORT" --timeout-ms 30000 info
 check compose-tiled 0 "$seed_out" -- "$attn" "${c[@]}" tiled --example seed
+check compose-persistent 0 'caches: persistent in --cache-dir=/var/lib/attnd/caches' -- \
+  "$docker" logs "$service"
+kept=$(new_cache "${c[@]}" cache create --kv-heads 2 --head-dim 16 --dtype f32)
+check compose-cache-append 0 'length 40 tokens' -- "$attn" "${c[@]}" cache append "$kept" --tokens 40
 "${compose[@]}" stop attnd-cpu >>"$work/compose.log" 2>&1
 check compose-stop-exit-0 0 '^0$' -- "$docker" inspect -f '{{.State.ExitCode}}' "$service"
-"${compose[@]}" down --timeout 5 >>"$work/compose.log" 2>&1
+"${compose[@]}" start attnd-cpu >>"$work/compose.log" 2>&1
+wait_healthy "$service"
+check compose-cache-kept 0 'length 40 tokens' -- "$attn" "${c[@]}" cache info "$kept"
+"${compose[@]}" stop attnd-cpu >>"$work/compose.log" 2>&1
+"${compose[@]}" down -v --timeout 5 >>"$work/compose.log" 2>&1
 
 echo "image_test: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
