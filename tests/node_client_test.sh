@@ -4,7 +4,11 @@
 # reference, the trace's last estimate against Tiled's row, KV caches (a batched decode and Tiled
 # over a cache against float64, stale expectedLength, NOT_FOUND), fp16/bf16 tensors, INVALID_ARGUMENT
 # naming the field, and TLS with a bearer token (a second attnd with certificates made here by
-# openssl); then client/node/example.js must print the seed's out[0] and its trace.
+# openssl); persistent caches (crc32c, export / import between servers and through files,
+# DATA_LOSS for damaged exports, the Cache's replay tail re-sent by refresh() to an attnd
+# restored from a copy of another's --cache-dir, DATA_LOSS when no tail was kept, moved_to
+# followed once), for which test.js starts attnd servers of its own (--attnd); then
+# client/node/example.js must print the seed's out[0] and its trace.
 # Exits 77 (ctest: skipped) when node is absent; fails when client/node/node_modules is missing.
 # Usage: node_client_test.sh ATTND
 set -euo pipefail
@@ -50,7 +54,7 @@ start() {
 
 start plain
 plain_port=$port
-test_args=(--target "127.0.0.1:$plain_port")
+test_args=(--target "127.0.0.1:$plain_port" --attnd "$attnd")
 
 # TLS + token: a CA and a server certificate for 127.0.0.1, made here (skipped without openssl).
 if command -v openssl >/dev/null 2>&1; then

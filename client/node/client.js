@@ -40,6 +40,41 @@
 //   await cache.delete();
 //   client.close();
 //
+// Persistent caches (attnd --cache-dir; attention.proto, CacheInfo.durableLength): a Cache keeps
+// a replay tail, a copy of every token it sent (append, and decode / decodeBatch items with key
+// and value) past the last durableLength an answer reported, and drops the entries that end at
+// or before it (keeping none when answers have no durableLength: a server without
+// --cache-dir). refresh() then catches up a server that holds fewer tokens than the Cache (a
+// restart lost what was not yet durable): it re-sends [server length, length) from the tail,
+// slicing the entry that straddles the server's length along the token axis, in as few appends
+// as the server's max message allows, or rejects with an AttndError whose code is DATA_LOSS
+// when the tail does not reach back that far (prefill the sequence again; the Cache is left as
+// it was). new Cache(client, info, {tail}) points the state of one Cache (info, tail) at another
+// client. A call on a Cache (append, decode, refresh) that fails NOT_FOUND with
+// "moved_to=HOST:PORT" (a server drained with --drain-to) is retried once on a Client for
+// HOST:PORT made with the same options (token, TLS, deadline; client.peer_), which the Cache
+// keeps using; a second moved_to in a row is thrown.
+//   const cache = await client.openCache({kvHeads: 8, headDim: 128, dtype: 'bf16'});
+//   await cache.append(k, v);              // cache.info.durableLength: tokens on disk there
+//   ... attnd restarts ...
+//   await cache.refresh();                 // re-sends what it lost (or DATA_LOSS)
+//   const there = new Cache(otherClient, cache.info, {tail: cache.tail});
+//
+// Export and import (ExportCache, ImportCache): client.exportCache(id) yields the CacheChunks
+// (an async iterator: info, tokens bit-exact in the cache's dtype, the last chunk's crc32c,
+// checked here: DATA_LOSS when they do not add up); client.importCache(chunks, {newIdIfTaken})
+// streams chunks (an array or any (async) iterable) into a new cache → a Cache (the same id, or
+// ALREADY_EXISTS unless newIdIfTaken; DATA_LOSS from the server for a damaged or cut export,
+// nothing imported). The file of `attn cache export ID --to FILE` is "ATTNEXP1" then per chunk
+// a u32 little-endian length and the serialized CacheChunk: client.exportCacheToFile(id, file)
+// writes one (aside, renamed once checked), client.importCacheFromFile(file, {newIdIfTaken})
+// imports one, readExportFile(file) / writeExportFile(file, chunks) read and write chunks.
+// crc32c(bytes, crc = 0) is CRC32C (Castagnoli), chained as attn::Crc32c: crc32c(b, crc32c(a)).
+//   for await (const chunk of client.exportCache(cache.id)) chunks.push(chunk);
+//   const copy = await otherClient.importCache(chunks);       // copy.id === cache.id
+//   await client.exportCacheToFile(cache.id, 'seq.attnexp');
+//   const again = await otherClient.importCacheFromFile('seq.attnexp', {newIdIfTaken: true});
+//
 // Positions (attention.proto, AttentionOptions): options.keyPosition (key j is at
 // keyPosition + j; default 0) and options.queryPosition (query row i at queryPosition + i;
 // absent: bottom-right), which the causal mask compares. In Decode they are per item
@@ -146,6 +181,8 @@ const packageDefinition = protoLoader.loadSync(PROTO_FILE, {
   oneofs: true,
 });
 const proto = grpc.loadPackageDefinition(packageDefinition).attention.v1;
+// The service's methods: path and (de)serializers, for the export file's raw CacheChunk bytes.
+const SERVICE = packageDefinition['attention.v1.AttentionService'];
 
 const DTYPES = {
   float32: 'DTYPE_FLOAT32', f32: 'DTYPE_FLOAT32', fp32: 'DTYPE_FLOAT32',
@@ -271,6 +308,250 @@ function toFloat32Array(message) {
   return out;
 }
 
+// --- CRC32C (Castagnoli) -----------------------------------------------------------------------
+// Reflected polynomial 0x82F63B78, initial and final XOR 0xFFFFFFFF (iSCSI, ext4, attnd's
+// common/crc32c.h): crc32c('123456789') is 0xE3069283. Slicing by four bytes.
+const CRC32C_TABLES = (() => {
+  const tables = [0, 1, 2, 3].map(() => new Uint32Array(256));
+  for (let i = 0; i < 256; ++i) {
+    let c = i;
+    for (let k = 0; k < 8; ++k) c = c & 1 ? (c >>> 1) ^ 0x82f63b78 : c >>> 1;
+    tables[0][i] = c >>> 0;
+  }
+  for (let t = 1; t < 4; ++t) {
+    for (let i = 0; i < 256; ++i) {
+      const previous = tables[t - 1][i];
+      tables[t][i] = (previous >>> 8) ^ tables[0][previous & 0xff];
+    }
+  }
+  return tables;
+})();
+
+// Bytes of a Buffer, any ArrayBufferView (its bytes, not its elements), an ArrayBuffer or a
+// string (UTF-8), as a Uint8Array view (no copy). Throws a TypeError for anything else.
+function bytesOf(data, what = 'data') {
+  if (data instanceof Uint8Array) return data;
+  if (ArrayBuffer.isView(data)) return new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
+  if (data instanceof ArrayBuffer) return new Uint8Array(data);
+  if (typeof data === 'string') return Buffer.from(data, 'utf8');
+  throw new TypeError(`${what} must be bytes (a Buffer, a typed array, an ArrayBuffer or a ` +
+                      `string), not ${Object.prototype.toString.call(data)}`);
+}
+
+// CRC32C of data (see bytesOf) continuing from crc (the CRC of the bytes before, 0 to start):
+// crc32c(b, crc32c(a)) is crc32c of a then b, as attn::Crc32c(data, n, crc). → an unsigned
+// 32-bit Number.
+function crc32c(data, crc = 0) {
+  const bytes = bytesOf(data);
+  const [t0, t1, t2, t3] = CRC32C_TABLES;
+  let c = ~crc;
+  let i = 0;
+  const end4 = bytes.length - (bytes.length % 4);
+  for (; i < end4; i += 4) {
+    c ^= bytes[i] | (bytes[i + 1] << 8) | (bytes[i + 2] << 16) | (bytes[i + 3] << 24);
+    c = t3[c & 0xff] ^ t2[(c >>> 8) & 0xff] ^ t1[(c >>> 16) & 0xff] ^ t0[c >>> 24];
+  }
+  for (; i < bytes.length; ++i) c = t0[(c ^ bytes[i]) & 0xff] ^ (c >>> 8);
+  return ~c >>> 0;
+}
+
+// --- tokens of a cache's key / value Tensors ------------------------------------------------------
+const ELEMENT_BYTES = {DTYPE_FLOAT32: 4, DTYPE_FLOAT16: 2, DTYPE_BFLOAT16: 2};
+
+// A key or value Tensor of an append, [kvHeads, n, dim] or [n, dim] (one head), along its token
+// axis (axis 1, or 0 for rank 2): {heads, n, dim, rank, rowBytes (one token of one head), bytes}.
+// Throws a TypeError for another rank or data that does not match the shape.
+function tokenLayout(t, what) {
+  const shape = Array.from(t?.shape ?? [], Number);
+  if (shape.length !== 2 && shape.length !== 3) {
+    throw new TypeError(`${what}: shape [${shape}] is not [kvHeads, n, dim] or [n, dim]`);
+  }
+  const dtype = dtypeName(t.dtype);
+  const heads = shape.length === 3 ? shape[0] : 1;
+  const [n, dim] = shape.slice(-2);
+  const rowBytes = dim * ELEMENT_BYTES[dtype];
+  const bytes = bytesOf(t.data, `${what}.data`);
+  if (bytes.length !== heads * n * rowBytes) {
+    throw new TypeError(`${what}: ${bytes.length} bytes for shape [${shape}] of ${dtype}; ` +
+                        `expected ${heads * n * rowBytes}`);
+  }
+  return {heads, n, dim, dtype, rank: shape.length, rowBytes, bytes};
+}
+
+// The tokens [from, to) of each piece {tensor, from, to} (token offsets within its tensor),
+// joined in order along the token axis into one Tensor of the pieces' dtype: rank 2 when every
+// piece is, else [kvHeads, n, dim]. A piece that is one whole tensor alone is returned as it is.
+function joinTokens(pieces, what) {
+  const layouts = pieces.map((p) => tokenLayout(p.tensor, what));
+  if (pieces.length === 1 && pieces[0].from === 0 && pieces[0].to === layouts[0].n) {
+    return pieces[0].tensor;
+  }
+  const {heads, dim, dtype, rowBytes} = layouts[0];
+  for (const l of layouts) {
+    if (l.heads !== heads || l.dim !== dim || l.dtype !== dtype) {
+      throw new TypeError(`${what}: the tokens to join differ in layout ([${l.heads}, n, ` +
+                          `${l.dim}] ${l.dtype} against [${heads}, n, ${dim}] ${dtype})`);
+    }
+  }
+  const total = pieces.reduce((sum, p) => sum + (p.to - p.from), 0);
+  const data = Buffer.alloc(heads * total * rowBytes);
+  let at = 0;
+  pieces.forEach((p, i) => {
+    const {n, bytes} = layouts[i];
+    for (let h = 0; h < heads; ++h) {
+      data.set(bytes.subarray((h * n + p.from) * rowBytes, (h * n + p.to) * rowBytes),
+               (h * total + at) * rowBytes);
+    }
+    at += p.to - p.from;
+  });
+  const rank2 = layouts.every((l) => l.rank === 2);
+  return {shape: rank2 ? [total, dim] : [heads, total, dim], dtype, data};
+}
+
+// A copy of a Tensor message (shape, dtype, data): what a replay tail keeps.
+function copyTensor(t) {
+  return {shape: Array.from(t.shape, Number), dtype: dtypeName(t.dtype),
+          data: Buffer.from(bytesOf(t.data))};
+}
+
+// --- export streams and files ---------------------------------------------------------------------
+// The file `attn cache export ID --to FILE` writes: these 8 bytes, then per CacheChunk a u32
+// little-endian length and the serialized chunk.
+const EXPORT_MAGIC = Buffer.from('ATTNEXP1', 'latin1');
+const encodeChunk = (chunk) => SERVICE.ImportCache.requestSerialize(chunk);
+const decodeChunk = (bytes) => SERVICE.ExportCache.responseDeserialize(bytes);
+
+// Follows an export's chunks (ExportCache's stream, a file): the first carries info, starts are
+// consecutive, the tokens add up to info.length and the last chunk's crc32c is that of every
+// key.data then value.data. add() and finish() throw an AttndError with code DATA_LOSS.
+class ExportCheck {
+  constructor(what) {
+    Object.assign(this, {what, info: null, chunks: 0, tokens: 0, crc: 0, sentCrc: undefined});
+  }
+
+  add(chunk) {
+    const at = `${this.what}: chunk ${this.chunks}`;
+    if (this.chunks === 0) {
+      if (!chunk.info) throw dataLoss(`${at} has no info (the first chunk carries it)`);
+      this.info = chunk.info;
+    }
+    if (this.sentCrc !== undefined) throw dataLoss(`${at} follows the last chunk (crc32c)`);
+    if (chunk.key || chunk.value) {
+      if (Number(chunk.start) !== this.tokens) {
+        throw dataLoss(`${at} starts at token ${chunk.start}; the chunks before it brought ` +
+                       `${this.tokens}`);
+      }
+      let n;
+      try {
+        n = tokenLayout(chunk.key, `${at} key`).n;
+        if (tokenLayout(chunk.value, `${at} value`).n !== n) {
+          throw new TypeError(`${at}: key and value hold different token counts`);
+        }
+      } catch (err) {
+        throw dataLoss(err.message);
+      }
+      this.tokens += n;
+      this.crc = crc32c(chunk.value.data, crc32c(chunk.key.data, this.crc));
+    }
+    if (chunk.crc32c !== undefined && chunk.crc32c !== null) this.sentCrc = chunk.crc32c >>> 0;
+    ++this.chunks;
+  }
+
+  finish() {
+    if (this.chunks === 0) throw dataLoss(`${this.what}: no chunk`);
+    const length = Number(this.info.length);
+    if (this.tokens !== length || this.sentCrc === undefined) {
+      throw dataLoss(`${this.what}: ${this.tokens} of the export's ${length} tokens` +
+                     `${this.sentCrc === undefined ? ' and no last chunk (crc32c)' : ''}; ` +
+                     'the export was cut short');
+    }
+    if (this.sentCrc !== this.crc) {
+      throw dataLoss(`${this.what}: the tokens' CRC32C is ${this.crc}, the export's ` +
+                     `${this.sentCrc}: the data was damaged`);
+    }
+    return {info: this.info, chunks: this.chunks, tokens: this.tokens, crc32c: this.crc};
+  }
+}
+
+// The raw serialized CacheChunks of an export file, in order (Buffers). Throws an AttndError
+// with code DATA_LOSS for a file that is not one (no ATTNEXP1) or ends inside a chunk.
+async function* readExportFrames(file) {
+  const handle = await fs.promises.open(file, 'r');
+  try {
+    const readExactly = async (n, what) => {
+      const buffer = Buffer.alloc(n);
+      let got = 0;
+      while (got < n) {
+        const {bytesRead} = await handle.read(buffer, got, n - got, null);
+        if (bytesRead === 0) break;
+        got += bytesRead;
+      }
+      if (got !== 0 && got !== n) throw dataLoss(`${file}: ends inside ${what}`);
+      return got === 0 ? null : buffer;
+    };
+    const magic = await readExactly(EXPORT_MAGIC.length, 'its first 8 bytes');
+    if (magic === null || !magic.equals(EXPORT_MAGIC)) {
+      throw dataLoss(`${file}: not a cache export (it does not start with ATTNEXP1)`);
+    }
+    for (let i = 0; ; ++i) {
+      const header = await readExactly(4, `chunk ${i}'s length`);
+      if (header === null) return;
+      const length = header.readUInt32LE(0);
+      if (length > MAX_MESSAGE_BYTES) {
+        throw dataLoss(`${file}: chunk ${i} claims ${length} bytes, more than any message`);
+      }
+      yield length === 0 ? Buffer.alloc(0) : await readExactly(length, `chunk ${i}`);
+    }
+  } finally {
+    await handle.close();
+  }
+}
+
+// The CacheChunks of an export file (the format above), decoded, as an async iterator; their
+// consistency is not checked (importCache's server checks it; ExportCheck does client-side).
+async function* readExportFile(file) {
+  for await (const frame of readExportFrames(file)) yield decodeChunk(frame);
+}
+
+// Writes CacheChunks (an array or any (async) iterable; messages as exportCache yields them) to
+// file in the export format, replacing it (written aside and renamed once complete).
+// → {chunks, bytes}.
+async function writeExportFile(file, chunks) {
+  return writeFrames(file, (async function* () {
+    for await (const chunk of chunks) yield encodeChunk(chunk);
+  })());
+}
+
+// Writes serialized chunks (an async iterable of Buffers) to file in the export format, aside
+// then renamed; onFrame(frame) sees each first and complete() runs before the rename (either
+// throwing leaves no file) → {chunks, bytes, ...complete()'s answer}.
+async function writeFrames(file, frames, onFrame = () => {}, complete = () => ({})) {
+  const aside = `${file}.partial-${process.pid}`;
+  const handle = await fs.promises.open(aside, 'w');
+  let count = 0, bytes = EXPORT_MAGIC.length;
+  try {
+    await handle.write(EXPORT_MAGIC);
+    for await (const frame of frames) {
+      onFrame(frame);
+      const header = Buffer.alloc(4);
+      header.writeUInt32LE(frame.length, 0);
+      await handle.write(header);
+      await handle.write(frame);
+      ++count;
+      bytes += 4 + frame.length;
+    }
+    const summary = complete();
+    await handle.sync();
+    await handle.close();
+    await fs.promises.rename(aside, file);
+    return {chunks: count, ...summary, bytes};
+  } catch (err) {
+    await handle.close().catch(() => {});
+    await fs.promises.rm(aside, {force: true});
+    throw err;
+  }
+}
+
 // --- errors ----------------------------------------------------------------------------------
 const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
 
@@ -290,6 +571,55 @@ class AttndError extends Error {
 
 function wrapError(err) {
   return err instanceof AttndError || err.code === undefined ? err : new AttndError(err);
+}
+
+// An AttndError with code DATA_LOSS raised here (a damaged export, a tail that cannot replay).
+function dataLoss(details) { return new AttndError({code: grpc.status.DATA_LOSS, details}); }
+
+// 'HOST:PORT' when err is the NOT_FOUND of a cache a draining server handed over (its message
+// ends "moved_to=HOST:PORT"; trailing metadata attn-moved-to also names it), else null.
+function movedTo(err) {
+  if (err?.code !== grpc.status.NOT_FOUND) return null;
+  const match = /moved_to=([^\s;,]+)/.exec(err.details ?? err.message ?? '');
+  if (match) return match[1].replace(/\.$/, '');
+  const named = err.metadata?.get?.('attn-moved-to');
+  return named?.length ? String(named[0]) : null;
+}
+
+// A server-streaming call's messages as an async iterator that ends only once the call's
+// status is known: it throws the call's error (an AttndError) when it failed, even when the
+// stream ended first (a plain `for await` over the call can finish before grpc-js emits the
+// error). Buffers at most a few messages (the call is paused meanwhile). It listens from the
+// start, so the iterator may be consumed later (no event is missed, no error goes unhandled).
+function callMessages(call) {
+  const queue = [];
+  let error = null, ended = false, statusSeen = false, wake = null;
+  const notify = () => {
+    if (wake) wake();
+    wake = null;
+  };
+  call.on('data', (message) => {
+    queue.push(message);
+    if (queue.length >= 4) call.pause();
+    notify();
+  });
+  call.on('error', (err) => { error = err; notify(); });
+  call.on('status', () => { statusSeen = true; notify(); });
+  call.on('end', () => { ended = true; notify(); });
+  return (async function* () {
+    while (true) {
+      if (error) throw wrapError(error);
+      if (queue.length > 0) {
+        const message = queue.shift();
+        if (queue.length === 0) call.resume();
+        yield message;
+      } else if (ended && statusSeen) {
+        return;
+      } else {
+        await new Promise((resolve) => { wake = resolve; });
+      }
+    }
+  })();
 }
 
 // --- the client ------------------------------------------------------------------------------
@@ -319,8 +649,11 @@ class Client {
       ...channelOptions,
     };
     this.stub = new proto.AttentionService(target, credentials, channel);
+    this.target = target;
     this.token = token;
     this.deadlineMs = deadlineMs;
+    this.options_ = {...options};
+    this.peers_ = new Map();  // 'HOST:PORT' → the Client a Cache moved there uses (peer_).
   }
 
   metadata_() {
@@ -423,6 +756,7 @@ class Client {
                             `({cache, query, keyPosition, queryPosition})`);
       }
     }
+    const sent = items.map(({cache, key, value}) => cache.sending_(key, value));
     const response = await this.decode(
         {items: items.map(({cache, query, key, value, keyPosition, queryPosition}) =>
                               cache.item(query, key, value, {keyPosition, queryPosition})),
@@ -431,7 +765,7 @@ class Client {
     if (response.caches.length !== items.length) {
       throw new Error(`Decode answered ${response.caches.length} caches for ${items.length} items`);
     }
-    items.forEach(({cache}, i) => cache.update(response.caches[i]));
+    items.forEach(({cache}, i) => cache.sent_(sent[i], response.caches[i]));
     return response;
   }
 
@@ -443,29 +777,238 @@ class Client {
     return new Cache(this, info);
   }
 
-  close() { this.stub.close(); }
+  // --- export and import (attention.proto: ExportCache, ImportCache) ---
+  // A cache's tokens as its CacheChunks, an async iterator: the first with info (id, layout and
+  // length, the tokens the stream carries), then consecutive tokens [start, start + n) as key
+  // [kvHeads, n, headDim] and value [kvHeads, n, valueDim] Tensors in the cache's dtype
+  // (bit-exact, at most 4 MiB a chunk), the last with crc32c. The chunks are checked as they
+  // come: the loop throws an AttndError with code DATA_LOSS when their tokens or CRC32C do not
+  // add up (after yielding the chunks; the server's errors as AttndErrors, as trace's).
+  //   const chunks = [];
+  //   for await (const chunk of client.exportCache(cache.id)) chunks.push(chunk);
+  async* exportCache(cacheId, options) {
+    const call = this.stub.ExportCache({cacheId}, this.metadata_(), this.callOptions_(options));
+    const check = new ExportCheck(`export of cache ${cacheId}`);
+    let finished = false;
+    try {
+      for await (const chunk of callMessages(call)) {
+        check.add(chunk);
+        yield chunk;
+      }
+      finished = true;
+    } finally {
+      if (!finished) call.cancel();
+    }
+    check.finish();
+  }
+
+  // Exports a cache to file in the format of `attn cache export ID --to FILE`: "ATTNEXP1", then
+  // per CacheChunk its u32 little-endian length and its bytes as the server sent them. Written
+  // aside and renamed when complete and checked (DATA_LOSS as exportCache; no file then).
+  // → {info, chunks, tokens, crc32c, bytes}.
+  async exportCacheToFile(cacheId, file, options) {
+    const method = SERVICE.ExportCache;
+    const call = this.stub.makeServerStreamRequest(
+        method.path, method.requestSerialize, (bytes) => bytes, {cacheId}, this.metadata_(),
+        this.callOptions_(options));
+    const check = new ExportCheck(`export of cache ${cacheId}`);
+    try {
+      return await writeFrames(file, callMessages(call), (frame) => check.add(decodeChunk(frame)),
+                               () => check.finish());
+    } catch (err) {
+      call.cancel();
+      throw err;
+    }
+  }
+
+  // A new cache on this server from an export's CacheChunks (an array, or any iterable or async
+  // iterable, e.g. another client's exportCache(id) or readExportFile(file)), streamed in order
+  // → a Cache. It keeps info.cacheId when free here; otherwise the call rejects with
+  // ALREADY_EXISTS, unless newIdIfTaken (true: the server picks a new id; the Cache's id is the
+  // one taken). DATA_LOSS when tokens are missing or their CRC32C does not match (nothing is
+  // imported). The Cache's info carries crc32c, that of the tokens stored.
+  async importCache(chunks, {newIdIfTaken} = {}, options) {
+    const first = (chunk) => (newIdIfTaken === undefined ? chunk
+                                                         : {...chunk, newIdIfTaken: !!newIdIfTaken});
+    const info = await this.streamIn_(
+        (done) => this.stub.ImportCache(this.metadata_(), this.callOptions_(options), done),
+        (async function* () {
+          let i = 0;
+          for await (const chunk of chunks) yield i++ === 0 ? first(chunk) : chunk;
+        })());
+    return new Cache(this, info);
+  }
+
+  // importCache from a file exportCacheToFile (or `attn cache export`) wrote; its chunks go as
+  // they are in the file (the first re-encoded only to set newIdIfTaken). A file that is not an
+  // export or ends inside a chunk rejects with DATA_LOSS (before the server commits anything).
+  async importCacheFromFile(file, {newIdIfTaken} = {}, options) {
+    const method = SERVICE.ImportCache;
+    const frames = (async function* () {
+      let i = 0;
+      for await (const frame of readExportFrames(file)) {
+        yield i++ === 0 && newIdIfTaken !== undefined
+            ? encodeChunk({...decodeChunk(frame), newIdIfTaken: !!newIdIfTaken}) : frame;
+      }
+    })();
+    const info = await this.streamIn_(
+        (done) => this.stub.makeClientStreamRequest(
+            method.path, (bytes) => bytes, method.responseDeserialize, this.metadata_(),
+            this.callOptions_(options), done),
+        frames);
+    return new Cache(this, info);
+  }
+
+  // A client-streaming call: makeCall(done) starts it; source's messages are written with
+  // backpressure, then the call ends → its answer. When the server answers early (an error)
+  // writing stops; when the source throws the call is cancelled and that error rethrown.
+  async streamIn_(makeCall, source) {
+    let settled = false;
+    let call;
+    const answer = new Promise((resolve, reject) => {
+      call = makeCall((err, response) => {
+        settled = true;
+        if (err) reject(wrapError(err)); else resolve(response);
+      });
+    });
+    const answered = answer.then(() => {}, () => {});
+    try {
+      for await (const message of source) {
+        if (settled) break;
+        if (!call.write(message)) {
+          await Promise.race([new Promise((resolve) => call.once('drain', resolve)), answered]);
+        }
+      }
+    } catch (err) {
+      call.cancel();
+      await answered;
+      throw err;
+    }
+    if (!settled) call.end();
+    return answer;
+  }
+
+  // The Client for another server with this one's options (token, TLS, deadline, channel
+  // options), made once per target and closed with this one: where a moved cache went.
+  peer_(target) {
+    if (!this.peers_.has(target)) this.peers_.set(target, new Client(target, this.options_));
+    return this.peers_.get(target);
+  }
+
+  // The most key + value bytes one AppendCache of a replayed tail carries: the server's
+  // max_message_bytes less 64 KiB for the rest of the message (asked once; 4 MiB if it fails).
+  appendBytesLimit_() {
+    this.appendLimit_ ??= this.info().then(
+        (info) => Math.max(64 * 1024, Number(info.maxMessageBytes) - 64 * 1024),
+        () => 4 * 1024 * 1024);
+    return this.appendLimit_;
+  }
+
+  close() {
+    this.stub.close();
+    for (const peer of this.peers_.values()) peer.close();
+    this.peers_.clear();
+  }
 }
+
+// Whether a CacheInfo says the server persists the cache (durableLength is set).
+const hasDurable = (info) => info?.durableLength !== undefined && info?.durableLength !== null;
 
 // One server-resident cache as the client believes it: id, length (sent as expectedLength) and
 // info, the last CacheInfo the server sent. One sequence, one writer: do not share a Cache
 // between concurrent calls.
+//
+// Replay tail (attnd --cache-dir): the tokens this Cache sent (append, and decode or
+// decodeBatch items with key and value) that the server has not yet reported durable, each
+// entry {start, key, value} a copy of the Tensors as sent. Every answer for the cache prunes
+// it: whole entries ending at or before its durableLength go; an answer without durableLength
+// (a server that does not persist) empties it. refresh() re-sends from it what a restarted
+// server lost. A call that fails NOT_FOUND with "moved_to=HOST:PORT" (the server drained) is
+// retried once on a Client for HOST:PORT with the same options (client.peer_), which the Cache
+// then keeps as its client.
+//   new Cache(client, info, {tail})  the cache `info` describes (its id and the length the caller
+//                                    believes) on client, e.g. another server holding a copy,
+//                                    with a tail to replay (another Cache's .tail).
 class Cache {
-  constructor(client, info) {
+  constructor(client, info, {tail = []} = {}) {
     this.client = client;
     this.info = info;
+    this.tail_ = tail.map(({start, key, value}) => ({
+      start: Number(start), end: Number(start) + tokenLayout(key, 'tail key').n,
+      key: copyTensor(key), value: copyTensor(value)}));
+    if (hasDurable(info)) this.prune_(Number(info.durableLength));
   }
 
   get id() { return this.info.cacheId; }
   get length() { return Number(this.info.length); }
 
-  // Takes a CacheInfo the server sent for this cache.
-  update(info) { this.info = info; }
+  // The replay tail, oldest first: [{start, key, value}] (its Tensors; do not modify them).
+  get tail() { return this.tail_.map(({start, key, value}) => ({start, key, value})); }
+
+  // Takes a CacheInfo the server sent for this cache (and prunes the tail by it). After a raw
+  // client.decode() of item()s, pass it the item's answer; tokens sent that way are not in the
+  // tail (decodeBatch records them).
+  update(info) {
+    this.info = info;
+    if (hasDurable(info)) this.prune_(Number(info.durableLength)); else this.tail_ = [];
+  }
+
+  prune_(durable) { this.tail_ = this.tail_.filter((entry) => entry.end > durable); }
+
+  // Before a call that appends key/value at length: the entry the tail will keep, copied now
+  // when the server is known to persist (null: no tokens, or tensors this client cannot read,
+  // which the server judges; a tail missing them restarts at the next entry). For decodeBatch.
+  sending_(key, value) {
+    if (key === undefined || key === null || value === undefined || value === null) return null;
+    const start = this.length;
+    let n;
+    try {
+      n = tokenLayout(key, 'key').n;
+      if (tokenLayout(value, 'value').n !== n) return null;
+    } catch {
+      return null;
+    }
+    if (n === 0) return null;
+    const persistent = hasDurable(this.info);
+    return {start, end: start + n, key: persistent ? copyTensor(key) : key,
+            value: persistent ? copyTensor(value) : value, copied: persistent};
+  }
+
+  // After that call succeeded with info: keeps the entry when the answer says the server
+  // persists (a tail that would not be contiguous starts again), then update(info).
+  sent_(entry, info) {
+    if (entry !== null && hasDurable(info)) {
+      const {start, end, copied} = entry;
+      const key = copied ? entry.key : copyTensor(entry.key);
+      const value = copied ? entry.value : copyTensor(entry.value);
+      if (this.tail_.length > 0 && this.tail_.at(-1).end !== start) this.tail_ = [];
+      this.tail_.push({start, end, key, value});
+    }
+    this.update(info);
+  }
+
+  // call() once; when it fails NOT_FOUND with moved_to=HOST:PORT, switch to that server's Client
+  // (same options) and call() again, once: a second moved_to in a row is thrown.
+  async followMove_(call) {
+    try {
+      return await call();
+    } catch (err) {
+      const target = movedTo(err);
+      if (target === null) throw err;
+      this.client = this.client.peer_(target);
+      return call();
+    }
+  }
 
   // Appends key [kvHeads, n, headDim] and value [kvHeads, n, valueDim] (Tensors) at length.
-  async append(key, value, options) {
-    this.info = await this.client.appendCache(
-        {cacheId: this.id, key, value, expectedLength: this.length}, options);
-    return this.info;
+  append(key, value, options) {
+    return this.followMove_(async () => {
+      const entry = this.sending_(key, value);
+      const info = await this.client.appendCache(
+          {cacheId: this.id, key, value, expectedLength: this.length}, options);
+      this.sent_(entry, info);
+      return this.info;
+    });
   }
 
   // The DecodeItem for this cache with expectedLength = length; key/value optional new tokens.
@@ -483,18 +1026,85 @@ class Cache {
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
   // this item's positions (item()); options: the AttentionOptions (a window, a softcap and ALiBi
   // slopes included), without positions.
-  async decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
-               options) {
-    const response = await this.client.decodeBatch(
-        [{cache: this, query, key, value, keyPosition, queryPosition}], attentionOptions, options);
-    return {output: response.outputs[0], lse: response.lse[0] ?? null, stats: response.stats,
-            cache: response.caches[0]};
+  decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
+         options) {
+    return this.followMove_(async () => {
+      const response = await this.client.decodeBatch(
+          [{cache: this, query, key, value, keyPosition, queryPosition}], attentionOptions,
+          options);
+      return {output: response.outputs[0], lse: response.lse[0] ?? null, stats: response.stats,
+              cache: response.caches[0]};
+    });
   }
 
-  // Re-reads the info (and so the length) from the server.
-  async refresh(options) {
-    this.info = await this.client.getCacheInfo(this.id, options);
-    return this.info;
+  // Re-reads the info from the server (GetCacheInfo, length L) → the CacheInfo now held.
+  //  - L ≥ length: takes the server's info.
+  //  - L < length (a restarted server lost the tokens it had not made durable): when the tail
+  //    holds every token in [L, length), re-sends them (AppendCache with expectedLength L, the
+  //    entry straddling L sliced along the token axis, entries joined into as few appends as the
+  //    server's max_message_bytes allows) and takes the last answer; otherwise rejects with an
+  //    AttndError, code DATA_LOSS, saying what the server holds and the tail, and keeps its
+  //    state: the sequence must be prefilled again (a new cache).
+  refresh(options) {
+    return this.followMove_(async () => {
+      const server = await this.client.getCacheInfo(this.id, options);
+      const held = Number(server.length);
+      if (held >= this.length) {
+        this.update(server);
+        return this.info;
+      }
+      this.update(await this.replay_(held, options));
+      return this.info;
+    });
+  }
+
+  // Re-sends the tail's tokens [from, length) → the last append's CacheInfo.
+  async replay_(from, options) {
+    const length = this.length;
+    const first = this.tail_.findIndex((entry) => entry.end > from);
+    const entries = first < 0 ? [] : this.tail_.slice(first);
+    const contiguous = entries.every((e, i) => i === 0 || e.start === entries[i - 1].end);
+    if (entries.length === 0 || entries[0].start > from || !contiguous ||
+        entries.at(-1).end !== length) {
+      const kept = this.tail_.length > 0 ? this.tail_[0].start : length;
+      throw dataLoss(`cache ${this.id}: the server holds ${from} tokens and this client ` +
+                     `${length}, but it kept the tokens it sent only from ${kept} on` +
+                     `${contiguous ? '' : ' (with gaps)'}: they cannot be sent again; the ` +
+                     'sequence must be prefilled again (in a new cache)');
+    }
+    const limit = await this.client.appendBytesLimit_();
+    const tokenBytes = (e) => {
+      const key = tokenLayout(e.key, 'tail key'), value = tokenLayout(e.value, 'tail value');
+      return key.heads * key.rowBytes + value.heads * value.rowBytes;
+    };
+    let at = from, info = null;
+    let index = 0;
+    while (at < length) {
+      // One append: tokens from `at`, whole or sliced entries, within the byte limit (at least
+      // one token).
+      const pieces = [];
+      let bytes = 0, end = at;
+      while (index < entries.length) {
+        const e = entries[index];
+        const perToken = tokenBytes(e);
+        const room = Math.max(pieces.length ? 0 : 1, Math.floor((limit - bytes) / perToken));
+        const to = Math.min(e.end, end + room);
+        if (to <= end) break;
+        pieces.push({e, from: end - e.start, to: to - e.start});
+        bytes += (to - end) * perToken;
+        end = to;
+        if (to < e.end) break;  // The rest of this entry goes in the next append.
+        ++index;
+      }
+      const key = joinTokens(pieces.map((p) => ({tensor: p.e.key, from: p.from, to: p.to})),
+                             'tail key');
+      const value = joinTokens(pieces.map((p) => ({tensor: p.e.value, from: p.from, to: p.to})),
+                               'tail value');
+      info = await this.client.appendCache({cacheId: this.id, key, value, expectedLength: at},
+                                           options);
+      at = end;
+    }
+    return info;
   }
 
   delete(options) { return this.client.deleteCache(this.id, options); }
@@ -685,6 +1295,9 @@ function mergeStates(parts) {
 module.exports = {
   Client,
   Cache,
+  crc32c,
+  readExportFile,
+  writeExportFile,
   mergeStates,
   seedExample,
   standardAlibiSlopes,

@@ -23,10 +23,21 @@
 // float64 reference run per sequence, causal, GQA, odd sizes, with a window, ALiBi and a softcap,
 // empty sequences; Trace's start repeating them and HIDDEN_SEQUENCE for other sequences' keys;
 // bad cumulative lengths → INVALID_ARGUMENT naming cu_seqlens_q[i] / cu_seqlens_k[i], client-side
-// TypeErrors for non-integers), mergeStates alone, and, when given a TLS server with a token,
-// TLS + bearer token.
-// Usage: node test.js --target HOST:PORT [--secure-target HOST:PORT --tls-ca CA.pem
-//                                         --token-file FILE]
+// TypeErrors for non-integers), mergeStates alone, persistent caches (crc32c's check values and
+// chaining; export / import of a multi-chunk fp16 cache to another server and through a file:
+// chunks, starts, the CRC32C, ALREADY_EXISTS and newIdIfTaken, Tiled over both the same bytes;
+// damaged, cut and foreign exports and files → DATA_LOSS with nothing imported; a client-side
+// DATA_LOSS for an export stream that does not add up (a grpc-js stand-in server); the replay
+// tail: attnd A with --cache-dir, its files copied once durableLength covers some tokens, more
+// tokens appended, attnd B started on the copy, and refresh() of the old Cache's state on B
+// re-sends the lost tail in one append so B's export equals A's; the straddling entry sliced
+// (rank 3 and rank 2, and cut at a small byte limit); DATA_LOSS when no tail reaches back (a
+// server without --cache-dir keeps none, or everything was durable), the Cache unchanged;
+// moved_to followed once with the same options through grpc-js stand-ins, never twice in a
+// row), and, when given a TLS server with a token, TLS + bearer token.
+// Usage: node test.js --target HOST:PORT [--attnd ATTND] [--secure-target HOST:PORT
+//                                         --tls-ca CA.pem --token-file FILE]
+// --attnd: the binary the persistent-cache tests start servers of (skipped without it).
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
@@ -1352,6 +1363,585 @@ test('mergeStates alone: one part, unseen rows, stability, errors', () => {
     [[{output, lse: [0, NaN, 0]}], /parts\[0\]\.lse\[1\] is NaN/],
   ]) {
     assert.throws(() => attnd.mergeStates(parts), pattern);
+  }
+});
+
+// --- persistent caches: crc32c, export / import, the replay tail, moved_to -------------------------
+// These start attnd servers of their own (--attnd PATH; skipped without it): a plain one to
+// import into, and for recovery A with --cache-dir and B on a copy of A's files.
+const os = require('node:os');
+const path = require('node:path');
+const {spawn} = require('node:child_process');
+const grpc = require('@grpc/grpc-js');
+const {Cache, crc32c} = attnd;
+const noAttnd = !args.attnd && 'no --attnd (the attnd binary these tests start)';
+const scratch = fs.mkdtempSync(path.join(os.tmpdir(), 'attn-node-test-'));
+const spawned = [];
+process.on('exit', () => {  // Never leave one running (a failed or interrupted run).
+  for (const server of spawned) server.kill();
+});
+test.after(async () => {
+  if (peerServer) (await peerServer.catch(() => ({client: {close() {}}}))).client.close();
+  for (const server of spawned) await server.stop();
+  fs.rmSync(scratch, {recursive: true, force: true});
+});
+
+// Starts args.attnd on a free port with flags → {target, log(), waitFor(re), stop()}.
+function startAttnd(name, flags = []) {
+  const proc = spawn(args.attnd, ['--listen', '127.0.0.1:0', '--http-listen=', '--threads', '2',
+                                  ...flags], {stdio: ['ignore', 'pipe', 'pipe']});
+  let log = '';
+  const waiters = [];
+  const exited = new Promise((resolve) => proc.on('exit', (code, signal) => resolve({code, signal})));
+  const server = {
+    name, log: () => log,
+    waitFor(re, ms = 15000) {
+      return new Promise((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error(`attnd ${name}: no /${re.source}/ in ` +
+                                                        `${ms} ms:\n${log}`)), ms);
+        waiters.push({re, resolve: (m) => { clearTimeout(timer); resolve(m); }, reject});
+        onData('');
+      });
+    },
+    async stop() {
+      if (proc.exitCode === null && proc.signalCode === null) proc.kill('SIGTERM');
+      return exited;
+    },
+    kill() {
+      if (proc.exitCode === null && proc.signalCode === null) proc.kill('SIGKILL');
+    },
+  };
+  function onData(data) {
+    log += data;
+    for (const w of [...waiters]) {
+      const match = w.re.exec(log);
+      if (match) waiters.splice(waiters.indexOf(w), 1), w.resolve(match);
+    }
+  }
+  proc.stdout.on('data', onData);
+  proc.stderr.on('data', onData);
+  exited.then(({code, signal}) => {
+    for (const w of waiters.splice(0)) w.reject(new Error(`attnd ${name} exited (${code ?? signal}):\n${log}`));
+  });
+  spawned.push(server);
+  return server.waitFor(/\(port (\d+)\)/).then((match) => {
+    server.target = `127.0.0.1:${match[1]}`;
+    return server;
+  });
+}
+
+// One plain attnd (no --cache-dir) beside args.target, started on first use.
+let peerServer = null;
+async function peer() {
+  peerServer ??= startAttnd('peer').then((server) => {
+    server.client = new Client(server.target, {deadlineMs: 60000});
+    return server;
+  });
+  return peerServer;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// n random tokens [key, value] in dtype: [kvHeads, n, dim], or [n, dim] when rank2.
+function randomTokens(random, {kvHeads, headDim, valueDim, dtype = 'float32', rank2 = false}, n) {
+  const shape = (dim) => (rank2 ? [n, dim] : [kvHeads, n, dim]);
+  return [tensor(randomNormal(kvHeads * n * headDim, random), shape(headDim), dtype),
+          tensor(randomNormal(kvHeads * n * valueDim, random), shape(valueDim), dtype)];
+}
+
+async function exportAll(someClient, cacheId) {
+  const chunks = [];
+  for await (const chunk of someClient.exportCache(cacheId)) chunks.push(chunk);
+  return chunks;
+}
+
+// An export's tokens as bytes: every chunk's key.data, then every value.data, and its crc32c.
+function exportBytes(chunks) {
+  const withTokens = chunks.filter((c) => c.key);
+  return {key: Buffer.concat(withTokens.map((c) => c.key.data)),
+          value: Buffer.concat(withTokens.map((c) => c.value.data)), crc32c: chunks.at(-1).crc32c};
+}
+
+// Tokens [from, to) of a [kvHeads, n, dim] Tensor (written here apart from the client's own).
+function sliceTokens(t, from, to) {
+  const [heads, n, dim] = t.shape;
+  const row = t.data.length / (heads * n);
+  const parts = [];
+  for (let h = 0; h < heads; ++h) parts.push(t.data.subarray((h * n + from) * row, (h * n + to) * row));
+  return {shape: [heads, to - from, dim], dtype: t.dtype, data: Buffer.concat(parts)};
+}
+
+// The export of its first `length` tokens only (same id), its crc32c computed here.
+function truncateExport(chunks, length) {
+  const out = [];
+  let crc = 0;
+  for (const chunk of chunks) {
+    const start = Number(chunk.start);
+    const n = chunk.key ? chunk.key.shape[1] : 0;
+    const take = Math.max(0, Math.min(n, length - start));
+    const piece = {start, info: out.length === 0 ? {...chunk.info, length} : null};
+    if (take > 0) {
+      piece.key = sliceTokens(chunk.key, 0, take);
+      piece.value = sliceTokens(chunk.value, 0, take);
+      crc = crc32c(piece.value.data, crc32c(piece.key.data, crc));
+    }
+    if (out.length === 0 || take > 0) out.push(piece);
+  }
+  out.at(-1).crc32c = crc;
+  return out;
+}
+
+// A Client that records each AppendCache it sends ({expectedLength, keyShape, valueShape}).
+function countingClient(target) {
+  const counting = new Client(target, {deadlineMs: 60000});
+  counting.appends = [];
+  const append = counting.appendCache.bind(counting);
+  counting.appendCache = (request, options) => {
+    counting.appends.push({expectedLength: request.expectedLength, keyShape: request.key.shape,
+                           valueShape: request.value.shape});
+    return append(request, options);
+  };
+  return counting;
+}
+
+test('crc32c: Castagnoli check value, chaining, any bytes', () => {
+  assert.equal(crc32c('123456789'), 0xe3069283);
+  assert.equal(crc32c(Buffer.from('123456789')), 0xe3069283);
+  assert.equal(crc32c(''), 0);
+  assert.equal(crc32c(Buffer.alloc(32)), 0x8a9136aa);  // RFC 3720 B.4: 32 bytes of zeros.
+  assert.equal(crc32c(Buffer.alloc(32, 0xff)), 0x62a8ab43);  // ... of ones.
+  const bytes = Uint8Array.from({length: 1001}, (_, i) => (i * 131 + 7) & 0xff);
+  let chained = 0;
+  for (let i = 0; i < bytes.length; i += 13) chained = crc32c(bytes.subarray(i, i + 13), chained);
+  assert.equal(chained, crc32c(bytes));
+  assert.equal(crc32c(new Float32Array(bytes.buffer, 0, 250)), crc32c(bytes.subarray(0, 1000)));
+  assert.throws(() => crc32c(42), TypeError);
+});
+
+test('export/import: a round trip between two servers keeps every byte (Tiled outputs equal)',
+     {skip: noAttnd}, async () => {
+  const other = (await peer()).client;
+  const random = mulberry32(2929);
+  const layout = {kvHeads: 4, headDim: 64, valueDim: 128, dtype: 'fp16'};  // 1536 B a token.
+  const cache = await client.openCache(layout);
+  for (const n of [1000, 1700, 300]) await cache.append(...randomTokens(random, layout, n));
+  assert.equal(cache.length, 3000);
+  assert.equal(cache.info.durableLength, undefined, 'args.target has no --cache-dir');
+  assert.deepEqual(cache.tail, [], 'no tail without durableLength');
+
+  const chunks = await exportAll(client, cache.id);
+  assert.ok(chunks.length >= 2, `${chunks.length} chunks for 4.6 MB`);
+  const {info} = chunks[0];
+  assert.deepEqual([info.cacheId, info.kvHeads, info.headDim, info.valueDim, info.dtype,
+                    info.length], [cache.id, 4, 64, 128, 'DTYPE_FLOAT16', 3000]);
+  let tokens = 0, crc = 0;
+  for (const [i, chunk] of chunks.entries()) {
+    assert.equal(i === 0, chunk.info !== null, `only chunk 0 has info (chunk ${i})`);
+    assert.equal(chunk.start, tokens);
+    assert.ok(chunk.key.data.length + chunk.value.data.length <= 4 * 1024 * 1024 - 16 * 1024);
+    assert.deepEqual(chunk.key.shape, [4, chunk.key.shape[1], 64]);
+    assert.deepEqual(chunk.value.shape, [4, chunk.key.shape[1], 128]);
+    assert.equal(chunk.crc32c !== undefined, i === chunks.length - 1, `crc32c on the last only`);
+    tokens += chunk.key.shape[1];
+    crc = crc32c(chunk.value.data, crc32c(chunk.key.data, crc));
+  }
+  assert.equal(tokens, 3000);
+  assert.equal(chunks.at(-1).crc32c, crc);
+
+  // Import on another server: the same id, the CRC of what it stored, the same bytes.
+  const imported = await other.importCache(chunks);
+  assert.ok(imported instanceof Cache);
+  assert.equal(imported.id, cache.id);
+  assert.equal(imported.length, 3000);
+  assert.equal(imported.info.crc32c, crc);
+  const query = tensor(randomNormal(8 * 2 * 64, random), [8, 2, 64], 'fp16');
+  const tiled = {query, cacheId: cache.id, options: {causal: true, returnLse: true}};
+  const [here, there] = await Promise.all([client.tiled(tiled), other.tiled(tiled)]);
+  assert.ok(here.output.data.equals(there.output.data), 'Tiled outputs are the same bytes');
+  assert.ok(here.lse.data.equals(there.lse.data), 'and the same lse');
+  assert.deepEqual(exportBytes(await exportAll(other, cache.id)), exportBytes(chunks));
+
+  // The id is taken there now: ALREADY_EXISTS, or a new id with newIdIfTaken.
+  await assert.rejects(other.importCache(chunks), (err) => err.code === status.ALREADY_EXISTS);
+  const renamed = await other.importCache(chunks, {newIdIfTaken: true});
+  assert.notEqual(renamed.id, cache.id);
+  assert.equal(renamed.info.crc32c, crc);
+
+  // Through a file: ATTNEXP1, then u32 LE length + CacheChunk each.
+  const file = path.join(scratch, 'round-trip.attnexp');
+  const written = await client.exportCacheToFile(cache.id, file);
+  assert.deepEqual([written.tokens, written.crc32c, written.chunks, written.info.cacheId],
+                   [3000, crc, chunks.length, cache.id]);
+  const bytes = fs.readFileSync(file);
+  assert.equal(bytes.length, written.bytes);
+  assert.equal(bytes.subarray(0, 8).toString('latin1'), 'ATTNEXP1');
+  let frames = 0;
+  for (let at = 8; at < bytes.length; at += 4 + bytes.readUInt32LE(at)) ++frames;
+  assert.equal(frames, chunks.length);
+  const read = [];
+  for await (const chunk of attnd.readExportFile(file)) read.push(chunk);
+  assert.deepEqual(exportBytes(read), exportBytes(chunks));
+  assert.equal(read[0].info.cacheId, cache.id);
+  const fromFile = await other.importCacheFromFile(file, {newIdIfTaken: true});
+  assert.notEqual(fromFile.id, cache.id);
+  assert.equal(fromFile.info.crc32c, crc);
+  const again = await other.tiled({...tiled, cacheId: fromFile.id});
+  assert.ok(again.output.data.equals(here.output.data), 'Tiled over the file import');
+  await assert.rejects(other.importCacheFromFile(file), (e) => e.code === status.ALREADY_EXISTS);
+
+  // An empty cache: one chunk with info and crc32c 0.
+  const empty = await client.openCache({kvHeads: 2, headDim: 8, dtype: 'bf16'});
+  const emptyChunks = await exportAll(client, empty.id);
+  assert.equal(emptyChunks.length, 1);
+  assert.equal(emptyChunks[0].info.length, 0);
+  assert.equal(emptyChunks[0].crc32c, 0);
+  assert.equal(emptyChunks[0].key, null);
+  const emptyFile = path.join(scratch, 'empty.attnexp');
+  await client.exportCacheToFile(empty.id, emptyFile);
+  const emptyThere = await other.importCacheFromFile(emptyFile);
+  assert.deepEqual([emptyThere.id, emptyThere.length, emptyThere.info.dtype],
+                   [empty.id, 0, 'DTYPE_BFLOAT16']);
+  for (const c of [cache, empty]) await c.delete();
+  for (const c of [imported, renamed, fromFile, emptyThere]) await c.delete();
+});
+
+test('export/import: damaged, cut or foreign exports are DATA_LOSS and import nothing',
+     {skip: noAttnd}, async () => {
+  const other = (await peer()).client;
+  const random = mulberry32(3030);
+  const layout = {kvHeads: 8, headDim: 128, valueDim: 128};  // fp32: 8 KiB a token.
+  const cache = await client.openCache(layout);
+  await cache.append(...randomTokens(random, layout, 600));
+  const chunks = await exportAll(client, cache.id);
+  assert.ok(chunks.length >= 2);
+  const isDataLoss = (pattern) => (err) => err instanceof AttndError &&
+      err.code === status.DATA_LOSS && err.codeName === 'DATA_LOSS' && pattern.test(err.details);
+  const nothingImported = () => assert.rejects(other.getCacheInfo(cache.id),
+                                               (err) => err.code === status.NOT_FOUND);
+
+  const flipped = chunks.map((c) => ({...c}));
+  const data = Buffer.from(flipped[1].value.data);
+  data[data.length >> 1] ^= 0x10;
+  flipped[1].value = {...flipped[1].value, data};
+  await assert.rejects(other.importCache(flipped), isDataLoss(/CRC32C/));
+  await nothingImported();
+  await assert.rejects(other.importCache(chunks.slice(0, -1)), isDataLoss(/cut short/));
+  await nothingImported();
+  const wrongCrc = chunks.map((c, i) => (i === chunks.length - 1 ? {...c, crc32c: c.crc32c ^ 1} : c));
+  await assert.rejects(other.importCache(wrongCrc), isDataLoss(/CRC32C/));
+  await nothingImported();
+
+  // Files: a damaged chunk (the server's DATA_LOSS), a file cut inside a chunk or not an
+  // export at all (the client's, before anything is committed).
+  const damaged = path.join(scratch, 'damaged.attnexp');
+  await attnd.writeExportFile(damaged, flipped);
+  await assert.rejects(other.importCacheFromFile(damaged), isDataLoss(/CRC32C/));
+  await nothingImported();
+  const good = path.join(scratch, 'good.attnexp');
+  await client.exportCacheToFile(cache.id, good);
+  const bytes = fs.readFileSync(good);
+  const cut = path.join(scratch, 'cut.attnexp');
+  fs.writeFileSync(cut, bytes.subarray(0, bytes.length - 1000));
+  await assert.rejects(other.importCacheFromFile(cut), isDataLoss(/ends inside chunk 1/));
+  await nothingImported();
+  const foreign = path.join(scratch, 'foreign.attnexp');
+  fs.writeFileSync(foreign, Buffer.concat([Buffer.from('ATTNEXP2'), bytes.subarray(8)]));
+  await assert.rejects(other.importCacheFromFile(foreign), isDataLoss(/not a cache export/));
+  await nothingImported();
+  // A missing cache exports nothing: NOT_FOUND, and no file is left.
+  await cache.delete();
+  const gone = path.join(scratch, 'gone.attnexp');
+  await assert.rejects(client.exportCacheToFile(cache.id, gone), (e) => e.code === status.NOT_FOUND);
+  assert.ok(!fs.existsSync(gone));
+  await assert.rejects(exportAll(client, cache.id), (e) => e.code === status.NOT_FOUND);
+});
+
+test('recovery: refresh re-sends the tail a restarted server lost; the bytes equal the first ' +
+     'server\'s', {skip: noAttnd}, async (t) => {
+  const dirA = path.join(scratch, 'cache-dir-a'), dirB = path.join(scratch, 'cache-dir-b');
+  fs.mkdirSync(dirB, {recursive: true});
+  // Syncs every second at most (write passes half that apart): the tokens appended right
+  // after a pass stay off the disk a while.
+  const a = await startAttnd('recover-a', ['--cache-dir', dirA, '--cache-sync-seconds', '2']);
+  await a.waitFor(/caches: persistent in --cache-dir=\S+ \(cache-sync-seconds=2\)/);
+  const clientA = new Client(a.target, {deadlineMs: 60000});
+  let onB = null;
+  try {
+    const serverInfo = await clientA.info();
+    assert.deepEqual([serverInfo.cachePersistent, serverInfo.cacheSyncSeconds], [true, 2]);
+    const random = mulberry32(4242);
+    const layout = {kvHeads: 2, headDim: 16, valueDim: 8, dtype: 'bf16'};
+    const cache = await clientA.openCache(layout);
+    assert.equal(cache.info.durableLength, 0);
+    for (const n of [5, 7, 3]) await cache.append(...randomTokens(random, layout, n));
+    assert.equal(cache.length, 15);
+    const tailEnds = cache.tail.map((e) => e.start + e.key.shape[1]);
+    assert.equal(tailEnds.at(-1), 15, 'the last append is in the tail');
+    assert.ok(cache.tail.every((e) => e.key.dtype === 'DTYPE_BFLOAT16'));
+
+    // Wait for A to report some tokens durable, then copy its files: B starts from them.
+    let durable = 0;
+    for (const until = Date.now() + 20000; durable === 0 && Date.now() < until;) {
+      await sleep(40);
+      durable = Number((await cache.refresh()).durableLength);
+    }
+    assert.ok(durable > 0, 'durableLength grew within 20 s');
+    for (const name of fs.readdirSync(dirA).filter((n) => n.endsWith('.kv'))) {
+      fs.copyFileSync(path.join(dirA, name), path.join(dirB, name));
+    }
+    assert.ok(cache.tail.every((e) => e.start + e.key.shape[1] > durable),
+              'entries ending at or before durableLength are dropped');
+
+    // More tokens A has and the copy lacks: an append and a decode with new tokens.
+    await cache.append(...randomTokens(random, layout, 4));
+    const [k1, v1] = randomTokens(random, layout, 6);
+    await cache.decode(tensor(randomNormal(4 * 16, random), [4, 1, 16], 'bf16'),
+                       {key: k1, value: v1});
+    assert.equal(cache.length, 25);
+    assert.equal(cache.tail.at(-1).start, 19);
+    assert.ok(cache.tail[0].start <= durable);
+    const fromA = await exportAll(clientA, cache.id);
+
+    const b = await startAttnd('recover-b', ['--cache-dir', dirB]);
+    const [, restored] = await b.waitFor(/restored 1 caches \((\d+) tokens/);
+    onB = countingClient(b.target);
+    const heldByB = await onB.getCacheInfo(cache.id);
+    const lost = Number(heldByB.length);
+    assert.equal(lost, Number(restored));
+    assert.ok(lost >= durable && lost < 25, `B restored ${lost} tokens`);
+    assert.equal(heldByB.durableLength, lost);
+    t.diagnostic(`A reported ${durable} of 15 tokens durable before the copy; B restored ${lost} ` +
+                 `of 25; the tail re-sent from ${cache.tail[0].start}`);
+
+    // The old Cache's state on B: refresh() re-sends [lost, 25) in one append.
+    const moved = new Cache(onB, cache.info, {tail: cache.tail});
+    assert.equal(moved.length, 25);
+    const info = await moved.refresh();
+    assert.equal(info.length, 25);
+    assert.equal(moved.length, 25);
+    assert.equal(onB.appends.length, 1, 'the lost tail in one append');
+    assert.equal(onB.appends[0].expectedLength, lost);
+    assert.deepEqual(onB.appends[0].keyShape, [2, 25 - lost, 16]);
+    assert.deepEqual(exportBytes(await exportAll(onB, cache.id)), exportBytes(fromA));
+    assert.equal((await moved.refresh()).length, 25, 'a second refresh has nothing to send');
+    assert.equal(onB.appends.length, 1);
+
+    // Once A has made everything durable the tail is empty: a server holding fewer tokens
+    // cannot be caught up, DATA_LOSS, and the Cache keeps its state.
+    for (const until = Date.now() + 20000; cache.tail.length > 0 && Date.now() < until;) {
+      await sleep(100);
+      await cache.refresh();
+    }
+    assert.equal(Number(cache.info.durableLength), 25);
+    assert.deepEqual(cache.tail, []);
+    await client.importCache(truncateExport(fromA, 10));  // Same id, 10 tokens, on args.target.
+    const behind = new Cache(client, cache.info, {tail: cache.tail});
+    const before = behind.info;
+    await assert.rejects(behind.refresh(), (err) => err.code === status.DATA_LOSS &&
+        /holds 10 tokens/.test(err.details) && /only from 25 on/.test(err.details) &&
+        /prefilled again/.test(err.details));
+    assert.equal(behind.info, before);
+    assert.equal(behind.length, 25);
+    await client.deleteCache(cache.id);
+  } finally {
+    clientA.close();
+    onB?.close();
+  }
+});
+
+test('recovery: the entry straddling the server\'s length is sliced along the token axis',
+     {skip: noAttnd}, async () => {
+  const a = await startAttnd('slice-a', ['--cache-dir', path.join(scratch, 'cache-dir-slice'),
+                                         '--cache-sync-seconds', '30']);
+  const clientA = new Client(a.target, {deadlineMs: 60000});
+  try {
+    const random = mulberry32(5151);
+    for (const [layout, limitTokens] of [
+      [{kvHeads: 3, headDim: 8, valueDim: 5}, null],
+      [{kvHeads: 1, headDim: 6, valueDim: 4, dtype: 'fp16', rank2: true}, null],
+      [{kvHeads: 2, headDim: 4, valueDim: 4, dtype: 'bf16'}, 3],  // Appends of ≤ 3 tokens.
+    ]) {
+      const cache = await clientA.openCache(layout);
+      for (const n of [6, 7, 7]) await cache.append(...randomTokens(random, layout, n));
+      // Nothing durable yet (a pass 15 s away): the whole sequence is in the tail.
+      assert.deepEqual(cache.tail.map((e) => e.start), [0, 6, 13]);
+      assert.equal(cache.tail[1].key.shape.length, layout.rank2 ? 2 : 3);
+      const fromA = await exportAll(clientA, cache.id);
+      // args.target holds this cache's first 9 tokens: [9, 20) goes again, [9, 13) out of the
+      // second entry.
+      await client.importCache(truncateExport(fromA, 9));
+      const target = countingClient(args.target);
+      const tokenBytes = layout.kvHeads * (layout.headDim + layout.valueDim) *
+                         (layout.dtype ? 2 : 4);
+      if (limitTokens) target.appendLimit_ = Promise.resolve(limitTokens * tokenBytes);
+      const behind = new Cache(target, cache.info, {tail: cache.tail});
+      assert.equal((await behind.refresh()).length, 20);
+      const sizes = target.appends.map((x) => x.keyShape.at(-2));
+      if (limitTokens) {
+        assert.deepEqual(sizes, [3, 3, 3, 2], 'cut at the limit, entries joined within it');
+      } else {
+        assert.deepEqual(sizes, [11], 'one append for the whole lost tail');
+        assert.deepEqual(target.appends[0].keyShape,
+                         layout.rank2 ? [11, 6] : [layout.kvHeads, 11, layout.headDim]);
+      }
+      let expected = 9;
+      for (const [i, x] of target.appends.entries()) {
+        assert.equal(x.expectedLength, expected, `append ${i}`);
+        expected += x.keyShape.at(-2);
+      }
+      assert.deepEqual(exportBytes(await exportAll(client, cache.id)), exportBytes(fromA));
+      await client.deleteCache(cache.id);
+      await cache.delete();
+      target.close();
+    }
+  } finally {
+    clientA.close();
+  }
+});
+
+test('recovery: without durableLength no tail is kept, so a shorter server is DATA_LOSS',
+     {skip: noAttnd}, async () => {
+  const other = (await peer()).client;
+  const random = mulberry32(6161);
+  const layout = {kvHeads: 2, headDim: 8, valueDim: 8};
+  const cache = await client.openCache(layout);
+  assert.equal(cache.info.durableLength, undefined);
+  for (const n of [5, 6, 9]) await cache.append(...randomTokens(random, layout, n));
+  const [k1, v1] = randomTokens(random, layout, 1);
+  await cache.decode(tensor(randomNormal(2 * 8, random), [2, 1, 8]), {key: k1, value: v1});
+  assert.equal(cache.length, 21);
+  assert.deepEqual(cache.tail, []);
+  // Another server holds this cache's first 6 tokens only.
+  await other.importCache(truncateExport(await exportAll(client, cache.id), 6));
+  const behind = new Cache(other, cache.info, {tail: cache.tail});
+  const before = behind.info;
+  await assert.rejects(behind.refresh(), (err) => err instanceof AttndError &&
+      err.code === status.DATA_LOSS && /holds 6 tokens and this client 21/.test(err.details) &&
+      /only from 21 on/.test(err.details) && /prefilled again/.test(err.details));
+  assert.equal(behind.info, before, 'the Cache keeps its state');
+  assert.equal(behind.length, 21);
+  // A server holding more than the client believes: its info is taken, as before.
+  const stale = new Cache(client, {...cache.info, length: 3});
+  assert.equal((await stale.refresh()).length, 21);
+  await other.deleteCache(cache.id);
+  await cache.delete();
+});
+
+// A grpc-js server standing in for attnd: the cache calls (AppendCache, GetCacheInfo, Decode)
+// answer NOT_FOUND ending moved_to=movedTo(); ExportCache streams exportChunks. Records
+// {method, authorization} per call.
+async function fakeAttnd({movedTo = () => null, exportChunks = []} = {}) {
+  const calls = [];
+  const moved = (method, id) => (call, callback) => {
+    calls.push({method, authorization: call.metadata.get('authorization')[0]});
+    const to = movedTo();
+    callback({code: grpc.status.NOT_FOUND,
+              details: `cache_id: cache ${id(call.request)} ` +
+                       (to ? `was handed to another server while this one drained; moved_to=${to}`
+                           : 'not found')});
+  };
+  const server = new grpc.Server();
+  server.addService(attnd.proto.AttentionService.service, {
+    AppendCache: moved('AppendCache', (r) => r.cacheId),
+    GetCacheInfo: moved('GetCacheInfo', (r) => r.cacheId),
+    Decode: moved('Decode', (r) => r.items[0].cacheId),
+    ExportCache: (call) => {
+      calls.push({method: 'ExportCache'});
+      for (const chunk of exportChunks) call.write(chunk);
+      call.end();
+    },
+  });
+  const port = await new Promise((resolve, reject) => server.bindAsync(
+      '127.0.0.1:0', grpc.ServerCredentials.createInsecure(),
+      (err, bound) => (err ? reject(err) : resolve(bound))));
+  return {target: `127.0.0.1:${port}`, calls, stop: () => server.forceShutdown()};
+}
+
+test('moved_to: a Cache follows NOT_FOUND moved_to=HOST:PORT once, with the same options',
+     async () => {
+  const random = mulberry32(7171);
+  const layout = {kvHeads: 1, headDim: 4, valueDim: 4};
+  const real = await client.openCache(layout);  // The cache, on args.target.
+  const drained = await fakeAttnd({movedTo: () => args.target});
+  const via = new Client(drained.target, {deadlineMs: 23456, token: 'moved-token'});
+  try {
+    const cache = new Cache(via, real.info);
+    await cache.append(...randomTokens(random, layout, 3));
+    assert.equal(cache.length, 3);
+    assert.notEqual(cache.client, via);
+    assert.equal(cache.client, via.peer_(args.target));
+    assert.deepEqual([cache.client.target, cache.client.token, cache.client.deadlineMs],
+                     [args.target, 'moved-token', 23456]);
+    assert.equal((await client.getCacheInfo(real.id)).length, 3, 'appended on the real server');
+    // refresh and decode follow too.
+    const refreshed = new Cache(via, {...real.info, length: 0});
+    assert.equal((await refreshed.refresh()).length, 3);
+    const decoding = new Cache(via, refreshed.info);
+    const [k, v] = randomTokens(random, layout, 1);
+    const step = await decoding.decode(tensor(randomNormal(2 * 4, random), [2, 1, 4]),
+                                       {key: k, value: v});
+    assert.deepEqual(step.output.shape, [2, 1, 4]);
+    assert.equal(decoding.length, 4);
+    assert.deepEqual(drained.calls.map((c) => [c.method, c.authorization]),
+                     [['AppendCache', 'Bearer moved-token'], ['GetCacheInfo', 'Bearer moved-token'],
+                      ['Decode', 'Bearer moved-token']]);
+    // A plain NOT_FOUND is not followed.
+    const lost = await fakeAttnd();
+    const nowhere = new Client(lost.target);
+    const stays = new Cache(nowhere, real.info);
+    await assert.rejects(stays.refresh(), (e) => e.code === status.NOT_FOUND);
+    assert.equal(stays.client, nowhere);
+    nowhere.close();
+    lost.stop();
+    // Moved twice in a row (ping → pong → ping): followed once, then the error.
+    let pong = null;
+    const ping = await fakeAttnd({movedTo: () => pong.target});
+    pong = await fakeAttnd({movedTo: () => ping.target});
+    const start = new Client(ping.target, {token: 'loop'});
+    const looped = new Cache(start, decoding.info);
+    await assert.rejects(looped.append(k, v), (err) => err.code === status.NOT_FOUND &&
+        err.details.endsWith(`moved_to=${ping.target}`));
+    assert.deepEqual([ping.calls.length, pong.calls.length], [1, 1]);
+    assert.equal(pong.calls[0].authorization, 'Bearer loop');
+    assert.equal(looped.client.target, pong.target);
+    assert.equal(looped.length, 4, 'nothing appended');
+    start.close();
+    ping.stop();
+    pong.stop();
+  } finally {
+    via.close();
+    drained.stop();
+    await real.delete();
+  }
+});
+
+test('export: a stream whose tokens or CRC32C do not add up is DATA_LOSS here', async () => {
+  const random = mulberry32(8181);
+  const layout = {kvHeads: 2, headDim: 4, valueDim: 4};
+  const cache = await client.openCache(layout);
+  await cache.append(...randomTokens(random, layout, 5));
+  const good = await exportAll(client, cache.id);
+  await cache.delete();
+  const last = good.length - 1;
+  for (const [what, chunks, pattern] of [
+    ['a wrong crc32c', good.map((c, i) => (i === last ? {...c, crc32c: c.crc32c ^ 4} : c)), /CRC32C/],
+    ['no last chunk', good.map((c) => ({...c, crc32c: undefined})), /cut short/],
+    ['a chunk at the wrong start', good.map((c) => ({...c, start: 1})), /starts at token 1/],
+  ]) {
+    const fake = await fakeAttnd({exportChunks: chunks});
+    const from = new Client(fake.target);
+    try {
+      await assert.rejects(exportAll(from, cache.id),
+                           (e) => e.code === status.DATA_LOSS && pattern.test(e.details), what);
+      const file = path.join(scratch, 'checked.attnexp');
+      await assert.rejects(from.exportCacheToFile(cache.id, file),
+                           (e) => e.code === status.DATA_LOSS && pattern.test(e.details), what);
+      assert.ok(!fs.existsSync(file), `no file after ${what}`);
+      assert.deepEqual(fs.readdirSync(scratch).filter((n) => n.includes('partial')), []);
+    } finally {
+      from.close();
+      fake.stop();
+    }
   }
 });
 
