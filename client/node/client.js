@@ -577,13 +577,11 @@ function wrapError(err) {
 function dataLoss(details) { return new AttndError({code: grpc.status.DATA_LOSS, details}); }
 
 // 'HOST:PORT' when err is the NOT_FOUND of a cache a draining server handed over (its message
-// ends "moved_to=HOST:PORT"; trailing metadata attn-moved-to also names it), else null.
+// ends "moved_to=HOST:PORT"), else null.
 function movedTo(err) {
   if (err?.code !== grpc.status.NOT_FOUND) return null;
   const match = /moved_to=([^\s;,]+)/.exec(err.details ?? err.message ?? '');
-  if (match) return match[1].replace(/\.$/, '');
-  const named = err.metadata?.get?.('attn-moved-to');
-  return named?.length ? String(named[0]) : null;
+  return match ? match[1].replace(/\.$/, '') : null;
 }
 
 // A server-streaming call's messages as an async iterator that ends only once the call's
