@@ -39,6 +39,19 @@ absl::StatusOr<std::string> NewId() {
   return id;
 }
 
+absl::Status TooMany(size_t caches, int64_t max_caches) {
+  return absl::ResourceExhaustedError(absl::StrCat("this server holds ", caches,
+                                                   " caches, its --max-caches=", max_caches,
+                                                   "; delete caches you no longer need"));
+}
+
+absl::Status Taken(const std::string& field, const std::string& id) {
+  return absl::AlreadyExistsError(
+      absl::StrCat(field, field.empty() ? "" : ": ", "cache ", id,
+                   " already exists on this server; import with a new "
+                   "id (CacheChunk.new_id_if_taken) or delete it first"));
+}
+
 }  // namespace
 
 namespace {
@@ -120,7 +133,7 @@ absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
   if (persistent()) {
     if (absl::Status file = CreateFile(*entry); !file.ok()) return file;
   }
-  if (absl::Status inserted = Insert(entry, /*new_id_if_taken=*/false); !inserted.ok()) {
+  if (absl::Status inserted = Insert(entry); !inserted.ok()) {
     if (entry->file != nullptr) entry->file->Remove();
     return inserted;
   }
@@ -132,27 +145,12 @@ absl::StatusOr<CacheDescription> CacheRegistry::Create(const std::string& owner,
   return description;
 }
 
-absl::Status CacheRegistry::Insert(std::shared_ptr<Entry> entry, bool new_id_if_taken) {
+absl::Status CacheRegistry::Insert(std::shared_ptr<Entry> entry) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this server holds ", entries_.size(), " caches, its --max-caches=", limits_.max_caches,
-        "; delete caches you no longer need"));
+    return TooMany(entries_.size(), limits_.max_caches);
   }
-  if (entries_.count(entry->id) != 0) {
-    if (!new_id_if_taken) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("cache ", entry->id,
-                       " already exists on this server; import with a new id "
-                       "(CacheChunk.new_id_if_taken) or delete it first"));
-    }
-    if (entry->file != nullptr) {
-      return absl::InternalError("a persisted cache cannot change its id");  // Never reached.
-    }
-    absl::StatusOr<std::string> id = NewId();
-    if (!id.ok()) return id.status();
-    entry->id = *id;
-  }
+  if (entries_.count(entry->id) != 0) return Taken("", entry->id);
   entry->serial = created_++;
   moved_.erase(entry->id);
   entries_.emplace(entry->id, std::move(entry));
@@ -433,15 +431,10 @@ absl::StatusOr<CacheRegistry::Import> CacheRegistry::BeginImport(const std::stri
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this server holds ", entries_.size(), " caches, its --max-caches=", limits_.max_caches,
-          "; delete caches you no longer need"));
+      return TooMany(entries_.size(), limits_.max_caches);
     }
-    if (!new_id_if_taken && entries_.count(id) != 0) {
-      return absl::AlreadyExistsError(
-          absl::StrCat(field, ": cache ", id,
-                       " already exists on this server; import with a new id "
-                       "(CacheChunk.new_id_if_taken) or delete it first"));
+    if (!new_id_if_taken && (entries_.count(id) != 0 || importing_.count(id) != 0)) {
+      return Taken(field, id);
     }
   }
   auto entry =
@@ -485,22 +478,32 @@ absl::Status CacheRegistry::AppendStored(Lease& lease, const void* key, const vo
 
 absl::StatusOr<CacheDescription> CacheRegistry::Import::Finish() {
   Entry& entry = *entry_;
-  // Pick the id first (a file is named by it), then write the file's header and reserve its
-  // blocks, then show the cache: a failure at any step leaves nothing behind.
+  // Take the id first (the file is named by it, so no other import may write that file
+  // meanwhile), then write the file's header and reserve its blocks, then show the cache: a
+  // failure at any step leaves nothing behind.
   {
     std::lock_guard<std::mutex> lock(registry_->mutex_);
-    if (registry_->entries_.count(entry.id) != 0) {
-      if (!new_id_if_taken_) {
-        return absl::AlreadyExistsError(
-            absl::StrCat("cache ", entry.id,
-                         " already exists on this server; import with a new id "
-                         "(CacheChunk.new_id_if_taken) or delete it first"));
-      }
-      absl::StatusOr<std::string> id = NewId();
-      if (!id.ok()) return id.status();
-      entry.id = *id;
+    const auto taken = [&] {
+      return registry_->entries_.count(entry.id) != 0 || registry_->importing_.count(entry.id) != 0;
+    };
+    if (taken()) {
+      if (!new_id_if_taken_) return Taken("", entry.id);
+      do {
+        absl::StatusOr<std::string> id = NewId();
+        if (!id.ok()) return id.status();
+        entry.id = *id;
+      } while (taken());
     }
+    registry_->importing_.insert(entry.id);
   }
+  struct Untake {
+    CacheRegistry* registry;
+    const std::string id;
+    ~Untake() {
+      std::lock_guard<std::mutex> lock(registry->mutex_);
+      registry->importing_.erase(id);
+    }
+  } untake{registry_, entry.id};
   if (registry_->persistent()) {
     if (absl::Status file = registry_->CreateFile(entry); !file.ok()) return file;
     if (absl::Status disk = registry_->ReserveDisk(entry, entry.store->length()); !disk.ok()) {
@@ -510,8 +513,7 @@ absl::StatusOr<CacheDescription> CacheRegistry::Import::Finish() {
   }
   lease_->Commit();
   if (entry.file != nullptr && entry.store->length() > 0) entry.dirty_since_ns.store(SteadyNs());
-  if (absl::Status inserted = registry_->Insert(entry_, /*new_id_if_taken=*/false);
-      !inserted.ok()) {
+  if (absl::Status inserted = registry_->Insert(entry_); !inserted.ok()) {
     if (entry.file != nullptr) entry.file->Remove();
     return inserted;
   }

@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -239,8 +240,9 @@ class CacheRegistry {
   // fit) or gives back -bytes.
   absl::Status Reserve(int64_t bytes);
   void Release(int64_t bytes);
-  // Adds a built entry under its id (or a new one when taken and `new_id_if_taken`).
-  absl::Status Insert(std::shared_ptr<Entry> entry, bool new_id_if_taken);
+  // Adds a built entry under its id: RESOURCE_EXHAUSTED at --max-caches, ALREADY_EXISTS when
+  // the id is taken.
+  absl::Status Insert(std::shared_ptr<Entry> entry);
   // caches_disk.cc: the file of a new cache; the writer's loop and one pass of it.
   absl::Status CreateFile(Entry& entry);
   // Reserves the disk blocks for `tokens` tokens of the entry's file (a no-op without one);
@@ -261,8 +263,9 @@ class CacheRegistry {
   std::deque<std::string> expired_order_;                  // Bounded memory of expired ids.
   std::map<std::string, std::string> expired_;             // Expired id → owner.
   std::map<std::string, std::pair<std::string, std::string>> moved_;  // id → (owner, target).
-  int64_t reserved_bytes_ = 0;                                        // Pages of all live caches.
-  int64_t created_ = 0;  // For List's oldest-first order.
+  std::set<std::string> importing_;  // Ids imports are finishing under (their files being made).
+  int64_t reserved_bytes_ = 0;       // Pages of all live caches.
+  int64_t created_ = 0;              // For List's oldest-first order.
   bool stopping_ = false;
   std::condition_variable wake_;
   std::thread sweeper_;

@@ -141,7 +141,7 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
   std::sort(restored.begin(), restored.end(),
             [](const auto& a, const auto& b) { return a->created_ns < b->created_ns; });
   for (std::shared_ptr<Entry>& entry : restored) {
-    if (absl::Status inserted = Insert(entry, /*new_id_if_taken=*/false); !inserted.ok()) {
+    if (absl::Status inserted = Insert(entry); !inserted.ok()) {
       return absl::ResourceExhaustedError(
           absl::StrCat("restoring the caches in --cache-dir=", limits_.dir, ": ",
                        inserted.message(), " (nothing was dropped)"));
