@@ -512,11 +512,20 @@ TEST_F(RegistryOnDiskTest, ImportAppearsOnlyWholeAndKeepsOrReplacesItsId) {
   absl::StatusOr<CacheRegistry::Import> import =
       registry.BeginImport("o", id, "info.cache_id", layout, false);
   ASSERT_TRUE(import.ok());
+  // A second import of the same id, begun before the first finishes, is refused at its Finish
+  // and leaves the first one's file alone.
+  absl::StatusOr<CacheRegistry::Import> rival =
+      registry.BeginImport("o", id, "info.cache_id", layout, false);
+  ASSERT_TRUE(rival.ok());
   ASSERT_TRUE(import->Append(tokens.key.data(), tokens.value.data(), 50, "chunk 1: ").ok());
   absl::StatusOr<CacheDescription> finished = import->Finish();
   ASSERT_TRUE(finished.ok()) << finished.status();
   EXPECT_EQ(finished->id, id);
   EXPECT_EQ(finished->length, 50);
+  EXPECT_EQ(rival->Finish().status().code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(registry.Flush().ok());
+  EXPECT_TRUE(fs::exists(dir_.path() + "/" + id + ".kv"));
+  EXPECT_EQ(registry.Describe("o", id)->durable_length, 50);
   EXPECT_EQ(registry.BeginImport("o", id, "info.cache_id", layout, false).status().code(),
             absl::StatusCode::kAlreadyExists);
   absl::StatusOr<CacheRegistry::Import> second =
