@@ -89,13 +89,6 @@ int64_t ReadUpTo(int fd, void* data, size_t n, int64_t offset) {
   return static_cast<int64_t>(got);
 }
 
-void SyncDir(const std::string& dir) {
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  fsync(fd);
-  close(fd);
-}
-
 std::string EncodeHeader(const CacheFileHeader& header) {
   std::string body;
   Put<uint32_t>(body, kVersion);
@@ -116,6 +109,13 @@ std::string EncodeHeader(const CacheFileHeader& header) {
 }
 
 }  // namespace
+
+void SyncCacheDir(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  fsync(fd);
+  close(fd);
+}
 
 CacheFile::CacheFile(std::string path, int fd, const KvLayout& layout, int64_t header_bytes)
     : path_(std::move(path)),
@@ -160,7 +160,7 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Create(const std::string& 
   if (!WriteAll(fd, bytes.data(), bytes.size(), 0)) return fail("cannot write");
   if (fdatasync(fd) != 0) return fail("cannot sync");
   if (rename(temporary.c_str(), path.c_str()) != 0) return fail("cannot rename");
-  SyncDir(dir);
+  SyncCacheDir(dir);
   return std::unique_ptr<CacheFile>(
       new CacheFile(path, fd, header.layout, static_cast<int64_t>(bytes.size())));
 }

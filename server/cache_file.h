@@ -98,7 +98,8 @@ class CacheFile {
   absl::Status Sync();
   // Gives back blocks Reserve allocated past the end (a clean shutdown).
   void Trim();
-  // Removes the file (a deleted or expired cache). The object stays usable and writes nowhere.
+  // Removes the file (a deleted or expired cache); SyncCacheDir makes that durable. The object
+  // stays usable and writes nowhere.
   void Remove();
 
  private:
@@ -114,6 +115,9 @@ class CacheFile {
   int64_t reserved_ = 0;
   bool removed_ = false;
 };
+
+// fsyncs the directory, so that a file removed from it stays removed after a power loss.
+void SyncCacheDir(const std::string& dir);
 
 // Holds DIR/attnd.lock (flock) while it lives, so that two servers never write one directory.
 class CacheDirLock {

@@ -224,6 +224,7 @@ absl::Status CacheRegistry::Delete(const std::string& owner, const std::string& 
     if (found != entries_.end() && found->second->owner == owner) {
       entry = std::move(found->second);
       entries_.erase(found);
+      RemoveFile(*entry);  // Under the mutex: an import may take the id as soon as it is free.
     }
   }
   if (entry == nullptr) {
@@ -231,7 +232,7 @@ absl::Status CacheRegistry::Delete(const std::string& owner, const std::string& 
     Find(owner, id, "cache_id", &status);
     return status;
   }
-  RemoveFile(*entry);
+  SyncDir();
   return absl::OkStatus();  // The memory goes when the last lease on it ends (entry's release).
 }
 
@@ -411,6 +412,7 @@ void CacheRegistry::Sweep() {
       }
     }
     lock.unlock();
+    if (!dropped.empty()) SyncDir();
     dropped.clear();
     lock.lock();
   }
@@ -532,8 +534,9 @@ void CacheRegistry::MarkMoved(const std::string& owner, const std::string& id,
     entry = std::move(found->second);
     entries_.erase(found);
     moved_[id] = {owner, target};
+    RemoveFile(*entry);
   }
-  RemoveFile(*entry);
+  SyncDir();
 }
 
 std::vector<std::pair<std::string, std::string>> CacheRegistry::AllCaches() const {

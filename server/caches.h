@@ -248,7 +248,8 @@ class CacheRegistry {
   // Reserves the disk blocks for `tokens` tokens of the entry's file (a no-op without one);
   // RESOURCE_EXHAUSTED naming the directory when the disk is full or the writer is failing.
   absl::Status ReserveDisk(Entry& entry, int64_t tokens);
-  void RemoveFile(Entry& entry);
+  void RemoveFile(Entry& entry);  // Under mutex_ (the id may be taken again once it is free).
+  void SyncDir();                 // After RemoveFile, outside mutex_; no-op without a directory.
   // Appends tokens as they come from a file or an export (dense, the store's dtype), with their
   // maxima: INVALID_ARGUMENT naming `field` when one is not finite.
   static absl::Status AppendStored(Lease& lease, const void* key, const void* value, int64_t n,

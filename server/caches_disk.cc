@@ -65,6 +65,10 @@ void CacheRegistry::RemoveFile(Entry& entry) {
   entry.file_bytes.store(0);
 }
 
+void CacheRegistry::SyncDir() {
+  if (persistent()) SyncCacheDir(limits_.dir);
+}
+
 absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
   std::vector<std::string> lines;
   if (!persistent()) return lines;
