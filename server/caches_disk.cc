@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -177,6 +178,7 @@ void CacheRegistry::WriteBehind() {
 
 absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
   std::lock_guard<std::mutex> pass(write_mutex_);
+  const int64_t pass_start = SteadyNs();  // Every token committed before it is written below.
   std::vector<std::shared_ptr<Entry>> dirty;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -188,6 +190,7 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
   }
   std::vector<char> buffer;
   absl::Status result;
+  std::set<const Entry*> unwritten;  // Entries a write failed for.
   // Copies the entry's committed tokens past its file's out, a record at a time (the lease's
   // mutex held only for the copy), and writes them. False when `wait` is false and a call holds
   // the cache: a later round comes back for it.
@@ -218,6 +221,7 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
       }
       if (!copied.ok()) {
         result.Update(copied);
+        unwritten.insert(&entry);
         return true;
       }
     }
@@ -234,7 +238,10 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
       continue;
     }
     entry->durable.store(entry->file->tokens());
-    entry->dirty_since_ns.store(entry->length.load() > entry->file->tokens() ? SteadyNs() : 0);
+    // Caught up: nothing waits. Otherwise what waits came after the pass began, unless a write
+    // failed: then the oldest waiting append's time stays, and the lag grows.
+    if (unwritten.count(entry.get()) != 0) continue;
+    entry->dirty_since_ns.store(entry->length.load() > entry->file->tokens() ? pass_start : 0);
   }
   const bool failed = !result.ok();
   if (failed != disk_failed_.exchange(failed)) {

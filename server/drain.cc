@@ -83,13 +83,13 @@ int Drain(RunningServer& server, int signal, const AttndConfig& config) {
   int status = 0;
   if (caches.persistent()) {
     const absl::Status flushed = caches.Flush(/*shutdown=*/true);
-    if (!flushed.ok()) status = 3;
     if (flushed.ok()) {
       std::printf("attnd: caches flushed to --cache-dir=%s (%lld bytes)\n",
                   caches.limits().dir.c_str(), static_cast<long long>(caches.disk_bytes()));
     } else {
       std::fprintf(stderr, "attnd: caches NOT all flushed to --cache-dir: %s\n",
                    std::string(flushed.message()).c_str());
+      status = 3;
     }
     std::fflush(stdout);
   }

@@ -50,8 +50,8 @@ class TransferCount {
   std::atomic<int64_t>& open_;
 };
 
-// ExportCache's stream: one chunk per completed write (its flow control), each chunk's tokens
-// copied while the write before it is on its way.
+// ExportCache's stream: one chunk per completed write (its flow control); each chunk's tokens
+// are copied out once the write before it has completed, so one chunk is in memory at a time.
 class ExportWriter final : public grpc::ServerWriteReactor<v1::CacheChunk> {
  public:
   ExportWriter(std::atomic<int64_t>& open, CacheExporter exporter)
