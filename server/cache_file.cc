@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "proto/dtype_mapping.h"
+#include "server/request.h"
 
 namespace attn {
 namespace {
@@ -211,12 +212,15 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
       !GetString(p, end, &header->id)) {
     return damaged("its fields do not fit its length");
   }
-  const std::optional<DType> stored_dtype = FromProtoDType(static_cast<int>(dtype));
-  if (!stored_dtype || header->layout.kv_heads < 1 || header->layout.head_dim < 1 ||
-      header->layout.value_dim < 1) {
-    return damaged("its layout is invalid");
+  // The rule a new cache's layout meets (so no record size can overflow); value_dim is stored
+  // resolved, never 0.
+  const absl::StatusOr<KvLayout> layout =
+      CheckCacheLayout(header->layout.kv_heads, header->layout.head_dim, header->layout.value_dim,
+                       static_cast<int>(dtype));
+  if (!layout.ok() || header->layout.value_dim < 1) {
+    return damaged(absl::StrCat("its layout is invalid: ", layout.status().message()));
   }
-  header->layout.dtype = *stored_dtype;
+  header->layout = *layout;
 
   std::unique_ptr<CacheFile> file(
       new CacheFile(path, fd, header->layout, static_cast<int64_t>(head.size())));

@@ -76,12 +76,8 @@ absl::Status CacheImporter::Add(const v1::CacheChunk& chunk, int64_t index) {
   if (index == 0) {
     if (!chunk.has_info()) return invalid("info", "is missing; the first chunk carries it");
     const v1::CacheInfo& info = chunk.info();
-    v1::CreateCacheRequest shape;
-    shape.set_kv_heads(info.kv_heads());
-    shape.set_head_dim(info.head_dim());
-    shape.set_value_dim(info.value_dim());
-    shape.set_dtype(info.dtype());
-    absl::StatusOr<KvLayout> layout = ParseCreateCache(shape);
+    absl::StatusOr<KvLayout> layout =
+        CheckCacheLayout(info.kv_heads(), info.head_dim(), info.value_dim(), info.dtype());
     if (!layout.ok()) return invalid("info.", std::string(layout.status().message()));
     if (info.length() < 0) return invalid("info.length", absl::StrCat("is ", info.length()));
     absl::StatusOr<CacheRegistry::Import> import = caches_->BeginImport(

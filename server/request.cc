@@ -456,12 +456,12 @@ absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
                                                     " tokens; nothing of this call was applied"));
 }
 
-absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request) {
+absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, int64_t value_dim,
+                                          int dtype_number) {
   constexpr int64_t kMaxDim = 1 << 16;
   KvLayout layout;
-  const std::pair<absl::string_view, int64_t> dims[] = {{"kv_heads", request.kv_heads()},
-                                                        {"head_dim", request.head_dim()},
-                                                        {"value_dim", request.value_dim()}};
+  const std::pair<absl::string_view, int64_t> dims[] = {
+      {"kv_heads", kv_heads}, {"head_dim", head_dim}, {"value_dim", value_dim}};
   for (const auto& [field, value] : dims) {
     const int64_t low = field == "value_dim" ? 0 : 1;
     if (value < low || value > kMaxDim) {
@@ -469,13 +469,18 @@ absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request)
                                          kMaxDim, field == "value_dim" ? " (0 = head_dim)" : ""));
     }
   }
-  layout.kv_heads = request.kv_heads();
-  layout.head_dim = request.head_dim();
-  layout.value_dim = request.value_dim() > 0 ? request.value_dim() : request.head_dim();
-  const std::optional<DType> dtype = FromProtoDType(request.dtype());
-  if (!dtype) return UnknownDType("dtype", request.dtype());
+  layout.kv_heads = kv_heads;
+  layout.head_dim = head_dim;
+  layout.value_dim = value_dim > 0 ? value_dim : head_dim;
+  const std::optional<DType> dtype = FromProtoDType(dtype_number);
+  if (!dtype) return UnknownDType("dtype", static_cast<v1::DType>(dtype_number));
   layout.dtype = *dtype;
   return layout;
+}
+
+absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request) {
+  return CheckCacheLayout(request.kv_heads(), request.head_dim(), request.value_dim(),
+                          request.dtype());
 }
 
 namespace {

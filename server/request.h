@@ -81,8 +81,12 @@ inline const attention::v1::Tensor* TensorOrNull(bool has, const attention::v1::
 absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
                                  absl::string_view cache_id, int64_t length);
 
-// A new cache's layout: kv_heads, head_dim and value_dim (0 = head_dim) in [1, 65536], a known
-// dtype.
+// A cache's layout, wherever one arrives (CreateCache, an import's first chunk, a cache file's
+// header): kv_heads, head_dim and value_dim (0 = head_dim) in [1, 65536], a known dtype (the
+// wire's number). Errors are INVALID_ARGUMENT naming the field.
+absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, int64_t value_dim,
+                                          int dtype);
+// CheckCacheLayout of a CreateCacheRequest.
 absl::StatusOr<KvLayout> ParseCreateCache(const attention::v1::CreateCacheRequest& request);
 
 // Tokens to append to a cache of `layout`: key [kv_heads, n, head_dim] and value
