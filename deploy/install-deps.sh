@@ -15,6 +15,7 @@ packages=(
   build-essential cmake pkg-config git clang-format
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcpp-httplib-dev
+  libboost-context-dev  # tests/simt: the SIMT emulator runs each CUDA thread as a fiber.
   python3 python3-grpcio python3-numpy
   python3-yaml yamllint  # tests/deploy_static_test.py: the Dockerfile and deploy/k8s manifests.
   openssl  # tests/security_test.sh makes its TLS certificates with it.

@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/portable.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/dtype.h"
 #include "kernels/online_softmax.h"
@@ -61,12 +62,12 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162fl
 // kernels at 72 registers and spills; shared memory, not registers, bounds the blocks per SM.
 template <class T, int P>
 __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch batch) {
-  extern __shared__ float shared[];
+  ATTN_DYNAMIC_SHARED(float, shared);
   float* query_tile = shared;                            // [kDecodeRows][P]
   float* key_tile = query_tile + kDecodeRows * P;        // [kDecodeKeys][P + 1]
   float* value_tile = key_tile + kDecodeKeys * (P + 1);  // [kDecodeKeys][P]
-  __shared__ const T* key_rows[kDecodeKeys];
-  __shared__ const T* value_rows[kDecodeKeys];
+  ATTN_SHARED_ARRAY(const T*, key_rows, kDecodeKeys);
+  ATTN_SHARED_ARRAY(const T*, value_rows, kDecodeKeys);
 
   const DecodeUnit unit = batch.units[blockIdx.x];
   const DecodeItem& item = batch.items[unit.item];
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   for (int64_t tile = begin; tile < end; tile += kDecodeKeys) {
     const int n = static_cast<int>(min(int64_t{kDecodeKeys}, end - tile));
     __syncthreads();  // The previous tile is consumed.
-    if (threadIdx.x < n) {
+    if (static_cast<int>(threadIdx.x) < n) {
       const int64_t token = tile + threadIdx.x;
       const int64_t page = token / item.pages.page_tokens;
       key_rows[threadIdx.x] = static_cast<const T*>(item.pages.key_pages[page]) +
@@ -224,8 +225,8 @@ cudaError_t Run(const DecodeBatch& batch, cudaStream_t stream) {
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
   if (error != cudaSuccess) return error;
-  kernel<<<static_cast<unsigned>(batch.units_count), kThreads, kShared, stream>>>(batch);
-  return cudaGetLastError();
+  return LaunchKernel(kernel, static_cast<unsigned>(batch.units_count), kThreads, kShared, stream,
+                      batch);
 }
 
 template <class T>
@@ -264,8 +265,7 @@ cudaError_t LaunchDecode(const DecodeBatch& batch, cudaStream_t stream) {
   }
   if (error != cudaSuccess) return error;
   const dim3 grid(static_cast<unsigned>(batch.max_rows), static_cast<unsigned>(batch.items_count));
-  MergeKernel<<<grid, kMergeThreads, 0, stream>>>(batch);
-  return cudaGetLastError();
+  return LaunchKernel(MergeKernel, grid, kMergeThreads, 0, stream, batch);
 }
 
 }  // namespace attn::cuda

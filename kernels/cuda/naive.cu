@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/portable.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/dtype.h"
 #include "kernels/online_softmax.h"
@@ -72,21 +73,19 @@ cudaError_t LaunchSoftmax(float* scores, float* weights, float* lse, int64_t row
                           const Geometry& geometry, const ScoreTransforms& transforms,
                           cudaStream_t stream) {
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
-  SoftmaxKernel<<<static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream>>>(
-      scores, weights, lse, heads, geometry, transforms);
-  return cudaGetLastError();
+  return LaunchKernel(SoftmaxKernel, static_cast<unsigned>(rows), kSoftmaxThreads, 0, stream,
+                      scores, weights, lse, heads, geometry, transforms);
 }
 
 cudaError_t LaunchToFloat(const void* input, DType dtype, int64_t pitch, int64_t rows, int64_t cols,
                           float* output, cudaStream_t stream) {
-  ToFloatKernel<<<GridFor(rows * cols), 256, 0, stream>>>(input, dtype, pitch, rows, cols, output);
-  return cudaGetLastError();
+  return LaunchKernel(ToFloatKernel, GridFor(rows * cols), 256, 0, stream, input, dtype, pitch,
+                      rows, cols, output);
 }
 
 cudaError_t LaunchStore(const float* input, int64_t count, DType dtype, void* output,
                         cudaStream_t stream) {
-  StoreKernel<<<GridFor(count), 256, 0, stream>>>(input, count, dtype, output);
-  return cudaGetLastError();
+  return LaunchKernel(StoreKernel, GridFor(count), 256, 0, stream, input, count, dtype, output);
 }
 
 }  // namespace attn::cuda

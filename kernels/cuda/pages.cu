@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/portable.h"
 #include "kernels/dtype.h"
 
 namespace attn::cuda {
@@ -64,9 +65,8 @@ unsigned GridFor(int64_t count) {
 cudaError_t LaunchGather(const PagedKv& pages, const void* const* table, int64_t kv_heads,
                          int64_t key_len, int64_t width, void* out, DType out_dtype, int64_t pitch,
                          cudaStream_t stream) {
-  GatherKernel<<<GridFor(kv_heads * key_len * pitch), kThreads, 0, stream>>>(
-      pages, table, kv_heads, key_len, width, out, out_dtype, pitch);
-  return cudaGetLastError();
+  return LaunchKernel(GatherKernel, GridFor(kv_heads * key_len * pitch), kThreads, 0, stream, pages,
+                      table, kv_heads, key_len, width, out, out_dtype, pitch);
 }
 
 cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64_t width,
@@ -74,15 +74,16 @@ cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64
                           cudaStream_t stream) {
   const unsigned grid = GridFor(kv_heads * n * width);
   if (element_size == 4) {
-    ScatterKernel<uint32_t><<<grid, kThreads, 0, stream>>>(
-        static_cast<const uint32_t*>(tokens), kv_heads, n, width, table, page_tokens, first);
-  } else if (element_size == 2) {
-    ScatterKernel<uint16_t><<<grid, kThreads, 0, stream>>>(
-        static_cast<const uint16_t*>(tokens), kv_heads, n, width, table, page_tokens, first);
-  } else {
-    return cudaErrorInvalidValue;
+    return LaunchKernel(ScatterKernel<uint32_t>, grid, kThreads, 0, stream,
+                        static_cast<const uint32_t*>(tokens), kv_heads, n, width, table,
+                        page_tokens, first);
   }
-  return cudaGetLastError();
+  if (element_size == 2) {
+    return LaunchKernel(ScatterKernel<uint16_t>, grid, kThreads, 0, stream,
+                        static_cast<const uint16_t*>(tokens), kv_heads, n, width, table,
+                        page_tokens, first);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace attn::cuda

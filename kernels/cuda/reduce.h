@@ -13,6 +13,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/portable.h"
+
 namespace attn::cuda {
 
 template <int kLanes>
@@ -44,7 +46,7 @@ struct BlockReduce {
 
   template <class Op>
   __device__ __forceinline__ static float Combine(float value, Op op) {
-    __shared__ float partial[kThreads / 32];
+    ATTN_SHARED_ARRAY(float, partial, kThreads / 32);
     value = WarpReduce::Combine(value, op);
     __syncthreads();  // `partial` may still be read by a previous reduction.
     if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = value;

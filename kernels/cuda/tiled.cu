@@ -37,6 +37,7 @@
 
 #include "kernels/cuda/device_rows.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/portable.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/online_softmax.h"
 
@@ -92,30 +93,7 @@ __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
   return work;
 }
 
-// --- Asynchronous copies ----------------------------------------------------------------------
-__device__ __forceinline__ uint32_t SharedAddress(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-// Copies `bytes` (4, 8 or 16) from global to shared memory, or writes zeros when !valid.
-template <int kBytes>
-__device__ __forceinline__ void CopyAsync(void* shared, const void* global, bool valid) {
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(shared)),
-                 "l"(global), "r"(valid ? 16 : 0));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(SharedAddress(shared)),
-                 "l"(global), "n"(kBytes), "r"(valid ? kBytes : 0));
-  }
-}
-
-__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int kPending>
-__device__ __forceinline__ void WaitCopies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
+// --- Asynchronous copies (CopyAsync, CommitCopies, WaitCopies: portable.h) ----------------
 // Loads rows [first, first + kRows) of a [len, kDim] matrix into shared rows of kPitch
 // elements, kBytes per copy; rows at or past `len` become zeros.
 template <class T, int kDim, int kPitch, int kRows, int kBytes>
@@ -156,30 +134,7 @@ __device__ __forceinline__ void Pipeline(KeyRange tiles, Load&& load, Compute&& 
   WaitCopies<0>();
 }
 
-// --- Tensor cores -----------------------------------------------------------------------------
-template <class T>
-__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
-
-template <>
-__device__ __forceinline__ void Mma<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                            const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <>
-__device__ __forceinline__ void Mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                   const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
+// --- Tensor cores (Mma: portable.h) ---------------------------------------------------------
 // Two floats as a packed pair of T (the first in the low half), rounded to nearest.
 template <class T>
 __device__ __forceinline__ uint32_t Pack(float low, float high);
@@ -219,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
   constexpr int kPitch = kDim + kSmemPad;
   constexpr int kKeyBlocks = kKeys / 8;  // n-blocks of the score tile
   constexpr int kDimBlocks = kDim / 8;   // n-blocks of the output
-  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  ATTN_DYNAMIC_SHARED(unsigned char, shared_bytes);
   T* q_tile = reinterpret_cast<T*>(shared_bytes);  // [kMmaRows][kPitch]
   T* k_tiles = q_tile + kMmaRows * kPitch;         // [2][kKeys][kPitch]
   T* v_tiles = k_tiles + 2 * kKeys * kPitch;       // [2][kKeys][kPitch]
@@ -351,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
   using Softmax = OnlineSoftmax<WarpReduce>;  // A row's scores are spread over the warp.
   constexpr int kColumns = kDim / 32;         // Output columns per lane: lane + 32·c.
   constexpr int kKeyPitch = kDim + 1;  // Lane j reads key row j: odd pitch, no bank conflicts.
-  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  ATTN_DYNAMIC_SHARED(unsigned char, shared_bytes);
   float* q_tile = reinterpret_cast<float*>(shared_bytes);  // [kFp32Rows][kDim]
   float* k_tiles = q_tile + kFp32Rows * kDim;              // [2][kKeys][kKeyPitch]
   float* v_tiles = k_tiles + 2 * kKeys * kKeyPitch;        // [2][kKeys][kDim]
@@ -580,9 +535,8 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
   if (plan.kernel == TiledKernel::kRows) {
     const int64_t blocks = (s.batch * s.heads * s.query_len + kRowWarps - 1) / kRowWarps;
     if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-    RowKernel<<<static_cast<unsigned>(blocks), kRowWarps * 32, 0, stream>>>(
-        RowParams{problem, out, lse, plan.block_k});
-    return cudaGetLastError();
+    return LaunchKernel(RowKernel, static_cast<unsigned>(blocks), kRowWarps * 32, 0, stream,
+                        RowParams{problem, out, lse, plan.block_k});
   }
   const int rows = plan.kernel == TiledKernel::kFp32 ? kFp32Rows : kMmaRows;
   Params params{problem.query,
@@ -607,8 +561,8 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
       cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                plan.shared_bytes);
       if (error != cudaSuccess) return error;
-      kernel<<<static_cast<unsigned>(blocks), kThreads, plan.shared_bytes, stream>>>(params);
-      return cudaGetLastError();
+      return LaunchKernel(kernel, static_cast<unsigned>(blocks), kThreads, plan.shared_bytes,
+                          stream, params);
     };
     switch (problem.dtype) {
       case DType::kFloat32:

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/device_rows.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/portable.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/dtype.h"
 #include "kernels/online_softmax.h"
@@ -104,6 +105,10 @@ __global__ void TraceKernel(const TraceParams params) {
     full[j] = ScoreOrHidden(transform, visible, distance, j,
                             p.scale * Dot(p, query_offset, kv_offset + j * p.pitch));
   }
+  // SoftmaxRow's lanes take the visible scores from visible.begin on, not each its own: every
+  // lane's scores must be visible to every lane (the SIMT emulator's first catch: without this
+  // a lane read scores its neighbours had not written yet).
+  __syncwarp();
   SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);
   __syncwarp();  // Every lane's weights are visible to every lane.
 #pragma unroll
@@ -123,8 +128,8 @@ __global__ void TraceKernel(const TraceParams params) {
 cudaError_t LaunchTrace(const DeviceProblem& problem, const TraceRecords& records,
                         cudaStream_t stream) {
   if (records.rows <= 0) return cudaSuccess;
-  TraceKernel<<<records.rows, 32, 0, stream>>>(TraceParams{problem, records});
-  return cudaGetLastError();
+  return LaunchKernel(TraceKernel, static_cast<unsigned>(records.rows), 32, 0, stream,
+                      TraceParams{problem, records});
 }
 
 }  // namespace attn::cuda
