@@ -29,7 +29,10 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 #if defined(ATTN_SIMT)
   return ::simt::Launch(kernel, grid, block, shared_bytes, stream, std::forward<Args>(args)...);
 #else
-  kernel<<<grid, block, shared_bytes, stream> > >(std::forward<Args>(args)...);
+  // A .h file is C++ to clang-format, which would split the launch's >>>.
+  // clang-format off
+  kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
+  // clang-format on
   return cudaGetLastError();
 #endif
 }

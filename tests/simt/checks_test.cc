@@ -375,7 +375,9 @@ TEST_F(ChecksTest, WaitGroupCountsCommittedGroupsFromTheNewest) {
     EXPECT_EQ(out[i], 0.5f + static_cast<float>(4 * i)) << i;  // The older group landed.
     EXPECT_TRUE(std::isnan(out[kThreads + i])) << i;           // The newer one had not.
   }
-  if (simt::SharedAccessesChecked()) EXPECT_TRUE(Mentions(reports, "initcheck:"));
+  if (simt::SharedAccessesChecked()) {
+    EXPECT_TRUE(Mentions(reports, "initcheck:"));
+  }
 }
 
 // --- Launch configuration -------------------------------------------------------------------

@@ -53,8 +53,9 @@ uint16_t FloatToHalf(float value) { return std::bit_cast<uint16_t>(static_cast<_
 float BfloatToFloat(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
 uint16_t FloatToBfloat(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-    return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN.
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN: keep it one, quiet, whatever its payload.
+    return static_cast<uint16_t>((bits >> 16) | 0x40);
+  }
   // Round to nearest, ties to even: add just under half an ulp, plus one when the kept part is odd.
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }

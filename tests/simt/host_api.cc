@@ -37,21 +37,14 @@ struct CUmemPoolHandle_st {
 namespace simt {
 namespace {
 
-// Runtime errors CUDA has that types.h's list lacks, with CUDA's values; cudaGetErrorName knows
-// them.
-constexpr cudaError_t kErrorInvalidPitchValue = static_cast<cudaError_t>(12);
-constexpr cudaError_t kErrorInvalidMemcpyDirection = static_cast<cudaError_t>(21);
-constexpr cudaError_t kErrorHostMemoryAlreadyRegistered = static_cast<cudaError_t>(712);
-constexpr cudaError_t kErrorHostMemoryNotRegistered = static_cast<cudaError_t>(713);
-
 constexpr size_t kDefaultDeviceMemory = size_t{4} << 30;
 constexpr int kDefaultSharedMemoryOptin = 166912;  // The A100's 163 KiB.
 constexpr std::align_val_t kDeviceAlignment{256};  // cudaMalloc's guarantee.
 constexpr unsigned char kFreshDeviceByte = 0xFF;   // NaN as fp32, fp16 and bf16.
 
-// Errors after which a real context is unusable. The same list as kernels/cuda/cuda_status.h's
-// IsStickyError, which the emulator cannot include (it depends on absl); both follow CUDA's
-// documentation of which errors corrupt the context.
+// Errors after which a real context is unusable, as CUDA documents them. The backend has its own
+// list (IsStickyError, kernels/cuda/cuda_status.h) of what it expects; the emulator models the
+// runtime, so it keeps the runtime's list rather than taking the backend's word for it.
 bool IsSticky(cudaError_t error) {
   switch (error) {
     case cudaErrorIllegalAddress:
@@ -210,9 +203,9 @@ cudaError_t Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitc
   if (!ValidStream(state, stream)) return Result(cudaErrorInvalidResourceHandle);
   bool dst_device, src_device;
   if (!DeviceSides(state, kind, dst, src, &dst_device, &src_device)) {
-    return Result(kErrorInvalidMemcpyDirection);
+    return Result(cudaErrorInvalidMemcpyDirection);
   }
-  if (width > dst_pitch || width > src_pitch) return Result(kErrorInvalidPitchValue);
+  if (width > dst_pitch || width > src_pitch) return Result(cudaErrorInvalidPitchValue);
   if (width == 0 || height == 0) return cudaSuccess;
   const size_t dst_extent = (height - 1) * dst_pitch + width;
   const size_t src_extent = (height - 1) * src_pitch + width;
@@ -472,7 +465,7 @@ cudaError_t cudaHostRegister(void* pointer, size_t bytes, unsigned int flags) {
   }
   if (simt::Overlaps(state.registered, pointer, bytes) ||
       simt::Overlaps(state.pinned, pointer, bytes)) {
-    return Result(simt::kErrorHostMemoryAlreadyRegistered);
+    return Result(cudaErrorHostMemoryAlreadyRegistered);
   }
   state.registered.emplace(simt::Address(pointer), bytes);
   return cudaSuccess;
@@ -483,7 +476,7 @@ cudaError_t cudaHostUnregister(void* pointer) {
   std::lock_guard<std::mutex> lock(state.mutex);
   auto it = state.registered.find(simt::Address(pointer));
   if (it == state.registered.end()) {
-    return state.sticky != cudaSuccess ? state.sticky : Result(simt::kErrorHostMemoryNotRegistered);
+    return state.sticky != cudaSuccess ? state.sticky : Result(cudaErrorHostMemoryNotRegistered);
   }
   state.registered.erase(it);
   return state.sticky;
@@ -860,8 +853,8 @@ constexpr ErrorText kErrorTexts[] = {
     {cudaErrorInitializationError, "cudaErrorInitializationError", "initialization error"},
     {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration",
      "invalid configuration argument"},
-    {simt::kErrorInvalidPitchValue, "cudaErrorInvalidPitchValue", "invalid pitch argument"},
-    {simt::kErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
+    {cudaErrorInvalidPitchValue, "cudaErrorInvalidPitchValue", "invalid pitch argument"},
+    {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
      "invalid copy direction for memcpy"},
     {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
     {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
@@ -874,9 +867,9 @@ constexpr ErrorText kErrorTexts[] = {
      "too many resources requested for launch"},
     {cudaErrorLaunchTimeout, "cudaErrorLaunchTimeout", "the launch timed out and was terminated"},
     {cudaErrorAssert, "cudaErrorAssert", "device-side assert triggered"},
-    {simt::kErrorHostMemoryAlreadyRegistered, "cudaErrorHostMemoryAlreadyRegistered",
+    {cudaErrorHostMemoryAlreadyRegistered, "cudaErrorHostMemoryAlreadyRegistered",
      "part or all of the requested memory range is already mapped"},
-    {simt::kErrorHostMemoryNotRegistered, "cudaErrorHostMemoryNotRegistered",
+    {cudaErrorHostMemoryNotRegistered, "cudaErrorHostMemoryNotRegistered",
      "pointer does not correspond to a registered memory region"},
     {cudaErrorHardwareStackError, "cudaErrorHardwareStackError", "hardware stack error"},
     {cudaErrorIllegalInstruction, "cudaErrorIllegalInstruction",

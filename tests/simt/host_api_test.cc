@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -260,7 +261,8 @@ TEST_F(HostApiTest, StickyErrorsPersistUntilResetDevice) {
   EXPECT_EQ(simt::AllocatedBytes(), 0u);
   EXPECT_EQ(cudaEventDestroy(event), cudaErrorIllegalAddress);
 
-  simt::AddResetHook(&CountResetHook);
+  static const bool hook_added = (simt::AddResetHook(&CountResetHook), true);  // Once per process.
+  ASSERT_TRUE(hook_added);
   const int calls = reset_hook_calls;
   simt::ResetDevice();
   EXPECT_EQ(reset_hook_calls, calls + 1);

@@ -30,6 +30,8 @@ enum cudaError_t {
   cudaErrorMemoryAllocation = 2,
   cudaErrorInitializationError = 3,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidPitchValue = 12,
+  cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
@@ -44,6 +46,8 @@ enum cudaError_t {
   cudaErrorLaunchFailure = 719,
   cudaErrorECCUncorrectable = 214,
   cudaErrorAssert = 710,
+  cudaErrorHostMemoryAlreadyRegistered = 712,
+  cudaErrorHostMemoryNotRegistered = 713,
   cudaErrorNoDevice = 100,
   cudaErrorUnknown = 999,
 };

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# attnd over the emulated CUDA backend (tests/simt): `attnd_simt --device cuda` serves the seed
+# example through gRPC as the CPU does — Tiled (the fused fp32 kernel at the default block_k, the
+# row kernel at block_k 3), Naive (cuBLAS and the softmax kernel), Trace — and a bf16 KV-cache
+# decode (the split-KV kernels over pages), every answer from the CUDA kernels, then drains on
+# SIGTERM. Usage: smoke_test.sh ATTND_SIMT ATTN
+set -euo pipefail
+source "$(dirname "$0")/../attnd_lib.sh"
+attnd=$1
+attn=$2
+log=$(mktemp)
+server=""
+trap 'kill $server 2>/dev/null || true; rm -f "$log"' EXIT
+
+"$attnd" --device cuda --listen 127.0.0.1:0 --http-listen= >"$log" 2>&1 &
+server=$!
+port=$(attnd_wait_port "$server" "$log")
+target=(--target "127.0.0.1:$port")
+seed_row='out\[0\] = \[-0\.593223, 0\.406777, -1\.332858, -0\.371937\]'
+
+check startup 0 'device: SIMT emulator \(CPU\) \(cuda:0, .*\[cuda\]' -- cat "$log"
+check info 0 'backend +cuda' -- "$attn" "${target[@]}" info
+check tiled-fused 0 "Tiled on cuda .*$seed_row" -- \
+  bash -c 'out=$("$@") && tr "\n" " " <<<"$out"' _ "$attn" "${target[@]}" tiled --example seed
+check tiled-rows 0 "$seed_row" -- "$attn" "${target[@]}" tiled --example seed --block-k 3
+check naive 0 "Naive on cuda .*$seed_row" -- \
+  bash -c 'out=$("$@") && tr "\n" " " <<<"$out"' _ "$attn" "${target[@]}" naive --example seed
+check trace 0 'max \|online − full\| = [0-9.e-]+, lse = 3\.1894' -- \
+  "$attn" "${target[@]}" trace --example seed --block-k 2
+out=$("$attn" "${target[@]}" decode --dtype bf16 --heads 4 --kv-heads 1 --head-dim 32 \
+  --tokens 300 --steps 3 --seed 5 2>&1) || true
+error=$(sed -n 's/^max |decode - float64 reference| \/ max |reference| = \([0-9.e+-]*\) over 3 steps$/\1/p' \
+  <<<"$out")
+check decode 0 '^ok$' -- \
+  awk -v e="${error:-nan}" 'BEGIN { if (e != "nan" && e + 0 <= 1e-2) print "ok"; else print "error " e }'
+[ -n "$error" ] || echo "$out"
+
+kill -TERM "$server"
+rc=0
+wait "$server" || rc=$?
+server=""
+check drain 0 'drained, exiting' -- bash -c 'cat "$1"; exit "$2"' _ "$log" "$rc"
+
+echo "simt smoke: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
