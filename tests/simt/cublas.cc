@@ -1,9 +1,10 @@
 // The SIMT emulator's cuBLAS (include/cublas_v2.h): handles, and GEMM as a plain fp32 loop over
 // the emulator's device memory.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -45,20 +46,12 @@ bool SupportedInput(cudaDataType type) {
   return type == CUDA_R_32F || type == CUDA_R_16F || type == CUDA_R_16BF;
 }
 
-// gcc's _Float16 is IEEE binary16 with round-to-nearest-even conversions: exactly __half's.
-float HalfToFloat(uint16_t bits) { return static_cast<float>(std::bit_cast<_Float16>(bits)); }
-uint16_t FloatToHalf(float value) { return std::bit_cast<uint16_t>(static_cast<_Float16>(value)); }
-
-// bfloat16 is fp32's upper half.
-float BfloatToFloat(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
-uint16_t FloatToBfloat(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN: keep it one, quiet, whatever its payload.
-    return static_cast<uint16_t>((bits >> 16) | 0x40);
-  }
-  // Round to nearest, ties to even: add just under half an ulp, plus one when the kept part is odd.
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+// The 16-bit formats' conversions are the emulated headers' (cuda_fp16.h, cuda_bf16.h: the
+// project's one rounding rule, kernels/dtype.h).
+float HalfToFloat(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+uint16_t FloatToHalf(float value) { return __half_as_ushort(__float2half_rn(value)); }
+float BfloatToFloat(uint16_t bits) { return __bfloat162float(__ushort_as_bfloat16(bits)); }
+uint16_t FloatToBfloat(float value) { return __bfloat16_as_ushort(__float2bfloat16_rn(value)); }
 
 // out[i] = element first + i·step of `base`, as float, for i < count.
 void Gather(const void* base, cudaDataType type, int64_t first, int64_t step, int64_t count,

@@ -57,7 +57,10 @@ struct ThreadHeader {
 };
 
 namespace detail {
-extern thread_local const ThreadHeader* current_thread;  // Null outside a kernel.
+// The running fiber's thread, null outside a kernel. A plain global, since kernels run one at a
+// time under the device's lock: as an extern thread_local, the asan build (GCC 12, ASan + UBSan)
+// reported every threadIdx in a fiber as a load through a null pointer (cause not pinned down).
+extern const ThreadHeader* current_thread;
 }  // namespace detail
 
 // --- Barriers and warp collectives (device.cc) ------------------------------------------------

@@ -26,6 +26,11 @@ MUTATIONS = [
      "kernels/cuda/tiled.cu",
      "    __syncthreads();\n    compute(buffer, tile);",
      "    compute(buffer, tile);"),
+    ("no __syncthreads before a buffer is refilled (the next tile's copies overwrite it while "
+     "other warps still read it)",
+     "kernels/cuda/tiled.cu",
+     "    compute(buffer, tile);\n    __syncthreads();  // Every warp is done with this buffer before it is refilled.\n",
+     "    compute(buffer, tile);\n"),
     ("cp.async.wait_group with the wrong count (2 for 1)",
      "kernels/cuda/tiled.cu",
      "      WaitCopies<1>();",
