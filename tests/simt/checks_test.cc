@@ -83,6 +83,21 @@ __global__ void HalfWarpShuffleKernel(float* out, bool whole_warp) {
   out[i] = x;
 }
 
+// The two halves of each warp at two different full-mask shuffles (undefined), or at two different
+// __syncwarp calls (allowed since sm_70).
+__global__ void TwoSitesKernel(float* out, bool shuffle) {
+  const int i = static_cast<int>(threadIdx.x);
+  float x = static_cast<float>(i);
+  if (i % 32 < 16) {
+    if (shuffle) x = __shfl_sync(0xffffffffu, x, 0);
+    if (!shuffle) __syncwarp();
+  } else {
+    if (shuffle) x = __shfl_sync(0xffffffffu, x, 0);
+    if (!shuffle) __syncwarp();
+  }
+  out[i] = x;
+}
+
 // A warp whose lanes wait in a full-mask shuffle while its lane 0 waits at the block barrier: no
 // thread can go on.
 __global__ void DeadlockKernel(float* out) {
@@ -278,6 +293,16 @@ TEST_F(ChecksTest, SynccheckCatchesAShuffleNotEveryLaneOfItsMaskReaches) {
               }).empty());
   const std::vector<float> out = Out(kThreads);
   for (int i = 0; i < kThreads; ++i) EXPECT_EQ(out[i], static_cast<float>(i / 32 * 32));
+}
+
+TEST_F(ChecksTest, SynccheckCatchesAShuffleSplitOverTwoCallSites) {
+  const auto broken =
+      ReportsOf([&] { return LaunchKernel(TwoSitesKernel, 1, kThreads, 0, nullptr, out_, true); });
+  EXPECT_TRUE(Mentions(broken, "synccheck: divergent warp collective"))
+      << (broken.empty() ? "" : broken[0]);
+  EXPECT_TRUE(ReportsOf([&] {
+                return LaunchKernel(TwoSitesKernel, 1, kThreads, 0, nullptr, out_, false);
+              }).empty());
 }
 
 TEST_F(ChecksTest, SynccheckCatchesADeadlockAndAbandonsTheBlock) {

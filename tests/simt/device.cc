@@ -261,7 +261,10 @@ bool Arrive(Collective op, unsigned mask, const Site& site, Deposit&& deposit,
     w.op = op;
     w.mask = mask;
     w.site = site;
-  } else if (w.op != op || w.mask != mask || !SameSite(w.site, site)) {
+  } else if (w.op != op || w.mask != mask ||
+             // Lanes may meet at different __syncwarp calls (sm_70 on); every other collective
+             // is one instruction that all of its lanes execute.
+             (op != Collective::kSyncWarp && !SameSite(w.site, site))) {
     Report(absl::StrCat("synccheck: divergent warp collective: ", Who(t), " calls ",
                         CollectiveName(op), " at ", Where(site), " (mask 0x", absl::Hex(mask),
                         ") while lanes ", Lanes(w.arrived), " wait in ", CollectiveName(w.op),

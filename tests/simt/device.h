@@ -7,9 +7,9 @@
 //   __syncthreads            every thread of the block that has not exited; all of them at the
 //                            same call site (else a synccheck report)
 //   __syncwarp, __shfl_*_sync, __ballot_sync, __any_sync, __all_sync, simt::MmaSync
-//                            every lane the mask names, at the same call site with the same mask
-//                            (else a synccheck report: a lane that exited, waits elsewhere, or
-//                            reads a lane outside the mask)
+//                            every lane the mask names, with the same mask, at the same call
+//                            site (__syncwarp: any __syncwarp) — else a synccheck report, as for a
+//                            lane that exited, waits elsewhere, or is read outside the mask
 // A block in which no thread can go on (a barrier some thread never reaches) is a deadlock: the
 // block is abandoned with a synccheck report. Shared memory (declared through portable.h's
 // ATTN_SHARED_ARRAY and ATTN_DYNAMIC_SHARED) is a heap allocation per block, so ASan sees its
