@@ -127,6 +127,12 @@ __global__ void GlobalOverflowKernel(const float* in, float* out, int past) {
   out[i] = in[i + (i == kThreads - 1 ? past : 0)];
 }
 
+// Reads in[i]: given device memory, or (broken) a host array the launch forgot to copy over.
+__global__ void ReadKernel(const float* in, float* out) {
+  const int i = static_cast<int>(threadIdx.x);
+  out[i] = in[i];
+}
+
 // Thread i copies in[i * 4 .. i * 4 + 3] into shared memory with cp.async and reads it back,
 // after waiting for its group or (broken) before.
 __global__ void CopyKernel(const float* in, float* out, bool wait) {
@@ -364,6 +370,21 @@ TEST_F(ChecksTest, GlobalMemoryBoundsAreAsansToCheck) {
   GTEST_SKIP() << "global memory's bounds are ASan's (device memory is host memory from "
                   "aligned_alloc): this check runs in the asan stage";
 #endif
+}
+
+// compute-sanitizer's "invalid __global__ read": to ASan a host pointer is valid memory, so only
+// the instrumented build, which knows every device allocation, can tell.
+TEST_F(ChecksTest, MemcheckCatchesAHostPointerHandedToAKernel) {
+  SKIP_WITHOUT_RACECHECK();
+  EXPECT_TRUE(ReportsOf([&] {
+                return LaunchKernel(ReadKernel, 1, kThreads, 0, nullptr,
+                                    static_cast<const float*>(in_), out_);
+              }).empty());
+  const std::vector<float> host(kThreads, 1.f);
+  const auto broken = ReportsOf(
+      [&] { return LaunchKernel(ReadKernel, 1, kThreads, 0, nullptr, host.data(), out_); });
+  EXPECT_TRUE(Mentions(broken, "memcheck:")) << (broken.empty() ? "" : broken[0]);
+  EXPECT_TRUE(Mentions(broken, "neither device memory")) << (broken.empty() ? "" : broken[0]);
 }
 
 // --- Asynchronous copies --------------------------------------------------------------------

@@ -127,6 +127,12 @@ struct Block {
   bool failed = false;
   bool reported_exits = false;
   const KernelBody* body = nullptr;
+  // What device code may touch beyond shared memory and its thread's stack (checked builds):
+  // device-accessible memory (a snapshot: nothing is allocated or freed during a launch), and
+  // the launch's arguments; the last range hit first.
+  std::vector<std::pair<uintptr_t, uintptr_t>> accessible;
+  std::pair<uintptr_t, uintptr_t> last_hit{0, 0};
+  bool reported_host_access = false;
 };
 
 // The device: one launch at a time.
@@ -736,6 +742,12 @@ cudaError_t LaunchBody(const KernelBody& body, dim3 grid, dim3 block, size_t sha
   }
   Block b;
   b.body = &body;
+  if (SharedAccessesChecked()) {
+    b.accessible = DeviceAccessibleRanges();
+    const auto arguments = reinterpret_cast<uintptr_t>(body.body);
+    b.accessible.push_back({arguments, arguments + body.body_bytes});
+    std::sort(b.accessible.begin(), b.accessible.end());
+  }
   b.threads.resize(static_cast<size_t>(threads));
   b.warps.resize(static_cast<size_t>((threads + kWarpSize - 1) / kWarpSize));
   b.dynamic.name = "dynamic shared memory";
@@ -790,12 +802,34 @@ bool SharedAccessesChecked() {
 #endif
 }
 
-void CheckSharedAccess(const void* address, size_t bytes, bool write, const void* pc) {
+void CheckAccessHook(const void* address, size_t bytes, bool write, const void* pc) {
   Block* b = current_block;
   if (b == nullptr || current == nullptr) return;
   const auto a = reinterpret_cast<uintptr_t>(address);
-  if (a >= b->shared_hi || a + bytes <= b->shared_lo) return;
-  CheckAccess(*b, *current, a, bytes, write, /*lands=*/write, write ? "writes" : "reads", pc);
+  if (a < b->shared_hi && a + bytes > b->shared_lo) {
+    CheckAccess(*b, *current, a, bytes, write, /*lands=*/write, write ? "writes" : "reads", pc);
+    return;
+  }
+  // Global memory: the thread's stack (local memory), the emulator's view of the thread
+  // (threadIdx and the rest), or device-accessible memory; anything else is host memory.
+  if (a >= b->last_hit.first && a + bytes <= b->last_hit.second) return;
+  if (current->fiber->OnStack(address)) return;
+  if (address == &detail::current_thread) return;
+  const auto threads = reinterpret_cast<uintptr_t>(b->threads.data());
+  if (a >= threads && a + bytes <= threads + b->threads.size() * sizeof(Thread)) return;
+  auto it = std::upper_bound(b->accessible.begin(), b->accessible.end(),
+                             std::pair<uintptr_t, uintptr_t>{a, UINTPTR_MAX});
+  if (it != b->accessible.begin() && a + bytes <= std::prev(it)->second) {
+    b->last_hit = *std::prev(it);
+    return;
+  }
+  if (!b->reported_host_access) {
+    b->reported_host_access = true;
+    Report(absl::StrFormat(
+        "memcheck: %s %s %zu bytes at %p, which is neither device memory nor the kernel's "
+        "own (a host pointer handed to a kernel, or past the end of an allocation) (pc %p)",
+        Who(*current), write ? "writes" : "reads", bytes, address, pc));
+  }
 }
 
 }  // namespace simt

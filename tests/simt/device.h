@@ -103,7 +103,8 @@ void* StaticShared(const void* tag, const char* name, size_t bytes, size_t align
 // A kernel's body for every thread: calls the kernel with the launch's arguments.
 struct KernelBody {
   void (*run)(const void* body);
-  const void* body;
+  const void* body;  // The launch's arguments, which its threads read: the kernel's own memory.
+  size_t body_bytes;
   const void* kernel;  // Identifies the kernel (its attributes).
 };
 
@@ -124,7 +125,7 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shar
                           const Bound& self = *static_cast<const Bound*>(b);
                           std::apply(self.kernel, self.arguments);
                         },
-                        &bound, reinterpret_cast<const void*>(kernel)};
+                        &bound, sizeof bound, reinterpret_cast<const void*>(kernel)};
   return LaunchBody(body, grid, block, shared_bytes, stream);
 }
 
@@ -132,12 +133,14 @@ cudaError_t Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shar
 // What the checks found since the last call (each also printed to stderr when found), oldest
 // first: "racecheck: …", "synccheck: …", "initcheck: …", "launch: …".
 std::vector<std::string> TakeReports();
-// Whether this build checks shared-memory accesses (kernels compiled with -fsanitize=thread:
-// racecheck.cc); not in the ASan build, which checks their bounds instead.
+// Whether this build sees every access of device code (kernels compiled with -fsanitize=thread:
+// racecheck.cc): shared memory's races and unwritten reads, and global accesses that are not to
+// device memory (a host pointer handed to a kernel, which ASan cannot tell from a device one).
+// Not in the ASan build, which checks bounds instead.
 bool SharedAccessesChecked();
 
 // Called by racecheck.cc's hooks for each instrumented access.
-void CheckSharedAccess(const void* address, size_t bytes, bool write, const void* pc);
+void CheckAccessHook(const void* address, size_t bytes, bool write, const void* pc);
 
 }  // namespace simt
 

@@ -24,6 +24,10 @@ class Fiber {
   // Runs the fiber until it suspends or finishes.
   void Resume();
   bool finished() const { return finished_; }
+  // Whether `address` is on this fiber's stack (its thread's local memory).
+  bool OnStack(const void* address) const {
+    return address >= stack_ && address < stack_ + stack_bytes_;
+  }
 
   // From inside the running fiber: back to the scheduler until the next Resume.
   static void Suspend();

@@ -392,6 +392,18 @@ bool IsDeviceRange(const void* pointer, size_t bytes) {
   return pointer != nullptr && Containing(state.device, pointer, bytes) != state.device.end();
 }
 
+std::vector<std::pair<uintptr_t, uintptr_t>> DeviceAccessibleRanges() {
+  State& state = GetState();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const auto& [begin, allocation] : state.device)
+    ranges.push_back({begin, begin + allocation.bytes});
+  for (const auto& [begin, bytes] : state.pinned) ranges.push_back({begin, begin + bytes});
+  for (const auto& [begin, bytes] : state.registered) ranges.push_back({begin, begin + bytes});
+  std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
 bool IsValidStream(cudaStream_t stream) {
   State& state = GetState();
   std::lock_guard<std::mutex> lock(state.mutex);

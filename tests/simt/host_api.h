@@ -24,6 +24,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "tests/simt/types.h"
 
@@ -265,6 +267,11 @@ size_t AllocatedBytes();
 // True when [pointer, pointer + bytes) lies inside one live device allocation. With bytes 0:
 // whether pointer is inside one or one past its end.
 bool IsDeviceRange(const void* pointer, size_t bytes);
+
+// Every range device code may read or write through a pointer, sorted: the device allocations,
+// and the pinned and registered host memory (mapped into the device's address space, as with
+// unified addressing).
+std::vector<std::pair<uintptr_t, uintptr_t>> DeviceAccessibleRanges();
 
 // True for the null stream and for streams created and not yet destroyed.
 bool IsValidStream(cudaStream_t stream);

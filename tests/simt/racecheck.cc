@@ -1,9 +1,9 @@
 // Racecheck's eyes: the emulated kernels (and only they) are compiled with GCC's
 // -fsanitize=thread instrumentation but linked without its runtime; these definitions take the
-// runtime's place. Every load and store the kernels make calls one of them, and a shared-memory
-// address goes on to simt::CheckSharedAccess (device.cc) for the race and initialization
-// checks; everything else returns at once. Atomics the instrumented code makes are done here,
-// plainly (fibers never run at once).
+// runtime's place. Every load and store the kernels make calls one of them and goes on to
+// simt::CheckAccessHook (device.cc): a shared-memory address to the race and initialization
+// checks, any other to the check that device code touches only device memory and its own.
+// Atomics the instrumented code makes are done here, plainly (fibers never run at once).
 //
 // Built only into the release stage's emulator: GCC refuses -fsanitize=thread beside
 // -fsanitize=address, so the ASan stage checks shared-memory bounds instead (device.h).
@@ -15,7 +15,7 @@
 namespace {
 
 __attribute__((always_inline)) inline void Access(const void* address, size_t bytes, bool write) {
-  simt::CheckSharedAccess(address, bytes, write, __builtin_return_address(0));
+  simt::CheckAccessHook(address, bytes, write, __builtin_return_address(0));
 }
 
 }  // namespace
