@@ -104,8 +104,11 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
   const std::optional<Dims> dims = ReadDims(request);
   const int64_t units = dims ? dims->batch * dims->kv_heads : 1;
   const int64_t parts = std::clamp<int64_t>(max_parts, 1, units);
-  const int slope_count = request.options().alibi_slopes_size();
-  if (!dims || parts == 1 || (slope_count != 0 && slope_count != dims->heads)) {
+  // Values per query head (ALiBi slopes, sinks): each part takes its heads'.
+  const v1::AttentionOptions& options = request.options();
+  const int slope_count = options.alibi_slopes_size(), sink_count = options.sinks_size();
+  const auto wrong_count = [&](int count) { return count != 0 && count != dims->heads; };
+  if (!dims || parts == 1 || wrong_count(slope_count) || wrong_count(sink_count)) {
     return {ShardPart{.first_unit = 0,
                       .units = units,
                       .key_begin = 0,
@@ -117,11 +120,11 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
   const int64_t query_per_unit = group * dims->query_len * dims->head_dim;
   const int64_t key_per_unit = dims->key_len * dims->head_dim;
   const int64_t value_per_unit = dims->key_len * dims->value_dim;
-  // ALiBi slopes belong to query heads, so a part that carries them holds kv heads of one batch
-  // entry, sent as [1, u·G, N, D] × [1, u, M, D] with their heads' slopes (the same elements).
-  // A ragged batch (batch 1) is sent so too, every part with the whole cu_seqlens.
-  const bool slopes = slope_count > 0;
-  const bool one_entry = slopes || !request.cu_seqlens_q().empty();
+  // ALiBi slopes and sinks belong to query heads, so a part that carries them holds kv heads of
+  // one batch entry, sent as [1, u·G, N, D] × [1, u, M, D] with their heads' values (the same
+  // elements). A ragged batch (batch 1) is sent so too, every part with the whole cu_seqlens.
+  const bool per_head = slope_count > 0 || sink_count > 0;
+  const bool one_entry = per_head || !request.cu_seqlens_q().empty();
   std::vector<ShardPart> out;
   out.reserve(parts);
   auto add = [&](int64_t first, int64_t count) {
@@ -142,17 +145,18 @@ std::vector<ShardPart> SplitRequest(const v1::AttentionRequest& request, int max
     if (request.has_options()) *part.request.mutable_options() = request.options();
     *part.request.mutable_cu_seqlens_q() = request.cu_seqlens_q();
     *part.request.mutable_cu_seqlens_k() = request.cu_seqlens_k();
-    if (slopes) {
-      const int64_t head = first % dims->kv_heads * group;  // The part's first query head.
-      const auto& all = request.options().alibi_slopes();
-      part.request.mutable_options()->mutable_alibi_slopes()->Assign(
-          all.begin() + head, all.begin() + head + count * group);
+    const int64_t head = first % dims->kv_heads * group;  // The part's first query head.
+    for (const auto& [all, own] :
+         {std::pair{&options.alibi_slopes(),
+                    part.request.mutable_options()->mutable_alibi_slopes()},
+          std::pair{&options.sinks(), part.request.mutable_options()->mutable_sinks()}}) {
+      if (!all->empty()) own->Assign(all->begin() + head, all->begin() + head + count * group);
     }
   };
   for (int64_t p = 0; p < parts; ++p) {
     int64_t first = units * p / parts;
     const int64_t end = units * (p + 1) / parts;
-    while (first < end) {  // With slopes, cut at each batch entry's end.
+    while (first < end) {  // With per-head values, cut at each batch entry's end.
       const int64_t stop =
           one_entry ? std::min(end, (first / dims->kv_heads + 1) * dims->kv_heads) : end;
       add(first, stop - first);
@@ -314,6 +318,8 @@ std::vector<ShardPart> SplitKeys(const v1::AttentionRequest& request, int max_pa
     slice_options.set_query_position(geometry.query_position + shift);
     slice_options.set_return_lse(true);
     slice_options.set_output_dtype(v1::DTYPE_FLOAT32);
+    // A row's sink counts once: the first slice carries the sinks, the others none.
+    if (out.size() > 1) slice_options.clear_sinks();
   }
   return out;
 }

@@ -18,12 +18,13 @@
 // sent with the whole query, key_position = the slice's first key's position (the request's
 // key_position + a) and the whole problem's query_position (the request's, or its bottom-right
 // default computed from the whole key_len), so each server's causal mask is its share of the
-// whole one (attention.proto, AttentionOptions positions). Each slice asks for return_lse and an
-// fp32 output; the finished states merge exactly (client/merge.h) and are then written in the
-// request's output dtype, with lse only when it asked. The answer equals one server's to within
-// fp32 rounding (a few ulps: the sum runs in another order), not bit for bit. Slices are
-// balanced by visible work: every slice holds about the same number of (query row, key) pairs
-// the causal mask lets through (without the mask: the same number of keys), and keys no query
+// whole one (attention.proto, AttentionOptions positions). Attention sinks go with the first
+// slice only (a row's sink is one more logit of the whole row, counted once). Each slice asks for
+// return_lse and an fp32 output; the finished states merge exactly (client/merge.h) and are then
+// written in the request's output dtype, with lse only when it asked. The answer equals one
+// server's to within fp32 rounding (a few ulps: the sum runs in another order), not bit for bit.
+// Slices are balanced by visible work: every slice holds about the same number of (query row, key)
+// pairs the causal mask lets through (without the mask: the same number of keys), and keys no query
 // row sees are not sent. A key slice of a rank-4 key [B, K, M, D] is B·K runs of rows, one per
 // (batch, kv head), again byte slices of the original data.
 //
@@ -58,11 +59,11 @@ struct ShardPart {
 };
 
 // Splits `request` into at most `max_parts` parts of whole (batch, kv head) units, as even as
-// possible (with ALiBi slopes, a part crossing from one batch entry to the next is cut in two
-// there, and each piece carries its query heads' slopes). A request that cannot be split — a single
-// unit, shapes that do not agree, data of the wrong length — comes back as one part holding it
-// unchanged (the server then answers it, or reports what is wrong with it). Each part holds all the
-// keys (key_end = key_len; 0 for a request whose shapes do not agree).
+// possible (with ALiBi slopes or sinks, a part crossing from one batch entry to the next is cut in
+// two there, and each piece carries its query heads' slopes and sinks). A request that cannot be
+// split — a single unit, shapes that do not agree, data of the wrong length — comes back as one
+// part holding it unchanged (the server then answers it, or reports what is wrong with it). Each
+// part holds all the keys (key_end = key_len; 0 for a request whose shapes do not agree).
 std::vector<ShardPart> SplitRequest(const attention::v1::AttentionRequest& request, int max_parts);
 
 // Adds a part's cost to `stats`, the merged response's (`first`: the first part's, copied

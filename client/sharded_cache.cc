@@ -364,6 +364,8 @@ absl::StatusOr<ShardedDecodeResult> ShardedCache::Decode(const v1::Tensor& query
       item.set_query_position(first_query + shift);
     }
     *ask.request.mutable_options() = part_options;
+    // A row's sink counts once: only the first ask carries the sinks.
+    if (asks.size() > 1) ask.request.mutable_options()->clear_sinks();
   }
 
   ShardedDecodeResult result;

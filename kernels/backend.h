@@ -89,6 +89,7 @@ struct TraceRowDone {
   std::vector<float> reference;
   float max_abs_error = 0;
   float lse = 0;
+  float sink_share = 0;  // The weight the head's sink took (0 without sinks).
 };
 
 using TraceItem = std::variant<TraceStep, TraceRowDone>;

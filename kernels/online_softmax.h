@@ -13,7 +13,8 @@
 //   acc'    = acc · rescale + Σ w_j · V_j
 //
 // At the end: output = acc / l (0 when l is 0: the row saw no key), lse = m + log(l) (−inf
-// when l is 0). Because every weight is taken relative to the running max, no exp ever sees
+// when l is 0); an attention sink joins the finished state as one more key of zero value
+// (AddSink). Because every weight is taken relative to the running max, no exp ever sees
 // a positive argument and nothing overflows however large the scores grow. Two states of one
 // row over different keys merge by the same rule (MergeInto: max, denominator and accumulator),
 // so a row's keys may be split over tiles, threads, chunks or servers and the parts combined.
@@ -189,6 +190,26 @@ struct OnlineSoftmax {
   // Adds the shares of the row's threads: after the last tile, once, by every thread of the row.
   ATTN_HOST_DEVICE void Finish() { denominator = Reduce::Sum(denominator); }
 
+  // Adds an attention sink to a whole state (after Finish; every thread of the row with the
+  // same sink): one more logit that takes weight but has no value — MergeInto with the state of
+  // one key of score `sink` and a zero value row: m = max(m, sink), l = l · e^(m₁ − m) +
+  // e^(sink − m). Returns the factor e^(m₁ − m) for the accumulator: the row's output is then
+  // Normalize(acc · factor) and LogSumExp() includes the sink; a row that saw no key outputs 0
+  // (factor 0) with lse = sink. sink = −inf is no sink (factor 1; 0 for a row that saw no key,
+  // whose accumulator is 0 anyway).
+  ATTN_HOST_DEVICE float AddSink(float sink) {
+    OnlineSoftmax sink_state;
+    sink_state.max = sink;
+    sink_state.denominator = 1.f;
+    return MergeInto(sink_state, nullptr, nullptr, 0).mine;
+  }
+
+  // The weight a row's sink took, from the row's final lse (which includes it): e^(sink − lse);
+  // 0 for no sink (−inf), 1 for a row that saw no key (lse = sink).
+  ATTN_HOST_DEVICE static float SinkShare(float sink, float lse) {
+    return sink == -INFINITY ? 0.f : expf(sink - lse);
+  }
+
   // One component of the current estimate (or of the final output): acc / l, 0 when l is 0.
   ATTN_HOST_DEVICE float Normalize(float accumulator) const {
     return denominator > 0.f ? accumulator / denominator : 0.f;
@@ -204,13 +225,15 @@ struct OnlineSoftmax {
 using OnlineSoftmaxRow = OnlineSoftmax<SerialReduce>;
 
 // The full-row stable softmax, Naive's W = softmax(S) and every trace's reference: the row's
-// `visible` scores as a single tile, each weight then divided by the denominator (by one
-// multiplication with its inverse); the other weights of the row's n are 0. The caller's threads
-// share the row as in VisitShare (first, stride). Returns the finished state (for LogSumExp). On
-// the CPU, Lanes picks VisitTile's vector (void: its default, eight lanes).
+// `visible` scores as a single tile, the sink added (AddSink; −inf: none), each weight then
+// divided by the denominator (by one multiplication with its inverse); the other weights of the
+// row's n are 0 (with a sink the weights sum to 1 − its share). The caller's threads share the
+// row as in VisitShare (first, stride). Returns the finished state (for LogSumExp). On the CPU,
+// Lanes picks VisitTile's vector (void: its default, eight lanes).
 template <class Reduce, class Lanes = void>
 ATTN_HOST_DEVICE OnlineSoftmax<Reduce> SoftmaxRow(const float* scores, float* weights, int64_t n,
-                                                  KeyRange visible, int64_t first, int64_t stride) {
+                                                  KeyRange visible, float sink, int64_t first,
+                                                  int64_t stride) {
   OnlineSoftmax<Reduce> row;
   const int64_t count = visible.size();
   const float* s = scores + visible.begin;
@@ -229,7 +252,8 @@ ATTN_HOST_DEVICE OnlineSoftmax<Reduce> SoftmaxRow(const float* scores, float* we
   row.VisitShare(s, count, w, first, stride);
 #endif
   row.Finish();
-  const float inverse = count > 0 ? 1.f / row.denominator : 0.f;
+  const float factor = row.AddSink(sink);
+  const float inverse = count > 0 && row.denominator > 0.f ? factor / row.denominator : 0.f;
   for (int64_t j = first; j < count; j += stride) w[j] *= inverse;
   for (int64_t j = first; j < visible.begin; j += stride) weights[j] = 0.f;
   for (int64_t j = visible.end + first; j < n; j += stride) weights[j] = 0.f;

@@ -94,6 +94,10 @@ struct Problem {
   // −alibi_slopes[h] · |p − t| to its scores; null = none, else each finite. Host memory, owned
   // like the tensors.
   const float* alibi_slopes = nullptr;
+  // Attention sinks (OnlineSoftmax::AddSink): [heads] logits, one more in every row of query
+  // head h that takes weight but has no value; null = none, else each finite. Host memory, owned
+  // like the tensors.
+  const float* sinks = nullptr;
   bool causal = false;
   // Positions (kernels/geometry.h): key j at key_position + j; query row i at query_position + i,
   // bottom-right against the keys when unset. Both in [0, kMaxPosition] when set.
@@ -119,7 +123,7 @@ struct Problem {
   DType value_dtype() const { return pages != nullptr ? pages->dtype : value.dtype; }
 
   // What becomes of every scaled score before the mask: of every head, of head h.
-  ScoreTransforms transforms() const { return ScoreTransforms{softcap, alibi_slopes}; }
+  ScoreTransforms transforms() const { return ScoreTransforms{softcap, alibi_slopes, sinks}; }
   ScoreTransform transform(int64_t head) const { return transforms().ForHead(head); }
 
   // The key/value head that query head h reads (KvHeadOf).

@@ -112,16 +112,25 @@ struct ScoreTransform {
 #endif
 };
 
-// A problem's transforms: one softcap, each query head's slope.
+// A problem's transforms: one softcap, each query head's slope — and each head's attention sink,
+// which transforms no score but rides along to every kernel with the slopes (one more logit of
+// the row's softmax, OnlineSoftmax::AddSink).
 struct ScoreTransforms {
   float softcap = 0.f;
   // [heads] ALiBi slopes, or null for none: host memory for the CPU kernels, device memory in a
   // CUDA kernel's parameters.
   const float* alibi_slopes = nullptr;
+  // [heads] sinks, or null for none; the same memory as the slopes.
+  const float* sinks = nullptr;
 
+  // Whether every score passes unchanged (sinks do not change scores).
   ATTN_HOST_DEVICE bool Identity() const { return softcap == 0.f && alibi_slopes == nullptr; }
   ATTN_HOST_DEVICE ScoreTransform ForHead(int64_t head) const {
     return ScoreTransform{softcap, alibi_slopes != nullptr ? alibi_slopes[head] : 0.f};
+  }
+  // Query head h's sink logit; −inf (none) without sinks.
+  ATTN_HOST_DEVICE float Sink(int64_t head) const {
+    return sinks != nullptr ? sinks[head] : -INFINITY;
   }
 };
 

@@ -118,10 +118,10 @@ float DefaultScale(int64_t head_dim) {
 }
 
 // The options every attention call shares, into *problem: scale (when given; else the caller
-// sets 1/sqrt(head_dim)), causal, positions, windows, softcap, ALiBi slopes (one per query head:
-// `heads`, of the query named prefix + "query"; the problem points at the request's), block_k
-// (the default for 0; the caller caps it at key_len), return_lse, output_dtype (the query's for
-// DTYPE_UNSPECIFIED).
+// sets 1/sqrt(head_dim)), causal, positions, windows, softcap, ALiBi slopes and sinks (one per
+// query head: `heads`, of the query named prefix + "query"; the problem points at the request's),
+// block_k (the default for 0; the caller caps it at key_len), return_lse, output_dtype (the query's
+// for DTYPE_UNSPECIFIED).
 absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& options,
                           DType query_dtype, int64_t heads, int default_block_k, Problem* problem) {
   if (options.has_scale() && !std::isfinite(options.scale())) {
@@ -170,20 +170,24 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
         absl::StrCat("is ", options.softcap(), "; a softcap must be finite and ≥ 0 (0 = off)"));
   }
   problem->softcap = options.softcap();
-  if (!options.alibi_slopes().empty()) {
-    const std::string field = absl::StrCat(prefix, "options.alibi_slopes");
-    if (options.alibi_slopes_size() != heads) {
-      return Invalid(field, absl::StrCat("has ", options.alibi_slopes_size(), " slopes but ",
-                                         prefix, "query has ", heads,
-                                         " heads; give one slope per query head (or none)"));
+  // ALiBi slopes and sinks: empty, or one finite value per query head.
+  for (const auto& [name, what, values, into] :
+       {std::tuple{"alibi_slopes", "slope", &options.alibi_slopes(), &problem->alibi_slopes},
+        std::tuple{"sinks", "sink", &options.sinks(), &problem->sinks}}) {
+    if (values->empty()) continue;
+    const std::string field = absl::StrCat(prefix, "options.", name);
+    if (values->size() != heads) {
+      return Invalid(
+          field, absl::StrCat("has ", values->size(), " values but ", prefix, "query has ", heads,
+                              " heads; give one ", what, " per query head (or none)"));
     }
-    for (int h = 0; h < options.alibi_slopes_size(); ++h) {
-      if (!std::isfinite(options.alibi_slopes(h))) {
+    for (int h = 0; h < values->size(); ++h) {
+      if (!std::isfinite(values->Get(h))) {
         return Invalid(absl::StrCat(field, "[", h, "]"),
-                       absl::StrCat("is ", options.alibi_slopes(h), "; a slope must be finite"));
+                       absl::StrCat("is ", values->Get(h), "; a ", what, " must be finite"));
       }
     }
-    problem->alibi_slopes = options.alibi_slopes().data();
+    *into = values->data();
   }
   if (options.has_scale()) problem->scale = options.scale();
   problem->causal = options.causal();

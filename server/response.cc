@@ -88,6 +88,9 @@ v1::TraceStart EncodeTraceStart(const Problem& problem) {
   if (problem.alibi_slopes != nullptr) {
     start.mutable_alibi_slopes()->Assign(problem.alibi_slopes, problem.alibi_slopes + s.heads);
   }
+  if (problem.sinks != nullptr) {
+    start.mutable_sinks()->Assign(problem.sinks, problem.sinks + s.heads);
+  }
   start.set_naive_intermediate_bytes(problem.NaiveIntermediateBytes());
   start.set_tiled_scratch_floats_per_row(problem.TiledScratchFloatsPerRow());
   start.set_tiles_per_row(static_cast<int32_t>(problem.TilesPerRow()));
@@ -142,6 +145,7 @@ void EncodeTraceItem(const TraceItem& item, v1::TraceEvent* event) {
   EncodeFloats(done.reference, message->mutable_reference());
   message->set_max_abs_error(done.max_abs_error);
   message->set_lse(done.lse);
+  message->set_sink_share(done.sink_share);
 }
 
 }  // namespace attn

@@ -1,7 +1,7 @@
 // Naive and Tiled on every backend of the binary (tests/backend_suite.h) against the float64
 // reference (tests/reference.h): the seed's example, random fp32 and fp16/bf16 problems (odd
-// sizes, GQA, causal, positions, windows, softcaps, ALiBi, ragged batches), mixed dtypes, the
-// reported costs, layout rules and Naive's budget.
+// sizes, GQA, causal, positions, windows, softcaps, ALiBi, sinks, ragged batches), mixed dtypes,
+// the reported costs, layout rules and Naive's budget.
 //
 // Every run writes into outputs poisoned with NaN, so an element a kernel forgets to write fails
 // the comparison. Inputs are fresh uniform(-1, 1) values with a seed per case, and sizes are odd:
@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -87,6 +88,8 @@ struct RandomCase {
   // query_len and key_len (batch 1); empty = one sequence.
   std::vector<int64_t> query_lengths = {}, key_lengths = {};
   int threads = 2;  // The CPU's workers per call.
+  // Attention sinks: head h's sink sink_base + 0.5 · h; NaN = none.
+  float sink_base = std::numeric_limits<float>::quiet_NaN();
 };
 
 void PrintTo(const RandomCase& c, std::ostream* os) { *os << c.name; }
@@ -96,6 +99,13 @@ void SetAlibi(HostProblem& host, float base) {
   float slope = 1.f;
   for (int64_t h = 0; base > 0 && h < host.shape.heads; ++h) {
     host.alibi_slopes.push_back(slope *= base);
+  }
+}
+
+// Sinks base + 0.5 · h for the problem's heads (none for NaN).
+void SetSinks(HostProblem& host, float base) {
+  for (int64_t h = 0; !std::isnan(base) && h < host.shape.heads; ++h) {
+    host.sinks.push_back(base + 0.5f * static_cast<float>(h));
   }
 }
 
@@ -134,6 +144,13 @@ RandomCase Threads(RandomCase c, int threads) {
   return c;
 }
 
+// A case with sinks base + 0.5 · h.
+template <class Case>
+Case Sinks(Case c, float base) {
+  c.sink_base = base;
+  return c;
+}
+
 class RandomFp32Test : public BackendCaseTest<RandomCase> {};
 
 TEST_P(RandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
@@ -145,6 +162,7 @@ TEST_P(RandomFp32Test, NaiveAndTiledMatchFloat64Reference) {
   if (c.window_left >= 0) host.window_left = c.window_left;
   if (c.window_right >= 0) host.window_right = c.window_right;
   SetAlibi(host, c.alibi_base);
+  SetSinks(host, c.sink_base);
   ASSERT_NO_FATAL_FAILURE(SetSequences(host, c.query_lengths, c.key_lengths));
   SetSoftcap(host, c.softcap);
   absl::StatusOr<Backend*> backend = this->backend({.threads = c.threads});
@@ -235,6 +253,19 @@ const std::vector<RandomCase> kRandomCases = {
     Ragged(RandomCase{"RaggedWindowSoftcap", MakeShape(1, 2, 2, 203, 203, 48, 40), true, 16, 0, -1,
                       9, -1, 5.f},
            {70, 133}, {70, 133}),
+    // Attention sinks: CUDA's fused fp32 kernel with GQA, causal and a window (gpt-oss); the
+    // row kernel on a key slice whose first rows see no key (output 0, lse = sink); sinks far
+    // above every score with ALiBi; a ragged batch.
+    Sinks(RandomCase{"SinksCausalWindowGqa", MakeShape(1, 4, 2, 97, 131, 64, 64), true, 32, 0, -1,
+                     40},
+          0.5f),
+    Sinks(RandomCase{"SinksKeySlice", MakeShape(1, 2, 2, 37, 19, 17, 17), true, 5, 23, 16}, -0.25f),
+    Sinks(RandomCase{"SinksFarAboveAlibi", MakeShape(1, 2, 1, 70, 53, 32, 24), false, 16, 0, -1, -1,
+                     -1, 0.f, 0.5f},
+          30.f),
+    Sinks(Ragged(RandomCase{"SinksRagged", MakeShape(1, 4, 2, 46, 41, 19, 23), true, 7}, {5, 1, 40},
+                 {7, 1, 33}),
+          1.f),
 };
 
 ATTN_BACKEND_CASE_SUITE(RandomFp32Test, RandomCase, kRandomCases);
@@ -252,6 +283,7 @@ struct LowPrecisionCase {
   float softcap = 0.f;       // AttentionOptions.softcap (the queries × 32 when set).
   float alibi_base = 0.f;    // ALiBi: head h's slope alibi_base^(h + 1); 0 = none.
   std::vector<int64_t> query_lengths = {}, key_lengths = {};  // A ragged batch (as RandomCase).
+  float sink_base = std::numeric_limits<float>::quiet_NaN();  // Sinks (as RandomCase).
 };
 
 void PrintTo(const LowPrecisionCase& c, std::ostream* os) { *os << c.name; }
@@ -278,6 +310,7 @@ TEST_P(LowPrecisionTest, ErrorWithinTwiceTheSamePrecisionBaseline) {
   HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, seed);
   if (c.window_left >= 0) host.window_left = c.window_left;
   SetAlibi(host, c.alibi_base);
+  SetSinks(host, c.sink_base);
   ASSERT_NO_FATAL_FAILURE(SetSequences(host, c.query_lengths, c.key_lengths));
   SetSoftcap(host, c.softcap);
   ASSERT_EQ(host.output_dtype, c.dtype);
@@ -346,6 +379,14 @@ const std::vector<LowPrecisionCase> kLowPrecisionCases = {
     Ragged(LowPrecisionCase{"Bf16RaggedCausalAlibi", DType::kBFloat16,
                             MakeShape(1, 4, 2, 231, 260, 64, 64), true, 64, -1, 0.f, 0.5f},
            {1, 100, 130}, {30, 100, 130}),
+    // Sinks on the tensor-core kernel: GQA, causal with a window (gpt-oss), the first block of
+    // rows seeing no key; and with a softcap and ALiBi.
+    Sinks(LowPrecisionCase{"Bf16SinksCausalWindowGqa", DType::kBFloat16,
+                           MakeShape(1, 4, 2, 150, 90, 64, 64), true, 64, 45},
+          0.5f),
+    Sinks(LowPrecisionCase{"F16SinksSoftcapAlibi", DType::kFloat16,
+                           MakeShape(1, 4, 2, 130, 150, 32, 32), true, 64, 60, 10.f, 0.7f},
+          2.f),
 };
 
 ATTN_BACKEND_CASE_SUITE(LowPrecisionTest, LowPrecisionCase, kLowPrecisionCases);

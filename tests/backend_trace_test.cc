@@ -15,6 +15,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/online_softmax.h"
 #include "kernels/problem.h"
 #include "tests/backend_suite.h"
 #include "tests/checks.h"
@@ -181,12 +182,25 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
   ASSERT_EQ(static_cast<int64_t>(done.output.size()), s.value_dim);
   ASSERT_EQ(static_cast<int64_t>(done.reference.size()), s.value_dim);
 
-  // The output is the last estimate, bit for bit.
+  // The output is the last estimate, bit for bit; with a sink, the last state with the sink
+  // added once (OnlineSoftmax::AddSink), which no step includes.
   const int64_t out_offset = problem.OutputOffset(ref.batch, ref.head, ref.row);
+  const bool has_sink = !host.sinks.empty();
+  const float sink = has_sink ? host.sinks[ref.head] : -INFINITY;
   if (expected_tiles > 0) {
     const TraceStep& last = std::get<TraceStep>(items[expected_tiles - 1]);
-    EXPECT_EQ(std::memcmp(done.output.data(), last.estimate.data(), s.value_dim * sizeof(float)), 0)
-        << "RowDone.output differs from the last estimate";
+    std::vector<float> expected = last.estimate;
+    if (has_sink) {
+      OnlineSoftmaxRow state;
+      state.max = last.max_after;
+      state.denominator = last.denominator;
+      const float factor = state.AddSink(sink);
+      for (int64_t c = 0; c < s.value_dim; ++c) {
+        expected[c] = state.Normalize(last.accumulator[c] * factor);
+      }
+    }
+    EXPECT_EQ(std::memcmp(done.output.data(), expected.data(), s.value_dim * sizeof(float)), 0)
+        << "RowDone.output differs from the last estimate" << (has_sink ? " with the sink" : "");
   }
   const int64_t lse_offset = problem.LseOffset(ref.batch, ref.head, ref.row);
   if (tiled != nullptr) {
@@ -202,6 +216,12 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
     EXPECT_EQ(done.lse, -INFINITY);
   } else {
     EXPECT_NEAR(done.lse, reference_lse, 1e-5 * std::max(1.0, std::abs(reference_lse)));
+  }
+  // The sink's share of the row: e^(sink − lse) by the reference; 0 without a sink.
+  if (has_sink) {
+    EXPECT_NEAR(done.sink_share, std::exp(double(sink) - reference_lse), 1e-5);
+  } else {
+    EXPECT_EQ(done.sink_share, 0.f);
   }
 
   // Output and the full-matrix reference row are both fp32 computations on the (rounded)
@@ -226,7 +246,7 @@ void CheckRow(const HostProblem& host, const Problem& problem, const RowRef& ref
       EXPECT_EQ(done.output[c], 0.f);
       EXPECT_EQ(done.reference[c], 0.f);
     }
-    EXPECT_EQ(done.lse, -INFINITY);
+    EXPECT_EQ(done.lse, sink);  // −inf without a sink.
     EXPECT_EQ(done.max_abs_error, 0.f);
   }
 }
@@ -275,6 +295,16 @@ TEST_P(TraceTest, CausalWithMoreQueriesThanKeys) {
                                          /*causal=*/true, 3, 102);
   CheckTrace(host, 3,
              {{0, 0, 0}, {0, 1, 5}, {0, 0, 6}, {0, 1, 8}, {0, 0, 10}, {0, 1, 13}, {0, 0, 16}});
+}
+
+TEST_P(TraceTest, SinksJoinEachRowOnceAfterItsLastTile) {
+  // gpt-oss-like: GQA, causal with a left window, a sink per head (one far above the scores);
+  // more query rows than keys, so rows 0..2 see no key (output 0, lse = sink, share 1).
+  HostProblem host = RandomProblem(MakeShape(1, 4, 2, 20, 17, 9, 6), DType::kFloat32,
+                                   /*causal=*/true, 3, 109);
+  host.window_left = 6;
+  host.sinks = {0.5f, -1.f, 2.f, 30.f};
+  CheckTrace(host, 3, {{0, 0, 0}, {0, 1, 2}, {0, 2, 3}, {0, 3, 9}, {0, 0, 19}, {0, 3, 19}});
 }
 
 TEST_P(TraceTest, CausalWithFewerQueriesThanKeys) {

@@ -670,6 +670,7 @@ HostProblem FromRequest(const v1::AttentionRequest& request) {
   if (options.has_window_right()) p.window_right = options.window_right();
   p.softcap = options.softcap();
   p.alibi_slopes.assign(options.alibi_slopes().begin(), options.alibi_slopes().end());
+  p.sinks.assign(options.sinks().begin(), options.sinks().end());
   p.block_k = 16;
   p.return_lse = true;
   for (const auto& [tensor, bytes, values] :
@@ -710,18 +711,24 @@ TEST(MergeKeySlicesTest, SlicedAnswerEqualsTheWholeInTheRequestsDtype) {
     bool return_lse;
     std::optional<int64_t> query_position;
     bool alibi = false;  // Slopes 2^−(h+1): each slice biases its keys by their own positions.
+    bool sinks = false;  // Sinks 0.7·h − 1: only the first slice may carry them.
   };
   CpuBackend backend(2, 0);
-  for (const Case& c : {Case{"f32 rank 4 GQA", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32,
-                             v1::DTYPE_UNSPECIFIED, true, std::nullopt},
-                        Case{"bf16 rank 3", 3, 4, 4, 33, 21, 9, v1::DTYPE_BFLOAT16,
-                             v1::DTYPE_UNSPECIFIED, true, std::nullopt},
-                        Case{"f16 in, f32 out, no lse", 3, 2, 1, 12, 40, 5, v1::DTYPE_FLOAT16,
-                             v1::DTYPE_FLOAT32, false, std::nullopt},
-                        Case{"rank 2, explicit query_position", 2, 1, 1, 9, 44, 6,
-                             v1::DTYPE_FLOAT32, v1::DTYPE_BFLOAT16, true, 11},
-                        Case{"f32 rank 4 GQA ALiBi", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32,
-                             v1::DTYPE_UNSPECIFIED, true, std::nullopt, true}}) {
+  for (const Case& c :
+       {Case{"f32 rank 4 GQA", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32, v1::DTYPE_UNSPECIFIED, true,
+             std::nullopt},
+        Case{"bf16 rank 3", 3, 4, 4, 33, 21, 9, v1::DTYPE_BFLOAT16, v1::DTYPE_UNSPECIFIED, true,
+             std::nullopt},
+        Case{"f16 in, f32 out, no lse", 3, 2, 1, 12, 40, 5, v1::DTYPE_FLOAT16, v1::DTYPE_FLOAT32,
+             false, std::nullopt},
+        Case{"rank 2, explicit query_position", 2, 1, 1, 9, 44, 6, v1::DTYPE_FLOAT32,
+             v1::DTYPE_BFLOAT16, true, 11},
+        Case{"f32 rank 4 GQA ALiBi", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32, v1::DTYPE_UNSPECIFIED,
+             true, std::nullopt, true},
+        Case{"f32 rank 4 GQA sinks", 4, 6, 2, 19, 61, 7, v1::DTYPE_FLOAT32, v1::DTYPE_UNSPECIFIED,
+             true, std::nullopt, false, true},
+        Case{"bf16 rank 3 sinks, more rows than keys", 3, 4, 2, 30, 23, 9, v1::DTYPE_BFLOAT16,
+             v1::DTYPE_UNSPECIFIED, true, std::nullopt, true, true}}) {
     SCOPED_TRACE(c.name);
     v1::AttentionRequest request =
         RandomRequest(c.rank, c.rank == 4 ? 2 : 1, c.heads, c.kv_heads, c.query_len, c.key_len, 8,
@@ -733,8 +740,16 @@ TEST(MergeKeySlicesTest, SlicedAnswerEqualsTheWholeInTheRequestsDtype) {
     for (int64_t h = 0; c.alibi && h < c.heads; ++h) {
       request.mutable_options()->add_alibi_slopes(std::ldexp(1.f, -static_cast<int>(h) - 1));
     }
+    for (int64_t h = 0; c.sinks && h < c.heads; ++h) {
+      request.mutable_options()->add_sinks(0.7f * static_cast<float>(h) - 1.f);
+    }
     const std::vector<client::ShardPart> parts = client::SplitKeys(request, 3);
     ASSERT_EQ(parts.size(), 3u);
+    for (size_t i = 0; i < parts.size(); ++i) {  // A row's sink counts once: the first slice's.
+      EXPECT_EQ(parts[i].request.options().sinks_size(),
+                i == 0 ? request.options().sinks_size() : 0)
+          << "slice " << i;
+    }
     std::vector<v1::AttentionResponse> responses;
     for (const client::ShardPart& part : parts) responses.push_back(Answer(backend, part.request));
     absl::StatusOr<v1::AttentionResponse> merged =
@@ -801,6 +816,33 @@ TEST(SplitRequestTest, AlibiPartsCarryTheirHeadsSlopes) {
   EXPECT_EQ(merged->output().data(), Answer(backend, request).output().data());
   EXPECT_EQ(client::SplitRequest(request, 2).size(), 2u);  // [0, 3) [3, 6): no cut needed.
   request.mutable_options()->add_alibi_slopes(1.f);        // 7 slopes for 6 heads: sent whole.
+  EXPECT_EQ(client::SplitRequest(request, 4).size(), 1u);
+}
+
+// SplitRequest with sinks: each part carries its own query heads' sinks, cut at batch entries as
+// for slopes, and the reassembled answer is the whole one's bit for bit.
+TEST(SplitRequestTest, SinkPartsCarryTheirHeadsSinks) {
+  CpuBackend backend(2, 0);
+  v1::AttentionRequest request =
+      RandomRequest(4, 2, 6, 3, 11, 17, 8, 5, v1::DTYPE_FLOAT32, 29);  // 2 batches × 3 kv heads
+  request.mutable_options()->set_causal(true);
+  for (int h = 0; h < 6; ++h) request.mutable_options()->add_sinks(0.5f * h - 1.f);
+  const std::vector<client::ShardPart> parts = client::SplitRequest(request, 3);
+  ASSERT_EQ(parts.size(), 4u);
+  std::vector<v1::AttentionResponse> responses;
+  for (const client::ShardPart& part : parts) {
+    const int64_t first_head = part.first_unit % 3 * 2;
+    const auto& sinks = part.request.options().sinks();
+    ASSERT_EQ(sinks.size(), part.units * 2);
+    for (int i = 0; i < sinks.size(); ++i) {
+      EXPECT_EQ(sinks[i], request.options().sinks(first_head + i));
+    }
+    responses.push_back(Answer(backend, part.request));
+  }
+  absl::StatusOr<v1::AttentionResponse> merged = client::MergeResponses(request, parts, responses);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->output().data(), Answer(backend, request).output().data());
+  request.mutable_options()->add_sinks(1.f);  // 7 sinks for 6 heads: sent whole.
   EXPECT_EQ(client::SplitRequest(request, 4).size(), 1u);
 }
 

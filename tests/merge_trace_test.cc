@@ -67,6 +67,7 @@ v1::TraceRequest RequestOf(const HostProblem& p, const std::vector<RowRef>& rows
   if (p.query_position) a.mutable_options()->set_query_position(*p.query_position);
   if (p.window_left) a.mutable_options()->set_window_left(*p.window_left);
   if (p.window_right) a.mutable_options()->set_window_right(*p.window_right);
+  a.mutable_options()->mutable_sinks()->Assign(p.sinks.begin(), p.sinks.end());
   for (const RowRef& row : rows) {
     v1::RowRef& r = *request.add_rows();
     r.set_batch(row.batch);
@@ -190,6 +191,12 @@ class MergeTraceTest : public ::testing::Test {
                       << trace->parts.size() << " parts";
         continue;
       }
+      // With sinks only the first part's RowDone includes the row's sink (SplitKeys sends it
+      // there); the merge adds it once at the end.
+      const double sink = p.sinks.empty() ? -INFINITY : p.sinks[ref.head];
+      if (!p.sinks.empty()) {
+        EXPECT_NEAR(row.sink_share, std::exp(sink - reference.lse[offset]), 1e-5);
+      }
       double running_max = -INFINITY;
       for (size_t i = 0; i < row.steps.size(); ++i) {
         const cli::MergeStep& step = row.steps[i];
@@ -211,19 +218,24 @@ class MergeTraceTest : public ::testing::Test {
                                    double(step.part_denominator) * step.part_rescale;
         EXPECT_NEAR(step.denominator, denominator, 1e-6 * std::max(1.0, denominator));
         EXPECT_EQ(step.denominator_before, i == 0 ? 0.f : row.steps[i - 1].denominator);
+        const double part_sink = i == 0 ? sink : -INFINITY;
         if (part.steps == 0) {  // The row sees no key of this slice.
           EXPECT_EQ(part.max, -INFINITY);
           EXPECT_EQ(part.denominator, 0.f);
-          EXPECT_EQ(part.lse, -INFINITY);
+          EXPECT_EQ(part.lse, static_cast<float>(part_sink));
           EXPECT_EQ(step.part_rescale, 0.f);
         } else {
           EXPECT_GT(part.denominator, 0.f);
-          EXPECT_NEAR(part.lse, part.max + std::log(double(part.denominator)),
-                      1e-5 * std::max(1.0, std::abs(double(part.lse))));
+          const double keys = double(part.max) + std::log(double(part.denominator));
+          const double lse =
+              std::isinf(part_sink)
+                  ? keys
+                  : std::max(keys, part_sink) + std::log1p(std::exp(-std::abs(keys - part_sink)));
+          EXPECT_NEAR(part.lse, lse, 1e-5 * std::max(1.0, std::abs(double(part.lse))));
         }
         running_max = m_new;
       }
-      EXPECT_EQ(row.output, row.steps.back().estimate);
+      if (p.sinks.empty()) EXPECT_EQ(row.output, row.steps.back().estimate);
     }
     return *std::move(trace);
   }
@@ -256,6 +268,24 @@ TEST_F(MergeTraceTest, ThreeServersMergeToTheReference) {
   // The estimate is not the answer until the last server is merged (here: it moves).
   const cli::RowMerge& row = trace.rows[0];
   EXPECT_GT(row.steps[0].max_abs_error, 10 * row.max_abs_error);
+}
+
+TEST_F(MergeTraceTest, SinksCountOnceOverThreeServers) {
+  // Causal GQA with a window and a sink per head, more query rows than keys (the first rows see
+  // no key: output 0, lse = the sink): only the first slice carries the sinks; the merged row
+  // equals the reference with each sink counted once.
+  // Nq 20 against Nk 13, bottom-right: rows 0..6 see no key.
+  HostProblem p = testing::RandomProblem(testing::MakeShape(1, 4, 2, 20, 13, 8, 7), DType::kFloat32,
+                                         true, 2, 16);
+  p.window_left = 9;
+  p.sinks = {0.5f, -1.f, 2.f, 1.f};
+  std::vector<RowRef> rows;
+  for (int64_t h = 0; h < 4; ++h) {
+    for (int64_t i : {0, 6, 7, 8, 12, 19}) rows.push_back({0, h, i});
+  }
+  const MergeTrace trace = Check(p, rows, kServers);
+  ASSERT_EQ(trace.parts.size(), 3u);
+  EXPECT_EQ(trace.sinks, p.sinks);
 }
 
 TEST_F(MergeTraceTest, GroupedQueryHeads) {

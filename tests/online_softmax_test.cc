@@ -158,7 +158,7 @@ TEST(SoftmaxRowTest, MatchesFloat64AndTheScalarShare) {
     for (float& s : scores) s = normal(rng);
     std::vector<float> weights(n, 123.f);
     const OnlineSoftmaxRow row =
-        SoftmaxRow<SerialReduce>(scores.data(), weights.data(), n, visible, 0, 1);
+        SoftmaxRow<SerialReduce>(scores.data(), weights.data(), n, visible, -kInf, 0, 1);
     double max = -INFINITY, sum = 0;
     for (int64_t j = visible.begin; j < visible.end; ++j) {
       max = std::max<double>(max, scores[j]);
@@ -173,7 +173,7 @@ TEST(SoftmaxRowTest, MatchesFloat64AndTheScalarShare) {
     // Three threads sharing the row (the CUDA kernels' layout), run one after another.
     std::vector<float> shared(n, 123.f);
     for (int first = 0; first < 3; ++first) {
-      SoftmaxRow<SerialReduce>(scores.data(), shared.data(), n, visible, first, 3);
+      SoftmaxRow<SerialReduce>(scores.data(), shared.data(), n, visible, -kInf, first, 3);
     }
     for (int j = 0; j < n; ++j) {
       if (!visible.Contains(j)) {
@@ -338,6 +338,62 @@ TEST(MergeTest, BothSidesEmptyStayEmpty) {
   EXPECT_EQ(acc, 0.f);
   EXPECT_EQ(row.Normalize(acc), 0.f);
   EXPECT_EQ(row.LogSumExp(), -kInf);
+}
+
+// A sink joins a finished row as one more logit with no value: against float64 for sinks below,
+// among and far above the scores (e^(sink − max) would overflow fp32 unless the max moves), the
+// weight it took, SoftmaxRow's weights summing to 1 − that share, and a row that saw no key
+// (output 0, lse = sink). −inf is no sink.
+TEST(SinkTest, OneMoreLogitWithNoValue) {
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> uniform(-4.f, 4.f);
+  const int n = 37, dv = 3;
+  std::vector<float> scores(n), values(n * dv);
+  for (float& x : scores) x = uniform(rng);
+  for (float& x : values) x = uniform(rng);
+  for (float sink : {-kInf, -30.f, 0.5f, 3.9f, 200.f, -3e38f}) {
+    OnlineSoftmaxRow row;
+    std::vector<float> weights(n), acc(dv, 0.f);
+    const float rescale = row.VisitTile(scores.data(), n, weights.data());
+    OnlineSoftmaxRow::RescaleAccumulator(rescale, dv, [&](int c) -> float& { return acc[c]; });
+    for (int j = 0; j < n; ++j) {
+      for (int c = 0; c < dv; ++c) acc[c] += weights[j] * values[j * dv + c];
+    }
+    row.Finish();
+    const float factor = row.AddSink(sink);
+    double max = sink;
+    for (float x : scores) max = std::max(max, double(x));
+    double sum = std::isinf(sink) ? 0.0 : std::exp(double(sink) - max);
+    const double sink_weight = sum;
+    for (float x : scores) sum += std::exp(double(x) - max);
+    for (int c = 0; c < dv; ++c) {
+      double expected = 0;
+      for (int j = 0; j < n; ++j)
+        expected += std::exp(double(scores[j]) - max) * values[j * dv + c];
+      EXPECT_NEAR(row.Normalize(acc[c] * factor), expected / sum, 1e-5) << "sink " << sink;
+    }
+    EXPECT_NEAR(row.LogSumExp(), max + std::log(sum), 1e-5 * std::max(1.0, std::abs(max)))
+        << "sink " << sink;
+    EXPECT_NEAR(OnlineSoftmaxRow::SinkShare(sink, row.LogSumExp()), sink_weight / sum, 1e-5)
+        << "sink " << sink;
+
+    std::vector<float> full(n);
+    const OnlineSoftmaxRow whole =
+        SoftmaxRow<SerialReduce>(scores.data(), full.data(), n, KeyRange{0, n}, sink, 0, 1);
+    double weight_sum = 0;
+    for (float w : full) weight_sum += w;
+    EXPECT_NEAR(weight_sum, 1.0 - sink_weight / sum, 1e-5) << "sink " << sink;
+    EXPECT_NEAR(whole.LogSumExp(), row.LogSumExp(), 1e-5 * std::max(1.0, std::abs(max)));
+  }
+  OnlineSoftmaxRow none;  // Saw no key.
+  none.Finish();
+  EXPECT_EQ(none.AddSink(1.5f), 0.f);
+  EXPECT_EQ(none.Normalize(0.f), 0.f);
+  EXPECT_EQ(none.LogSumExp(), 1.5f);
+  EXPECT_EQ(OnlineSoftmaxRow::SinkShare(1.5f, none.LogSumExp()), 1.f);
+  OnlineSoftmaxRow unsunk;
+  EXPECT_EQ(unsunk.AddSink(-kInf), 0.f);
+  EXPECT_EQ(unsunk.LogSumExp(), -kInf);
 }
 
 }  // namespace

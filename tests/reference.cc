@@ -55,6 +55,7 @@ Problem HostProblem::View() const {
   problem.scale = scale;
   problem.softcap = softcap;
   problem.alibi_slopes = alibi_slopes.empty() ? nullptr : alibi_slopes.data();
+  problem.sinks = sinks.empty() ? nullptr : sinks.data();
   problem.causal = causal;
   problem.key_position = key_position;
   problem.query_position = query_position;
@@ -225,9 +226,15 @@ Reference ReferenceAttention(const HostProblem& p) {
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kvh = view.KvHead(h);
+      // The sink: one more term e^sink of the row's sum, with no value.
+      const bool has_sink = !p.sinks.empty();
+      const double sink = has_sink ? double(p.sinks[h]) : 0.0;
       for (int64_t i = 0; i < s.query_len; ++i) {
         const std::vector<int64_t> seen = SeenKeys(p, i);
-        if (seen.empty()) continue;
+        if (seen.empty()) {
+          if (has_sink) ref.lse[view.LseOffset(b, h, i)] = sink;
+          continue;
+        }
         double max = -std::numeric_limits<double>::infinity();
         for (int64_t j : seen) {
           double dot = 0;
@@ -240,7 +247,8 @@ Reference ReferenceAttention(const HostProblem& p) {
           scores[j] += ReferenceBias(p, h, i, j);
           max = std::max(max, scores[j]);
         }
-        double sum = 0;
+        if (has_sink) max = std::max(max, sink);
+        double sum = has_sink ? std::exp(sink - max) : 0.0;
         for (int64_t j : seen) sum += std::exp(scores[j] - max);
         double* out = &ref.output[view.OutputOffset(b, h, i)];
         for (int64_t j : seen) {
@@ -267,7 +275,9 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
       for (int64_t i = 0; i < s.query_len; ++i) {
         const std::vector<int64_t> seen = SeenKeys(p, i);
         if (seen.empty()) continue;
-        float max = -INFINITY;
+        // The sink: one more logit in the row's max and sum, with no value.
+        const float sink = p.sinks.empty() ? -INFINITY : p.sinks[h];
+        float max = sink;
         for (int64_t j : seen) {
           float dot = 0;
           for (int64_t c = 0; c < s.head_dim; ++c) {
@@ -278,7 +288,7 @@ std::vector<float> LowPrecisionBaseline(const HostProblem& p, DType dtype) {
           scores[j] = Round(scores[j] + static_cast<float>(ReferenceBias(p, h, i, j)), dtype);
           max = std::max(max, scores[j]);
         }
-        float sum = 0;
+        float sum = p.sinks.empty() ? 0.f : std::exp(sink - max);
         for (int64_t j : seen) sum += std::exp(scores[j] - max);
         float* out = &output[view.OutputOffset(b, h, i)];
         for (int64_t c = 0; c < s.value_dim; ++c) {

@@ -22,6 +22,9 @@ struct HostProblem {
   float softcap = 0.f;  // AttentionOptions.softcap: s → softcap · tanh(s / softcap); 0 = none.
   // AttentionOptions.alibi_slopes: head h adds −alibi_slopes[h] · |p − t|; empty = none.
   std::vector<float> alibi_slopes;
+  // AttentionOptions.sinks: one more logit of weight e^sink and no value in each row of head h;
+  // empty = none.
+  std::vector<float> sinks;
   bool causal = false;
   // Positions (kernels/geometry.h): key j at key_position + j, query row i at query_position + i
   // (bottom-right when unset).
@@ -82,8 +85,9 @@ double ReferenceBias(const HostProblem& problem, int64_t h, int64_t i, int64_t j
 // tiles a trace of the row steps through, found key by key with ReferenceSees.
 std::pair<int64_t, int64_t> ReferenceTiles(const HostProblem& problem, int64_t i, int64_t block_k);
 
-// Attention in float64 on the problem's (rounded) inputs, the softcap and the ALiBi bias by their
-// formulas: the ground truth.
+// Attention in float64 on the problem's (rounded) inputs, the softcap, the ALiBi bias and the
+// sinks by their formulas (a sink adds e^sink to the row's sum and nothing to its values; a row
+// that sees no key has output 0 and lse = sink): the ground truth.
 Reference ReferenceAttention(const HostProblem& problem);
 
 // A same-precision naive baseline, as an eager framework computes in fp16/bf16: scores,

@@ -164,6 +164,7 @@ v1::AttentionRequest ToRequest(const HostProblem& p, bool rank2 = false) {
   request.mutable_options()->set_softcap(p.softcap);
   request.mutable_options()->mutable_alibi_slopes()->Assign(p.alibi_slopes.begin(),
                                                             p.alibi_slopes.end());
+  request.mutable_options()->mutable_sinks()->Assign(p.sinks.begin(), p.sinks.end());
   return request;
 }
 
@@ -407,6 +408,57 @@ TEST_F(ServiceTest, AlibiReachesTheKernelsAndTheTrace) {
   EXPECT_GT(biases, 0);
 }
 
+// Sinks through the service: Naive and Tiled answer with each head's sink (lse included), a
+// trace repeats the sinks on TraceStart and gives the traced row's sink_share on RowDone.
+TEST_F(ServiceTest, SinksReachTheKernelsAndTheTrace) {
+  HostProblem p = testing::RandomProblem({.batch = 1,
+                                          .heads = 4,
+                                          .kv_heads = 2,
+                                          .query_len = 19,
+                                          .key_len = 23,
+                                          .head_dim = 8,
+                                          .value_dim = 6},
+                                         DType::kFloat32, /*causal=*/true, 4, 19);
+  p.window_left = 7;
+  p.sinks = {0.5f, -1.f, 2.f, 1.25f};
+  const testing::Reference ref = testing::ReferenceAttention(p);
+  for (bool naive : {true, false}) {
+    SCOPED_TRACE(naive ? "Naive" : "Tiled");
+    absl::StatusOr<v1::AttentionResponse> response =
+        naive ? client_->Naive(ToRequest(p)) : client_->Tiled(ToRequest(p));
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_LE(testing::MaxAbsError(OutputOf(*response), ref.output),
+              1e-5 * testing::MaxAbs(ref.output));
+    const std::string& lse = response->lse().data();
+    ASSERT_EQ(lse.size(), ref.lse.size() * 4);
+    for (size_t i = 0; i < ref.lse.size(); ++i) {
+      float value;
+      std::memcpy(&value, lse.data() + 4 * i, 4);
+      EXPECT_NEAR(value, ref.lse[i], 1e-5 * std::max(1.0, std::abs(ref.lse[i]))) << "lse " << i;
+    }
+  }
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = ToRequest(p);
+  v1::RowRef* row = trace.add_rows();
+  row->set_head(2);
+  row->set_row(11);
+  v1::TraceStart start;
+  v1::RowDone done;
+  ASSERT_TRUE(client_
+                  ->Trace(trace,
+                          [&](const v1::TraceEvent& event) {
+                            if (event.has_start()) start = event.start();
+                            if (event.has_row_done()) done = event.row_done();
+                            return true;
+                          })
+                  .ok());
+  EXPECT_EQ(std::vector<float>(start.sinks().begin(), start.sinks().end()), p.sinks);
+  const double lse = ref.lse[2 * p.shape.query_len + 11];
+  EXPECT_NEAR(done.lse(), lse, 1e-5 * std::max(1.0, std::abs(lse)));
+  EXPECT_NEAR(done.sink_share(), std::exp(2.0 - lse), 1e-6);
+  EXPECT_GT(done.sink_share(), 0.01f);
+}
+
 TEST_F(ServiceTest, OutputDtypeDefaultsToTheQuerys) {
   HostProblem p = testing::RandomProblem(
       {.heads = 1, .query_len = 5, .key_len = 9, .head_dim = 3, .value_dim = 3}, DType::kFloat16,
@@ -586,6 +638,23 @@ std::vector<BadInput> BadInputs() {
       {"window_right past 2^62",
        [](auto& r) { r.mutable_options()->set_window_right((int64_t{1} << 62) + 1); },
        "options.window_right"},
+      {"one sink for 6 heads", [](auto& r) { r.mutable_options()->add_sinks(0.5f); },
+       "options.sinks"},
+      {"7 sinks for 6 heads",
+       [](auto& r) {
+         for (int h = 0; h < 7; ++h) r.mutable_options()->add_sinks(0.5f);
+       },
+       "options.sinks"},
+      {"NaN sink",
+       [nan](auto& r) {
+         for (int h = 0; h < 6; ++h) r.mutable_options()->add_sinks(h == 4 ? nan : 0.5f);
+       },
+       "options.sinks[4]"},
+      {"infinite sink",
+       [](auto& r) {
+         for (int h = 0; h < 6; ++h) r.mutable_options()->add_sinks(h == 0 ? -INFINITY : 0.5f);
+       },
+       "options.sinks[0]"},
   };
 }
 

@@ -94,22 +94,35 @@ absl::Status ParseWindow(const std::string& spec, v1::AttentionOptions* options)
   return absl::OkStatus();
 }
 
+namespace {
+
+// `spec`'s comma-separated finite floats; INVALID_ARGUMENT naming --flag and what it expects.
+absl::StatusOr<std::vector<float>> ParseFloats(absl::string_view flag, const std::string& spec,
+                                               absl::string_view expects) {
+  std::vector<float> values;
+  for (absl::string_view text : absl::StrSplit(spec, ',')) {
+    float value = 0;
+    if (!absl::SimpleAtof(absl::StripAsciiWhitespace(text), &value) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " expects ", expects, "; got \"", spec, "\""));
+    }
+    values.push_back(value);
+  }
+  return values;
+}
+
+}  // namespace
+
 absl::Status ParseAlibi(const std::string& spec, int64_t heads, v1::AttentionOptions* options) {
   if (spec.empty()) return absl::OkStatus();
   std::vector<float> slopes;
   if (spec == "standard") {
     slopes = client::StandardAlibiSlopes(heads);
   } else {
-    for (absl::string_view text : absl::StrSplit(spec, ',')) {
-      float slope = 0;
-      if (!absl::SimpleAtof(absl::StripAsciiWhitespace(text), &slope) || !std::isfinite(slope)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--alibi expects \"standard\" or one finite slope per query head, comma-separated; "
-            "got \"",
-            spec, "\""));
-      }
-      slopes.push_back(slope);
-    }
+    absl::StatusOr<std::vector<float>> parsed = ParseFloats(
+        "alibi", spec, "\"standard\" or one finite slope per query head, comma-separated");
+    if (!parsed.ok()) return parsed.status();
+    slopes = *std::move(parsed);
   }
   if (static_cast<int64_t>(slopes.size()) != heads) {
     return absl::InvalidArgumentError(
@@ -117,6 +130,21 @@ absl::Status ParseAlibi(const std::string& spec, int64_t heads, v1::AttentionOpt
                      " query heads; give one per head or \"standard\""));
   }
   options->mutable_alibi_slopes()->Assign(slopes.begin(), slopes.end());
+  return absl::OkStatus();
+}
+
+absl::Status ParseSinks(const std::string& spec, int64_t heads, v1::AttentionOptions* options) {
+  if (spec.empty()) return absl::OkStatus();
+  absl::StatusOr<std::vector<float>> sinks = ParseFloats(
+      "sinks", spec, "one finite sink for every query head, or one per head, comma-separated");
+  if (!sinks.ok()) return sinks.status();
+  if (sinks->size() == 1) sinks->assign(heads, sinks->front());
+  if (static_cast<int64_t>(sinks->size()) != heads) {
+    return absl::InvalidArgumentError(absl::StrCat("--sinks gives ", sinks->size(), " sinks for ",
+                                                   heads,
+                                                   " query heads; give one, or one per head"));
+  }
+  options->mutable_sinks()->Assign(sinks->begin(), sinks->end());
   return absl::OkStatus();
 }
 

@@ -42,6 +42,12 @@ absl::Status ParseWindow(const std::string& spec, attention::v1::AttentionOption
 absl::Status ParseAlibi(const std::string& spec, int64_t heads,
                         attention::v1::AttentionOptions* options);
 
+// Parses a --sinks spec into options' sinks for `heads` query heads: "" sets none; one finite
+// value sets it for every head; else one per head, comma-separated. INVALID_ARGUMENT naming
+// --sinks otherwise.
+absl::Status ParseSinks(const std::string& spec, int64_t heads,
+                        attention::v1::AttentionOptions* options);
+
 // Parses a --seqlens spec into cumulative lengths (AttentionRequest.cu_seqlens_q/k): "Q1,Q2,…"
 // (the keys' lengths the same) or "Q1,Q2,…/K1,K2,…", each length an integer ≥ 0, as many key
 // lengths as query lengths, each side summing to ≥ 1. INVALID_ARGUMENT naming --seqlens

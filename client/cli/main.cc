@@ -12,6 +12,7 @@
 //   attn naive|tiled|trace ... [--key-position P] [--query-position Q]   positions (geometry.h)
 //   attn naive|tiled|trace --random 1,H,N,D --seqlens Q1,…[/K1,…]   a ragged batch (geometry.h)
 //   attn naive|tiled|trace|decode|bench ... [--window L,R] [--softcap C] [--alibi standard|s,…]
+//                     [--sinks s|s,…]
 //                     a sliding window (geometry.h), a softcap, ALiBi biases (score_transform.h)
 //   attn bench        [--ns 256,512,...] [--batch B] [--heads H] [--dim D] [--methods naive,tiled]
 //                     [--repeats R] [--csv PATH] [--svg PATH] [--dtype ...] [--causal]
@@ -107,6 +108,10 @@ ABSL_FLAG(std::string, alibi, "",
           "query heads) or one slope per query head, comma-separated; query head h adds "
           "-slope_h * |p - t| to its scores (AttentionOptions.alibi_slopes; "
           "naive/tiled/trace/decode/bench).");
+ABSL_FLAG(std::string, sinks, "",
+          "Attention sinks (gpt-oss): one logit for every query head, or one per head, "
+          "comma-separated; each row's softmax takes e^sink more weight with no value "
+          "(AttentionOptions.sinks; naive/tiled/trace/decode/bench).");
 ABSL_FLAG(double, softcap, 0,
           "Softcap C: each scaled score s becomes C · tanh(s / C) before the mask (Gemma 2, "
           "Grok; AttentionOptions.softcap); 0 = off.");
@@ -246,7 +251,7 @@ absl::StatusOr<Inputs> ReadInputs() {
   return inputs;
 }
 
-// The options the flags give, for a request of `heads` query heads (--alibi's slopes).
+// The options the flags give, for a request of `heads` query heads (--alibi's slopes, --sinks).
 absl::StatusOr<v1::AttentionOptions> ReadOptions(int64_t heads) {
   v1::AttentionOptions options;
   if (absl::Status window = attn::cli::ParseWindow(absl::GetFlag(FLAGS_window), &options);
@@ -256,6 +261,10 @@ absl::StatusOr<v1::AttentionOptions> ReadOptions(int64_t heads) {
   if (absl::Status alibi = attn::cli::ParseAlibi(absl::GetFlag(FLAGS_alibi), heads, &options);
       !alibi.ok()) {
     return alibi;
+  }
+  if (absl::Status sinks = attn::cli::ParseSinks(absl::GetFlag(FLAGS_sinks), heads, &options);
+      !sinks.ok()) {
+    return sinks;
   }
   options.set_causal(absl::GetFlag(FLAGS_causal));
   options.set_softcap(static_cast<float>(absl::GetFlag(FLAGS_softcap)));

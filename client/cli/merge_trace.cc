@@ -94,7 +94,8 @@ absl::StatusOr<Whole> Decode(const v1::AttentionRequest& request) {
 // The float64 answer for one row over every key it sees, from the positions and the window as
 // attention.proto states them: key j at key_position + j, query row i at query_position + i, a
 // query at p seeing a key at t iff t ≤ p when causal and p − window_left ≤ t ≤ p + window_right
-// for the sides set; query head h reads kv head h / (heads / kv_heads).
+// for the sides set; query head h reads kv head h / (heads / kv_heads); the head's sink (when
+// the request has sinks) one more term e^sink of the sum with no value.
 void Reference(const Whole& w, const MergeTrace& t, const v1::RowRef& row,
                std::vector<double>* output, double* lse) {
   const int64_t b = row.batch(), h = row.head(), i = row.row();
@@ -118,6 +119,11 @@ void Reference(const Whole& w, const MergeTrace& t, const v1::RowRef& row,
   }
   output->assign(w.value_dim, 0.0);
   double sum = 0;
+  if (!t.sinks.empty()) {
+    const double sink = t.sinks[h];
+    max = std::max(max, sink);
+    sum = std::exp(sink - max);
+  }
   for (const auto& [j, score] : scores) {
     const double weight = std::exp(score - max);
     sum += weight;
@@ -258,6 +264,12 @@ absl::StatusOr<MergeTrace> MergeTraces(const v1::TraceRequest& request,
                              : options.key_position() + whole->key_len - whole->query_len;
   if (options.has_window_left()) trace.window_left = options.window_left();
   if (options.has_window_right()) trace.window_right = options.window_right();
+  trace.sinks.assign(options.sinks().begin(), options.sinks().end());
+  if (!trace.sinks.empty() && static_cast<int64_t>(trace.sinks.size()) != whole->heads) {
+    return absl::InvalidArgumentError(absl::StrCat("options.sinks has ", trace.sinks.size(),
+                                                   " values but the query has ", whole->heads,
+                                                   " heads; give one sink per query head"));
+  }
   trace.block_k = options.block_k();
   trace.endpoints = endpoints;
   trace.single_server = parts.size() == 1;
@@ -354,6 +366,13 @@ absl::StatusOr<MergeTrace> MergeTraces(const v1::TraceRequest& request,
       step.max_abs_error = MaxAbsDiff(step.estimate, row.reference);
     }
     row.output = row.steps.back().estimate;
+    if (!trace.sinks.empty()) {  // The row's sink, once, as a server finishes a row.
+      const float sink = trace.sinks[ref.head()];
+      const float factor = running.AddSink(sink);
+      for (int64_t c = 0; c < width; ++c)
+        row.output[c] = running.Normalize(accumulator[c] * factor);
+      row.sink_share = OnlineSoftmaxRow::SinkShare(sink, running.LogSumExp());
+    }
     row.lse = running.LogSumExp();
     row.max_abs_error = MaxAbsDiff(row.output, row.reference);
     double scale = 0;
@@ -485,6 +504,10 @@ void PrintMergeTrace(const MergeTrace& t, std::FILE* out) {
                       Vector(step.estimate), step.max_abs_error);
       }
     }
+    if (!t.sinks.empty()) {
+      absl::FPrintF(out, "\n  sink           %g, added after the merge: it takes %.6f of the row\n",
+                    t.sinks[row.row.head()], row.sink_share);
+    }
     absl::FPrintF(out, "\n  merged output  %s\n", Vector(row.output));
     absl::FPrintF(out, "  full matrix    %s   (float64, here, over all %d keys)\n",
                   Vector(row.reference), t.key_len);
@@ -544,11 +567,13 @@ void PrintMergeTraceJson(const MergeTrace& t, std::FILE* out) {
     absl::FPrintF(out,
                   "{\"merged\":{\"row\":%s,\"parts\":%d,\"singleServer\":%s,\"output\":%s,"
                   "\"lse\":%s,\"reference\":%s,\"referenceLse\":%s,\"maxAbsError\":%s,"
-                  "\"relativeError\":%s,\"rowDoneOutput\":%s,\"rowDoneMaxAbsDiff\":%s}}\n",
+                  "\"relativeError\":%s,\"rowDoneOutput\":%s,\"rowDoneMaxAbsDiff\":%s,"
+                  "\"sinkShare\":%s}}\n",
                   row_json, t.parts.size(), JsonBool(t.single_server), JsonArray(row.output, 9),
                   JsonFloat(row.lse), JsonArray(row.reference, 17), JsonDouble(row.reference_lse),
                   JsonDouble(row.max_abs_error), JsonDouble(row.relative_error),
-                  JsonArray(row.row_done_output, 9), JsonDouble(row.row_done_max_abs_diff));
+                  JsonArray(row.row_done_output, 9), JsonDouble(row.row_done_max_abs_diff),
+                  JsonFloat(row.sink_share));
   }
 }
 

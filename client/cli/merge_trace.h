@@ -106,8 +106,9 @@ struct RowMerge {
   attention::v1::RowRef row;
   std::vector<PartState> parts;   // parts[i]: MergeTrace::parts[i]'s state of this row.
   std::vector<MergeStep> steps;   // One per part, in part order.
-  std::vector<float> output;      // The last step's estimate.
-  float lse = 0;                  // max + log(denominator) of the merged state.
+  std::vector<float> output;      // The last step's estimate (the sink added, with sinks).
+  float lse = 0;                  // max + log(denominator) of the merged state (and sink).
+  float sink_share = 0;           // The weight the row's sink took (0 without sinks).
   std::vector<double> reference;  // float64, over every key the row sees.
   double reference_lse = 0;
   double max_abs_error = 0, relative_error = 0;
@@ -122,9 +123,12 @@ struct MergeTrace {
   bool causal = false;
   int64_t key_position = 0, query_position = 0;      // The whole request's, resolved.
   std::optional<int64_t> window_left, window_right;  // Unset: unbounded.
-  int32_t block_k = 0;                               // As requested (0 = each server's default).
-  std::vector<std::string> endpoints;                // Those given: part i went to endpoints[i].
-  bool single_server = false;                        // One part: nothing to merge.
+  // The request's sinks, one per query head (empty: none): added once, after the parts' merge
+  // (the first slice's RowDone carries them, the others' none).
+  std::vector<float> sinks;
+  int32_t block_k = 0;                 // As requested (0 = each server's default).
+  std::vector<std::string> endpoints;  // Those given: part i went to endpoints[i].
+  bool single_server = false;          // One part: nothing to merge.
   // Keys [keys_first, keys_sent) went to a server; no row sees the rest.
   int64_t keys_first = 0, keys_sent = 0;
   std::vector<TracedPart> parts;

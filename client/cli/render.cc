@@ -66,7 +66,7 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
       absl::FPrintF(
           out_,
           "Trace of [batch %d, heads %d (kv %d), %d queries × %d keys], head_dim %d, "
-          "value_dim %d, scale %g%s%s%s%s%s\n",
+          "value_dim %d, scale %g%s%s%s%s%s%s\n",
           start_.batch(), start_.heads(), start_.kv_heads(), start_.query_len(), start_.key_len(),
           start_.head_dim(), start_.value_dim(), start_.scale(), start_.causal() ? ", causal" : "",
           start_.has_window_left() || start_.has_window_right()
@@ -82,6 +82,8 @@ void TraceRenderer::OnEvent(const v1::TraceEvent& event) {
           start_.alibi_slopes_size() > 0
               ? absl::StrCat(", ALiBi slopes ", Vector(start_.alibi_slopes()))
               : std::string(),
+          start_.sinks_size() > 0 ? absl::StrCat(", sinks ", Vector(start_.sinks()))
+                                  : std::string(),
           start_.cu_seqlens_q_size() > 0
               ? absl::StrCat(", ", start_.cu_seqlens_q_size() - 1, " sequences (cu_seqlens_q [",
                              absl::StrJoin(start_.cu_seqlens_q(), ", "), "], cu_seqlens_k [",
@@ -130,6 +132,10 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
                                                     : "");
     }
   }
+  if (start_.sinks_size() > 0) {  // One more logit, with no value.
+    absl::FPrintF(out_, "  %6s  %12.6f  %10.6f  (the head's attention sink: no value)\n", "sink",
+                  start_.sinks(done.row().head()), done.sink_share());
+  }
   absl::FPrintF(out_, "  result = Σ weight · value = %s\n", Vector(done.reference()));
 
   absl::FPrintF(out_, "\n  Online softmax, %d keys per tile:\n", start_.block_k());
@@ -153,6 +159,10 @@ void TraceRenderer::PrintRow(const v1::RowDone& done) {
     absl::FPrintF(out_, "    estimate     %s\n", Vector(step.estimate()));
   }
   if (steps_.empty()) absl::FPrintF(out_, "  (the causal mask hides every key from this row)\n");
+  if (start_.sinks_size() > 0) {
+    absl::FPrintF(out_, "\n  sink %g joins after the last tile: it takes %.6f of the row\n",
+                  start_.sinks(done.row().head()), done.sink_share());
+  }
   absl::FPrintF(out_, "\n  online output  %s\n", Vector(done.output()));
   absl::FPrintF(out_, "  full matrix    %s\n", Vector(done.reference()));
   absl::FPrintF(out_, "  max |online − full| = %.3g, lse = %g\n", done.max_abs_error(), done.lse());

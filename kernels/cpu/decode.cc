@@ -308,7 +308,8 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   });
   if (!status.ok()) return status;
 
-  // Each row's chunk states merged in chunk order, normalized and stored as Tiled stores them.
+  // Each row's chunk states merged in chunk order, its head's sink added, normalized and stored as
+  // Tiled stores them.
   std::vector<std::vector<float>> merged(pool.WorkersFor(heads));
   status = RunInterruptible(pool, heads, interrupt_fn, [&](int64_t index, int worker) {
     const Item& item = item_of(index, &Item::first_head);
@@ -335,7 +336,9 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
         other.denominator = other_state[1];
         state.MergeInto(other, other_state + 2, acc, dv);
       }
-      for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i]);
+      const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
+      const float factor = state.AddSink(p.transforms().Sink(kv_head * group + r / s.query_len));
+      for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i] * factor);
       lse[r] = state.LogSumExp();
     }
     const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);

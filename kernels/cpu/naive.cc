@@ -21,13 +21,14 @@ namespace attn {
 namespace {
 
 // Each score row: the transform (score_transform.h) and the mask (geometry.h), then the full-row
-// stable softmax (SoftmaxRow, online_softmax.h: the row max, e^(s − max), the sum, the
-// normalization) in lanes of Lanes (void: eight; lanes::Floats16 in the AVX-512 clone).
+// stable softmax (SoftmaxRow, online_softmax.h: the row max, e^(s − max), the sum, the head's
+// sink, the normalization) in lanes of Lanes (void: eight; lanes::Floats16 in the AVX-512 clone).
 template <class Lanes>
 ATTN_ALWAYS_INLINE void SoftmaxRowsBody(const Problem& problem, int64_t head, int64_t row_begin,
                                         int64_t rows, float* scores, float* weights, float* lse) {
   const int64_t n = problem.shape.key_len;
   const ScoreTransform transform = problem.transform(head);
+  const float sink = problem.transforms().Sink(head);
   const Geometry geometry = problem.geometry();
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n;
@@ -37,7 +38,7 @@ ATTN_ALWAYS_INLINE void SoftmaxRowsBody(const Problem& problem, int64_t head, in
     std::fill(s, s + visible.begin, -INFINITY);
     std::fill(s + visible.end, s + n, -INFINITY);
     const OnlineSoftmaxRow row =
-        SoftmaxRow<SerialReduce, Lanes>(s, weights + r * n, n, visible, 0, 1);
+        SoftmaxRow<SerialReduce, Lanes>(s, weights + r * n, n, visible, sink, 0, 1);
     if (lse != nullptr) lse[r] = row.LogSumExp();
   }
 }

@@ -188,12 +188,15 @@ void TiledBlock(const Problem& problem, const Outputs& outputs, const RowBlock& 
                      worker.acc.data(), acc_stride, worker.states.data());
     kv_tile.Accumulate(worker.scores.data(), m, worker.acc.data());
   }
-  // Normalized rows, packed to value_dim columns in place (row r moves down to r · dv).
+  // Normalized rows (the head's sink added), packed to value_dim columns in place (row r moves
+  // down to r · dv).
   worker.lse.resize(rows);
+  const float sink = problem.transforms().Sink(block.head);
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = worker.acc.data() + r * acc_stride;
     float* out = worker.acc.data() + r * dv;
-    for (int c = 0; c < dv; ++c) out[c] = worker.states[r].Normalize(a[c]);
+    const float factor = worker.states[r].AddSink(sink);
+    for (int c = 0; c < dv; ++c) out[c] = worker.states[r].Normalize(a[c] * factor);
     worker.lse[r] = worker.states[r].LogSumExp();
   }
   StoreFloats(worker.acc.data(), rows * dv, outputs.output,

@@ -116,9 +116,12 @@ class CpuTraceCursor final : public TraceCursor {
     const Shape& s = problem_.shape;
     TraceRowDone done;
     done.row = ref;
+    const float sink = problem_.transforms().Sink(ref.head);
+    const float factor = state_.AddSink(sink);  // As Tiled finishes a row.
     done.lse = state_.LogSumExp();
+    done.sink_share = OnlineSoftmaxRow::SinkShare(sink, done.lse);
     done.output.resize(s.value_dim);
-    for (int64_t c = 0; c < s.value_dim; ++c) done.output[c] = state_.Normalize(acc_[c]);
+    for (int64_t c = 0; c < s.value_dim; ++c) done.output[c] = state_.Normalize(acc_[c] * factor);
 
     // The full-matrix row, by Naive's own code (the head packed as Naive packs it).
     key_tile_.Load(key_rows_, value_rows_, static_cast<int>(s.key_len),

@@ -14,6 +14,7 @@
 #include "kernels/cuda/backend_impl.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/online_softmax.h"
 
 namespace attn::cuda {
 
@@ -155,6 +156,7 @@ class RecordedTraceCursor final : public TraceCursor {
     std::vector<float> scaled_scores;  // Empty when the transform is the identity.
     std::vector<float> biases;         // Empty without ALiBi slopes.
     std::vector<Hidden> hidden;        // Empty when no mask applies.
+    std::vector<float> sinks;          // [heads] the problem's sinks; empty without.
   };
 
   RecordedTraceCursor(Records records, Stats stats) : records_(std::move(records)), stats_(stats) {}
@@ -206,6 +208,9 @@ class RecordedTraceCursor final : public TraceCursor {
     done.reference.assign(r.reference.begin() + row_ * dv, r.reference.begin() + (row_ + 1) * dv);
     done.max_abs_error = MaxAbsError(done.output, done.reference);
     done.lse = r.lse[row_];
+    if (!r.sinks.empty()) {
+      done.sink_share = OnlineSoftmaxRow::SinkShare(r.sinks[done.row.head], done.lse);
+    }
     *item = std::move(done);
     ++row_;
     tile_ = 0;
@@ -233,6 +238,7 @@ absl::StatusOr<std::unique_ptr<TraceCursor>> CudaBackend::Trace(const Problem& p
   RecordedTraceCursor::Records records;
   records.block_k = problem.block_k;
   records.key_len = s.key_len;
+  if (problem.sinks != nullptr) records.sinks.assign(problem.sinks, problem.sinks + s.heads);
   records.value_dim = s.value_dim;
   std::vector<int64_t> row_refs;
   int64_t steps = 0;

@@ -41,7 +41,8 @@ int64_t StagingBytes(const Problem& problem, bool lse) {
   int64_t inputs = s.batch * s.heads * s.query_len * s.head_dim;
   if (problem.pages == nullptr)
     inputs += s.batch * s.kv_heads * s.key_len * (s.head_dim + s.value_dim);
-  const int64_t slopes = problem.alibi_slopes != nullptr ? s.heads * 4 : 0;
+  const int64_t slopes = ((problem.alibi_slopes != nullptr ? s.heads * 4 : 0) +
+                          (problem.sinks != nullptr ? s.heads * 4 : 0));
   const int64_t sequences = problem.sequences > 0 ? 2 * (problem.sequences + 1) * 8 : 0;
   return std::max(inputs * element + slopes + sequences, ResultBytes(problem, lse));
 }
@@ -89,7 +90,7 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
   device.shape = s;
   device.pitch = pitch;
   device.scale = problem.scale;
-  device.transforms = problem.transforms();  // Its slopes, if any, copied below.
+  device.transforms = problem.transforms();  // Its slopes and sinks, if any, copied below.
   device.geometry = problem.geometry();
   device.dtype = DeviceDType(problem);  // Mixed: all as fp32.
   const int64_t element = ElementSize(device.dtype);
@@ -133,14 +134,16 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
         "cudaMemcpy2DAsync (input)"));
     staged += dense_bytes;
   }
-  if (problem.alibi_slopes != nullptr) {
+  // Per-head values: the ALiBi slopes and the sinks.
+  for (const float** per_head : {&device.transforms.alibi_slopes, &device.transforms.sinks}) {
+    if (*per_head == nullptr) continue;
     const int64_t bytes = s.heads * 4;
-    ATTN_ASSIGN_OR_RETURN(float* slopes, memory.Allocate<float>(bytes));
-    std::memcpy(staged, problem.alibi_slopes, bytes);
+    ATTN_ASSIGN_OR_RETURN(float* copy, memory.Allocate<float>(bytes));
+    std::memcpy(staged, *per_head, bytes);
     ATTN_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(slopes, staged, bytes, cudaMemcpyHostToDevice, slot.stream),
-              "cudaMemcpyAsync (ALiBi slopes)"));
-    device.transforms.alibi_slopes = slopes;
+        Check(cudaMemcpyAsync(copy, staged, bytes, cudaMemcpyHostToDevice, slot.stream),
+              "cudaMemcpyAsync (ALiBi slopes or sinks)"));
+    *per_head = copy;
     staged += bytes;
   }
   if (problem.sequences > 0) {  // A ragged batch's cumulative lengths, for the geometry.

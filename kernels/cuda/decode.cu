@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const DecodeBatch b
       other.denominator = states[2 * chunk + 1];
       row.MergeInto(other, &accs[chunk * value_dim + c], &acc, 1);
     }
-    StoreElement(item.output, item.output_dtype, flat * value_dim + c, row.Normalize(acc));
+    const float factor = row.AddSink(item.transforms.Sink(flat / item.query_len));
+    StoreElement(item.output, item.output_dtype, flat * value_dim + c, row.Normalize(acc * factor));
     if (c == 0 && item.lse != nullptr) item.lse[flat] = row.LogSumExp();
   }
 }

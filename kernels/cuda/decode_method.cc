@@ -98,8 +98,8 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
   // scratch.
   std::vector<DecodeItem> items(count);
   std::vector<DecodeUnit> units;
-  std::vector<int64_t> query_offset(count), slopes_offset(count), output_offset(count),
-      lse_offset(count);
+  std::vector<int64_t> query_offset(count), slopes_offset(count), sinks_offset(count),
+      output_offset(count), lse_offset(count);
   int64_t query_bytes = 0, result_bytes = 0, partial_acc = 0, partial_state = 0, max_rows = 0;
   double flops = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -115,7 +115,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     item.head_dim = s.head_dim;
     item.value_dim = s.value_dim;
     item.scale = p.scale;
-    item.transforms = p.transforms();  // Its slopes, if any, uploaded below.
+    item.transforms = p.transforms();  // Its slopes and sinks, if any, uploaded below.
     item.geometry = p.geometry();
     item.chunk_keys = chunk_keys;
     item.chunks = (s.key_len + chunk_keys - 1) / chunk_keys;
@@ -127,9 +127,13 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     max_rows = std::max(max_rows, rows);
     query_offset[i] = query_bytes;
     query_bytes += Align(rows * s.head_dim * 4);
-    slopes_offset[i] = -1;
+    slopes_offset[i] = sinks_offset[i] = -1;
     if (p.alibi_slopes != nullptr) {
       slopes_offset[i] = query_bytes;
+      query_bytes += Align(s.heads * 4);
+    }
+    if (p.sinks != nullptr) {
+      sinks_offset[i] = query_bytes;
       query_bytes += Align(s.heads * 4);
     }
     output_offset[i] = result_bytes;
@@ -184,6 +188,10 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     if (slopes_offset[i] >= 0) {
       std::memcpy(staged + slopes_offset[i], p.alibi_slopes, p.shape.heads * 4);
       items[i].transforms.alibi_slopes = reinterpret_cast<const float*>(upload + slopes_offset[i]);
+    }
+    if (sinks_offset[i] >= 0) {
+      std::memcpy(staged + sinks_offset[i], p.sinks, p.shape.heads * 4);
+      items[i].transforms.sinks = reinterpret_cast<const float*>(upload + sinks_offset[i]);
     }
     items[i].output = results + output_offset[i];
     items[i].lse = lse_offset[i] >= 0 ? reinterpret_cast<float*>(results + lse_offset[i]) : nullptr;

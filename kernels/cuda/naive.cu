@@ -22,8 +22,8 @@ constexpr int kSoftmaxThreads = 256;
 
 // One block per score row: the transform (kernels/score_transform.h) and the mask
 // (kernels/geometry.h), then the full-row stable softmax
-// (SoftmaxRow, online_softmax.h) shared by the block's threads. A row that sees no key gets zero
-// weights and lse −inf.
+// (SoftmaxRow, online_softmax.h, with the head's sink) shared by the block's threads. A row that
+// sees no key gets zero weights and lse −inf (the sink with one).
 __global__ void __launch_bounds__(kSoftmaxThreads)
     SoftmaxKernel(float* scores, float* weights, float* lse, int64_t heads, const Geometry geometry,
                   const ScoreTransforms transforms) {
@@ -31,7 +31,8 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   const int64_t key_len = geometry.key_len;
   const int64_t query_row = row % geometry.query_len;
   const KeyRange visible = geometry.Visible(query_row);
-  const ScoreTransform transform = transforms.ForHead(row / geometry.query_len % heads);
+  const int64_t head = row / geometry.query_len % heads;
+  const ScoreTransform transform = transforms.ForHead(head);
   if (!transform.Identity()) {
     const int64_t distance = geometry.Distance(query_row, 0);  // p − t of key 0.
     for (int64_t j = visible.begin + threadIdx.x; j < visible.end; j += kSoftmaxThreads) {
@@ -41,7 +42,8 @@ __global__ void __launch_bounds__(kSoftmaxThreads)
   }
   const OnlineSoftmax<BlockReduce<kSoftmaxThreads>> softmax =
       SoftmaxRow<BlockReduce<kSoftmaxThreads>>(scores + row * key_len, weights + row * key_len,
-                                               key_len, visible, threadIdx.x, kSoftmaxThreads);
+                                               key_len, visible, transforms.Sink(head), threadIdx.x,
+                                               kSoftmaxThreads);
   if (lse != nullptr && threadIdx.x == 0) lse[row] = softmax.LogSumExp();
 }
 

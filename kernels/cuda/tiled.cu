@@ -78,6 +78,7 @@ struct BlockWork {
   int64_t batch_head, batch_kv_head, row0;
   KeyRange tiles;
   ScoreTransform transform;  // The head's.
+  float sink;                // The head's sink (−inf: none).
 };
 
 __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
@@ -88,6 +89,7 @@ __device__ __forceinline__ BlockWork WorkOf(const Params& p, int rows) {
   const int64_t batch = work.batch_head / p.heads;
   work.batch_kv_head = batch * p.kv_heads + KvHeadOf(head, p.heads, p.kv_heads);
   work.transform = p.transforms.ForHead(head);
+  work.sink = p.transforms.Sink(head);
   const int64_t last_row = min(work.row0 + rows, p.query_len) - 1;
   work.tiles = p.geometry.VisitedTiles(work.row0, last_row, kKeys);
   return work;
@@ -279,8 +281,12 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
   };
   Pipeline(work.tiles, load, compute);
 
-  // The quad's shares of each denominator summed; normalize, write.
-  for (int r = 0; r < 2; ++r) state[r].Finish();
+  // The quad's shares of each denominator summed, the sink added; normalize, write.
+  float factor[2];
+  for (int r = 0; r < 2; ++r) {
+    state[r].Finish();
+    factor[r] = state[r].AddSink(work.sink);
+  }
   float* out_rows = p.out + work.batch_head * p.query_len * p.value_dim;
 #pragma unroll
   for (int nd = 0; nd < kDimBlocks; ++nd) {
@@ -289,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) MmaKernel(const Params p) {
       const int64_t row = work.row0 + local_row[e / 2];
       const int column = nd * 8 + quad * 2 + e % 2;
       if (row < p.query_len && column < p.value_dim) {
-        out_rows[row * p.value_dim + column] = state[e / 2].Normalize(out[nd][e]);
+        out_rows[row * p.value_dim + column] = state[e / 2].Normalize(out[nd][e] * factor[e / 2]);
       }
     }
   }
@@ -373,13 +379,14 @@ __global__ void __launch_bounds__(kThreads, 1) Fp32Kernel(const Params p) {
 #pragma unroll
   for (int r = 0; r < kFp32RowsPerWarp; ++r) {
     state[r].Finish();  // The warp's shares of the denominator summed.
+    const float factor = state[r].AddSink(work.sink);
     const int64_t row = work.row0 + warp * kFp32RowsPerWarp + r;
     if (row >= p.query_len) continue;
 #pragma unroll
     for (int c = 0; c < kColumns; ++c) {
       const int column = lane + 32 * c;
       if (column < p.value_dim)
-        out_rows[row * p.value_dim + column] = state[r].Normalize(out[r][c]);
+        out_rows[row * p.value_dim + column] = state[r].Normalize(out[r][c] * factor);
     }
     if (p.lse != nullptr && lane == 0) {
       p.lse[work.batch_head * p.query_len + row] = state[r].LogSumExp();
@@ -449,11 +456,12 @@ __global__ void __launch_bounds__(kRowWarps * 32, 1) RowKernel(const RowParams p
     }
   }
   state.Finish();
+  const float factor = state.AddSink(p.transforms.Sink(head));
   float* out_row = params.out + global_row * s.value_dim;
 #pragma unroll
   for (int m = 0; m < kRowColumnsPerLane; ++m) {
     const int64_t column = lane + 32 * m;
-    if (column < s.value_dim) out_row[column] = state.Normalize(acc[m]);
+    if (column < s.value_dim) out_row[column] = state.Normalize(acc[m] * factor);
   }
   if (params.lse != nullptr && lane == 0) params.lse[global_row] = state.LogSumExp();
 }

@@ -92,10 +92,14 @@ __global__ void TraceKernel(const TraceParams params) {
       rec.estimate[step * s.value_dim + column] = state.Normalize(a);
     }
   }
+  const float sink = p.transforms.Sink(head);
+  const float factor = state.AddSink(sink);  // As Tiled finishes a row.
 #pragma unroll
   for (int m = 0; m < kMaxColumnsPerLane; ++m) {
     const int64_t column = lane + 32 * m;
-    if (column < s.value_dim) rec.output[r * s.value_dim + column] = state.Normalize(acc[m]);
+    if (column < s.value_dim) {
+      rec.output[r * s.value_dim + column] = state.Normalize(acc[m] * factor);
+    }
   }
   if (lane == 0) rec.lse[r] = state.LogSumExp();
 
@@ -109,7 +113,7 @@ __global__ void TraceKernel(const TraceParams params) {
   // lane's scores must be visible to every lane (the SIMT emulator's first catch: without this
   // a lane read scores its neighbours had not written yet).
   __syncwarp();
-  SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, lane, 32);
+  SoftmaxRow<WarpReduce>(full, full, s.key_len, visible, sink, lane, 32);
   __syncwarp();  // Every lane's weights are visible to every lane.
 #pragma unroll
   for (int m = 0; m < kMaxColumnsPerLane; ++m) {

@@ -71,13 +71,14 @@ std::string Describe(const Problem& p) {
   const Shape& s = p.shape;
   return absl::StrFormat(
       "problem [B=%d H=%d Hkv=%d Nq=%d Nk=%d d=%d dv=%d], q/k/v %s/%s/%s → %s, scale %g, "
-      "block_k %d%s%s, window (%d, %d), softcap %g%s",
+      "block_k %d%s%s, window (%d, %d), softcap %g%s%s",
       s.batch, s.heads, s.kv_heads, s.query_len, s.key_len, s.head_dim, s.value_dim,
       DTypeName(p.query.dtype), DTypeName(p.key.dtype), DTypeName(p.value.dtype),
       DTypeName(p.output_dtype), p.scale, p.block_k, p.causal ? ", causal" : "",
       p.return_lse ? ", lse" : "", p.window_left, p.window_right, p.softcap,
       p.alibi_slopes != nullptr ? absl::StrFormat(", ALiBi (slope 0: %g)", p.alibi_slopes[0])
-                                : std::string());
+                                : std::string(),
+      p.sinks != nullptr ? absl::StrFormat(", sinks (sink 0: %g)", p.sinks[0]) : std::string());
 }
 
 Backend& Cpu() {
@@ -111,6 +112,8 @@ void ExpectInvariants(const Problem& p) {
       (p.alibi_slopes == nullptr ||
        std::all_of(p.alibi_slopes, p.alibi_slopes + s.heads,
                    [](float slope) { return std::isfinite(slope); })) &&
+      (p.sinks == nullptr ||
+       std::all_of(p.sinks, p.sinks + s.heads, [](float sink) { return std::isfinite(sink); })) &&
       (p.window_left == kUnbounded || (p.window_left >= 0 && p.window_left <= kMaxPosition)) &&
       (p.window_right == kUnbounded || (p.window_right >= 0 && p.window_right <= kMaxPosition));
   if (!ok) Fail(absl::StrCat("validation accepted an invalid ", Describe(p)));
@@ -157,7 +160,11 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   RowReference ref;
   ref.visible = p.Visible(row.row);
   ref.output.assign(s.value_dim, 0.0);
+  // The sink: one more logit of the row, e^sink in its sum and no value.
+  const bool has_sink = p.sinks != nullptr;
+  const double sink = has_sink ? double{p.sinks[row.head]} : -INFINITY;
   if (ref.visible.size() == 0) {
+    ref.lse = sink;  // −inf without a sink.
     ref.tame = true;
     return ref;
   }
@@ -188,7 +195,8 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
     products = std::max(products, abs_dot);
     max_score = std::max(max_score, scores[j]);
   }
-  double denominator = 0;
+  max_score = std::max(max_score, sink);
+  double denominator = has_sink ? std::exp(sink - max_score) : 0.0;
   for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) {
     const double weight = std::exp(scores[j] - max_score);
     denominator += weight;
@@ -205,7 +213,8 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   const double scale = std::abs(double{p.scale});
   const double visible = static_cast<double>(ref.visible.size());
   ref.tame = std::max({max_abs_query, max_abs_key, scale * max_abs_query, products,
-                       scale * products, ref.max_abs_value * visible, max_bias}) <= kMaxTame;
+                       scale * products, ref.max_abs_value * visible, max_bias,
+                       has_sink ? std::abs(sink) : 0.0}) <= kMaxTame;
   const double u = kUnitRoundoff;
   // The softcap's tanh has slope ≤ 1, so it passes the product's error on unchanged and adds
   // its own (tanhf's few ulps of a result within ±softcap).
@@ -238,12 +247,12 @@ void ExpectRowMatches(absl::string_view where, const Problem& p, const RowRef& r
                          where, row.batch, row.head, row.row, Describe(p), ref.visible.size(),
                          p.shape.key_len, what));
   };
-  if (ref.visible.size() == 0) {  // Zeros and −inf, whatever the inputs.
+  if (ref.visible.size() == 0) {  // Zeros and −inf (the sink with one), whatever the inputs.
     for (int64_t c = 0; c < p.shape.value_dim; ++c) {
       if (output(c) != 0.f) fail(absl::StrCat("out[", c, "] = ", output(c), "; expected 0"));
     }
-    if (lse != nullptr && !(std::isinf(*lse) && *lse < 0)) {
-      fail(absl::StrCat("lse = ", *lse, "; expected -inf"));
+    if (lse != nullptr && !(double{*lse} == ref.lse)) {
+      fail(absl::StrCat("lse = ", *lse, "; expected ", ref.lse));
     }
     return;
   }
@@ -518,9 +527,12 @@ void FuzzTrace(const v1::TraceRequest& request) {
     ExpectRowMatches(
         "Trace reference", p, row, ref, DType::kFloat32,
         [&](int64_t c) { return done.reference[c]; }, nullptr);
-    if (tiles > 0) {
+    if (tiles > 0) {  // Steps never include the sink: the last estimate is the keys' alone.
+      Problem keys_only = p;
+      keys_only.sinks = nullptr;
       ExpectRowMatches(
-          "Trace last estimate", p, row, ref, DType::kFloat32,
+          "Trace last estimate", keys_only, row,
+          p.sinks == nullptr ? ref : ReferenceRow(keys_only, row), DType::kFloat32,
           [&](int64_t c) { return estimate[c]; }, nullptr);
     }
     if (ref.tame) {

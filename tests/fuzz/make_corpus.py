@@ -113,6 +113,17 @@ seeds = {
     "attention-alibi-key-slice": ATTENTION + random_request(
         15, [2], 1, 7, 8, 4, 3, block_k=5, return_lse=True, key_position=6, query_position=3,
         alibi_slopes=[0.7, -0.3], softcap=2.0).SerializeToString(),
+    # Attention sinks (gpt-oss): GQA, causal with a window; a key slice whose first rows see no
+    # key (output 0, lse = sink); sinks far above every score with a softcap and ALiBi.
+    "attention-sinks-window-gqa": ATTENTION + random_request(
+        18, [1, 4], 2, 9, 13, 5, 4, causal=True, block_k=3, return_lse=True, window_left=4,
+        sinks=[0.5, -1.0, 2.0, 0.0]).SerializeToString(),
+    "attention-sinks-key-slice": ATTENTION + random_request(
+        19, [2], 1, 9, 5, 4, 3, causal=True, block_k=2, return_lse=True, key_position=6,
+        query_position=3, sinks=[0.25, -0.5]).SerializeToString(),
+    "attention-sinks-far-above": ATTENTION + random_request(
+        20, [2], 2, 6, 11, 4, 4, block_k=4, return_lse=True, softcap=2.0,
+        alibi_slopes=[0.5, 0.25], sinks=[40.0, 1e4]).SerializeToString(),
     # Ragged batches: unequal lengths, an empty sequence, causal with ALiBi and a window.
     "attention-ragged-causal": ATTENTION + ragged(random_request(
         16, [4], 2, 12, 10, 5, 4, causal=True, block_k=3, return_lse=True, window_left=4,
@@ -141,6 +152,9 @@ seeds = {
         attention=random_request(9, [3], 3, 5, 13, 4, 4, causal=True, block_k=3, key_position=2,
                                  query_position=7),
         rows=rows((0, 0, 0), (0, 2, 4))).SerializeToString(),
+    "trace-sinks-unseeing-row": TRACE + pb.TraceRequest(
+        attention=random_request(21, [2], 1, 7, 5, 4, 3, causal=True, block_k=2, sinks=[0.5, 3.0]),
+        rows=rows((0, 0, 0), (0, 1, 6))).SerializeToString(),
     "trace-two-sided-window": TRACE + pb.TraceRequest(
         attention=random_request(11, [2], 2, 9, 15, 4, 3, block_k=2, window_left=3,
                                  window_right=2),

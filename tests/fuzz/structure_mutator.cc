@@ -167,7 +167,7 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
       options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
       return true;
     case 10:
-      switch (Pick(rng, 10)) {
+      switch (Pick(rng, 11)) {
         case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
           const int64_t choice = Pick(rng, 4);
           options->set_key_position(choice == 0   ? 0
@@ -215,6 +215,19 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
                                       std::ldexp(1.f, -static_cast<int>(h % 8) - 1));
           }
           if (choice == 4) options->set_alibi_slopes(Pick(rng, heads), NAN);
+          break;
+        }
+        case 10: {  // Sinks: none, one per query head (small, or far above every score), one
+                    // too many, or a refused (non-finite) one
+          const int rank = q->shape_size();
+          const int64_t heads = rank >= 3 ? q->shape(rank - 3) : 1;
+          const int64_t choice = Pick(rng, 5);
+          options->clear_sinks();
+          if (choice == 0 || heads < 1 || heads > 64) break;
+          for (int64_t h = 0; h < heads + (choice == 3); ++h) {
+            options->add_sinks(choice == 2 ? 1e4f : 0.5f * static_cast<float>(h % 5) - 1.f);
+          }
+          if (choice == 4) options->set_sinks(Pick(rng, heads), Pick(rng, 2) ? NAN : -INFINITY);
           break;
         }
         case 0:

@@ -246,6 +246,7 @@ struct DecodeCase {
   std::vector<Shape> items;  // Batch 1 each; key_len is the cache's length.
   bool causal = false;
   bool alibi = false;  // ALiBi slopes 2^−(h+1) on every item (the split kernel's rows by head).
+  bool sinks = false;  // Sinks 0.5·h − 1 on every item (added in the merge kernel, by head).
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
@@ -263,6 +264,9 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
     hosts.push_back(RandomProblem(c.items[i], c.dtype, c.causal, 8, seed + i));
     for (int64_t h = 0; c.alibi && h < c.items[i].heads; ++h) {
       hosts.back().alibi_slopes.push_back(std::ldexp(1.f, -static_cast<int>(h) - 1));
+    }
+    for (int64_t h = 0; c.sinks && h < c.items[i].heads; ++h) {
+      hosts.back().sinks.push_back(0.5f * static_cast<float>(h) - 1.f);
     }
   }
   std::vector<Problem> problems;
@@ -347,6 +351,19 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{"AlibiCausalRowGroupsBf16",
                    DType::kBFloat16,
                    {MakeShape(1, 12, 2, 5, 97, 64, 48), MakeShape(1, 12, 2, 1, 600, 64, 48)},
+                   true,
+                   true},
+        // gpt-oss-like: GQA with sinks, causal, a long cache split in chunks and a short one.
+        DecodeCase{"SinksCausalGqaF32",
+                   DType::kFloat32,
+                   {MakeShape(1, 8, 2, 3, 700, 64, 64), MakeShape(1, 8, 2, 1, 9, 64, 64)},
+                   true,
+                   false,
+                   true},
+        DecodeCase{"SinksAlibiBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 6, 3, 2, 131, 48, 40)},
+                   true,
                    true,
                    true}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
