@@ -13,8 +13,10 @@
 namespace attn {
 
 // Rewrites argv so each "--flag-name[=value]" reads "--flag_name[=value]"; values, positional
-// arguments and everything after a bare "--" are untouched. The object owns the rewritten text;
-// hand argc() and argv() to absl::ParseCommandLine while it lives.
+// arguments and everything after a bare "--" are untouched. A flag's name starts with a letter,
+// so a separate value that starts with a dash ("--sinks -2,-1.5", "--window -1,4") is a value,
+// not a flag, and keeps its dashes. The object owns the rewritten text; hand argc() and argv()
+// to absl::ParseCommandLine while it lives.
 class DashedFlags {
  public:
   DashedFlags(int argc, char** argv) {
@@ -22,7 +24,8 @@ class DashedFlags {
     for (int i = 0; i < argc; ++i) {
       std::string arg = argv[i];
       if (arg == "--") flags_ended = true;
-      if (i > 0 && !flags_ended && arg.size() > 2 && arg[0] == '-') {
+      const size_t name = arg.rfind("--", 0) == 0 ? 2 : 1;  // where the name starts
+      if (i > 0 && !flags_ended && arg.size() > 2 && arg[0] == '-' && IsLetter(arg[name])) {
         const size_t end = arg.find('=');
         for (size_t c = 1; c < std::min(end, arg.size()); ++c) {
           if (arg[c] == '-' && c > 1) arg[c] = '_';
@@ -38,6 +41,8 @@ class DashedFlags {
   char** argv() { return pointers_.data(); }
 
  private:
+  static bool IsLetter(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+
   std::vector<std::string> args_;
   std::vector<char*> pointers_;
 };

@@ -68,6 +68,9 @@ check alibi-count 1 '--alibi gives 2 slopes for 1 query heads' -- \
   "$attn" "${target[@]}" tiled --example seed --alibi 1,2
 check alibi-standard 0 'output \[1, 4, 9, 8\]' -- \
   "$attn" "${target[@]}" tiled --random 1,4,9,8 --kv-heads 2 --causal --alibi standard
+# A list of negative values as its own argument is a value, not a flag (common/dashed_flags.h).
+check sinks-negative-list 0 'sink -1\.5 joins after the last tile: it takes 0\.[0-9]+ of the row' -- \
+  "$attn" "${target[@]}" trace --random 1,2,8,4 --sinks -2,-1.5 --rows 0:1:7
 check seqlens-tiled 0 'output \[1, 4, 46, 8\]' -- \
   "$attn" "${target[@]}" tiled --random 1,4,1,8 --kv-heads 2 --causal --seqlens 5,1,40/7,1,33
 check seqlens-trace 0 '2 sequences \(cu_seqlens_q \[0, 3, 7\], cu_seqlens_k \[0, 5, 7\]\)' -- \
@@ -155,6 +158,9 @@ decode_run() {  # decode_run DTYPE MAX_ERROR ARGS...: attn decode, its error at 
 }
 decode_run f32 1e-5 --heads 4 --kv-heads 2 --head-dim 16 --value-dim 12 --tokens 300 --steps 3
 decode_run bf16 1e-2 --heads 4 --kv-heads 1 --head-dim 32 --tokens 300 --steps 3 --seed 5
+# The step's float64 reference takes the sinks, the softcap and the ALiBi bias too.
+decode_run f32 1e-5 --heads 4 --kv-heads 2 --head-dim 16 --tokens 300 --steps 3 --seed 7 \
+  --sinks 3,-1,0.5,2 --softcap 5 --alibi standard
 check decode-leaves-no-cache 0 '^no caches$' -- "${cache[@]}" list
 check decode-bad-heads 1 '--kv-heads must divide --heads' -- \
   "$attn" "${target[@]}" decode --heads 4 --kv-heads 3

@@ -162,7 +162,9 @@ int64_t StatelessRequestBytes(const v1::Tensor& query, const v1::AttentionOption
 
 // max |out − ref| / max |ref| for one decode step: softmax(scale · q Kᵀ) V in float64, over the
 // stored keys and values, for query [heads, 1, head_dim] (the keys the window leaves the last
-// row: all of them without one).
+// row: all of them without one), each score capped and biased as the options say (softcap ·
+// tanh(s / softcap), then −slope · |p − t|), and the head's sink one more term of the softmax
+// with no value (attention.proto, AttentionOptions).
 double StepError(const std::vector<float>& query, const std::vector<float>& output,
                  const std::vector<std::vector<float>>& keys,
                  const std::vector<std::vector<float>>& values, int64_t heads, int64_t head_dim,
@@ -185,10 +187,16 @@ double StepError(const std::vector<float>& query, const std::vector<float>& outp
       double s = 0;
       for (int64_t c = 0; c < head_dim; ++c)
         s += double(query[h * head_dim + c]) * k[j * head_dim + c];
-      scores[j] = s * scale;
+      s *= scale;
+      if (options.softcap() > 0) s = options.softcap() * std::tanh(s / options.softcap());
+      // The new token, at the last position, is length − 1 − j positions after key j.
+      if (options.alibi_slopes_size() > 0) s -= options.alibi_slopes(h) * double(length - 1 - j);
+      scores[j] = s;
       max = std::max(max, scores[j]);
     }
-    double sum = 0;
+    const double sink = options.sinks_size() > 0 ? options.sinks(h) : -INFINITY;
+    max = std::max(max, sink);
+    double sum = options.sinks_size() > 0 ? std::exp(sink - max) : 0;
     std::fill(row.begin(), row.end(), 0.0);
     for (int64_t j = first; j < length; ++j) {
       const double w = std::exp(scores[j] - max);
