@@ -41,7 +41,8 @@ peak_memory_bytes); `.response` the AttentionResponse itself.
 Trace events are plain dicts, one per TraceEvent, with "kind" set to "start", "step",
 "row_done" or "end" and the message's fields by their proto names; repeated floats (scores,
 scaled_scores, biases, weights, accumulator, estimate, output, reference, and the "start"
-event's alibi_slopes) are float32 NumPy arrays, repeated integers (the "start" event's
+event's alibi_slopes and sinks) are float32 NumPy arrays, single floats (a "row_done"'s lse,
+max_abs_error and sink_share, ...) Python floats, repeated integers (the "start" event's
 cu_seqlens_q and cu_seqlens_k) lists of ints, a step's "hidden" (why each key is hidden:
 "HIDDEN_NONE", "HIDDEN_CAUSAL", "HIDDEN_WINDOW" or "HIDDEN_SEQUENCE"; empty without a mask) a
 list of names, a RowRef is a (batch, head, row) tuple, ExecutionStats a dict and an unset
@@ -117,6 +118,9 @@ several calls or servers, the parts merged with `merge_states`:
                           output_dtype="fp32") for a, b in ((0, 100), (100, key_len))]
     output, lse = merge_states([(p.output, p.lse) for p in parts])
 
+(With sinks, only the first slice, at the sequence's first key, is sent with them; see
+"Attention sinks" below.)
+
 Sliding window: naive, tiled, trace and decode also take window_left and window_right
 (FlashAttention's window_size; None, the default: unbounded on that side). A query at position
 p then sees only the keys at positions t with
@@ -161,6 +165,28 @@ as in the whole problem, so split problems still merge. In decode the slopes are
 before softcap and bias, next to "scores" = softcap(scaled_scores) + biases (−inf where
 masked); without ALiBi "biases" is empty.
 
+Attention sinks: naive, tiled, trace and decode also take sinks (gpt-oss, StreamingLLM; None,
+the default: none), one logit per query head. sinks[h] joins every softmax row of query head
+h as one more score that takes weight but contributes no value:
+
+    out = Σ_j e^(x_j − m) v_j / (Σ_j e^(x_j − m) + e^(sink − m)),  m = max(max_j x_j, sink)
+    lse = log(Σ_j e^(x_j) + e^(sink))
+
+where x_j are the row's scores after the scale, softcap, ALiBi bias and mask; the sink itself
+is not scaled, capped, biased or masked. The output's weights then sum to 1 − e^(sink − lse),
+and a row that sees no key gives zeros and lse = sink. sinks is a sequence or 1-D array of
+finite numbers (sent as floats, so finite in float32 too; the client raises ValueError naming
+sinks[h] otherwise): `client.tiled(q, k, v, causal=True, sinks=[0.5] * heads)`. The server
+checks the count (INVALID_ARGUMENT naming options.sinks). The sink belongs to a row once, not
+to each key slice: a problem split by keys sends the sinks only with the slice that starts the
+sequence (the first, at the whole problem's first key_position) and the other slices without;
+merge_states then gives exactly the unsplit answer (the first part's lse already holds
+e^sink). In decode the sinks are the batch's (every item's query must have that many heads),
+each item's rows taking them once. The trace's "start" event repeats them as "sinks" (empty:
+none); a "step" never includes the sink (its estimate is of the keys so far): it joins the row
+once, after the row's last tile, so "row_done"'s output, reference and lse include it and its
+"sink_share" is the weight the sink took, e^(sink − lse) (0.0 without sinks).
+
 Ragged batches: naive, tiled and trace (with inline keys, not cache=) also take cu_seqlens_q
 and cu_seqlens_k (FlashAttention's varlen; None, the default: one sequence), S sequences of
 different lengths packed along the rows: both sequences or 1-D arrays of ints, S + 1 each,
@@ -172,8 +198,8 @@ Sequence s is query rows and keys
     [cu_seqlens_q[s], cu_seqlens_q[s+1])  and  [cu_seqlens_k[s], cu_seqlens_k[s+1])
 
 and its rows see only its keys, at its own positions: its keys at 0 …, its queries bottom-right
-against them (its last row at its last key), so causal, the window, softcap and ALiBi apply to
-each sequence exactly as if it were a request of its own:
+against them (its last row at its last key), so causal, the window, softcap, ALiBi and sinks
+apply to each sequence exactly as if it were a request of its own:
 
     cu_q, cu_k = cumulative_lengths(q_lens), cumulative_lengths(k_lens)
     client.tiled(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -339,7 +365,15 @@ def merge_states(parts):
     nothing to it, whatever its output row holds; a row that no part saw gives zeros and lse
     −inf, never NaN. ValueError for an empty list, mismatched shapes, or an lse that is NaN
     or +inf; TypeError for parts that are not pairs of number arrays (uint16 bf16 bits
-    included: pass output_dtype="fp32")."""
+    included: pass output_dtype="fp32").
+
+    Attention sinks (sinks=) need nothing here, provided the sink is counted once: send the
+    sinks only with the part whose slice starts the sequence (key_position of the whole
+    problem's first key) and the other parts without. That part's lse already includes
+    e^sink, and its output the sink's share of the denominator, so the parts merge exactly to
+    the unsplit answer with sinks (a row that saw none of that slice's keys has lse = sink
+    and output 0 there, and still gives the sink its weight in the merge). Parts that each
+    carried the sinks would count the sink once per part."""
     if isinstance(parts, (str, bytes)) or not hasattr(parts, "__iter__"):
         raise TypeError("parts must be a sequence of (output, lse) pairs, not %s"
                         % type(parts).__name__)
@@ -721,7 +755,7 @@ class Cache:
         query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
         value_dim]). key_position, query_position: this item's positions (Client.decode).
         options: causal, scale, block_k, return_lse, dtype, output_dtype, window_left,
-        window_right, softcap, alibi_slopes. Follows a moved_to once."""
+        window_right, softcap, alibi_slopes, sinks. Follows a moved_to once."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
         if key is not None or value is not None:
@@ -908,7 +942,7 @@ class Client:
     @staticmethod
     def _options(causal, scale, block_k, return_lse, output_dtype, key_position=0,
                  query_position=None, window_left=None, window_right=None, softcap=0.0,
-                 alibi_slopes=None, query=None):
+                 alibi_slopes=None, query=None, sinks=None):
         """The AttentionOptions of a call; `query` (the call's query, for decode its first
         item's) gives the head count for alibi_slopes="standard"."""
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
@@ -939,17 +973,18 @@ class Client:
             options.window_right = _position("window_right", window_right)
         options.softcap = _softcap(softcap)
         options.alibi_slopes.extend(_alibi_slopes(alibi_slopes, query))
+        options.sinks.extend(_sinks(sinks))
         return options
 
     @classmethod
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
                  cache=None, key_position=0, query_position=None, window_left=None,
                  window_right=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None):
+                 cu_seqlens_k=None, sinks=None):
         input_dtype = _dtype_enum(dtype, "dtype")
         options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
                                query_position, window_left, window_right, softcap, alibi_slopes,
-                               q)
+                               q, sinks)
         if (cu_seqlens_q is None) != (cu_seqlens_k is None):
             raise ValueError("a ragged batch gives cu_seqlens_q and cu_seqlens_k together "
                              "(S + 1 cumulative lengths each), or neither; got only %s"
@@ -975,7 +1010,7 @@ class Client:
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
               query_position=None, window_left=None, window_right=None, softcap=0.0,
-              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
@@ -996,36 +1031,46 @@ class Client:
         −alibi_slopes[h] · |p − t| to the score of the key at t for the query at p (the
         positions above), after the softcap and before the mask. A sequence or 1-D array of
         numbers finite in float32, or "standard": standard_alibi_slopes(the query's heads).
+        sinks: None or empty = no sinks, else one logit per query head: sinks[h] joins every
+        softmax row of head h, taking weight but adding no value (out = Σ_j e^(x_j) v_j /
+        (Σ_j e^(x_j) + e^sinks[h]), lse = log(Σ_j e^(x_j) + e^sinks[h]), x_j the row's scores
+        after scale, softcap, ALiBi and mask; the sink itself is none of them); a row that sees
+        no key gives zeros and lse = sinks[h]. A sequence or 1-D array of numbers finite in
+        float32. To split keys, send the sinks only with the slice that starts the sequence
+        (see merge_states()).
         cu_seqlens_q, cu_seqlens_k: None = one sequence, else a ragged batch (both, S + 1
         cumulative lengths each, ints; see cumulative_lengths() and the module docstring): q
         [heads, total_q, head_dim], k and v [kv_heads, total_k, ·], and sequence s's rows
         [cu_seqlens_q[s], cu_seqlens_q[s+1]) see only its keys [cu_seqlens_k[s],
         cu_seqlens_k[s+1]), at its own positions (keys at 0 …, queries bottom-right), the
-        mask, window, softcap and ALiBi applied per sequence. key_position and query_position
-        must then be unset, and cache= is refused (the server's INVALID_ARGUMENT)."""
+        mask, window, softcap, ALiBi and sinks applied per sequence. key_position and
+        query_position must then be unset, and cache= is refused (the server's
+        INVALID_ARGUMENT)."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                                window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                sinks)
         return Result(self._call("Naive", self._stub.Naive, request))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
               query_position=None, window_left=None, window_right=None, softcap=0.0,
-              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
         → Result; key tiles a window hides from a whole block of rows are skipped, and a
         ragged batch's work is split at sequence starts. Other arguments (cache=,
-        key_position, query_position, window_left, window_right, softcap, alibi_slopes,
+        key_position, query_position, window_left, window_right, softcap, alibi_slopes, sinks,
         cu_seqlens_q, cu_seqlens_k too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
-                                window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                                window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                sinks)
         return Result(self._call("Tiled", self._stub.Tiled, request))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
               scale=None, dtype=None, key_position=0, query_position=None, window_left=None,
               window_right=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None,
-              cu_seqlens_k=None):
+              cu_seqlens_k=None, sinks=None):
         """Streams the online softmax of `rows` → an iterator of event dicts (see the module
         docstring): one "start", then per row one "step" per key tile and a "row_done", then
         "end". rows: (batch, head, row) tuples, or ints meaning (0, 0, row); None: row 0.
@@ -1040,6 +1085,10 @@ class Client:
         none), and with them each "step" has "biases", each key's −slope · |p − t| (masked keys
         included), and "scaled_scores" (before softcap and bias), with "scores" =
         softcap(scaled_scores) + biases where visible; without ALiBi biases is empty.
+        sinks as for naive(): the "start" event repeats them as "sinks" (empty: none); a
+        "step" never includes the sink (its estimate is of the keys so far), which joins the
+        row once after its last tile: "row_done"'s output, reference and lse include it, and
+        its "sink_share" is the weight the sink took, e^(sink − lse) (0.0 without sinks).
         cu_seqlens_q, cu_seqlens_k as for naive(): the "start" event repeats them as lists of
         ints (empty: one sequence; its key_position and query_position are then 0), a row is
         (0, head, its packed row), and each "step"'s "hidden" marks the keys of the other
@@ -1049,7 +1098,7 @@ class Client:
         request = pb.TraceRequest(
             attention=self._request(q, k, v, causal, scale, block_k, False, dtype, None, cache,
                                     key_position, query_position, window_left, window_right,
-                                    softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+                                    softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks))
         for index, row in enumerate([] if rows is None else rows):
             if isinstance(row, numbers.Integral) and not isinstance(row, bool):
                 row = (0, 0, row)
@@ -1284,7 +1333,8 @@ class Client:
 
     def decode(self, items, *, causal=False, scale=None, block_k=0, return_lse=False,
                dtype=None, output_dtype=None, key_position=None, query_position=None,
-               window_left=None, window_right=None, softcap=0.0, alibi_slopes=None):
+               window_left=None, window_right=None, softcap=0.0, alibi_slopes=None,
+               sinks=None):
         """Decode: one step of a batch of sequences in one call → DecodeResult.
 
         items: a list, one per sequence (at most one per cache), each a tuple
@@ -1304,6 +1354,12 @@ class Client:
         applied to every item. alibi_slopes (as for naive()): the batch's, one per query head
         of every item (all items' queries must then have the same head count), each item biased
         by its own positions; "standard" takes the head count of the first item's query.
+        sinks (as for naive()): the batch's, one per query head of every item (all items'
+        queries must then have that many heads; the server checks, INVALID_ARGUMENT naming
+        options.sinks), each item's rows taking its sink once. A sequence whose keys are split
+        over several caches must send the sinks only with the part holding its first key, so
+        its parts cannot share one batch with sinks: decode the first part with them and the
+        others in a call without (then merge_states()).
         dtype converts every query, key and value (None: queries as they are, keys and values
         of a Cache in its dtype); other options as for naive()."""
         if key_position is not None or query_position is not None:
@@ -1318,7 +1374,8 @@ class Client:
             options=self._options(causal, scale, block_k, return_lse, output_dtype,
                                   window_left=window_left, window_right=window_right,
                                   softcap=softcap, alibi_slopes=alibi_slopes,
-                                  query=_item_query(items[0]) if items else None))
+                                  query=_item_query(items[0]) if items else None,
+                                  sinks=sinks))
         caches, sent = [], []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
@@ -1595,12 +1652,44 @@ def _item_query(item):
     return None
 
 
+def _per_head_values(name, values, what, also=""):
+    """alibi_slopes or sinks (`name`; `what`: "slope", "sink"; `also`: the other forms its
+    TypeError lists) → the list of floats to send ([]: None, none); TypeError / ValueError
+    naming it, or the offending entry name[h]. A sequence or 1-D array of real numbers, each
+    finite and finite in float32 too (each travels as a proto float); the count (one per query
+    head) is the server's check."""
+    if values is None:
+        return []
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise ValueError("%s must be 1-D (one %s per query head), got shape %s"
+                             % (name, what, values.shape))
+        if values.dtype.kind not in "fiu":
+            raise TypeError("%s has element type %s; expected real numbers"
+                            % (name, values.dtype))
+        values = values.tolist()
+    elif isinstance(values, (str, bytes, dict, set)) or not hasattr(values, "__iter__"):
+        raise TypeError("%s must be a sequence of numbers (one %s per query head)%s or None, "
+                        "not %s" % (name, what, also, type(values).__name__))
+    result = []
+    for h, value in enumerate(values):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError("%s[%d] must be a real number, not %s"
+                            % (name, h, type(value).__name__))
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError("%s[%d] must be finite, got %r" % (name, h, value))
+        with np.errstate(over="ignore", under="ignore"):
+            as_float32 = np.float32(value)
+        if not np.isfinite(as_float32):
+            raise ValueError("%s[%d] = %r is beyond float32's range" % (name, h, value))
+        result.append(value)
+    return result
+
+
 def _alibi_slopes(alibi_slopes, query):
     """alibi_slopes → the list of floats to send ([]: no bias); TypeError / ValueError naming
-    it. "standard" needs `query` for its head count. Each slope travels as a proto float, so it
-    must be finite in float32 too; the count (one per query head) is the server's check."""
-    if alibi_slopes is None:
-        return []
+    it (_per_head_values). "standard" needs `query` for its head count."""
     if isinstance(alibi_slopes, str):
         if alibi_slopes != "standard":
             raise ValueError("alibi_slopes must be None, one slope per query head or "
@@ -1608,31 +1697,14 @@ def _alibi_slopes(alibi_slopes, query):
         if query is None:
             raise ValueError("alibi_slopes=\"standard\" needs a query to count its heads")
         return standard_alibi_slopes(_query_heads(query))
-    if isinstance(alibi_slopes, np.ndarray):
-        if alibi_slopes.ndim != 1:
-            raise ValueError("alibi_slopes must be 1-D (one slope per query head), got shape %s"
-                             % (alibi_slopes.shape,))
-        if alibi_slopes.dtype.kind not in "fiu":
-            raise TypeError("alibi_slopes has element type %s; expected real numbers"
-                            % alibi_slopes.dtype)
-        alibi_slopes = alibi_slopes.tolist()
-    elif isinstance(alibi_slopes, (bytes, dict, set)) or not hasattr(alibi_slopes, "__iter__"):
-        raise TypeError("alibi_slopes must be a sequence of numbers (one per query head), "
-                        "\"standard\" or None, not %s" % type(alibi_slopes).__name__)
-    slopes = []
-    for h, slope in enumerate(alibi_slopes):
-        if isinstance(slope, (bool, np.bool_)) or not isinstance(slope, numbers.Real):
-            raise TypeError("alibi_slopes[%d] must be a real number, not %s"
-                            % (h, type(slope).__name__))
-        value = float(slope)
-        if not math.isfinite(value):
-            raise ValueError("alibi_slopes[%d] must be finite, got %r" % (h, value))
-        with np.errstate(over="ignore", under="ignore"):
-            as_float32 = np.float32(value)
-        if not np.isfinite(as_float32):
-            raise ValueError("alibi_slopes[%d] = %r is beyond float32's range" % (h, value))
-        slopes.append(value)
-    return slopes
+    return _per_head_values("alibi_slopes", alibi_slopes, "slope", also=", \"standard\"")
+
+
+def _sinks(sinks):
+    """sinks → the list of floats to send ([]: no sinks); TypeError / ValueError naming it or
+    sinks[h] (_per_head_values). There is no "standard": sinks are learned, one per query
+    head."""
+    return _per_head_values("sinks", sinks, "sink")
 
 
 def _expected_length(cache, expected_length):

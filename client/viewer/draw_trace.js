@@ -1,9 +1,10 @@
 // Drawing the trace (the page's ideas 1 to 3, in DOM tables and SVG): the key band of a row
 // (drawKeyBand: what hides each key, the window, the row's sequence, the tile), idea 1's score
-// row (drawIdea1), idea 2's bytes (drawBytes) and idea 3's current step with its convergence chart
-// (drawStep). Each draw function reads the run's state (viewer.js's `state`: the problem, the
-// parsed trace events, the current step) and writes only the page; none changes the state but
-// the convergence chart's cache (state.chartCache).
+// row (drawIdea1; with sinks, the sink's logit and share beside the keys'), idea 2's bytes
+// (drawBytes) and idea 3's current step with its convergence chart (drawStep; with sinks, the
+// sink joining the row once after its last tile). Each draw function reads the run's state
+// (viewer.js's `state`: the problem, the parsed trace events, the current step) and writes only
+// the page; none changes the state but the convergence chart's cache (state.chartCache).
 // Exports (AttnViewer.drawTrace): HIDDEN, MAX_COMPONENTS, drawKeyBand, drawIdea1, drawBytes,
 // drawStep, statsText.
 'use strict';
@@ -141,6 +142,31 @@
     return parts.length ? parts.join('; ') + '; ' : '';
   }
 
+  // The sink's row of idea 1's table: its logit where a key's score is (not scaled, capped,
+  // biased or masked: '—' in those columns), its share of the row as its weight (RowDone's
+  // sink_share, e^(sink − lse)), and no value row.
+  function sinkRow(sink, share, anyScaled, alibi, dc) {
+    const tr = el('tr', {class: 'sink', 'data-sink': String(sink)},
+                  el('td', {title: 'attention sink: one more logit of the row, with no value'}, 'sink'));
+    if (anyScaled) tr.append(el('td', {class: 'scaled', title: 'a sink is not scaled'}, '—'));
+    if (alibi) tr.append(el('td', {class: 'bias', title: 'a sink is not biased'}, '—'));
+    const bar = el('span', {class: 'bar sink', style: `width:${(share * 100).toFixed(1)}%`});
+    tr.append(el('td', {class: 'score sink-logit', 'data-value': String(sink),
+                        title: 'the sink\'s logit (options.sinks), as sent'}, fmt(sink, 6)),
+              el('td', {class: 'weight sink-share', 'data-value': String(share),
+                        title: 'the weight the sink took: RowDone.sink_share = e^(sink − lse)'},
+                 el('span', {class: 'barbox'}, bar), ' ', fmt(share)),
+              el('td', {class: 'v', colspan: dc}, 'no value'),
+              el('td', {colspan: dc}, 'adds nothing'));
+    return tr;
+  }
+  // The caption's words on the sink: its logit, its share and what the keys' weights sum to.
+  function sinkCaption(sink, share, weights) {
+    const keys = weights.reduce((a, w) => a + w, 0);
+    return `sink logit ${fmt(sink, 6)} takes ${fmt(share, 6)} of the row; the keys' weights sum ` +
+           `to 1 − ${fmt(share, 6)} = ${fmt(keys, 6)}; `;
+  }
+
   function drawIdea1(state) {
     const table = $('score-table');
     const p = state.problem, cfg = state.cfg;
@@ -175,7 +201,9 @@
     }
     const range = windowRange(start, seq);
     drawKeyBand($('idea1-band'), n, hidden, range, null, seq);
+    // lse includes the sink (with sinks), so the keys' weights sum to 1 − the sink's share.
     const weights = Array.from(scores, (s) => (done.lse === -Infinity ? 0 : Math.exp(s - done.lse)));
+    const sink = start.sinks.length ? start.sinks[0] : null;  // head 0's: the traced row's
     const {colour, max} = tieGroups(scores);
     let keys = Array.from(scores.keys());
     if (n > MAX_TABLE_KEYS) {
@@ -209,22 +237,27 @@
       tr.append(el('td', {}, String(j)));
       if (anyScaled) tr.append(valueCell(scaled[j], 'scaled'));
       if (alibi) tr.append(valueCell(biases[j], 'bias'));
-      tr.append(sc, el('td', {class: 'weight'}, el('span', {class: 'barbox'}, bar), ' ', fmt(w)));
+      tr.append(sc, el('td', {class: 'weight', 'data-value': String(w)},
+                       el('span', {class: 'barbox'}, bar), ' ', fmt(w)));
       for (let c = 0; c < dc; ++c) tr.append(el('td', {class: 'v'}, fmt(p.v[j * d + c], 2)));
       for (let c = 0; c < dc; ++c) tr.append(el('td', {}, fmt(w * p.v[j * d + c])));
       body.append(tr);
     }
+    if (sink !== null) body.append(sinkRow(sink, done.sinkShare, anyScaled, alibi, dc));
     rows.push(body);
     const result = new Float64Array(dc);
     for (let j = 0; j < n; ++j) for (let c = 0; c < dc; ++c) result[c] += weights[j] * p.v[j * d + c];
     const foot = el('tr', {}, el('th', {colspan: 3 + extra + dc},
-                                 n > keys.length ? `Σ over all ${n} keys (${n - keys.length} not listed)`
-                                                 : 'Σ over keys = weighted result'));
+                                 (n > keys.length ? `Σ over all ${n} keys (${n - keys.length} not listed)`
+                                                  : 'Σ over keys = weighted result') +
+                                 (sink !== null ? ' (the sink adds no value)' : '')));
     for (let c = 0; c < dc; ++c) foot.append(el('th', {}, fmt(result[c])));
     rows.push(el('tfoot', {}, foot));
     const ties = new Set(colour.values()).size;
     rows.unshift(el('caption', {},
-                    `lse = ${fmt(done.lse)}; ` + maskCaption(start, range, seq) +
+                    `lse = ${fmt(done.lse)}${sink !== null ? ' (the sink included)' : ''}; ` +
+                    maskCaption(start, range, seq) +
+                    (sink !== null ? sinkCaption(sink, done.sinkShare, weights) : '') +
                     (max.size > 1 ? `${max.size} keys tie for the largest score and share its weight; `
                                   : '') +
                     (ties ? `${ties} group(s) of equal scores highlighted.` : 'no equal scores.')));
@@ -305,6 +338,28 @@
 
   // ---------------------------------------------------------------------------------------------
   // Idea 3: the current step.
+  // The weight the row's sink takes (0 without sinks): RowDone.sink_share once the row is done,
+  // before that e^(sink − lse) from Naive's lse; NaN while neither has come.
+  function sinkShareFor(state, key) {
+    const start = state.start;
+    if (!start || start.sinks.length === 0) return 0;
+    const done = state.rowDone.get(key);
+    if (done) return done.sinkShare;
+    if (state.naive && state.naive.lse) {
+      const lse = state.naive.lse.data[Number(key.split('/')[2])];
+      if (lse !== undefined) return Math.exp(start.sinks[0] - lse);
+    }
+    return NaN;
+  }
+  // What the steps' estimates converge to: the reference over the keys alone, reference ÷ (1 −
+  // the sink's share) (the steps never include the sink; it joins after the last tile); the
+  // reference itself without sinks. Null while unknown.
+  function keysReference(ref, share) {
+    if (!ref || Number.isNaN(share)) return null;
+    if (share === 0) return ref;
+    return ref.map((x) => (share < 1 ? x / (1 - share) : 0));
+  }
+
   function referenceFor(state, key) {
     const done = state.rowDone.get(key);
     if (done) return done.reference;
@@ -391,11 +446,21 @@
         `${fmt(prevDen)} × ${fmt(s.rescale)} + ${fmt(tileSum)} = ${fmt(s.denominator, 6)}`;
 
     // Accumulators: previous · rescale + this tile's weighted values = new; estimate = acc / den.
-    const ref = referenceFor(state, key);
+    // With a sink the estimate is over the keys alone, so it is checked against the reference
+    // over the keys alone.
+    const withSink = !!(start && start.sinks.length);
+    const share = sinkShareFor(state, key);
+    const fullRef = referenceFor(state, key);
+    const ref = keysReference(fullRef, share);
     const dc = Math.min(s.accumulator.length, MAX_COMPONENTS);
+    const refHead = withSink
+      ? el('th', {title: 'the full-matrix result ÷ (1 − sink share): the keys\' part, which the ' +
+                         'estimate converges to; the sink joins after the last tile'},
+           'full-matrix, keys only')
+      : el('th', {}, 'full-matrix');
     const accRows = [el('thead', {}, el('tr', {}, el('th', {}, 'c'), el('th', {}, 'previous × rescale'),
                                              el('th', {}, '+ tile Σ w·v'), el('th', {}, '= accumulator'),
-                                             el('th', {}, 'estimate'), el('th', {}, 'full-matrix'),
+                                             el('th', {}, 'estimate'), refHead,
                                              el('th', {}, '|error|')))];
     const ab = el('tbody');
     for (let c = 0; c < dc; ++c) {
@@ -409,7 +474,7 @@
     }
     accRows.push(ab);
     $('acc-table').replaceChildren(...accRows);
-    drawConvergence(state, key, s.tile, ref);
+    drawConvergence(state, key, s.tile, ref, withSink);
 
     // The final output, once the row's last tile is reached.
     const done = state.rowDone.get(key);
@@ -426,19 +491,43 @@
       out.textContent = `— (step to this row's last tile; about ${remaining} to go)`;
       delete out.dataset.values;
       out.classList.remove('ready');
-      $('reference-output').textContent = ref ? fmtVector(ref, 6) : '—';
+      $('reference-output').textContent = fullRef ? fmtVector(fullRef, 6) : '—';
       $('max-error').textContent = '—';
     }
+    drawSinkJoin(withSink ? start.sinks[0] : null, s, done && last === pos ? done : null);
   }
 
-  // The estimate of each of the first few components against the tile index, for one row; the
-  // polylines are rebuilt only when that row gains steps, the marker moves every step.
-  function drawConvergence(state, key, tile, ref) {
+  // The sink joining the row (#sink-join), once, after its last tile: the max moves to cover its
+  // logit, it takes sink_share of the row, and the output is the keys' estimate × (1 −
+  // sink_share) (OnlineSoftmax::AddSink). Hidden without sinks; before the last tile, says when
+  // it joins.
+  function drawSinkJoin(sink, s, done) {
+    const p = $('sink-join');
+    p.hidden = sink === null;
+    if (sink === null) return;
+    delete p.dataset.share;
+    if (!done) {
+      p.textContent = `The sink (logit ${fmt(sink, 6)}) joins the row once, after its last tile: ` +
+                      'the steps\' estimates are over the keys alone.';
+      return;
+    }
+    const scaled = s.estimate.map((x) => x * (1 - done.sinkShare));
+    p.dataset.share = String(done.sinkShare);
+    p.textContent = `After the last tile the sink joins: logit ${fmt(sink, 6)}, max ` +
+        `${fmt(s.maxAfter)} → ${fmt(Math.max(s.maxAfter, sink))}; it takes sink_share = ` +
+        `e^(sink − lse) = ${fmt(done.sinkShare, 6)} of the row, so output = estimate × (1 − ` +
+        `sink_share) = ${fmtVector(scaled.slice(0, MAX_COMPONENTS), 6)} (the server's above).`;
+  }
+
+  // The estimate of each of the first few components against the tile index, for one row, and
+  // `ref` dashed (with a sink: the keys' part of the full-matrix result); the polylines are
+  // rebuilt only when that row gains steps or the reference arrives, the marker moves every step.
+  function drawConvergence(state, key, tile, ref, withSink) {
     const chart = $('converge-chart');
     const W = 420, H = 180, L = 44, R = 10, T = 10, B = 22;
     let cache = state.chartCache;
     const count = state.steps.length;
-    if (!cache || cache.key !== key || cache.count !== count) {
+    if (!cache || cache.key !== key || cache.count !== count || cache.withRef !== !!ref) {
       const rowSteps = [];
       for (const s of state.steps) if (rowKey(s.row) === key) rowSteps.push(s);
       const comps = Math.min(4, rowSteps.length ? rowSteps[0].estimate.length : 0);
@@ -457,7 +546,8 @@
       nodes.push(svg('text', {x: L - 4, y: T + 8, class: 'tick', 'text-anchor': 'end'}, fmt(hi, 2)));
       nodes.push(svg('text', {x: L - 4, y: H - B, class: 'tick', 'text-anchor': 'end'}, fmt(lo, 2)));
       nodes.push(svg('text', {x: L, y: H - 6, class: 'axis'},
-                     'tile → estimate (dashed: full-matrix result)'));
+                     withSink ? 'tile → estimate (dashed: the keys\' part of the full matrix)'
+                              : 'tile → estimate (dashed: full-matrix result)'));
       const stride = Math.max(1, Math.floor(rowSteps.length / 400));
       for (let c = 0; c < comps; ++c) {
         if (ref) {
@@ -478,7 +568,7 @@
       const marker = svg('line', {y1: T, y2: H - B, class: 'marker'});
       nodes.push(marker);
       chart.replaceChildren(...nodes);
-      cache = state.chartCache = {key, count, x, marker};
+      cache = state.chartCache = {key, count, withRef: !!ref, x, marker};
     }
     cache.marker.setAttribute('x1', cache.x(tile));
     cache.marker.setAttribute('x2', cache.x(tile));

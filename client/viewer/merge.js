@@ -1,12 +1,19 @@
 // The merge of key slices ("Idea 3 × servers"): the one merge rule (OnlineSoftmaxRow::Merge of
-// kernels/online_softmax.h) in float32, the steps of merging a row's parts one at a time, the
-// float64 reference row it is checked against, and the two ways a merge model is made: from the
-// JSON lines of `attn trace --shard-keys --json` (modelFromLines) or from this page's own traces
-// of slices of its keys (keySlices, then modelFromSlices).
+// kernels/online_softmax.h) in float32, the steps of merging a row's parts one at a time, an
+// attention sink joining the merged row once (addSink, OnlineSoftmax::AddSink), the merge of
+// finished (output, lse) states (mergeStates, client::MergeStates), the float64 reference row it
+// is all checked against, and the two ways a merge model is made: from the JSON lines of
+// `attn trace --shard-keys --json` (modelFromLines) or from this page's own traces of slices of
+// its keys (keySlices, then modelFromSlices).
 // A model is {source: 'file' | 'server', label, problem, rows}: rows maps rowKey → {row, parts
-// (each part's final state over its slice), steps (mergeSteps), merged, recomputed}.
-// Exports (AttnViewer.merge): mergeSteps, normalize, maxAbsDiff, referenceRow, modelFromLines,
-// keySlices, modelFromSlices, mergeHidden.
+// (each part's final state over its slice), steps (mergeSteps), sinkJoin (addSink after the last
+// step, or null without sinks), merged, recomputed}.
+// Sinks: the parts' states are their last tile steps', over their keys alone (a step never
+// includes the sink), so the merged keys' state takes the row's sink once, after the last part,
+// as `attn trace --shard-keys` does; the parts' RowDone (output, lse) — the first slice's lse
+// includes the sink, the others' carry none — merge to the same answer (merged.rowDoneMaxAbsDiff).
+// Exports (AttnViewer.merge): mergeSteps, addSink, mergeStates, normalize, maxAbsDiff,
+// referenceRow, modelFromLines, keySlices, modelFromSlices, mergeHidden.
 'use strict';
 
 (() => {
@@ -39,6 +46,44 @@
     return d;
   }
 
+  // OnlineSoftmax::AddSink: the row's sink joins a merged state once — the merge with the state of
+  // one key of score `sink` and a zero value row: max → max(max, sink), the running side rescaled
+  // by factor = exp(max − max_new) (0 for a state that saw no key), the sink's term exp(sink −
+  // max_new) added to the denominator. The output is then accumulator · factor ÷ denominator (0
+  // for a row that saw no key), lse = max + log(denominator) includes the sink, and the sink's
+  // share of the row is exp(sink − lse) (OnlineSoftmax::SinkShare).
+  function addSink(state, sink) {
+    const none = new Array(state.accumulator.length).fill(0);  // the sink's value row
+    const joined = mergeInto(state, {max: sink, denominator: 1, accumulator: none});
+    const lse = joined.denominator > 0 ? f32(joined.max + f32(Math.log(joined.denominator)))
+                                       : -Infinity;
+    return {
+      sink, maxBefore: state.max, maxAfter: joined.max, factor: joined.runningRescale,
+      sinkTerm: joined.partRescale, denominatorBefore: state.denominator,
+      denominator: joined.denominator, accumulator: joined.accumulator,
+      output: normalize(joined.accumulator, joined.denominator), lse,
+      sinkShare: f32(Math.exp(sink - lse)),
+    };
+  }
+
+  // client::MergeStates for one row: finished (output, lse) states, in float64 — O = Σ
+  // exp(lseᵢ − lse)·Oᵢ with lse = log Σ exp(lseᵢ); a part with lse −∞ adds nothing. Returns
+  // {output, lse}.
+  function mergeStates(states) {
+    const width = states.length ? states[0].output.length : 0;
+    const m = Math.max(-Infinity, ...states.map((st) => st.lse));
+    if (m === -Infinity) return {output: new Array(width).fill(0), lse: -Infinity};
+    let sum = 0;
+    const out = new Array(width).fill(0);
+    for (const st of states) {
+      if (st.lse === -Infinity) continue;
+      const w = Math.exp(st.lse - m);
+      sum += w;
+      for (let c = 0; c < width; ++c) out[c] += w * st.output[c];
+    }
+    return {output: out.map((x) => x / sum), lse: m + Math.log(sum)};
+  }
+
   // The merge steps of one row: its parts' states merged one at a time into a running state that
   // starts empty (max −∞, denominator 0).
   function mergeSteps(parts, reference) {
@@ -64,7 +109,9 @@
   // queries × n keys at positions 0…n−1, so query i is at p = i and key j at t = j; the keys the
   // causal mask or the window hide are left out (hiddenByGeometry, the trace's rule), and each
   // seen score is scale · q·k, capped (softcap · tanh(s / softcap)), then biased by
-  // −slope · |p − t| (README "Softcap", "ALiBi": the server's order).
+  // −slope · |p − t| (README "Softcap", "ALiBi": the server's order). With sinks, head 0's sink
+  // (as sent: float32) is one more term of the row's sum with no value — out = Σ e^(x−m) v ÷
+  // (Σ e^(x−m) + e^(sink−m)), m = max(max x, sink) — and a row that sees no key outputs 0.
   function referenceRow(problem, row, options) {
     const {keyLen: n, d, q, k, v} = problem;
     const scale = f32(1 / Math.sqrt(d));  // the server's default scale, rounded to fp32
@@ -84,8 +131,9 @@
     }
     const out = new Array(d).fill(0);
     if (scores.length === 0) return out;
-    const max = Math.max(...scores.map(([, s]) => s));
-    let sum = 0;
+    const sink = options.sinks && options.sinks.length ? f32(options.sinks[0]) : null;
+    const max = Math.max(...scores.map(([, s]) => s), sink === null ? -Infinity : sink);
+    let sum = sink === null ? 0 : Math.exp(sink - max);
     scores.forEach(([j, s]) => {
       const w = Math.exp(s - max);
       sum += w;
@@ -125,6 +173,8 @@
           // Absent: unbounded on that side.
           windowLeft: p.windowLeft === undefined || p.windowLeft === null ? null : num(p.windowLeft),
           windowRight: p.windowRight === undefined || p.windowRight === null ? null : num(p.windowRight),
+          // One per query head when the file gives them (empty: none, or not said).
+          sinks: nums(p.sinks),
         };
       } else if (o.part) {
         const p = o.part;
@@ -150,6 +200,8 @@
           output: nums(m.output), lse: num(m.lse), reference: nums(m.reference),
           maxAbsError: num(m.maxAbsError), relativeError: num(m.relativeError),
           rowDoneMaxAbsDiff: m.rowDoneMaxAbsDiff === undefined ? NaN : num(m.rowDoneMaxAbsDiff),
+          // The weight the row's sink took after the merge (0: no sinks).
+          sinkShare: num(m.sinkShare),
         };
       } else if (o.start || o.step || o.rowDone || o.end) {
         throw new Error('this is the output of attn trace --json (one server\'s events); load ' +
@@ -171,6 +223,12 @@
       }
       // The same rule again, here, from the parts' states: it must give the file's steps.
       r.recomputed = maxAbsDiff(mergeSteps(r.parts, null).at(-1).estimate, r.steps.at(-1).estimate);
+      // The row's sink, joined here after the last step: the file's problem.sinks[head] when it
+      // gives them, else the logit its merged lse and sink share imply, lse + log(sink share).
+      const sink = problem.sinks.length > r.row.head ? problem.sinks[r.row.head]
+        : r.merged.sinkShare > 0 ? f32(r.merged.lse + Math.log(r.merged.sinkShare)) : null;
+      r.sinkFromShare = sink !== null && problem.sinks.length <= r.row.head;
+      r.sinkJoin = sink === null ? null : addSink(lastState(r.steps), sink);
     }
     const servers = [...new Set(rows.values().next().value.parts.map((p) => p.endpoint))];
     const label = problem.singleServer
@@ -179,6 +237,12 @@
       : `${name}: ${problem.parts} parts traced by ${servers.length} server(s): ${servers.join(', ')}.`;
     return {source: 'file', label, problem, rows};
   }
+
+  // The running state after a row's last merge step.
+  const lastState = (steps) => {
+    const last = steps[steps.length - 1];
+    return {max: last.maxAfter, denominator: last.denominator, accumulator: last.accumulator};
+  };
 
   // The page's own split of n keys into `asked` contiguous slices [a, b) (at most MAX_MERGE_PARTS,
   // at most n, at least 1; none empty).
@@ -201,13 +265,18 @@
     }
     if (options.softcap > 0) what.push(`softcap ${fmt(options.softcap)}`);
     if (options.alibiSlopes) what.push(`ALiBi slope ${fmt(options.alibiSlopes[0], 8)}`);
-    return what.length ? ` and the form's ${what.join(', ')}` : '';
+    let text = what.length ? ` and the form's ${what.join(', ')}` : '';
+    if (options.sinks) text += ` (the sink ${fmt(options.sinks[0], 6)} with part 1 only)`;
+    return text;
   }
 
   // A model from "Split and merge": `traces` (transport's collectTrace, one per slice of
   // `slices`, all answered by `server`) of row cfg.row of the page's `problem` under the whole
   // problem's `options`. A part's state is its last step's; a slice the row cannot see has no
   // step and is the empty state (max −∞, denominator 0), which the merge takes with factor 0.
+  // With sinks (options.sinks) the row's sink joins the merged state once, after the last part;
+  // each part keeps the sinks its trace echoed (TraceStart.sinks: the first slice's only) and its
+  // RowDone's (output, lse, sink share), whose merge is checked against the answer.
   function modelFromSlices({server, problem, cfg, options, slices, traces}) {
     const n = problem.keyLen, d = problem.d;
     const parts = traces.map((t, i) => {
@@ -219,14 +288,20 @@
         max: last ? num(last.maxAfter) : -Infinity,           // no step: the empty state
         denominator: last ? num(last.denominator) : 0,
         accumulator: last ? nums(last.accumulator) : new Array(d).fill(0),
-        lse: num(t.done.lse),
+        lse: num(t.done.lse), output: nums(t.done.output),
+        // The sink the part's server applied (head 0's; null: none) and the share it took.
+        sink: t.start && t.start.sinks && t.start.sinks.length ? num(t.start.sinks[0]) : null,
+        sinkShare: num(t.done.sinkShare),
       };
       state.estimate = normalize(state.accumulator, state.denominator);
       return state;
     });
     const reference = referenceRow(problem, cfg.row, options);
     const steps = mergeSteps(parts, reference);
-    const output = steps[steps.length - 1].estimate;
+    const sink = options.sinks && options.sinks.length ? f32(options.sinks[0]) : null;
+    const sinkJoin = sink === null ? null : addSink(lastState(steps), sink);
+    const output = sinkJoin ? sinkJoin.output : steps[steps.length - 1].estimate;
+    const rowDone = mergeStates(parts);
     const row = {batch: 0, head: 0, row: cfg.row};
     return {
       source: 'server',
@@ -239,11 +314,14 @@
       problem: {keyLen: n, queryLen: n, valueDim: d, causal: cfg.causal, keyPosition: 0,
                 queryPosition: 0, parts: parts.length, singleServer: parts.length === 1,
                 keysSent: n, endpoints: [server],
-                windowLeft: cfg.windowLeft, windowRight: cfg.windowRight},
+                windowLeft: cfg.windowLeft, windowRight: cfg.windowRight,
+                sinks: (options.sinks || []).map(f32)},
       rows: new Map([[rowKey(row), {
-        row, parts, steps,
+        row, parts, steps, sinkJoin, sinkFromShare: false,
         merged: {output, reference, maxAbsError: maxAbsDiff(output, reference),
-                 rowDoneMaxAbsDiff: NaN},
+                 lse: sinkJoin ? sinkJoin.lse : NaN, sinkShare: sinkJoin ? sinkJoin.sinkShare : 0,
+                 rowDoneOutput: rowDone.output,
+                 rowDoneMaxAbsDiff: maxAbsDiff(output, rowDone.output)},
         recomputed: 0,
       }]]),
     };
@@ -256,6 +334,7 @@
     return hiddenKeys(geometry, sequenceOf(geometry, r), problem.keyLen);
   }
 
-  (globalThis.AttnViewer ??= {}).merge = {mergeSteps, normalize, maxAbsDiff, referenceRow,
-                                          modelFromLines, keySlices, modelFromSlices, mergeHidden};
+  (globalThis.AttnViewer ??= {}).merge = {mergeSteps, addSink, mergeStates, normalize, maxAbsDiff,
+                                          referenceRow, modelFromLines, keySlices, modelFromSlices,
+                                          mergeHidden};
 })();

@@ -24,14 +24,17 @@
   }
 
   // "Split and merge": this page's problem, its keys cut into contiguous slices, each traced by
-  // this page's server with the form's options (causal, the window, the softcap and ALiBi slopes:
-  // maskOptions, as the run sends them), key_position = the slice's first key and the whole
+  // this page's server with the form's options (causal, the window, the softcap, ALiBi slopes and
+  // sinks: maskOptions, as the run sends them), key_position = the slice's first key and the whole
   // problem's query_position (0: n queries over n keys). The positions place the causal mask, the
   // window and the ALiBi distances of each slice as in the whole (the softcap is per score), so
-  // each slice computes exactly its part; the states merged here. Every slice is sent, also one
-  // the traced row cannot see: it comes back with no step and lse −∞, the empty state, which the
-  // merge takes with factor 0. A ragged batch is refused: its sequences' positions are their own,
-  // which one key_position per slice cannot give.
+  // each slice computes exactly its part; the states merged here. A sink belongs to the row once,
+  // not to each slice: only the slice that starts the keys (key 0, the first part) carries the
+  // sinks, the others are sent without, and the row's sink joins the merged state once
+  // (merge.js). Every slice is sent, also one the traced row cannot see: it comes back with no
+  // step (lse −∞, or the sink's with the sinks), the empty state, which the merge takes with
+  // factor 0. A ragged batch is refused: its sequences' positions are their own, which one
+  // key_position per slice cannot give.
   async function splitAndMerge() {
     clearError();
     const cfg = readConfig();
@@ -44,8 +47,13 @@
     }
     const problem = buildProblem(cfg);
     const n = problem.keyLen, d = problem.d;
-    // The whole problem's options; each slice adds its positions.
+    // The whole problem's options; each slice adds its positions, and all but the first drop the
+    // sinks.
     const options = maskOptions(cfg, {causal: cfg.causal, blockK: cfg.blockK, returnLse: true});
+    const sliceOptions = (a) => {
+      const {sinks, ...rest} = options;
+      return {...(a === 0 ? options : rest), keyPosition: a, queryPosition: 0};
+    };
     const slices = keySlices(n, Math.trunc(Number($('merge-parts').value)) || 1);
     if (merge.abort) merge.abort.abort();
     const abort = new AbortController();
@@ -61,7 +69,7 @@
               query: tensorJson(problem.q, n, d),
               key: tensorJson(problem.k.subarray(a * d, b * d), b - a, d),
               value: tensorJson(problem.v.subarray(a * d, b * d), b - a, d),
-              options: {...options, keyPosition: a, queryPosition: 0},
+              options: sliceOptions(a),
             },
             rows: [{batch: 0, head: 0, row: cfg.row}],
           },

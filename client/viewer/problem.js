@@ -1,7 +1,7 @@
 // The form's problem: its fields read as a config (readConfig; the "Sequences" field parsed by
-// parseSequences), what makes a config unusable (configError), the inputs it builds in float32
-// (buildProblem: the seed example's formulas or a seeded random problem) and the note describing
-// them (problemNote).
+// parseSequences, the "Sinks" field by parseSinks), what makes a config unusable (configError),
+// the inputs it builds in float32 (buildProblem: the seed example's formulas or a seeded random
+// problem) and the note describing them (problemNote).
 // Exports (AttnViewer.problem): readConfig, configError, buildProblem, problemNote.
 'use strict';
 
@@ -9,6 +9,7 @@
   const {$} = AttnViewer.dom;
 
   const MAX_ELEMENTS = 1 << 22;   // per input tensor; beyond this the browser itself suffers
+  const QUERY_HEADS = 1;          // the page's problems have one query head (and one kv head)
 
   function mulberry32(seed) {
     let a = seed >>> 0;
@@ -74,6 +75,7 @@
     if (!(Number.isFinite(cfg.softcap) && cfg.softcap >= 0)) {
       return 'Softcap must be a finite number ≥ 0 (0 turns it off).';
     }
+    if (cfg.sinks && cfg.sinks.error) return cfg.sinks.error;
     return null;
   }
 
@@ -124,6 +126,28 @@
     return {q, k, cuQ, cuK, queryLen, keyLen};
   }
 
+  // The "Sinks" field (AttentionOptions.sinks): null when empty (no sinks); else one finite logit
+  // per query head, "0.5" or a comma list "0.5, 1" — one value is applied to every head — as
+  // {values} (one per head, what options.sinks carries), or {error}, which configError returns.
+  function parseSinks(text) {
+    if (text.trim() === '') return null;
+    const fail = (why) => ({error: `Sinks: ${why} Write one finite logit per query head, e.g. 0.5 ` +
+                                   '(one value: every head; empty: no sinks).'});
+    const values = [];
+    for (const item of text.trim().split(/\s*,\s*|\s+/)) {
+      if (item === '') return fail('an empty value (two commas in a row, or a comma at an end).');
+      const x = Number(item);
+      if (!Number.isFinite(x)) return fail(`"${item}" is not a finite number.`);
+      values.push(x);
+    }
+    if (values.length === 1) return {values: new Array(QUERY_HEADS).fill(values[0])};
+    if (values.length !== QUERY_HEADS) {
+      return fail(`${values.length} values, but the page's problems have ${QUERY_HEADS} query ` +
+                  `head${QUERY_HEADS === 1 ? '' : 's'}.`);
+    }
+    return {values};
+  }
+
   function readConfig() {
     const int = (id) => Math.trunc(Number($(id).value));
     const n = int('n');
@@ -148,6 +172,8 @@
       windowRight: optionalNumber('window-right'),
       softcap: $('softcap').value.trim() === '' ? 0 : Number($('softcap').value),
       alibi: $('alibi').checked,
+      // null: no sinks; else {values} (one per query head) or {error}.
+      sinks: parseSinks($('sinks').value),
     };
   }
 
@@ -167,6 +193,13 @@
           `keys ${ragged.k.join(', ')}: ${cfg.queryLen} query rows and ${cfg.keyLen} keys packed ` +
           '(in place of N); each sequence sees only its own keys, its queries bottom-right ' +
           'against them.';
+    }
+    const sinks = cfg.sinks;
+    if (sinks) {
+      note += sinks.error ? ` ${sinks.error}`
+        : ` Attention sink: logit ${sinks.values.join(', ')} per query head, one more term of each ` +
+          'row\'s softmax that takes weight but adds no value (options.sinks; not scaled, capped, ' +
+          'biased or masked).';
     }
     return note;
   }

@@ -89,7 +89,8 @@
       setStatus(`Trace started: N = ${state.start.keyLen}, d = ${state.start.headDim}, ` +
                 `block_k = ${state.start.blockK}, scale = ${fmt(state.start.scale, 6)}, ` +
                 `${state.start.tilesPerRow} tiles per row` +
-                (sequences ? `, ${sequences} sequences packed.` : '.'));
+                (sequences ? `, ${sequences} sequences packed` : '') +
+                (state.start.sinks.length ? `, sink ${fmt(state.start.sinks[0], 6)}.` : '.'));
     } else if (e.step) {
       const step = tileStepOf(e.step);
       state.steps.push(step);

@@ -57,14 +57,17 @@
     return body;
   }
 
-  // The window, softcap and ALiBi of the form, added to an options object (AttentionOptions
-  // JSON): windowLeft/windowRight only when bounded, softcap only when on, alibiSlopes only with
-  // "standard slopes" (the page's problems have one head).
+  // The window, softcap, ALiBi and sinks of the form, added to an options object
+  // (AttentionOptions JSON): windowLeft/windowRight only when bounded, softcap only when on,
+  // alibiSlopes only with "standard slopes" (the page's problems have one head), sinks only when
+  // the Sinks field has them (one per query head, as problem.js's parseSinks reads them). Split
+  // keys send the sinks with the slice that starts the sequence only (merge_section.js).
   function maskOptions(cfg, options) {
     if (cfg.windowLeft !== null) options.windowLeft = cfg.windowLeft;
     if (cfg.windowRight !== null) options.windowRight = cfg.windowRight;
     if (cfg.softcap > 0) options.softcap = cfg.softcap;
     if (cfg.alibi) options.alibiSlopes = standardAlibiSlopes(1);
+    if (cfg.sinks && cfg.sinks.values) options.sinks = cfg.sinks.values.slice();
     return options;
   }
 
@@ -241,6 +244,8 @@
       softcap: num(s.softcap), alibiSlopes: nums(s.alibiSlopes),
       // A ragged batch's cumulative lengths (empty: one sequence).
       cuSeqlensQ: nums(s.cuSeqlensQ), cuSeqlensK: nums(s.cuSeqlensK),
+      // The sink logit of each query head (empty: no sinks).
+      sinks: nums(s.sinks),
     };
   }
 
@@ -256,11 +261,12 @@
     };
   }
 
-  // RowDone JSON as the page keeps it.
+  // RowDone JSON as the page keeps it: output, reference and lse include the sink (with sinks),
+  // sinkShare is the weight it took, e^(sink − lse) (0 without).
   function rowDoneOf(r) {
     return {
       output: nums(r.output), reference: nums(r.reference), maxAbsError: num(r.maxAbsError),
-      lse: num(r.lse),
+      lse: num(r.lse), sinkShare: num(r.sinkShare),
     };
   }
 

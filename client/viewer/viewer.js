@@ -52,7 +52,7 @@
     $('server').value = /^https?:$/.test(location.protocol) ? location.origin : 'http://127.0.0.1:8080';
     $('problem').addEventListener('submit', run);
     $('info-button').addEventListener('click', () => { clearError(); info(true); });
-    for (const id of ['example', 'n', 'd', 'block-k', 'random-seed', 'sequences']) {
+    for (const id of ['example', 'n', 'd', 'block-k', 'random-seed', 'sequences', 'sinks']) {
       $(id).addEventListener('input', describeProblem);
     }
     $('example').addEventListener('change', () => {

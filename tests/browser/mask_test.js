@@ -11,6 +11,19 @@
 // with factor 0), and the merged output equals the unsplit /v1/tiled output of row 5 and the
 // capped, biased, windowed softmax computed here (within 5e-5, and within 1e-5 of the page's own
 // reference, as viewer_test.js's split).
+// Then attention sinks: bad Sinks values are refused by the page; the server refuses a wrong
+// count (naming options.sinks) and a non-finite sink (naming options.sinks[0]). The causal window
+// of 4 with ALiBi and a sink of 1.5, row 5 (keys 1…5 seen): the trace request carries sinks [1.5],
+// idea 1 draws the sink's row with its logit and its share e^(sink − lse) (computed here in
+// float64), the keys' weights summing to 1 − that share, the steps' estimates converge to the
+// keys' part (reference ÷ (1 − share)), the sink's join after the last tile is shown, and the
+// final output and Naive's are the softmax with the sink computed here. "Split and merge" of it
+// with a softcap of 1 into 4 parts: only part 1 (key_position 0) carries the sinks, parts 2–4 none
+// (their requests have none, their traces echo none); the sink joins the merged state once after
+// the last part, and the merged output equals the unsplit /v1/tiled row 5 and the float64 softmax
+// with the sink computed here, and the parts' RowDone (output, lse) merge to it; with the window
+// of 2, part 1 sees no key and carries only the sink (its lse is the sink's), and the merge still
+// equals the float64 answer. Saves the sink view beside SCREENSHOT as *-sinks.png.
 // Then a ragged batch: "Sequences" 5,1,10 / 7,1,9 (16 query rows, 17 keys: the sums replace N),
 // block_k 5, the left window 4, row 12: its sequence (rows 6…15, keys 8…16, 10 queries bottom-right
 // against 9 keys) puts it at p = 5 over its keys t = j − 8, so keys 0…7 are hidden as another
@@ -32,10 +45,11 @@ function check(name, ok, detail) {
 }
 const numbersIn = (text) => (text.replace(/−/g, '-').match(/-?\d+(\.\d+)?(e-?\d+)?/g) || []).map(Number);
 const ROW = 5, LEFT = 2, SLOPE = Math.pow(2, -8), N = 8, D = 4;
-// The seed's output of query row `row` over keys lo…hi (packed indices), each score capped at
-// `cap` (cap·tanh(s / cap); none when absent) and then key j biased by −SLOPE·distance(j), in
-// float64.
-function expectedOut(row, lo, hi, distance, cap) {
+// The seed's row `row` over keys lo…hi (packed indices), each score capped at `cap` (cap·tanh(s /
+// cap); none when absent) and then key j biased by −SLOPE·distance(j), with the attention sink
+// `sink` when given (one more logit of the sum, with no value), in float64: {out, lse, share (the
+// sink's weight, e^(sink − lse); 0 without)}.
+function expectedRow(row, lo, hi, distance, cap, sink) {
   const q = (i, j) => ((i + j) % 5) - 2;
   const k = (i, j) => (((2 * i + j) % 7) - 3) / 2;
   const v = (i, j) => ((i + j) % 9) - 4;
@@ -46,15 +60,28 @@ function expectedOut(row, lo, hi, distance, cap) {
     const scaled = dot / Math.sqrt(D);
     s.push([j, (cap ? cap * Math.tanh(scaled / cap) : scaled) - SLOPE * distance(j)]);
   }
-  const m = Math.max(...s.map(([, x]) => x));
-  let sum = 0;
+  const withSink = sink !== undefined;
+  const m = Math.max(...s.map(([, x]) => x), withSink ? sink : -Infinity);
+  let sum = withSink ? Math.exp(sink - m) : 0;
   const out = new Array(D).fill(0);
   for (const [j, x] of s) {
     const w = Math.exp(x - m);
     sum += w;
     for (let c = 0; c < D; ++c) out[c] += w * v(j, c);
   }
-  return out.map((x) => x / sum);
+  const lse = m + Math.log(sum);
+  return {out: out.map((x) => x / sum), lse, share: withSink ? Math.exp(sink - lse) : 0};
+}
+const expectedOut = (row, lo, hi, distance, cap) => expectedRow(row, lo, hi, distance, cap).out;
+const near = (a, b, tol) => a.length === b.length && a.every((x, i) => Math.abs(x - b[i]) <= tol);
+// Float32 tensor JSON, for requests sent from here.
+const tensorJson = (values, rows, d) => ({shape: [rows, d], dtype: 'DTYPE_FLOAT32',
+                                          data: Buffer.from(new Float32Array(values).buffer).toString('base64')});
+// One row of a float32 output tensor's JSON.
+function rowOf(tensor, row, d) {
+  const bytes = Buffer.from((tensor && tensor.data) || '', 'base64');
+  if (!tensor || !tensor.shape || Number(tensor.shape.at(-1)) !== d || bytes.length < (row + 1) * d * 4) return [];
+  return Array.from({length: d}, (_, c) => bytes.readFloatLE((row * d + c) * 4));
 }
 (async () => {
   const browser = await chromium.launch({
@@ -180,9 +207,9 @@ function expectedOut(row, lo, hi, distance, cap) {
     const sent = traceBodies.map((b) => b && b.attention)
         .sort((x, y) => Number(x && x.options && x.options.keyPosition) -
                         Number(y && y.options && y.options.keyPosition));
-    const carried = (a, [lo, hi]) => {
+    const carried = (a, [lo, hi], left = LEFT) => {
       const o = (a && a.options) || {};
-      return o.causal === true && Number(o.windowLeft) === LEFT && o.windowRight === undefined &&
+      return o.causal === true && Number(o.windowLeft) === left && o.windowRight === undefined &&
           Number(o.softcap) === CAP && JSON.stringify((o.alibiSlopes || []).map(Number)) === JSON.stringify([SLOPE]) &&
           Number(o.keyPosition || 0) === lo && Number(o.queryPosition || 0) === 0 &&
           o.returnLse === true && JSON.stringify(a.key.shape) === JSON.stringify([hi - lo, D]) &&
@@ -217,6 +244,161 @@ function expectedOut(row, lo, hi, distance, cap) {
     const splitMergeErr = numbersIn(await page.textContent('#merge-error'))[0];
     check('the merged output is within 1e-5 of the page\'s full-matrix reference (same mask and bias)',
           splitMergeErr < 1e-5, String(splitMergeErr));
+    await page.fill('#softcap', '0');
+
+    // Attention sinks. Bad values: a message on the page, no request.
+    for (const [value, pattern] of [['abc', /Sinks: "abc" is not a finite number/],
+                                    ['Infinity', /Sinks: "Infinity" is not a finite number/],
+                                    ['1,,2', /Sinks: an empty value/],
+                                    ['1, 2', /Sinks: 2 values, but the page's problems have 1 query head/]]) {
+      await page.fill('#sinks', value);
+      const before = posts;
+      await page.click('#run');
+      await page.waitForFunction(() => !document.getElementById('error').hidden);
+      const text = await page.textContent('#error');
+      check(`sinks "${value}" are refused in the page`, pattern.test(text) && posts === before,
+            `error "${text}", ${posts - before} requests`);
+    }
+    // The server's own checks, through the gateway (from here, not the page: its console stays
+    // clean): one sink per query head, each finite.
+    {
+      const tiny = {query: tensorJson([1, 0, 0, 1], 2, 2), key: tensorJson([1, 0, 0, 1], 2, 2),
+                    value: tensorJson([1, 2, 3, 4], 2, 2)};
+      for (const [sinks, pattern] of [[[0.5, 1], /options\.sinks/], [['NaN'], /options\.sinks\[0\]/]]) {
+        const response = await fetch(new URL('/v1/tiled', url), {
+          method: 'POST', headers: {'Content-Type': 'application/json'},
+          body: JSON.stringify({...tiny, options: {sinks}})});
+        const text = await response.text();
+        check(`the server refuses sinks ${JSON.stringify(sinks)} for one head, naming the field`,
+              response.status === 400 && /INVALID_ARGUMENT/.test(text) && pattern.test(text),
+              `${response.status} ${text}`);
+      }
+    }
+
+    // The causal window of 4 with ALiBi and a sink: row 5 sees keys 1…5, and the sink.
+    const SINK = 1.5, SLEFT = 4;
+    await page.fill('#sinks', String(SINK));
+    await page.fill('#window-left', String(SLEFT));
+    const sinkNote = await page.textContent('#problem-note');
+    check('the note describes the sink', /Attention sink: logit 1\.5 per query head/.test(sinkNote), sinkNote);
+    traceBody = null;
+    await page.click('#run');
+    await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    const sinkErr = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
+    check('the run with a sink shows no error', sinkErr === '', sinkErr);
+    const sinkOptions = (traceBody && traceBody.attention && traceBody.attention.options) || {};
+    check('the trace request carries options.sinks [1.5]',
+          JSON.stringify((sinkOptions.sinks || []).map(Number)) === JSON.stringify([SINK]),
+          JSON.stringify(sinkOptions));
+    const withSink = expectedRow(ROW, ROW - SLEFT, ROW, (j) => Math.abs(ROW - j), 0, SINK);
+    const idea1 = await page.$eval('#score-table', (table) => {
+      const sink = table.querySelector('tr.sink');
+      return {
+        keys: Array.from(table.querySelectorAll('tr[data-key] td.weight'), (td) => Number(td.dataset.value)),
+        logit: sink ? Number(sink.querySelector('td.sink-logit').dataset.value) : NaN,
+        share: sink ? Number(sink.querySelector('td.sink-share').dataset.value) : NaN,
+        label: sink ? sink.cells[0].textContent : '',
+        caption: (table.querySelector('caption') || {}).textContent || '',
+      };
+    });
+    const keySum = idea1.keys.reduce((a, w) => a + w, 0);
+    check(`idea 1 draws the sink's row: logit 1.5, share e^(sink − lse) = ${withSink.share.toFixed(6)}`,
+          idea1.label === 'sink' && idea1.logit === SINK && Math.abs(idea1.share - withSink.share) < 1e-5,
+          JSON.stringify(idea1));
+    check('idea 1: the keys\' weights sum to 1 − the sink\'s share, as its caption says',
+          idea1.keys.length === N && Math.abs(keySum - (1 - withSink.share)) < 1e-5 &&
+              /sink logit 1\.500000 takes/.test(idea1.caption) && /keys' weights sum to 1 −/.test(idea1.caption),
+          `Σ ${keySum}, 1 − share ${1 - withSink.share}; ${idea1.caption}`);
+    if (await page.isEnabled('#step-last')) await page.click('#step-last');
+    const sinkShown = numbersIn(await page.textContent('#final-output'));
+    check(`the final output is the windowed, biased softmax with the sink [${withSink.out.map((x) => x.toFixed(4))}]`,
+          near(sinkShown, withSink.out, 5e-5), `${sinkShown} vs ${withSink.out}`);
+    const naiveShown = numbersIn(await page.textContent('#naive-output'));
+    check('Naive\'s row 5 is the same softmax with the sink', near(naiveShown, withSink.out, 5e-5),
+          String(naiveShown));
+    const join = await page.$eval('#sink-join', (p) => ({hidden: p.hidden, share: Number(p.dataset.share),
+                                                        text: p.textContent}));
+    check('after the last tile the sink\'s join is shown, with its share',
+          !join.hidden && Math.abs(join.share - withSink.share) < 1e-5 && /output = estimate × \(1 − sink_share\)/.test(join.text),
+          JSON.stringify(join));
+    const accClose = await page.locator('#acc-table td.close').count();
+    check('the last step\'s estimate (keys only) matches the keys\' part of the reference, every component',
+          accClose === D, `${accClose} close of ${D}`);
+    await page.screenshot({path: screenshot.replace(/\.png$/, '') + '-sinks.png', fullPage: true});
+
+    // Split and merge with the sink (and a softcap of 1): the unsplit Tiled answer first.
+    await page.fill('#softcap', String(CAP));
+    const sinkTiled = page.waitForResponse((r) => r.request().method() === 'POST' &&
+                                           new URL(r.url()).pathname === '/v1/tiled');
+    await page.click('#run');
+    await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    const sinkUnsplit = rowOf((await (await sinkTiled).json()).output, ROW, D);
+    const cappedSink = expectedRow(ROW, ROW - SLEFT, ROW, (j) => Math.abs(ROW - j), CAP, SINK);
+    check('the unsplit Tiled row 5 with the sink is the float64 softmax with the sink',
+          near(sinkUnsplit, cappedSink.out, 5e-5), `${sinkUnsplit} vs ${cappedSink.out}`);
+    const splitWithSink = async (left) => {
+      const before = await page.getAttribute('#merge-source', 'data-serial');
+      traceBodies.length = 0;
+      await page.click('#merge-run');
+      await page.waitForFunction(
+          (old) => document.getElementById('merge-source').dataset.serial !== old, before);
+      if (await page.isEnabled('#merge-last')) await page.click('#merge-last');
+      const err = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
+      return {
+        err,
+        sent: traceBodies.map((b) => b && b.attention)
+            .sort((x, y) => Number(x && x.options && x.options.keyPosition) -
+                            Number(y && y.options && y.options.keyPosition)),
+        carriers: await page.$$eval('#merge-parts-table td.sink', (tds) => tds.map((td) => td.dataset.sink)),
+        partsText: await page.textContent('#merge-parts-table'),
+        merged: numbersIn(await page.textContent('#merge-output')),
+        error: numbersIn(await page.textContent('#merge-error'))[0],
+        rowDoneDiff: Number(await page.getAttribute('#merge-check', 'data-row-done-diff')),
+        note: await page.$eval('#merge-sink', (p) => ({hidden: p.hidden, share: Number(p.dataset.share)})),
+        sinkSteps: await page.locator('#merge-steps-table tr.sink-step').count(),
+        factors: await page.locator('#merge-steps-table td.part-rescale').count(),
+        left,
+      };
+    };
+    const sinksOf = (a) => ((a && a.options && a.options.sinks) || []).map(Number);
+    const split4 = await splitWithSink(SLEFT);
+    check('the split with the sink shows no error', split4.err === '', split4.err);
+    check('only part 1 (key_position 0) sends the sinks; parts 2–4 send none, with the rest of the options',
+          split4.sent.length === PARTS && split4.sent.every((a, i) => carried(a, SLICES[i], SLEFT)) &&
+              JSON.stringify(sinksOf(split4.sent[0])) === JSON.stringify([SINK]) &&
+              split4.sent.slice(1).every((a) => a.options.sinks === undefined),
+          JSON.stringify(split4.sent.map((a) => a && a.options)));
+    check('the parts table shows the sink on part 1 only (what each trace echoed)',
+          JSON.stringify(split4.carriers) === JSON.stringify([String(SINK), 'none', 'none', 'none']),
+          JSON.stringify(split4.carriers));
+    check('the sink joins once, after the last part (one step row, one share)',
+          split4.sinkSteps === 1 && split4.factors === PARTS && !split4.note.hidden &&
+              Math.abs(split4.note.share - cappedSink.share) < 1e-5,
+          JSON.stringify({steps: split4.sinkSteps, factors: split4.factors, note: split4.note,
+                          expected: cappedSink.share}));
+    check('split and merge with the sink equals the unsplit Tiled row 5 (within 5e-5)',
+          near(split4.merged, sinkUnsplit, 5e-5), `merged ${split4.merged}, unsplit ${sinkUnsplit}`);
+    check('split and merge with the sink equals the float64 softmax with the sink (within 5e-5)',
+          near(split4.merged, cappedSink.out, 5e-5) && split4.error < 1e-5,
+          `merged ${split4.merged}, here ${cappedSink.out}, page's reference error ${split4.error}`);
+    check('the parts\' RowDone (output, lse), part 1\'s with the sink, merge to the same output',
+          split4.rowDoneDiff < 1e-5, String(split4.rowDoneDiff));
+
+    // The window of 2: part 1 sees none of its keys and carries only the sink.
+    await page.fill('#window-left', String(LEFT));
+    const split2 = await splitWithSink(LEFT);
+    const capped2 = expectedRow(ROW, ROW - LEFT, ROW, (j) => Math.abs(ROW - j), CAP, SINK);
+    check('window 2: part 1 sees no key and sends the only sink',
+          split2.err === '' && split2.sent.length === PARTS &&
+              split2.sent.every((a, i) => carried(a, SLICES[i], LEFT)) &&
+              JSON.stringify(sinksOf(split2.sent[0])) === JSON.stringify([SINK]) &&
+              split2.sent.slice(1).every((a) => a.options.sinks === undefined) &&
+              /its lse 1\.5000 is the sink's alone/.test(split2.partsText),
+          `${split2.err} ${JSON.stringify(split2.carriers)} ${split2.partsText}`);
+    check('window 2: the merge with the sink equals the float64 softmax with the sink, and the RowDone merge',
+          near(split2.merged, capped2.out, 5e-5) && split2.error < 1e-5 && split2.rowDoneDiff < 1e-5,
+          `merged ${split2.merged}, here ${capped2.out}, error ${split2.error}, RowDone Δ ${split2.rowDoneDiff}`);
+    await page.fill('#sinks', '');
     await page.fill('#softcap', '0');
 
     // A ragged batch. Bad sequences: a message on the page, no request.

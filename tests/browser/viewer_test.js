@@ -12,7 +12,10 @@
 // factors equal to exp(m − m_new) computed here; causal row 2 shows the two parts that see none of
 // its keys; a JSON-lines file in the schema of attn trace --shard-keys --json (built here from the
 // seed in float64) loads through the file input and through the drop zone, its rows selectable,
-// its merge recomputed by the page; a file of the wrong kind is refused with a clear message.
+// its merge recomputed by the page; a file of such a merge with an attention sink (added once
+// after the merge, as attn trace --shard-keys does: the file gives its share, not its logit)
+// merges to the seed's row 0 with the sink; a file of the wrong kind is refused with a clear
+// message.
 // Saves a screenshot, and merge.png of the merge section. Last, the page opened as a file
 // (file://…/client/viewer/index.html): every script loads and runs, with no console error.
 // Usage: node viewer_test.js URL SCREENSHOT.png
@@ -90,13 +93,24 @@ function mergeSeed(states) {
     return step;
   });
 }
+// An attention sink joining a finished state once (OnlineSoftmax::AddSink), in float64: one more
+// logit with no value.
+function joinSink(state, sink) {
+  const m = Math.max(state.max, sink);
+  const mine = state.max === -Infinity ? 0 : Math.exp(state.max - m);
+  return {max: m, denominator: state.denominator * mine + Math.exp(sink - m),
+          accumulator: state.accumulator.map((x) => x * mine)};
+}
+const estimateOf = (st) => st.accumulator.map((x) => (st.denominator > 0 ? x / st.denominator : 0));
 // The page's split of N keys into P parts: [round(s·N/P), round((s+1)·N/P)).
 const seedSlices = (parts) => Array.from({length: parts}, (_, s) =>
   [Math.round((s * SEED_N) / parts), Math.round(((s + 1) * SEED_N) / parts)]);
 
 // The JSON lines attn trace --shard-keys --json writes (client/cli/merge_trace.h), for the seed
-// example's `rows`, its keys split as `slices` over `endpoints`.
-function seedMergeFile(rows, slices, endpoints) {
+// example's `rows`, its keys split as `slices` over `endpoints`; with `sink`, the request's sink
+// (the first slice's RowDone lse includes it; the merged row takes it once after the last part
+// and says its sinkShare; the problem line does not repeat it).
+function seedMergeFile(rows, slices, endpoints, sink) {
   const j = (x) => (x === -Infinity ? '-Infinity' : x === Infinity ? 'Infinity' : x);
   const lines = [{problem: {batch: 1, heads: 1, kvHeads: 1, queryLen: SEED_N, keyLen: SEED_N,
                             headDim: SEED_D, valueDim: SEED_D, scale: 0.5, causal: false,
@@ -106,15 +120,17 @@ function seedMergeFile(rows, slices, endpoints) {
   for (const r of rows) {
     const row = {batch: 0, head: 0, row: r};
     const states = slices.map(([a, b]) => seedState(r, a, b, false));
-    const reference = mergeSeed([seedState(r, 0, SEED_N, false)])[0].estimate;
+    const withSink = (st) => (sink === undefined ? st : joinSink(st, sink));
+    const reference = estimateOf(withSink(seedState(r, 0, SEED_N, false)));
     states.forEach((p, i) => {
       const estimate = p.accumulator.map((x) => x / p.denominator);
+      const done = i === 0 ? withSink(p) : p;  // the first slice's RowDone carries the sink
       lines.push({part: {row, index: i, parts: slices.length, endpoint: endpoints[i],
                          keyBegin: slices[i][0], keyEnd: slices[i][1], keyPosition: slices[i][0],
                          queryPosition: 0, blockK: 2, steps: Math.ceil((slices[i][1] - slices[i][0]) / 2),
                          max: j(p.max), denominator: p.denominator, accumulator: p.accumulator,
-                         lse: p.max + Math.log(p.denominator), estimate, output: estimate,
-                         maxAbsError: 0}});
+                         lse: done.max + Math.log(done.denominator), estimate,
+                         output: estimateOf(done), maxAbsError: 0}});
     });
     const steps = mergeSeed(states);
     steps.forEach((s, i) => {
@@ -128,11 +144,14 @@ function seedMergeFile(rows, slices, endpoints) {
                                maxAbsError: Math.max(...s.estimate.map((x, c) => Math.abs(x - reference[c])))}});
     });
     const last = steps[steps.length - 1];
+    const merged = withSink({max: last.maxAfter, denominator: last.denominator,
+                             accumulator: last.accumulator});
+    const lse = merged.max + Math.log(merged.denominator);
     lines.push({merged: {row, parts: slices.length, singleServer: slices.length === 1,
-                         output: last.estimate, lse: last.maxAfter + Math.log(last.denominator),
-                         reference, referenceLse: last.maxAfter + Math.log(last.denominator),
-                         maxAbsError: 0, relativeError: 0, rowDoneOutput: last.estimate,
-                         rowDoneMaxAbsDiff: 0}});
+                         output: estimateOf(merged), lse, reference, referenceLse: lse,
+                         maxAbsError: 0, relativeError: 0, rowDoneOutput: estimateOf(merged),
+                         rowDoneMaxAbsDiff: 0,
+                         sinkShare: sink === undefined ? 0 : Math.exp(sink - lse)}});
   }
   return lines.map((l) => JSON.stringify(l)).join('\n') + '\n';
 }
@@ -354,6 +373,31 @@ async function main() {
     check('the file\'s row 1 merges to out[1]',
           fromFile1.length === 4 && fromFile1.every((x, i) => Math.abs(x - out1[i]) <= 5e-5),
           `${fromFile1} vs ${out1}`);
+
+    // A file of the same split with an attention sink of 1.25: the page joins it once after the
+    // last step (its logit from the file's merged lse and sink share) and gives the seed's row 0
+    // with the sink.
+    const SINK = 1.25;
+    await page.setInputFiles('#merge-file', {name: 'seed-sink.jsonl', mimeType: 'application/x-ndjson',
+                                             buffer: Buffer.from(seedMergeFile([0], slices, endpoints, SINK))});
+    await mergeDone(source);
+    source = await serial();
+    await mergeStepToEnd();
+    const sinkState = joinSink(seedState(0, 0, SEED_N, false), SINK);
+    const sinkExpected = estimateOf(sinkState);
+    const sinkShare = Math.exp(SINK - (sinkState.max + Math.log(sinkState.denominator)));
+    const fromSinkFile = numbersIn(await page.textContent('#merge-output'));
+    const sinkNote = await page.$eval('#merge-sink', (p) => ({hidden: p.hidden, share: Number(p.dataset.share),
+                                                            text: p.textContent}));
+    const sinkFileErr = numbersIn(await page.textContent('#merge-error'))[0];
+    check('a file with a sink: the sink joins once after the last part, the seed\'s row 0 with the sink',
+          fromSinkFile.length === 4 && fromSinkFile.every((x, i) => Math.abs(x - sinkExpected[i]) <= 5e-5) &&
+              sinkFileErr < 1e-5 && !sinkNote.hidden && Math.abs(sinkNote.share - sinkShare) < 1e-5 &&
+              /logit 1\.250000, from the file's merged lse and sink share/.test(sinkNote.text),
+          `page ${fromSinkFile}, here ${sinkExpected}, error ${sinkFileErr}, ${JSON.stringify(sinkNote)}`);
+    check('a file with a sink: one "+ sink" row after the merge steps',
+          await page.locator('#merge-steps-table tr.sink-step').count() === 1 &&
+              await page.locator('#merge-steps-table td.part-rescale').count() === 3);
 
     // The drop zone, with a file of one server that traced all of it.
     const single = seedMergeFile([0], [[0, SEED_N]], ['10.0.0.9:50051']);

@@ -16,9 +16,17 @@ masks; Trace's start repeating it, each step's scaled_scores and capped scores);
 positions, against a float64 reference that adds −slope·|p − t| after the cap and before the
 mask; "standard" equal to standard_alibi_slopes and its known values; Trace's start repeating
 the slopes, each step's biases −slope·|p − t| and scores softcap(scaled) + bias; a wrong count
-→ INVALID_ARGUMENT naming options.alibi_slopes); errors (a bad shape → AttnError
-INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors, bad windows, softcaps
-and ALiBi slopes among them, raise ValueError/TypeError naming the argument without any RPC);
+→ INVALID_ARGUMENT naming options.alibi_slopes); attention sinks (sinks through Naive, Tiled,
+Decode, Cache.decode and Tiled over a cache, against a float64 reference of the contract's
+formula: GQA with different sinks on the heads of one kv head, causal, windowed on one or both
+sides, with softcap and ALiBi, at positions, ragged, sinks near, far above (50) and far below
+(−50) the scores, each head checked at its own scale; rows that see no key → zeros and lse =
+the sink; Trace's start repeating them, steps without the sink, row_done's output, reference,
+lse and sink_share = e^(sink − lse); a wrong count → INVALID_ARGUMENT naming options.sinks, a
+non-finite sink sent past the client → naming options.sinks[2]); errors (a bad shape → AttnError
+INVALID_ARGUMENT naming key.shape, on every RPC; local argument errors, bad windows, softcaps,
+ALiBi slopes and sinks among them, raise ValueError/TypeError naming the argument (sinks[h])
+without any RPC);
 a second attnd with --auth-token-file (no token or a wrong one → UNAUTHENTICATED, the
 token → OK, health without one); and, when openssl is present, a third attnd with TLS reached
 through tls_ca. Run by CTest as
@@ -140,6 +148,71 @@ def softcap_reference(q, k, v, causal, softcap, window_left=None, key_position=0
     lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -math.inf)[..., 0]
     visible = np.isfinite(scores)
     return out, lse, float(np.max(magnitude[visible])) if visible.any() else 0.0
+
+
+def sink_reference(q, k, v, causal, sinks=None, softcap=0.0, window_left=None,
+                   window_right=None, key_position=0, query_position=None, alibi_slopes=None):
+    """float64 attention with attention sinks, from the contract's formula (attention.proto,
+    AttentionOptions.sinks), over [B, H, Nq, d] / [B, Hkv, Nk, d] / [B, Hkv, Nk, dv]: the
+    scores x_j = scale · q·k (scale 1/sqrt(d)), softcapped (softcap 0: none), biased by
+    −alibi_slopes[h] · |p − t| (None: none) and masked (causal, window_left, window_right over
+    positions, as in window_reference); then per row of head h, with s = sinks[h] (None or
+    empty: no sink, s = −inf):
+
+        m = max(max_j x_j, s)
+        out = Σ_j e^(x_j − m) v_j / (Σ_j e^(x_j − m) + e^(s − m))
+        lse = m + log(Σ_j e^(x_j − m) + e^(s − m))
+        sink_share = e^(s − lse)
+
+    → (out, lse, score_max, sink_share): out [B, H, Nq, dv], lse and sink_share [B, H, Nq],
+    score_max [H], per head the largest |capped score| + |bias| of a key seen and |s|, which
+    bounds the fp32 error of an exponent (harness.output_error). A row that sees no key gives
+    zeros and lse = s (−inf without sinks), sink_share 1 (0 without)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    batch, heads, query_len, head_dim = q.shape
+    kv_heads, key_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    if query_position is None:
+        query_position = key_position + key_len - query_len
+    scores = (q @ np.swapaxes(k, -1, -2)) / math.sqrt(head_dim)       # [B, H, Nq, Nk]
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    p = query_position + np.arange(query_len)[:, None]
+    t = key_position + np.arange(key_len)[None, :]
+    magnitude = np.abs(scores)
+    if alibi_slopes is not None and len(alibi_slopes):
+        slopes = np.asarray(alibi_slopes, dtype=np.float64).reshape(1, heads, 1, 1)
+        bias = -slopes * np.abs(p - t)
+        scores = scores + bias
+        magnitude = magnitude + np.abs(bias)
+    hidden = np.zeros((query_len, key_len), dtype=bool)
+    if causal:
+        hidden |= t > p
+    if window_left is not None:
+        hidden |= t < p - window_left
+    if window_right is not None:
+        hidden |= t > p + window_right
+    scores[..., hidden] = -math.inf
+    if sinks is None or len(sinks) == 0:
+        sink = np.full((1, heads, 1, 1), -math.inf)
+    else:
+        sink = np.asarray(sinks, dtype=np.float64).reshape(1, heads, 1, 1)
+    # m is −inf only for a row that sees no key without a sink.
+    m = np.maximum(scores.max(axis=-1, keepdims=True, initial=-math.inf), sink)
+    finite = np.isfinite(m)
+    safe_m = np.where(finite, m, 0.0)                                # never −inf − (−inf)
+    weights = np.exp(scores - safe_m)                                # 0 where hidden
+    denominator = weights.sum(axis=-1, keepdims=True) + np.exp(sink - safe_m)
+    positive = denominator > 0
+    out = np.where(positive, (weights @ v) / np.where(positive, denominator, 1.0), 0.0)
+    lse = np.where(positive, safe_m + np.log(np.where(positive, denominator, 1.0)),
+                   -math.inf)
+    share = np.where(np.isfinite(lse), np.exp(sink - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
+    seen = np.broadcast_to(~hidden, magnitude.shape)
+    score_max = np.where(seen, magnitude, 0.0).max(axis=(0, 2, 3), initial=0.0)
+    score_max = np.maximum(score_max, np.where(np.isfinite(sink), np.abs(sink), 0.0).reshape(-1))
+    return out, lse[..., 0], score_max, share[..., 0]
 
 
 def fill_caches(rng, caches, lengths):
@@ -871,6 +944,288 @@ class ClientModuleTest(ServerCase):
         finally:
             cache.delete()
 
+    # Attention sinks.
+
+    def assertPerHead(self, out, ref, score_max, what):
+        """out, ref [..., H, Nq, dv] (float64): each head's output_error against its own max
+        |ref| and score_max[h], so a head whose sink takes nearly every weight (outputs near
+        e^−47) is held to fp32's relative error too, not hidden by the other heads' size."""
+        for h in range(ref.shape[-3]):
+            self.assertEqual(harness.output_error(out[..., h, :, :], ref[..., h, :, :], 1,
+                                                  float(score_max[h])), "",
+                             "%s, head %d" % (what, h))
+
+    def test_sinks_match_reference(self):
+        rng = np.random.default_rng()
+        cases = [
+            # Rank 4, GQA (query heads 0 and 1 share a kv head, their sinks differ), causal,
+            # value_dim ≠ head_dim, odd sizes, key_len ≠ query_len; sinks near the scores, far
+            # above them (the sink takes nearly all the weight) and far below (none).
+            ((2, 4, 37, 9), (2, 2, 53, 9), (2, 2, 53, 6), dict(causal=True),
+             [0.5, 3.0, 50.0, -50.0]),
+            # Rank 3 (6 heads over 3), not causal, a NumPy float32 array: random sinks in
+            # random heads, one near 4 (so that they matter whatever the draw).
+            ((6, 29, 17), (3, 41, 17), (3, 41, 11), dict(causal=False),
+             (rng.permutation([-2.0, -0.5, 0.0, 1.0, 2.5, 4.0])
+              + rng.uniform(-0.25, 0.25, size=6)).astype(np.float32)),
+            # Causal with a window, a softcap and ALiBi: the sink is none of them.
+            ((1, 2, 31, 9), (1, 1, 31, 9), (1, 1, 31, 7),
+             dict(causal=True, window_left=6, softcap=2.0, alibi_slopes=[0.7, 0.25]),
+             [1.5, -0.5]),
+            # Rows that see no key: keys at 20 …, query rows at 12 … 24, causal: rows 0 … 7
+            # (positions 12 … 19) see none → zeros and lse = the sink; with a window of 4 the
+            # others see at most 5 keys.
+            ((3, 13, 8), (1, 19, 8), (1, 19, 5),
+             dict(causal=True, window_left=4, key_position=20, query_position=12),
+             [2.0, 50.0, -3.0]),
+            # Not causal, a window on both sides at positions: row i at 100 + i sees the keys
+            # at 100 + i − 3 … 100 + i + 1 of those at 90 … 109; rows 13 … 18 see none.
+            ((2, 19, 8), (2, 20, 8), (2, 20, 8),
+             dict(causal=False, window_left=3, window_right=1, key_position=90,
+                  query_position=100),
+             [0.25, 4.0]),
+            # Rank 2: one head.
+            ((19, 8), (27, 8), (27, 5), dict(causal=True), [0.8]),
+        ]
+        for q_shape, k_shape, v_shape, options, sinks in cases:
+            q, k, v = self.alibi_problem(q_shape, k_shape, v_shape)
+            sent = np.asarray(sinks, dtype=np.float32).astype(np.float64)  # the server's fp32
+            out_shape, lse_shape = q_shape[:-1] + v_shape[-1:], q_shape[:-1]
+            ref, ref_lse, score_max, _ = sink_reference(as4(q), as4(k), as4(v), sinks=sent,
+                                                        **options)
+            plain, _, _, _ = sink_reference(as4(q), as4(k), as4(v), **options)
+            self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)  # and it matters
+            ref, ref_lse = ref.reshape(out_shape), ref_lse.reshape(lse_shape)
+            # Where a row sees no key: zeros and lse = its head's sink, exactly.
+            unseen = np.isneginf(sink_reference(as4(q), as4(k), as4(v), **options)[1])
+            unseen = unseen.reshape(lse_shape)
+            self.assertEqual(unseen.any(), "key_position" in options)  # the cases that have some
+            for name in ("naive", "tiled"):
+                with self.subTest(rpc=name, shape=q_shape, sinks=str(sinks),
+                                  **{key: str(value) for key, value in options.items()}):
+                    result = getattr(self.client, name)(q, k, v, block_k=7, return_lse=True,
+                                                        sinks=sinks, **options)
+                    out = result.output.astype(np.float64)
+                    self.assertEqual(harness.output_error(out, ref, 1, float(score_max.max())),
+                                     "")
+                    self.assertPerHead(out.reshape(as4(ref).shape), as4(ref), score_max, name)
+                    self.assertEqual(harness.lse_error(result.lse.astype(np.float64), ref_lse),
+                                     "")
+                    if unseen.any():  # the reference's lse is the sink there, exactly
+                        np.testing.assert_array_equal(result.lse[unseen],
+                                                      ref_lse[unseen].astype(np.float32))
+                        self.assertTrue((result.output[unseen] == 0).all())
+        # None, [] and an empty array are no sinks at all.
+        q, k, v = self.alibi_problem((3, 11, 5), (3, 13, 5), (3, 13, 4))
+        plain = self.client.tiled(q, k, v, causal=True, return_lse=True)
+        for empty in (None, [], (), np.zeros(0, dtype=np.float32)):
+            with self.subTest(empty=repr(empty)):
+                result = self.client.tiled(q, k, v, causal=True, return_lse=True, sinks=empty)
+                np.testing.assert_array_equal(result.output, plain.output)
+                np.testing.assert_array_equal(result.lse, plain.lse)
+
+    def test_sinks_ragged(self):
+        # A ragged batch: each sequence's rows take their head's sink once; a sequence with
+        # queries and no keys gives zeros and lse = the sink.
+        q_lens, k_lens = [5, 3, 0, 7], [9, 0, 4, 12]
+        cu_q = attn_client.cumulative_lengths(q_lens)
+        cu_k = attn_client.cumulative_lengths(k_lens)
+        q, k, v = self.alibi_problem((4, cu_q[-1], 8), (2, cu_k[-1], 8), (2, cu_k[-1], 6))
+        sinks = np.float32([1.0, 50.0, -2.0, 3.5])
+        for name in ("naive", "tiled"):
+            with self.subTest(rpc=name):
+                result = getattr(self.client, name)(q, k, v, causal=True, block_k=5,
+                                                    return_lse=True, sinks=sinks,
+                                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+                for s in range(len(q_lens)):
+                    rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+                    ref, ref_lse, score_max, _ = sink_reference(
+                        q[None, :, rows], k[None, :, keys], v[None, :, keys], True,
+                        sinks=sinks)
+                    out = result.output[None, :, rows].astype(np.float64)
+                    self.assertPerHead(out, ref, score_max, "sequence %d" % s)
+                    self.assertEqual(harness.lse_error(
+                        result.lse[None, :, rows].astype(np.float64), ref_lse), "")
+                    if k_lens[s] == 0:
+                        self.assertTrue((result.output[:, rows] == 0).all())
+                        np.testing.assert_array_equal(
+                            result.lse[:, rows], np.repeat(sinks[:, None], q_lens[s], axis=1))
+
+    def test_sinks_trace(self):
+        # Keys at 6 … 28, query rows at 0 … 16 (positions given): rows 0 … 5 see no key.
+        q, k, v = self.alibi_problem((1, 4, 17, 9), (1, 2, 23, 9), (1, 2, 23, 6))
+        block_k, key_position, query_position = 5, 6, 0
+        sinks = np.float32([0.5, 3.0, 50.0, -50.0])
+        rows = [(0, 0, 16), (0, 3, 2), (0, 1, 9), (0, 2, 0), (0, 2, 12), (0, 1, 3), (0, 3, 11)]
+        positions = dict(key_position=key_position, query_position=query_position)
+        ref, ref_lse, score_max, ref_share = sink_reference(q, k, v, True, sinks=sinks,
+                                                            **positions)
+        plain, plain_lse, _, _ = sink_reference(q, k, v, True, **positions)
+        tiled = self.client.tiled(q, k, v, causal=True, block_k=block_k, sinks=sinks,
+                                  return_lse=True, **positions)
+        events = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True,
+                                        sinks=sinks, **positions))
+        start = events[0]
+        self.assertEqual(start["kind"], "start")
+        self.assertIsInstance(start["sinks"], np.ndarray)
+        self.assertEqual(start["sinks"].dtype, np.float32)
+        np.testing.assert_array_equal(start["sinks"], sinks)
+        for b, h, r in rows:
+            with self.subTest(row=(b, h, r)):
+                sees_keys = query_position + r >= key_position
+                steps = [e for e in events if e["kind"] == "step" and e["row"] == (b, h, r)]
+                self.assertEqual(bool(steps), sees_keys)
+                if steps:
+                    # Steps never include the sink: the last one's estimate is the keys-only
+                    # output and its max and denominator the keys-only lse.
+                    last = steps[-1]
+                    self.assertEqual(harness.output_error(
+                        last["estimate"].astype(np.float64), plain[b, h, r], 1), "")
+                    keys_lse = last["max_after"] + math.log(last["denominator"])
+                    self.assertAlmostEqual(keys_lse, plain_lse[b, h, r],
+                                           delta=1e-5 * max(1.0, abs(plain_lse[b, h, r])))
+                done = [e for e in events if e["kind"] == "row_done" and e["row"] == (b, h, r)]
+                self.assertEqual(len(done), 1)
+                done = done[0]
+                magnitude = max(float(np.max(np.abs(ref[b, h, r]))), 1e-30)
+                for field in ("output", "reference"):
+                    self.assertEqual(harness.output_error(
+                        done[field].astype(np.float64), ref[b, h, r], 1, float(score_max[h]),
+                        magnitude), "", field)
+                np.testing.assert_allclose(done["output"], tiled.output[b, h, r], rtol=1e-5,
+                                           atol=1e-6 * magnitude)
+                self.assertIsInstance(done["lse"], float)
+                self.assertIsInstance(done["sink_share"], float)
+                self.assertEqual(harness.lse_error(np.float64([done["lse"]]),
+                                                   ref_lse[b, h, r:r + 1]), "")
+                self.assertAlmostEqual(done["lse"], float(tiled.lse[b, h, r]),
+                                       delta=1e-5 * max(1.0, abs(ref_lse[b, h, r])))
+                self.assertAlmostEqual(done["sink_share"], ref_share[b, h, r],
+                                       delta=1e-5 * max(1e-3, ref_share[b, h, r]))
+                if not sees_keys:  # zeros, lse = the sink, and the sink took all the weight
+                    self.assertTrue((done["output"] == 0).all())
+                    self.assertEqual(done["lse"], float(sinks[h]))
+                    self.assertEqual(done["sink_share"], 1.0)
+        # Without sinks the start has none and every row_done's sink_share is 0.
+        plain_events = list(self.client.trace(q, k, v, rows=rows, block_k=block_k, causal=True,
+                                              **positions))
+        self.assertEqual(plain_events[0]["sinks"].shape, (0,))
+        done = [e for e in plain_events if e["kind"] == "row_done"]
+        self.assertEqual(len(done), len(rows))
+        for event in done:
+            self.assertEqual(event["sink_share"], 0.0)
+
+    def test_sinks_decode(self):
+        rng = np.random.default_rng()
+        heads, kv_heads, head_dim, value_dim = 4, 2, 9, 5
+        caches = [self.client.create_cache(kv_heads, head_dim, value_dim) for _ in range(3)]
+        try:
+            held = fill_caches(rng, caches, (37, 23, 11))
+            queries = [rng.uniform(-1, 1, size=(heads, nq, head_dim)).astype(np.float32)
+                       for nq in (3, 1, 2)]
+            sinks = [0.5, 3.0, 50.0, -50.0]
+            # Item 0 bottom-right at positions 0 …; item 1's keys at 50 … 72, its query at 80;
+            # item 2's keys at 60 … 70, its queries at 40, 41: causal, they see no key.
+            item_positions = ({}, dict(key_position=50, query_position=80),
+                              dict(key_position=60, query_position=40))
+            for causal in (True, False):
+                result = self.client.decode(
+                    [(caches[0], queries[0])] +
+                    [dict(cache=caches[i], query=queries[i], **item_positions[i])
+                     for i in (1, 2)],
+                    causal=causal, sinks=sinks, return_lse=True)
+                for index, positions in enumerate(item_positions):
+                    with self.subTest(causal=causal, item=index):
+                        k, v = held[index]
+                        ref, ref_lse, score_max, _ = sink_reference(
+                            queries[index][None], k[None], v[None], causal,
+                            sinks=np.float32(sinks), **positions)
+                        plain, _, _, _ = sink_reference(queries[index][None], k[None],
+                                                        v[None], causal, **positions)
+                        if not (causal and index == 2):
+                            self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)
+                        out = result.outputs[index].astype(np.float64)[None]
+                        self.assertPerHead(out, ref, score_max, "item %d" % index)
+                        self.assertEqual(harness.lse_error(
+                            result.lse[index].astype(np.float64), ref_lse[0]), "")
+                        if causal and index == 2:
+                            self.assertTrue((result.outputs[2] == 0).all())
+                            np.testing.assert_array_equal(
+                                result.lse[2], np.repeat(np.float32(sinks)[:, None], 2, 1))
+            # Cache.decode passes them on too (a float32 array), appending a token first.
+            k1 = rng.uniform(-1, 1, size=(kv_heads, 1, head_dim)).astype(np.float32)
+            v1 = rng.uniform(-1, 1, size=(kv_heads, 1, value_dim)).astype(np.float32)
+            step = caches[0].decode(queries[1], k1, v1, causal=True, sinks=np.float32(sinks),
+                                    return_lse=True)
+            k, v = (np.concatenate([a, b], axis=1) for a, b in zip(held[0], (k1, v1)))
+            ref, ref_lse, score_max, _ = sink_reference(queries[1][None], k[None], v[None],
+                                                        True, sinks=np.float32(sinks))
+            self.assertEqual(caches[0].length, 38)
+            self.assertPerHead(step.output.astype(np.float64)[None], ref, score_max,
+                               "Cache.decode")
+            self.assertEqual(harness.lse_error(step.lse.astype(np.float64), ref_lse[0]), "")
+            # And Tiled over a cache: the same rows again.
+            over = self.client.tiled(queries[1], cache=caches[0], causal=True, sinks=sinks,
+                                     return_lse=True, block_k=4)
+            self.assertPerHead(over.output.astype(np.float64)[None], ref, score_max,
+                               "tiled(cache=)")
+            self.assertEqual(harness.lse_error(over.lse.astype(np.float64), ref_lse[0]), "")
+        finally:
+            for cache in caches:
+                cache.delete()
+
+    def test_sinks_wrong_count_is_invalid_argument(self):
+        q, k, v = self.alibi_problem((1, 4, 5, 8), (1, 2, 7, 8), (1, 2, 7, 8))
+        calls = {"naive": lambda s: self.client.naive(q, k, v, sinks=s),
+                 "tiled": lambda s: self.client.tiled(q, k, v, sinks=s),
+                 "trace": lambda s: list(self.client.trace(q, k, v, sinks=s))}
+        cache = self.client.create_cache(2, 8)
+        try:
+            cache.append(k[0], v[0])
+            # Decode appending a token: refused whole, the token not kept.
+            calls["decode"] = lambda s: self.client.decode(
+                [(cache, q[0], k[0, :, :1], v[0, :, :1])], sinks=s)
+            for sinks in ([0.5, 0.25, 0.125], [0.5] * 5, [1.0]):
+                for name, call in calls.items():
+                    with self.subTest(rpc=name, count=len(sinks)):
+                        with self.assertRaises(AttnError) as caught:
+                            call(sinks)
+                        self.assertEqual(caught.exception.code,
+                                         grpc.StatusCode.INVALID_ARGUMENT,
+                                         caught.exception.message)
+                        self.assertIn("options.sinks", caught.exception.message)
+            self.assertEqual(cache.length, 7)
+            self.assertEqual(cache.refresh()["length"], 7)  # the refused decodes kept nothing
+            # A non-finite sink never leaves the client; sent anyway, the server names it.
+            for bad in (math.nan, math.inf, -math.inf):
+                request = Client._request(q, k, v, False, None, 0, False, None, None,
+                                          sinks=[0.5, 0.25, 0.125, 0.0625])
+                request.options.sinks[2] = bad
+                options = Client._options(False, None, 0, False, None,
+                                          sinks=[0.5, 0.25, 0.125, 0.0625])
+                options.sinks[2] = bad
+                decode = attn_client.pb.DecodeRequest(options=options)
+                decode.items.add(cache_id=cache.id, expected_length=7,
+                                 query=attn_client._encode("query", q[0], None))
+                raw = {"Naive": lambda: self.client._call("Naive", self.client._stub.Naive,
+                                                          request),
+                       "Tiled": lambda: self.client._call("Tiled", self.client._stub.Tiled,
+                                                          request),
+                       "Trace": lambda: list(self.client._trace_events(
+                           attn_client.pb.TraceRequest(attention=request))),
+                       "Decode": lambda: self.client._call("Decode", self.client._stub.Decode,
+                                                           decode)}
+                for name, call in raw.items():
+                    with self.subTest(rpc=name, value=bad):
+                        with self.assertRaises(AttnError) as caught:
+                            call()
+                        self.assertEqual(caught.exception.code,
+                                         grpc.StatusCode.INVALID_ARGUMENT,
+                                         caught.exception.message)
+                        self.assertIn("options.sinks[2]", caught.exception.message)
+        finally:
+            cache.delete()
+
     # Errors.
 
     def test_bad_shape_is_invalid_argument(self):
@@ -960,6 +1315,26 @@ class ClientModuleTest(ServerCase):
                         with self.assertRaises(error) as caught:
                             call(alibi_slopes=value)
                         self.assertIn("alibi_slopes", str(caught.exception))
+            # Bad sinks likewise, the error naming the entry: not finite (in float32 too),
+            # not numbers, not 1-D; no "standard" (sinks are learned).
+            for value, error, name in (
+                    ([float("nan")], ValueError, "sinks[0]"),
+                    ([1.0, math.inf], ValueError, "sinks[1]"),
+                    ([-math.inf], ValueError, "sinks[0]"),
+                    ([0.5, 1e39], ValueError, "sinks[1]"),
+                    ([0.5, -1e39], ValueError, "sinks[1]"),
+                    (np.float32([0.5, np.nan]), ValueError, "sinks[1]"),
+                    (np.float64([[0.5]]), ValueError, "sinks"),
+                    ("standard", TypeError, "sinks"), ("", TypeError, "sinks"),
+                    ([True], TypeError, "sinks[0]"), ([0.5, "0.5"], TypeError, "sinks[1]"),
+                    ([None], TypeError, "sinks[0]"), (0.5, TypeError, "sinks"),
+                    (b"\x01", TypeError, "sinks"), ({0: 0.5}, TypeError, "sinks"),
+                    (np.array(["a"]), TypeError, "sinks"), ([1j], TypeError, "sinks[0]")):
+                for rpc, call in calls.items():
+                    with self.subTest(rpc=rpc, argument="sinks", value=repr(value)):
+                        with self.assertRaises(error) as caught:
+                            call(sinks=value)
+                        self.assertIn(name, str(caught.exception))
             # "standard" needs a query to count: decode of no items says so.
             with self.assertRaises(ValueError) as caught:
                 offline.decode([], alibi_slopes="standard")

@@ -26,10 +26,19 @@ random inputs of odd sizes:
     client refuses them itself with ValueError/TypeError, also checked), Decode with positions
     in its options → INVALID_ARGUMENT naming options.key_position, a negative item position
     naming items[0].key_position;
+  - attention sinks: the sinks sent only with the first slice (the one at the sequence's first
+    key), the other slices without, in Naive and Tiled: each part against its own reference,
+    the merge against the float64 reference of the whole with sinks (each head at its own
+    scale: sinks near the scores, 50 and −50) and the unsplit Tiled; sinks on every part
+    shown not to merge to it; GQA rank 4, not causal, a window hiding the first slice from
+    some rows (lse = the sink there), rows no part sees (zeros, lse = the sink), a first
+    slice of one key at 2^40 + 3; a sequence in two caches, the first cache's item decoded
+    with the sinks and the other in a Decode without;
   - merge_states alone (no server): one part is itself, all-(−inf) rows give zeros and −inf
     (never NaN, whatever the parts' outputs hold there), a float64 split of a reference merges
-    back to 1e-12, huge lse values do not overflow, part order does not matter, ValueError /
-    TypeError naming the problem for an empty list, mismatched shapes, NaN lse, bf16 bits.
+    back to 1e-12 (with sinks on the first slice too), huge lse values do not overflow, part
+    order does not matter, ValueError / TypeError naming the problem for an empty list,
+    mismatched shapes, NaN lse, bf16 bits.
 
 Run by CTest as
   /usr/bin/python3 tests/python/test_merge.py --attnd <attnd> --stubs <stubs dir>
@@ -70,11 +79,17 @@ def rounded(array, dtype):
     return harness.bf16_bits_to_fp32(harness.round_to_bf16_bits(array)).astype(np.float64)
 
 
-def reference(q, k, v, causal, key_position=0, query_position=None, scale=None):
+def reference(q, k, v, causal, key_position=0, query_position=None, scale=None, sinks=None,
+              window_left=None):
     """float64 attention of q [.., heads, Nq, d] over k [.., kv_heads, Nk, d], v [.., Nk, dv]
     with positions: key j at key_position + j, query row i at query_position + i (None:
-    key_position + Nk − Nq); causal: a query at p sees a key at t iff t ≤ p. → (out, lse) in
-    q's leading shape; rows that see no key give zeros and lse −inf."""
+    key_position + Nk − Nq); causal: a query at p sees a key at t iff t ≤ p; window_left (None:
+    unbounded): only if t ≥ p − window_left. sinks (None: none): one logit per query head in
+    each row's softmax that takes weight but adds no value (attention.proto,
+    AttentionOptions.sinks): m = max(max_j x_j, sink), out = Σ_j e^(x_j − m) v_j /
+    (Σ_j e^(x_j − m) + e^(sink − m)), lse = m + log(Σ_j e^(x_j − m) + e^(sink − m)).
+    → (out, lse) in q's leading shape; rows that see no key give zeros and lse −inf (the sink
+    with sinks)."""
     lead = np.shape(q)[:-1]
     q, k, v = as4(q), as4(k), as4(v)
     heads, query_len, head_dim = q.shape[1:]
@@ -86,14 +101,19 @@ def reference(q, k, v, causal, key_position=0, query_position=None, scale=None):
     k = np.repeat(k, heads // kv_heads, axis=1)
     v = np.repeat(v, heads // kv_heads, axis=1)
     scores = scale * np.matmul(q, np.swapaxes(k, -1, -2))
+    query_at = query_position + np.arange(query_len, dtype=np.int64)[:, None]
+    key_at = key_position + np.arange(key_len, dtype=np.int64)[None, :]
     if causal:
-        query_at = query_position + np.arange(query_len, dtype=np.int64)[:, None]
-        key_at = key_position + np.arange(key_len, dtype=np.int64)[None, :]
         scores = np.where(key_at <= query_at, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
+    if window_left is not None:
+        scores = np.where(key_at >= query_at - window_left, scores, -np.inf)
+    sink = np.full((1, heads, 1, 1), -np.inf)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64).reshape(1, heads, 1, 1)
+    row_max = np.maximum(scores.max(axis=-1, keepdims=True, initial=-np.inf), sink)
     safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
     weights = np.exp(scores - safe_max)
-    denominator = weights.sum(axis=-1, keepdims=True)
+    denominator = weights.sum(axis=-1, keepdims=True) + np.exp(sink - safe_max)
     seen = denominator > 0
     out = np.where(seen, np.matmul(weights, v) / np.where(seen, denominator, 1.0), 0.0)
     lse = np.where(seen[..., 0], np.log(np.where(seen, denominator, 1.0))[..., 0] +
@@ -307,6 +327,176 @@ class SplitTest(ServerCase):
                                          OUTPUT_RTOL)
         # The non-causal split merges too (positions irrelevant).
         self.check_split((2, 5, 8), (2, 17, 8), (2, 17, 8), [0, 6, 17], causal=False)
+
+
+class SinkSplitTest(ServerCase):
+    """Attention sinks over a key split: only the part whose slice starts the sequence (at the
+    whole problem's first key_position) carries the sinks, the others none, and merge_states
+    gives the unsplit answer with sinks (attention.proto, AttentionOptions.sinks)."""
+
+    def assertPerHead(self, out, ref, sinks, what):
+        """Each head's output against its own max |ref|, so a head whose sink takes nearly all
+        the weight (outputs near e^−47 for a sink of 50) is checked at its own scale: bound
+        OUTPUT_RTOL · max(1, |sink| / 8), as attnd_harness.fp32_rtol scales with the largest
+        logit (an exponent's fp32 rounding is relative to its size)."""
+        out4, ref4 = as4(np.asarray(out, dtype=np.float64)), as4(ref)
+        for h, sink in enumerate(np.asarray(sinks, dtype=np.float64)):
+            miss = output_miss(out4[:, h], ref4[:, h])
+            WORST["output"] = max(WORST["output"], miss / max(1.0, abs(sink) / 8))
+            self.assertLessEqual(miss, OUTPUT_RTOL * max(1.0, abs(sink) / 8),
+                                 "%s, head %d (sink %g): output relative error %.3g"
+                                 % (what, h, sink, miss))
+
+    def check_sink_split(self, q_shape, k_shape, v_shape, bounds, sinks, causal=True,
+                         query_position=None, key_position=0, window_left=None, block_k=0,
+                         rpcs=("tiled", "naive")):
+        """bounds: the slice edges, 0 … key_len; sinks: one per query head (float32 values).
+        → the parts' lse of the last rpc."""
+        sinks = np.float32(sinks)
+        q, k, v = self.uniform(*q_shape), self.uniform(*k_shape), self.uniform(*v_shape)
+        query_len, key_len = q_shape[-2], k_shape[-2]
+        self.assertEqual((bounds[0], bounds[-1]), (0, key_len))
+        whole_query_position = (key_position + key_len - query_len if query_position is None
+                                else query_position)
+        options = dict(causal=causal, window_left=window_left, return_lse=True,
+                       output_dtype="fp32", block_k=block_k)
+        ref, ref_lse = reference(q, k, v, causal, key_position, whole_query_position,
+                                 sinks=sinks, window_left=window_left)
+        plain, _ = reference(q, k, v, causal, key_position, whole_query_position,
+                             window_left=window_left)
+        self.assertGreater(float(np.max(np.abs(ref - plain))), 1e-2)  # the sinks matter
+        unsplit = self.client.tiled(q, k, v, key_position=key_position,
+                                    query_position=whole_query_position, sinks=sinks, **options)
+        self.assertOutput(unsplit.output, ref, "unsplit tiled")
+        self.assertPerHead(unsplit.output, ref, sinks, "unsplit tiled")
+        self.assertLse(unsplit.lse, ref_lse, "unsplit tiled")
+        part_lse = None
+        for rpc in rpcs:
+            parts, part_lse, every = [], [], []
+            for index, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                first = index == 0
+                what = "%s slice [%d, %d) of %d keys%s" % (rpc, a, b, key_len,
+                                                          " (with the sinks)" if first else "")
+                with self.subTest(part=what):
+                    call = getattr(self.client, rpc)
+                    slice_options = dict(options, key_position=key_position + a,
+                                         query_position=whole_query_position)
+                    result = call(q, k[..., a:b, :], v[..., a:b, :],
+                                  sinks=sinks if first else None, **slice_options)
+                    part_ref, part_ref_lse = reference(
+                        q, k[..., a:b, :], v[..., a:b, :], causal, key_position + a,
+                        whole_query_position, sinks=sinks if first else None,
+                        window_left=window_left)
+                    self.assertOutput(result.output, part_ref, what)
+                    self.assertLse(result.lse, part_ref_lse, what)
+                    parts.append((result.output, result.lse))
+                    part_lse.append(result.lse)
+                    # The same slice with the sinks, for the wrong merge below.
+                    every.append(result if first else call(
+                        q, k[..., a:b, :], v[..., a:b, :], sinks=sinks, **slice_options))
+            with self.subTest(merged=rpc):
+                output, lse = merge_states(parts)
+                self.assertEqual((output.dtype, lse.dtype), (np.float32, np.float32))
+                self.assertOutput(output, ref, "merged %s vs float64" % rpc)
+                self.assertPerHead(output, ref, sinks, "merged %s vs float64" % rpc)
+                self.assertLse(lse, ref_lse, "merged %s vs float64" % rpc)
+                self.assertLessEqual(output_miss(output, unsplit.output.astype(np.float64)),
+                                     OUTPUT_RTOL, "merged %s vs unsplit tiled" % rpc)
+                self.assertLessEqual(lse_miss(lse, unsplit.lse.astype(np.float64)), LSE_ATOL,
+                                     "merged %s lse vs unsplit tiled" % rpc)
+                # Sinks on every part count the sink once per part: not the answer.
+                wrong, _ = merge_states(every)
+                self.assertGreater(output_miss(wrong, ref), 100 * OUTPUT_RTOL,
+                                   "sinks on every part should not merge to the answer")
+        return part_lse
+
+    def test_three_slices_rank3(self):
+        # 13 queries over 37 keys, causal bottom-right; a sink near the scores, one far above
+        # them (it takes nearly all the weight) and one far below (none).
+        self.check_sink_split((3, 13, 24), (3, 37, 24), (3, 37, 24), [0, 11, 25, 37],
+                              [0.5, 50.0, -50.0], block_k=7)
+
+    def test_gqa_value_dim_rank4(self):
+        # 2 batches, 6 query heads over 2 kv heads (different sinks on the heads of one kv
+        # head), head_dim 20, value_dim 13, two slices.
+        self.check_sink_split((2, 6, 9, 20), (2, 2, 31, 20), (2, 2, 31, 13), [0, 13, 31],
+                              [-50.0, 0.0, 1.0, 2.5, 50.0, -1.0], block_k=5)
+
+    def test_window_hides_the_first_slice(self):
+        # 30 queries at 10 … 39 over 40 keys, causal with window_left 9: a row at p sees
+        # p − 9 … p, so rows at 24 … 39 see none of the first slice [0, 15): its part gives
+        # them zeros and lse = the sink, and the merge still gives them the sink's weight.
+        part_lse = self.check_sink_split((2, 30, 10), (1, 40, 10), (1, 40, 7), [0, 15, 28, 40],
+                                         [1.0, 3.0], window_left=9, block_k=4)
+        sees_first = 10 + np.arange(30) - 9 < 15
+        self.assertTrue(sees_first.any() and not sees_first.all())
+        np.testing.assert_array_equal(part_lse[0][:, ~sees_first],
+                                      np.float32([[1.0], [3.0]]).repeat((~sees_first).sum(), 1))
+
+    def test_rows_no_part_sees(self):
+        # 19 queries over 11 keys at 10 … 20, bottom-right (query_position 2): rows 0 … 7 see
+        # no key in any part: the merge gives them zeros and lse = the sink.
+        sinks = [2.0, -3.0]
+        q, k, v = self.uniform(2, 19, 9), self.uniform(2, 11, 9), self.uniform(2, 11, 9)
+        parts = []
+        for index, (a, b) in enumerate(((0, 4), (4, 11))):
+            parts.append(self.client.tiled(
+                q, k[:, a:b], v[:, a:b], causal=True, key_position=10 + a, query_position=2,
+                return_lse=True, output_dtype="fp32", block_k=3,
+                sinks=sinks if index == 0 else None))
+        output, lse = merge_states(parts)
+        ref, ref_lse = reference(q, k, v, True, 10, 2, sinks=np.float32(sinks))
+        self.assertOutput(output, ref, "merged")
+        self.assertLse(lse, ref_lse, "merged")
+        self.assertTrue((output[:, :8] == 0).all())
+        np.testing.assert_array_equal(lse[:, :8], np.float32(sinks)[:, None].repeat(8, 1))
+        self.check_sink_split((2, 19, 9), (2, 11, 9), (2, 11, 9), [0, 4, 11], sinks,
+                              key_position=10, block_k=3)
+
+    def test_large_key_position_first_slice_one_key(self):
+        # The sequence starts at 2^40 + 3; the first slice, the one with the sinks, is one key.
+        start = (1 << 40) + 3
+        self.check_sink_split((2, 7, 12), (1, 33, 12), (1, 33, 5), [0, 1, 16, 33],
+                              [0.25, 4.0], key_position=start, query_position=start + 9)
+
+    def test_not_causal(self):
+        self.check_sink_split((2, 5, 8), (2, 17, 8), (2, 17, 8), [0, 6, 17], [1.5, 50.0],
+                              causal=False)
+
+    def test_one_sequence_in_two_caches(self):
+        # One sequence's keys: [0, 23) in cache A, [23, 50) in cache B, and B's Decode step
+        # appends 2 more (keys 50, 51); three query rows at 49 … 51. Decode options are the
+        # batch's, so A's item (the first key's) is decoded with the sinks and B's in another
+        # call without; merged, they are the unsplit answer with sinks.
+        kv_heads, heads, head_dim, value_dim, nq = 2, 4, 12, 7, 3
+        sinks = np.float32([0.5, 3.0, 50.0, -50.0])
+        keys = self.uniform(kv_heads, 52, head_dim)
+        values = self.uniform(kv_heads, 52, value_dim)
+        query = self.uniform(heads, nq, head_dim)
+        a = self.client.create_cache(kv_heads, head_dim, value_dim)
+        b = self.client.create_cache(kv_heads, head_dim, value_dim)
+        try:
+            a.append(keys[:, :23], values[:, :23])
+            b.append(keys[:, 23:50], values[:, 23:50])
+            first = a.decode(query, key_position=0, query_position=49, causal=True,
+                             return_lse=True, sinks=sinks)
+            rest = b.decode(query, keys[:, 50:], values[:, 50:], key_position=23, causal=True,
+                            return_lse=True)
+            self.assertEqual((a.length, b.length), (23, 29))
+            for name, part, (begin, end), part_sinks in (("A", first, (0, 23), sinks),
+                                                         ("B", rest, (23, 52), None)):
+                part_ref, part_lse = reference(query, keys[:, begin:end], values[:, begin:end],
+                                               True, begin, 49, sinks=part_sinks)
+                self.assertOutput(part.output, part_ref, "item %s" % name)
+                self.assertLse(part.lse, part_lse, "item %s" % name)
+            ref, ref_lse = reference(query, keys, values, True, sinks=sinks)
+            output, lse = merge_states([first, rest])
+            self.assertOutput(output, ref, "merged decode")
+            self.assertPerHead(output, ref, sinks, "merged decode")
+            self.assertLse(lse, ref_lse, "merged decode")
+        finally:
+            a.delete()
+            b.delete()
 
 
 class TraceTest(ServerCase):
@@ -548,6 +738,34 @@ class MergeStatesTest(unittest.TestCase):
         total = np.exp(lse - m).sum(axis=0)
         formula = sum(np.exp(p[1] - m - np.log(total))[..., None] * p[0] for p in parts)
         self.assertLess(float(np.max(np.abs(formula - whole))), 1e-12)
+        self.assertLess(float(np.max(np.abs(m + np.log(total) - whole_lse))), 1e-12)
+
+    def test_float64_split_with_sinks_merges_back(self):
+        # A float64 reference with sinks, split by keys with the sinks on the first slice
+        # only (causal with a window, so some rows see none of the first slice: lse = sink
+        # there), merges to the unsplit reference with sinks; in any part order.
+        q = self.rng.uniform(-1, 1, (2, 3, 6, 5))
+        k = self.rng.uniform(-1, 1, (2, 1, 19, 5))
+        v = self.rng.uniform(-1, 1, (2, 1, 19, 4))
+        sinks = [0.7, 50.0, -50.0]
+        whole, whole_lse = reference(q, k, v, True, 0, 13, sinks=sinks, window_left=4)
+        bounds = [0, 7, 12, 19]
+        parts = [reference(q, k[..., a:b, :], v[..., a:b, :], True, a, 13,
+                           sinks=sinks if a == 0 else None, window_left=4)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        self.assertTrue((parts[0][1] == np.float64(sinks)[None, :, None]).any())
+        for order in (parts, parts[::-1], parts[1:] + parts[:1]):
+            merged, merged_lse = merge_states(order)
+            np.testing.assert_allclose(merged, whole, rtol=1e-6, atol=1e-7 * np.abs(whole).max())
+            np.testing.assert_allclose(merged_lse, whole_lse, rtol=1e-6)
+        # Per head in float64, the same formula: exact to 1e-12 relative.
+        lse = np.stack([p[1] for p in parts])
+        m = lse.max(axis=0)
+        total = np.exp(lse - m).sum(axis=0)
+        formula = sum(np.exp(p[1] - m - np.log(total))[..., None] * p[0] for p in parts)
+        for h in range(3):
+            scale = np.abs(whole[:, h]).max()
+            self.assertLess(float(np.max(np.abs(formula[:, h] - whole[:, h]))), 1e-12 * scale)
         self.assertLess(float(np.max(np.abs(m + np.log(total) - whole_lse))), 1e-12)
 
     def test_huge_lse_is_stable(self):
