@@ -80,7 +80,8 @@
 // absent: bottom-right), which the causal mask compares. In Decode they are per item
 // (DecodeItem.keyPosition, queryPosition: Cache.item's, decodeBatch's and Cache.decode's
 // keyPosition / queryPosition), never in the options. With them one causal problem splits by
-// keys over calls or servers, and mergeStates() joins the parts:
+// keys over calls or servers, and mergeStates() joins the parts (with sinks, only the first
+// slice, at the sequence's first key, is sent with them; see Sinks below):
 //   const parts = await Promise.all([[0, 100], [100, keyLen]].map(([a, b]) => client.tiled({
 //     query, key: keysFrom(a, b), value: valuesFrom(a, b),
 //     options: {causal: true, keyPosition: a, queryPosition: keyLen - queryLen, returnLse: true,
@@ -132,6 +133,28 @@
 //   const alibiSlopes = standardAlibiSlopes(32);
 //   await client.tiled({query, key, value, options: {causal: true, alibiSlopes}});
 //
+// Sinks (attention.proto, AttentionOptions; gpt-oss, StreamingLLM's sink as a learned logit):
+// options.sinks, an Array of Numbers (a plain Array, as alibiSlopes), one per query head; empty
+// or absent = no sinks. sinks[h] joins every softmax row of query head h as one more logit that
+// takes weight but contributes no value:
+//   out = Σ_j e^(x_j − m) v_j / (Σ_j e^(x_j − m) + e^(sink − m)),  m = max(max_j x_j, sink)
+//   lse = log(Σ_j e^(x_j) + e^(sink))
+// where x_j are the row's scores after the scale, softcap, ALiBi bias and mask; the sink itself
+// is not scaled, capped, biased or masked. The keys' weights then sum to 1 − e^(sink − lse), and
+// a row that sees no key gives zeros and lse = sink. They go in the options of naive, tiled,
+// trace and decode as they are (in Decode they are the batch's: every item's query head count
+// must match, each item's rows taking them once); the client sends them unchecked (each travels
+// as a proto float, so is rounded to fp32), and the server answers a count other than the
+// query's head count with INVALID_ARGUMENT naming options.sinks, and a sink that is not finite
+// (in fp32) with one naming options.sinks[h]. Trace's start repeats them (start.sinks, []:
+// none); a step never includes the sink (its estimate is of the keys so far): it joins the row
+// once, after the row's last tile, so rowDone's output, reference and lse include it, and
+// rowDone.sinkShare is the weight the sink took, e^(sink − lse) (0 without sinks). A sink
+// belongs to a row once, not to each key slice: a problem split by keys sends options.sinks only
+// with the slice that starts the sequence (the first, at the whole problem's first keyPosition)
+// and the other slices without; mergeStates() then gives exactly the unsplit answer.
+//   await client.tiled({query, key, value, options: {causal: true, sinks: [0.5, -1, 2, 0]}});
+//
 // Ragged batches (attention.proto, AttentionRequest; FlashAttention's varlen cu_seqlens):
 // request.cuSeqlensQ and request.cuSeqlensK, Arrays of integer Numbers at the request's top
 // level (they are AttentionRequest fields, not options); absent (undefined or null) or empty =
@@ -142,20 +165,21 @@
 // [heads, totalQ, valueDim] and lse [heads, totalQ]. Sequence s is query rows
 // [cuSeqlensQ[s], cuSeqlensQ[s+1]) over keys [cuSeqlensK[s], cuSeqlensK[s+1]): its rows see
 // only its keys, with its own positions (its keys at 0 …, its queries bottom-right against
-// them), so causal, a window, a softcap and ALiBi apply per sequence as if each were a request
-// of its own; a row whose sequence has no key it sees gives zeros and lse −inf. A sequence may
-// be empty. options.keyPosition and queryPosition must then be unset, and cacheId empty. They
-// go in the requests of naive, tiled and trace (request.attention) as they are; the client
-// checks only that each is an Array of integer Numbers (a plain Array: Array.from a typed
-// array), else a TypeError (naive and tiled reject with it, trace throws it from the loop), and
-// the server answers bad values with INVALID_ARGUMENT naming the field: cu_seqlens_q[i] /
-// cu_seqlens_k[i] for a first entry other than 0, a decrease or a last entry other than the
-// packed length (query.shape / key.shape's length dim), cu_seqlens_q / cu_seqlens_k for one
-// given without the other, counts that differ or fewer than 2 entries, query.shape[0] for a
-// batch other than 1, options.key_position / options.query_position when set. Trace's start
-// repeats them (start.cuSeqlensQ, cuSeqlensK: Arrays of Numbers, [] for one sequence; its
-// keyPosition and queryPosition are then 0, each sequence having its own), and where a mask
-// applies a step's hidden is HIDDEN_SEQUENCE for a key of its tile in another sequence.
+// them), so causal, a window, a softcap, ALiBi and sinks apply per sequence as if each were a
+// request of its own; a row whose sequence has no key it sees gives zeros and lse −inf (with
+// sinks: zeros and lse = its head's sink). A sequence may be empty. options.keyPosition and
+// queryPosition must then be unset, and cacheId empty. They go in the requests of naive, tiled
+// and trace (request.attention) as they are; the client checks only that each is an Array of
+// integer Numbers (a plain Array: Array.from a typed array), else a TypeError (naive and tiled
+// reject with it, trace throws it from the loop), and the server answers bad values with
+// INVALID_ARGUMENT naming the field: cu_seqlens_q[i] / cu_seqlens_k[i] for a first entry other
+// than 0, a decrease or a last entry other than the packed length (query.shape / key.shape's
+// length dim), cu_seqlens_q / cu_seqlens_k for one given without the other, counts that differ
+// or fewer than 2 entries, query.shape[0] for a batch other than 1, options.key_position /
+// options.query_position when set. Trace's start repeats them (start.cuSeqlensQ, cuSeqlensK:
+// Arrays of Numbers, [] for one sequence; its keyPosition and queryPosition are then 0, each
+// sequence having its own), and where a mask applies a step's hidden is HIDDEN_SEQUENCE for a
+// key of its tile in another sequence.
 //   const [qLens, kLens] = [[5, 1, 40], [7, 1, 33]];      // 46 query rows, 41 keys
 //   await client.tiled({query: tensor(q, [heads, 46, d]), key: tensor(k, [kvHeads, 41, d]),
 //                       value: tensor(v, [kvHeads, 41, d]), cuSeqlensQ: cumulativeLengths(qLens),
@@ -747,6 +771,12 @@ class Client {
   // (attentionOptions.windowLeft, windowRight) is the batch's, against each item's positions;
   // a softcap (attentionOptions.softcap) and ALiBi slopes (attentionOptions.alibiSlopes) the
   // batch's too, applied to every item (each item's query head count must be the slopes').
+  // Sinks (attentionOptions.sinks) are the batch's as well: one per query head of every item
+  // (each item's query must have that many heads; the server checks, INVALID_ARGUMENT naming
+  // options.sinks), each item's rows taking its sink once. A sequence whose keys are split over
+  // several caches sends the sinks only with the part holding its first key, so its parts
+  // cannot share one batch with sinks: decode the first part with them and the others in a call
+  // without, then mergeStates().
   async decodeBatch(items, attentionOptions = {}, options) {
     for (const field of ['keyPosition', 'queryPosition']) {
       if (attentionOptions[field] !== undefined && attentionOptions[field] !== null) {
@@ -1022,8 +1052,8 @@ class Cache {
   }
 
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
-  // this item's positions (item()); options: the AttentionOptions (a window, a softcap and ALiBi
-  // slopes included), without positions.
+  // this item's positions (item()); options: the AttentionOptions (a window, a softcap, ALiBi
+  // slopes and sinks included), without positions.
   decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
          options) {
     return this.followMove_(async () => {
@@ -1223,6 +1253,13 @@ function stateValues(value, what) {
 // computed stably in float64: m = maxᵢ lseᵢ, wᵢ = exp(lseᵢ − m), lse = m + log Σᵢ wᵢ,
 // output = Σᵢ wᵢ · outputᵢ / Σᵢ wᵢ. A part whose row saw no key (lse −inf) contributes nothing
 // to it, whatever its output row holds; a row no part saw gives zeros and lse −inf, never NaN.
+// Sinks (options.sinks) need nothing here, provided the sink is counted once: send the sinks
+// only with the part whose slice starts the sequence (at the whole problem's first keyPosition)
+// and the other parts without. That part's lse already includes e^sink, and its output the
+// sink's share of the denominator, so the parts merge exactly to the unsplit answer with sinks
+// (a row that saw none of that slice's keys has lse = sink and output 0 there, and still gives
+// the sink its weight in the merge); parts that each carried the sinks would count the sink
+// once per part.
 // Throws a TypeError for no parts or parts whose shapes differ, a RangeError for an lse that
 // is NaN or +inf.
 function mergeStates(parts) {

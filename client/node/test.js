@@ -23,18 +23,25 @@
 // float64 reference run per sequence, causal, GQA, odd sizes, with a window, ALiBi and a softcap,
 // empty sequences; Trace's start repeating them and HIDDEN_SEQUENCE for other sequences' keys;
 // bad cumulative lengths → INVALID_ARGUMENT naming cu_seqlens_q[i] / cu_seqlens_k[i], client-side
-// TypeErrors for non-integers), mergeStates alone, persistent caches (crc32c's check values and
-// chaining; export / import of a multi-chunk fp16 cache to another server and through a file:
-// chunks, starts, the CRC32C, ALREADY_EXISTS and newIdIfTaken, Tiled over both the same bytes;
-// damaged, cut and foreign exports and files → DATA_LOSS with nothing imported; a client-side
-// DATA_LOSS for an export stream that does not add up (a grpc-js stand-in server); the replay
-// tail: attnd A with --cache-dir, its files copied once durableLength covers some tokens, more
-// tokens appended, attnd B started on the copy, and refresh() of the old Cache's state on B
-// re-sends the lost tail in one append so B's export equals A's; the straddling entry sliced
-// (rank 3 and rank 2, and cut at a small byte limit); DATA_LOSS when no tail reaches back (a
-// server without --cache-dir keeps none, or everything was durable), the Cache unchanged;
-// moved_to followed once with the same options through grpc-js stand-ins, never twice in a
-// row), and, when given a TLS server with a token, TLS + bearer token.
+// TypeErrors for non-integers), attention sinks (sinks through Tiled and Naive with lse against
+// float64, GQA, causal, odd sizes, rows that see no key (zeros, lse = the sink), with a scale,
+// softcap, ALiBi and windows that leave the sink alone; key slices with the sinks on the first
+// only, merged by mergeStates, equal to the unsplit answer (and not when every slice carries them);
+// Trace's start repeating them fp32-rounded, rowDone.sinkShare = e^(sink − lse), steps without the
+// sink; Cache.decode, a batched decode and Tiled over a cache against float64; ragged batches per
+// sequence; a wrong count → INVALID_ARGUMENT naming options.sinks, a non-finite sink one naming
+// options.sinks[h]), mergeStates alone, persistent caches (crc32c's check values and chaining;
+// export / import of a multi-chunk fp16 cache to another server and through a file: chunks, starts,
+// the CRC32C, ALREADY_EXISTS and newIdIfTaken, Tiled over both the same bytes; damaged, cut and
+// foreign exports and files → DATA_LOSS with nothing imported; a client-side DATA_LOSS for an
+// export stream that does not add up (a grpc-js stand-in server); the replay tail: attnd A with
+// --cache-dir, its files copied once durableLength covers some tokens, more tokens appended, attnd
+// B started on the copy, and refresh() of the old Cache's state on B re-sends the lost tail in one
+// append so B's export equals A's; the straddling entry sliced (rank 3 and rank 2, and cut at a
+// small byte limit); DATA_LOSS when no tail reaches back (a server without --cache-dir keeps none,
+// or everything was durable), the Cache unchanged; moved_to followed once with the same options
+// through grpc-js stand-ins, never twice in a row), and, when given a TLS server with a token, TLS
+// + bearer token.
 // Usage: node test.js --target HOST:PORT [--attnd ATTND] [--secure-target HOST:PORT
 //                                         --tls-ca CA.pem --token-file FILE]
 // --attnd: the binary the persistent-cache tests start servers of (skipped without it).
@@ -89,11 +96,16 @@ function seedInputs(n = 8, d = 4) {
 // sees no key gives zeros and lse −inf. cap(s) = softcap · tanh(s / softcap), none when softcap
 // is 0 or absent, then query head h's ALiBi bias −alibiSlopes[h] · |p − t| (none when absent or
 // empty); both are elementwise, so transforming only the seen keys' scores is the contract's
-// scale, then softcap, then bias, then mask. Also returns scoreMax, the largest |score| the
-// softmax takes.
+// scale, then softcap, then bias, then mask. sinks (none when absent or empty): query head h's
+// sink s = sinks[h] is one more logit in each of its rows, itself not scaled, capped, biased or
+// masked, that takes weight but adds no value (attention.proto, AttentionOptions.sinks):
+//   out = Σ_j e^(x_j − m) v_j / (Σ_j e^(x_j − m) + e^(s − m)),  m = max(max_j x_j, s)
+//   lse = m + log(Σ_j e^(x_j − m) + e^(s − m))
+// and a row that sees no key gives zeros and lse = s. Also returns scoreMax, the largest |score|
+// the softmax takes.
 function referenceAttention({q, k, v, dims}, scale, causal,
                             {keyPosition = 0, queryPosition, windowLeft, windowRight,
-                             softcap = 0, alibiSlopes = []} = {}) {
+                             softcap = 0, alibiSlopes = [], sinks = []} = {}) {
   const {batch, heads, kvHeads, queryLen, keyLen, headDim, valueDim} = dims;
   const firstQuery = queryPosition ?? keyPosition + keyLen - queryLen;
   const out = new Float64Array(batch * heads * queryLen * valueDim);
@@ -105,6 +117,7 @@ function referenceAttention({q, k, v, dims}, scale, causal,
       const kh = Math.floor(h / (heads / kvHeads));
       const kBase = (b * kvHeads + kh) * keyLen;
       const slope = alibiSlopes.length ? alibiSlopes[h] : 0;
+      const sink = sinks.length ? sinks[h] : -Infinity;  // e^−inf = 0: no sink.
       for (let i = 0; i < queryLen; ++i) {
         const row = (b * heads + h) * queryLen + i;
         const p = firstQuery + i;
@@ -115,8 +128,11 @@ function referenceAttention({q, k, v, dims}, scale, causal,
               (windowRight != null && t > p + windowRight)) continue;
           seen.push(j);
         }
-        if (seen.length === 0) continue;
-        let max = -Infinity;
+        if (seen.length === 0) {
+          lse[row] = sink;  // −inf without one.
+          continue;
+        }
+        let max = sink;
         for (const j of seen) {
           let s = 0;
           for (let c = 0; c < headDim; ++c) {
@@ -127,7 +143,7 @@ function referenceAttention({q, k, v, dims}, scale, causal,
           max = Math.max(max, scores[j]);
           scoreMax = Math.max(scoreMax, Math.abs(scores[j]));
         }
-        let sum = 0;
+        let sum = Math.exp(sink - max);  // The sink's weight; its value adds nothing.
         for (const j of seen) {
           const w = Math.exp(scores[j] - max);
           sum += w;
@@ -1332,6 +1348,296 @@ test('ragged: cumulativeLengths; non-integer lengths are TypeErrors before any c
     for (const call of [() => client.tiled(bad), () => client.naive(bad),
                         () => collect(client.trace({attention: bad}))]) {
       await assert.rejects(call(), (err) => err instanceof TypeError && pattern.test(err.message));
+    }
+  }
+});
+
+// --- attention sinks ----------------------------------------------------------------------------
+// n random sinks in [lo, hi), as the float32 values the server gets. The default range keeps
+// each sink's share of a row of a few dozen keys large enough for `differs` to see it.
+const randomSinks = (n, random, lo = -1, hi = 3) =>
+  Array.from({length: n}, () => Math.fround(lo + (hi - lo) * random()));
+// Whether a and b differ by more than `by` somewhere (an option changes the answer; 100 times
+// the tolerance of the comparisons it guards).
+const differs = (a, b, by = 1e-3) => a.some((x, i) => Math.abs(x - b[i]) > by);
+
+test('sinks: tiled and naive (with lse) against float64, GQA, causal, odd sizes', async () => {
+  const random = mulberry32(positionsSeed + 15);
+  // 5 query rows over 37 keys (block_k 4: a last tile of one key), headDim 7, valueDim 5; 3 query
+  // heads over 1 kv head, and 2 batches of 6 query heads over 3 kv heads.
+  for (const [heads, kvHeads, batch] of [[3, 1, 1], [6, 3, 2]]) {
+    const dims = {batch, heads, kvHeads, queryLen: 5, keyLen: 37, headDim: 7, valueDim: 5};
+    const problem = randomProblem(dims, random);
+    const scale = 1 / Math.sqrt(dims.headDim);
+    const rows = batch * heads * dims.queryLen;
+    const cases = [
+      {causal: true, sinks: randomSinks(heads, random)},
+      // A sink far above the scores (it takes nearly all the weight), one far below (none).
+      {causal: true, sinks: [6, -30, 0, 3.5, -1, 2].slice(0, heads)},
+      // At positions: query rows at 8 … 12 over keys at 10 … 46, so rows 0 and 1 see no key:
+      // zeros and lse = the sink.
+      {causal: true, keyPosition: 10, queryPosition: 8, sinks: randomSinks(heads, random)},
+      // The sink is not scaled, capped, biased or masked: a scale, a softcap below the sinks,
+      // ALiBi and a window around it.
+      {causal: true, scale: 0.3, softcap: 2, windowLeft: 6,
+       alibiSlopes: randomSlopes(heads, random), sinks: randomSinks(heads, random, 2.5, 5)},
+      // Not causal, a window on both sides.
+      {causal: false, windowLeft: 3, windowRight: 4, sinks: randomSinks(heads, random)},
+    ];
+    for (const options of cases) {
+      const what = `${heads}/${kvHeads} heads ${JSON.stringify(options)}`;
+      const ref = referenceAttention(problem, options.scale ?? scale, options.causal, options);
+      const plain = referenceAttention(problem, options.scale ?? scale, options.causal,
+                                       {...options, sinks: []});
+      assert.ok(differs(ref.out, plain.out), `${what}: the sinks matter`);
+      for (const method of ['tiled', 'naive']) {
+        const res = await client[method](request(problem, {...options, blockK: 4,
+                                                           returnLse: true}));
+        assert.deepEqual(res.lse.shape, [batch, heads, dims.queryLen]);
+        const out = toFloat32Array(res.output), lse = toFloat32Array(res.lse);
+        assertClose(out, ref.out, 1e-5, `${method} ${what}`);
+        assertClose(lse, ref.lse, 1e-5, `${method} ${what} lse`);
+        if (options.keyPosition !== 10) continue;
+        for (let r = 0; r < rows; ++r) {  // Rows 0 and 1 of every head see no key.
+          if (r % dims.queryLen >= 2) continue;
+          const h = Math.floor(r / dims.queryLen) % heads;
+          assert.equal(lse[r], options.sinks[h], `${method} ${what}: row ${r} lse = its sink`);
+          assert.deepEqual(Array.from(out.subarray(r * 5, r * 5 + 5)), [0, 0, 0, 0, 0],
+                           `${method} ${what}: row ${r} zeros`);
+        }
+      }
+    }
+    // Empty sinks are none: the plain answer, exactly.
+    const none = toFloat32Array((await client.tiled(request(problem, {causal: true}))).output);
+    const empty = await client.tiled(request(problem, {causal: true, sinks: []}));
+    assert.deepEqual(toFloat32Array(empty.output), none);
+  }
+});
+
+test('sinks: key slices, the first with the sinks, merged by mergeStates equal the unsplit answer',
+     async () => {
+  const random = mulberry32(positionsSeed + 16);
+  const dims = {batch: 1, heads: 3, kvHeads: 1, queryLen: 5, keyLen: 37, headDim: 7, valueDim: 5};
+  const problem = randomProblem(dims, random);
+  const scale = 1 / Math.sqrt(dims.headDim);
+  const sinks = randomSinks(dims.heads, random, 0, 2);
+  const rows = dims.heads * dims.queryLen;
+  // Queries at 32 … 36 over keys [0, 16) and [16, 37). With windowLeft 10 no row sees a key of
+  // the first slice: its part is zeros with lse = the sink, which still weighs in the merge.
+  for (const extra of [{}, {windowLeft: 10}]) {
+    const options = {causal: true, returnLse: true, outputDtype: 'DTYPE_FLOAT32', blockK: 4,
+                     ...extra};
+    const what = JSON.stringify(extra);
+    const whole = referenceAttention(problem, scale, true, {...options, sinks});
+    const unsplit = await client.tiled(request(problem, {...options, sinks}));
+    assertClose(toFloat32Array(unsplit.output), whole.out, 1e-5, `unsplit ${what}`);
+    assertClose(toFloat32Array(unsplit.lse), whole.lse, 1e-5, `unsplit ${what} lse`);
+    for (const method of ['tiled', 'naive']) {
+      const parts = [], doubled = [];
+      for (const [a, b] of [[0, 16], [16, 37]]) {
+        const slice = sliceKeys(problem, a, b);
+        const at = {...options, keyPosition: a, queryPosition: 32};
+        parts.push(await client[method](request(slice, a === 0 ? {...at, sinks} : at)));
+        doubled.push(await client[method](request(slice, {...at, sinks})));
+      }
+      if (extra.windowLeft) {
+        const [out, lse] = [toFloat32Array(parts[0].output), toFloat32Array(parts[0].lse)];
+        for (let r = 0; r < rows; ++r) {
+          assert.equal(lse[r], sinks[Math.floor(r / dims.queryLen)], `${method} part 0 row ${r}`);
+        }
+        assert.ok(out.every((x) => x === 0), `${method} part 0: zeros`);
+      }
+      const merged = attnd.mergeStates(parts);
+      assert.deepEqual(merged.shape, unsplit.output.shape);
+      assertClose(merged.output, whole.out, 1e-5, `merged ${method} ${what}`);
+      assertClose(merged.lse, whole.lse, 1e-5, `merged ${method} ${what} lse`);
+      assertClose(merged.output, toFloat32Array(unsplit.output), 1e-5,
+                  `merged ${method} ${what} vs unsplit tiled`);
+      // Both slices with the sinks count each sink twice: not the answer.
+      assert.ok(differs(attnd.mergeStates(doubled).output, whole.out, 1e-3),
+                `${method} ${what}: sinks on every slice count twice`);
+    }
+  }
+});
+
+test('sinks: a wrong count is INVALID_ARGUMENT naming options.sinks, a non-finite sink ' +
+     'options.sinks[h]', async () => {
+  const random = mulberry32(positionsSeed + 17);
+  const four = randomProblem({batch: 1, heads: 4, kvHeads: 2, queryLen: 3, keyLen: 5, headDim: 4,
+                              valueDim: 4}, random);
+  for (const [problem, sinks, pattern] of [
+    [seed, [0.5, 0.25], /options\.sinks\b(?!\[)/],
+    [four, [0.5, 0.25, 0.125], /options\.sinks\b(?!\[)/],
+    [four, [0, 0, 0, 0, 0], /options\.sinks\b(?!\[)/],
+    [seed, [NaN], /options\.sinks\[0\]/],
+    [four, [0.5, Infinity, 0.125, 0.0625], /options\.sinks\[1\]/],
+    [four, [0.5, 0.25, 0.125, -Infinity], /options\.sinks\[3\]/],
+    [four, [0, 0, 1e39, 0], /options\.sinks\[2\]/],  // Finite, but not in float32.
+  ]) {
+    const req = request(problem, {causal: true, sinks});
+    for (const call of [() => client.tiled(req), () => client.naive(req),
+                        () => collect(client.trace({attention: req}))]) {
+      await assert.rejects(call(), (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, `sinks ${sinks}: ${err.message}`);
+        assert.match(err.details, pattern, `sinks ${sinks}`);
+        return true;
+      });
+    }
+  }
+});
+
+test('sinks: Trace\'s start repeats them (fp32); rowDone.sinkShare is e^(sink − lse)', async () => {
+  const random = mulberry32(positionsSeed + 18);
+  const dims = {batch: 1, heads: 3, kvHeads: 1, queryLen: 5, keyLen: 37, headDim: 7, valueDim: 5};
+  const problem = randomProblem(dims, random);
+  const scale = 1 / Math.sqrt(dims.headDim);
+  const sinks = [0.1, -1.7, 2.3];  // Not float32 values: they travel rounded.
+  const sent = sinks.map(Math.fround);
+  assert.notDeepEqual(sent, sinks);
+  const rows = [{head: 0, row: 4}, {head: 1, row: 0}, {head: 2, row: 2}, {head: 2, row: 1}];
+  // Bottom-right (every row sees 33 … 37 keys), and query rows at 1 … 5 over keys at 3 … 39
+  // (rows 0 and 1 see none, rows 2 … 4 one to three keys).
+  for (const positions of [{}, {keyPosition: 3, queryPosition: 1}]) {
+    const options = {causal: true, blockK: 8, ...positions};
+    const what = JSON.stringify(positions);
+    const ref = referenceAttention(problem, scale, true, {...options, sinks: sent});
+    const keysOnly = referenceAttention(problem, scale, true, options);
+    const tiled = toFloat32Array((await client.tiled(request(problem, {...options, sinks})))
+                                     .output);
+    const events = await collect(client.trace({attention: request(problem, {...options, sinks}),
+                                               rows}));
+    assert.equal(events[0].event, 'start');
+    assert.deepEqual(events[0].start.sinks, sent, `${what}: start.sinks`);
+    const done = events.filter((e) => e.event === 'rowDone').map((e) => e.rowDone);
+    assert.equal(done.length, rows.length);
+    for (const [i, {head, row}] of rows.entries()) {
+      const at = head * dims.queryLen + row, span = [at * 5, at * 5 + 5];
+      const rowWhat = `${what} head ${head} row ${row}`;
+      const d = done[i];
+      assertClose([d.lse], [ref.lse[at]], 1e-5, `${rowWhat}: lse`);
+      assertClose(d.output, ref.out.subarray(...span), 1e-5, `${rowWhat}: output`);
+      assertClose(d.reference, ref.out.subarray(...span), 1e-5, `${rowWhat}: reference`);
+      assertClose(d.output, tiled.subarray(...span), 1e-6, `${rowWhat}: output vs tiled`);
+      const share = Math.exp(sent[head] - ref.lse[at]);
+      assertClose([d.sinkShare], [share], 1e-5, `${rowWhat}: sinkShare vs float64`);
+      assertClose([d.sinkShare], [Math.exp(sent[head] - d.lse)], 1e-5,
+                  `${rowWhat}: sinkShare vs its lse`);
+      const steps = events.filter((e) => e.event === 'step' && e.step.row.head === head &&
+                                         e.step.row.row === row).map((e) => e.step);
+      if (keysOnly.lse[at] === -Infinity) {  // No key: the sink takes everything.
+        assert.equal(d.lse, sent[head], `${rowWhat}: lse = the sink`);
+        assert.deepEqual(d.output, [0, 0, 0, 0, 0], `${rowWhat}: zeros`);
+        assert.equal(d.sinkShare, 1, `${rowWhat}: sinkShare`);
+        continue;
+      }
+      assert.ok(d.sinkShare > 0 && d.sinkShare < 1, `${rowWhat}: sinkShare ${d.sinkShare}`);
+      // Steps never include the sink: the last estimate is of the keys alone, and the row's
+      // output is that estimate times the keys' share, 1 − sinkShare.
+      const estimate = steps.at(-1).estimate;
+      assertClose(estimate, keysOnly.out.subarray(...span), 1e-5, `${rowWhat}: last estimate`);
+      assertClose(d.output, estimate.map((x) => x * (1 - d.sinkShare)), 1e-5,
+                  `${rowWhat}: output = estimate · (1 − sinkShare)`);
+    }
+  }
+  // Without sinks: start.sinks [] and every sinkShare 0.
+  const plain = await collect(client.trace({attention: request(problem, {causal: true}), rows}));
+  assert.deepEqual(plain[0].start.sinks, []);
+  for (const e of plain.filter((x) => x.event === 'rowDone')) assert.equal(e.rowDone.sinkShare, 0);
+});
+
+test('sinks: Cache.decode, a batched decode and tiled over a cache against float64; bad sinks ' +
+     'are INVALID_ARGUMENT naming them', async () => {
+  const random = mulberry32(positionsSeed + 19);
+  const [kvHeads, heads, headDim, valueDim, nq] = [1, 3, 7, 5, 2];
+  const scale = 1 / Math.sqrt(headDim);
+  const sinks = randomSinks(heads, random);
+  const held = [new HeldTokens(kvHeads, headDim, valueDim), new HeldTokens(kvHeads, headDim,
+                                                                           valueDim)];
+  const caches = [await client.openCache({kvHeads, headDim, valueDim}),
+                  await client.openCache({kvHeads, headDim, valueDim})];
+  // The float64 reference for q [heads, nq, headDim] over cache i's held tokens.
+  const reference = (i, q, options) => referenceAttention(
+      {q, k: Float32Array.from(held[i].keys.flat()), v: Float32Array.from(held[i].values.flat()),
+       dims: {batch: 1, heads, kvHeads, queryLen: nq, keyLen: held[i].length, headDim, valueDim}},
+      scale, options.causal, options);
+  try {
+    await caches[0].append(...held[0].tokens(16, random));
+    await caches[1].append(...held[1].tokens(9, random));
+    const q = randomNormal(heads * nq * headDim, random);
+    const query = tensor(q, [heads, nq, headDim]);
+    // Cache.decode: one new token, then the query over all 17.
+    const options = {causal: true, returnLse: true, sinks};
+    const [k1, v1] = held[0].tokens(1, random);
+    const step = await caches[0].decode(query, {key: k1, value: v1, options});
+    assert.equal(caches[0].length, 17);
+    const ref = reference(0, q, options);
+    assert.ok(differs(ref.out, reference(0, q, {causal: true}).out), 'the sinks matter');
+    assertClose(toFloat32Array(step.output), ref.out, 1e-5, 'Cache.decode');
+    assertClose(toFloat32Array(step.lse), ref.lse, 1e-5, 'Cache.decode lse');
+    // Tiled over the cache: the same answer.
+    const tiled = await client.tiled({query, cacheId: caches[0].id,
+                                      options: {...options, blockK: 4}});
+    assertClose(toFloat32Array(tiled.output), ref.out, 1e-5, 'tiled over the cache');
+    // A batch: the sinks are the batch's, each item's rows taking them once. Cache 1 gets a new
+    // token; its query is another.
+    const q2 = randomNormal(heads * nq * headDim, random);
+    const [k2, v2] = held[1].tokens(1, random);
+    const response = await client.decodeBatch(
+        [{cache: caches[0], query}, {cache: caches[1], query: tensor(q2, [heads, nq, headDim]),
+                                     key: k2, value: v2}], options);
+    assert.deepEqual(caches.map((c) => c.length), [17, 10]);
+    for (const [i, qi] of [q, q2].entries()) {
+      const want = reference(i, qi, options);
+      assertClose(toFloat32Array(response.outputs[i]), want.out, 1e-5, `batch item ${i}`);
+      assertClose(toFloat32Array(response.lse[i]), want.lse, 1e-5, `batch item ${i} lse`);
+    }
+    // Bad sinks: refused, nothing appended.
+    const [k3, v3] = new HeldTokens(kvHeads, headDim, valueDim).tokens(1, random);
+    for (const [bad, pattern] of [[sinks.slice(1), /options\.sinks\b(?!\[)/],
+                                  [[0, NaN, 0], /options\.sinks\[1\]/]]) {
+      await assert.rejects(caches[0].decode(query, {key: k3, value: v3, options: {sinks: bad}}),
+                           (err) => {
+        assert.equal(err.code, status.INVALID_ARGUMENT, err.message);
+        assert.match(err.details, pattern);
+        return true;
+      });
+    }
+    assert.equal((await caches[0].refresh()).length, 17, 'a refused decode appends nothing');
+  } finally {
+    for (const cache of caches) await cache.delete();
+  }
+});
+
+test('sinks: ragged batches take them per sequence (an empty key sequence: lse = the sink)',
+     async () => {
+  const random = mulberry32(positionsSeed + 20);
+  const sizes = {heads: 4, kvHeads: 2, headDim: 7, valueDim: 5};
+  const scale = 1 / Math.sqrt(sizes.headDim);
+  const sinks = randomSinks(sizes.heads, random);
+  // Causal: sequence 2's rows 0 … 6 (packed 6 … 12) see no key; in the second batch
+  // sequence 1 (packed rows 3 … 4) has no key at all.
+  for (const [qLens, kLens, noKey] of [[[5, 1, 40], [7, 1, 33], [6, 13]],
+                                       [[3, 2, 4], [4, 0, 6], [3, 5]]]) {
+    const {problem, cuQ, cuK, req} = raggedProblem(qLens, kLens, sizes, random);
+    const totalQ = cuQ.at(-1);
+    for (const extra of [{}, {windowLeft: 3, alibiSlopes: randomSlopes(4, random)}]) {
+      const options = {causal: true, sinks, ...extra};
+      const what = `${JSON.stringify(qLens)} ${JSON.stringify(extra)}`;
+      const ref = raggedReference(problem, cuQ, cuK, scale, true, options);
+      assert.ok(differs(ref.out, raggedReference(problem, cuQ, cuK, scale, true,
+                                                 {...options, sinks: []}).out),
+                `${what}: the sinks matter`);
+      for (const method of ['tiled', 'naive']) {
+        const res = await client[method](req({...options, blockK: 4, returnLse: true}));
+        const lse = toFloat32Array(res.lse);
+        assertClose(toFloat32Array(res.output), ref.out, 1e-5, `${method} ${what}`);
+        assertClose(lse, ref.lse, 1e-5, `${method} ${what} lse`);
+        for (let h = 0; h < sizes.heads; ++h) {
+          for (let r = noKey[0]; r < noKey[1]; ++r) {
+            assert.equal(lse[h * totalQ + r], sinks[h], `${method} ${what} head ${h} row ${r}`);
+          }
+        }
+      }
     }
   }
 });
