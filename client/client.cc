@@ -364,6 +364,10 @@ absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CreateCacheRequest& 
   return Unary(*stub_, &v1::AttentionService::Stub::CreateCache, request);
 }
 
+absl::StatusOr<v1::CacheInfo> Client::TruncateCache(const v1::TruncateCacheRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::TruncateCache, request);
+}
+
 absl::StatusOr<v1::CacheInfo> Client::AppendCache(const v1::AppendCacheRequest& request) {
   return Unary(*stub_, &v1::AttentionService::Stub::AppendCache, request);
 }
@@ -711,6 +715,17 @@ void Cache::Adopt(const v1::CacheInfo& info, const v1::Tensor* key, const v1::Te
   }
 }
 
+void Cache::Cut(int64_t length) {
+  while (!tail_.empty() && tail_.back()->start >= length) tail_.pop_back();
+  if (!tail_.empty() && tail_.back()->start + tail_.back()->tokens > length) {
+    const int64_t start = tail_.back()->start;
+    auto sliced = std::make_shared<const Sent>(
+        Sent{start, length - start, Gather(true, start, length), Gather(false, start, length)});
+    tail_.back() = std::move(sliced);
+  }
+  info_.set_length(length);
+}
+
 v1::Tensor Cache::Gather(bool keys, int64_t begin, int64_t end) const {
   // Every kept tensor of the cache has its heads, width and dtype: the server took them.
   const v1::Tensor& model = keys ? tail_.front()->key : tail_.front()->value;
@@ -741,29 +756,50 @@ absl::StatusOr<v1::CacheInfo> Cache::Append(const v1::Tensor& key, const v1::Ten
   return info;
 }
 
-v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key,
-                           const v1::Tensor* value) const {
+absl::StatusOr<v1::CacheInfo> Cache::Truncate(int64_t length) {
+  v1::TruncateCacheRequest request;
+  request.set_cache_id(id());
+  request.set_length(length);
+  request.set_expected_length(this->length());
+  absl::StatusOr<v1::CacheInfo> info =
+      FollowingMoves([&](Client& client) { return client.TruncateCache(request); });
+  if (info.ok()) {
+    Cut(length);
+    Adopt(*info, nullptr, nullptr);
+  }
+  return info;
+}
+
+v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key, const v1::Tensor* value,
+                           std::optional<int64_t> truncate_to) const {
   v1::DecodeItem item;
   item.set_cache_id(id());
   *item.mutable_query() = query;
   if (key != nullptr) *item.mutable_key() = *key;
   if (value != nullptr) *item.mutable_value() = *value;
   item.set_expected_length(length());
+  if (truncate_to) item.set_truncate_to(*truncate_to);
   return item;
 }
 
 void Cache::Update(const v1::CacheInfo& info) { Adopt(info, nullptr, nullptr); }
 
 void Cache::Update(const v1::CacheInfo& info, const v1::DecodeItem& item) {
-  const bool appended = item.expected_length() == length() && item.has_key() && item.has_value();
+  if (item.expected_length() != length()) {  // Not this Cache's item: its tokens are unknown.
+    Adopt(info, nullptr, nullptr);
+    return;
+  }
+  if (item.has_truncate_to()) Cut(item.truncate_to());
+  const bool appended = item.has_key() && item.has_value();
   Adopt(info, appended ? &item.key() : nullptr, appended ? &item.value() : nullptr);
 }
 
 absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const v1::Tensor* key,
                                                  const v1::Tensor* value,
-                                                 const v1::AttentionOptions& options) {
+                                                 const v1::AttentionOptions& options,
+                                                 std::optional<int64_t> truncate_to) {
   v1::DecodeRequest request;
-  *request.add_items() = Item(query, key, value);
+  *request.add_items() = Item(query, key, value, truncate_to);
   *request.mutable_options() = options;
   absl::StatusOr<v1::DecodeResponse> response =
       FollowingMoves([&](Client& client) { return client.Decode(request); });
@@ -773,7 +809,7 @@ absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const 
                                             response->outputs_size(), " outputs and ",
                                             response->caches_size(), " cache infos"));
   }
-  Adopt(response->caches(0), key, value);
+  Update(response->caches(0), request.items(0));
   return response;
 }
 

@@ -6,8 +6,8 @@
 // and stub are); each call may carry a deadline.
 //
 // Server-resident KV caches: Client has one method per cache RPC (CreateCache, AppendCache,
-// GetCacheInfo, DeleteCache, ListCaches, Decode, ExportCache, ImportCache); Naive, Tiled and
-// Trace attend over a cache when their request names one (AttentionRequest.cache_id, see
+// TruncateCache, GetCacheInfo, DeleteCache, ListCaches, Decode, ExportCache, ImportCache); Naive,
+// Tiled and Trace attend over a cache when their request names one (AttentionRequest.cache_id, see
 // CacheRequest). `Cache` keeps a cache's id and the length the client believes it has, sending
 // it as expected_length on every append and decode and taking the server's answer as the new
 // length; it also keeps the tokens the server has not yet made durable and sends them again
@@ -121,6 +121,8 @@ class Client {
   absl::Status DeleteCache(const std::string& cache_id);
   absl::StatusOr<attention::v1::ListCachesResponse> ListCaches();
   absl::StatusOr<attention::v1::DecodeResponse> Decode(const attention::v1::DecodeRequest& request);
+  absl::StatusOr<attention::v1::CacheInfo> TruncateCache(
+      const attention::v1::TruncateCacheRequest& request);
 
   // ExportCache's stream, calling on_chunk for each chunk in order (attention.proto: the first
   // carries info, the last crc32c). on_chunk returning false cancels the stream; the call then
@@ -314,20 +316,26 @@ class Cache {
   // Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] at length().
   absl::StatusOr<attention::v1::CacheInfo> Append(const attention::v1::Tensor& key,
                                                   const attention::v1::Tensor& value);
-  // One Decode of this cache alone: appends key/value when given (nullptr: none), then attends
+  // Cuts the cache to its first `length` tokens (TruncateCache, expected_length = length()): the
+  // kept tail loses what lies past the cut, so a Refresh never sends cut tokens again.
+  absl::StatusOr<attention::v1::CacheInfo> Truncate(int64_t length);
+  // One Decode of this cache alone: cuts it to truncate_to first when given (speculative
+  // decoding's rejected drafts), appends key/value when given (nullptr: none), then attends
   // `query` [heads, nq, head_dim] over the whole cache.
   absl::StatusOr<attention::v1::DecodeResponse> Decode(
       const attention::v1::Tensor& query, const attention::v1::Tensor* key = nullptr,
       const attention::v1::Tensor* value = nullptr,
-      const attention::v1::AttentionOptions& options = {});
+      const attention::v1::AttentionOptions& options = {},
+      std::optional<int64_t> truncate_to = std::nullopt);
   // The DecodeItem for this cache in a batched Client::Decode, with expected_length = length().
   // After the call succeeds, pass Update the response's caches[i] for this item and the item.
   attention::v1::DecodeItem Item(const attention::v1::Tensor& query,
                                  const attention::v1::Tensor* key = nullptr,
-                                 const attention::v1::Tensor* value = nullptr) const;
+                                 const attention::v1::Tensor* value = nullptr,
+                                 std::optional<int64_t> truncate_to = std::nullopt) const;
   // Takes `info` (the server's answer naming this cache) as what the cache now holds. With the
-  // `item` that produced it, its key and value join the kept tail; without, a length that moved
-  // drops the tail (its tokens are not known here).
+  // `item` that produced it, its cut (truncate_to) applies to the kept tail and its key and
+  // value join it; without, a length that moved drops the tail (its tokens are not known here).
   void Update(const attention::v1::CacheInfo& info);
   void Update(const attention::v1::CacheInfo& info, const attention::v1::DecodeItem& item);
   // Re-reads the cache's info from the server, re-sending the tokens it lost (above).
@@ -351,6 +359,9 @@ class Cache {
   // drops what info says is durable.
   void Adopt(const attention::v1::CacheInfo& info, const attention::v1::Tensor* key,
              const attention::v1::Tensor* value);
+  // A cut to `length` tokens that the server made: the kept tail loses what lies past it (the
+  // append that straddles it sliced), and length() becomes `length`.
+  void Cut(int64_t length);
   // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor.
   attention::v1::Tensor Gather(bool keys, int64_t begin, int64_t end) const;
   // call(client()), and once more on the moved_to server's Client when it fails naming one.

@@ -26,6 +26,7 @@ constexpr char kMagic[8] = {'A', 'T', 'T', 'N', 'K', 'V', '0', '1'};
 constexpr uint32_t kVersion = 1;
 constexpr uint32_t kRecordMagic = 0x4352564B;  // "KVRC" little-endian.
 constexpr uint32_t kTokensRecord = 1;
+constexpr uint32_t kCutRecord = 2;
 constexpr int64_t kMaxHeaderBody = 1 << 16;
 
 // Little-endian encoding into and out of byte strings (the project only builds little-endian).
@@ -56,6 +57,21 @@ std::string DirOf(const std::string& path) {
 }
 
 bool DiskFull(int error) { return error == ENOSPC || error == EDQUOT || error == EFBIG; }
+
+// A record's 40-byte header: magic, kind, start, n, payload bytes, the payload's CRC32C, then
+// the CRC32C of those 36 bytes.
+std::string RecordHeader(uint32_t kind, int64_t start, int64_t n, int64_t payload_bytes,
+                         uint32_t payload_crc) {
+  std::string record;
+  Put<uint32_t>(record, kRecordMagic);
+  Put<uint32_t>(record, kind);
+  Put<int64_t>(record, start);
+  Put<int64_t>(record, n);
+  Put<uint64_t>(record, static_cast<uint64_t>(payload_bytes));
+  Put<uint32_t>(record, payload_crc);
+  Put<uint32_t>(record, Crc32c(record.data(), record.size()));
+  return record;
+}
 
 // Writes all of [data, data + n) at `offset`, retrying short writes; errno on failure.
 bool WriteAll(int fd, const void* data, size_t n, int64_t offset) {
@@ -124,7 +140,8 @@ CacheFile::CacheFile(std::string path, int fd, const KvLayout& layout, int64_t h
       fd_(fd),
       layout_(layout),
       header_bytes_(header_bytes),
-      size_(header_bytes) {}
+      size_(header_bytes),
+      cut_bytes_(header_bytes) {}
 
 CacheFile::~CacheFile() { close(fd_); }
 
@@ -169,7 +186,7 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Create(const std::string& 
 absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& path,
                                                            CacheFileHeader* header,
                                                            const TokenSink& tokens,
-                                                           Report* report) {
+                                                           const CutSink& cut, Report* report) {
   *report = Report();
   const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) {
@@ -251,6 +268,16 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
       report->why_dropped = absl::StrCat("a record header at byte ", offset, " does not verify");
       break;
     }
+    if (kind == kCutRecord && start >= 0 && start <= file->tokens_ && n == 0 && bytes == 0 &&
+        payload_crc == 0) {
+      if (absl::Status kept = cut(start); !kept.ok()) return kept;
+      file->tokens_ = start;
+      offset += kRecordHeaderBytes;
+      file->size_ = offset;
+      file->cut_bytes_ = offset;
+      file->cut_tokens_ = start;
+      continue;
+    }
     if (kind != kTokensRecord || start != file->tokens_ || n < 1 ||
         n > std::max<int64_t>(1, kMaxRecordPayload / token_bytes) ||
         bytes != static_cast<uint64_t>(n * token_bytes)) {
@@ -294,7 +321,8 @@ int64_t CacheFile::TokensPerRecord() const {
 }
 
 int64_t CacheFile::BoundFor(int64_t tokens) const {
-  return header_bytes_ + tokens * (TokenBytes(layout_) + kRecordHeaderBytes);
+  return cut_bytes_ +
+         std::max<int64_t>(0, tokens - cut_tokens_) * (TokenBytes(layout_) + kRecordHeaderBytes);
 }
 
 absl::Status CacheFile::Reserve(int64_t bytes) {
@@ -334,14 +362,8 @@ absl::Status CacheFile::Write(int64_t n, const void* key, const void* value) {
   }
   const int64_t key_bytes = layout_.kv_heads * n * layout_.head_dim * ElementSize(layout_.dtype);
   const int64_t value_bytes = layout_.kv_heads * n * layout_.value_dim * ElementSize(layout_.dtype);
-  std::string record;
-  Put<uint32_t>(record, kRecordMagic);
-  Put<uint32_t>(record, kTokensRecord);
-  Put<int64_t>(record, tokens_);
-  Put<int64_t>(record, n);
-  Put<uint64_t>(record, static_cast<uint64_t>(key_bytes + value_bytes));
-  Put<uint32_t>(record, Crc32c(value, value_bytes, Crc32c(key, key_bytes)));
-  Put<uint32_t>(record, Crc32c(record.data(), record.size()));
+  const std::string record = RecordHeader(kTokensRecord, tokens_, n, key_bytes + value_bytes,
+                                          Crc32c(value, value_bytes, Crc32c(key, key_bytes)));
   // The payload first and the header last: a crash in between leaves a tail that never verifies.
   const int64_t at = size_;
   if (!WriteAll(fd_, key, key_bytes, at + kRecordHeaderBytes) ||
@@ -353,6 +375,25 @@ absl::Status CacheFile::Write(int64_t n, const void* key, const void* value) {
   }
   size_ = at + kRecordHeaderBytes + key_bytes + value_bytes;
   tokens_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status CacheFile::Cut(int64_t length) {
+  if (removed_) {
+    tokens_ = length;
+    return absl::OkStatus();
+  }
+  const std::string record = RecordHeader(kCutRecord, length, 0, 0, 0);
+  const int64_t at = size_;
+  if (!WriteAll(fd_, record.data(), record.size(), at)) {
+    const int error = errno;
+    [[maybe_unused]] const int cut = ftruncate(fd_, at);
+    return Failed("cannot write", error);
+  }
+  size_ = at + kRecordHeaderBytes;
+  tokens_ = length;
+  cut_bytes_ = size_;
+  cut_tokens_ = length;
   return absl::OkStatus();
 }
 

@@ -11,6 +11,8 @@
 //            payload: key [kv_heads, n, head_dim] then value [kv_heads, n, value_dim] in the
 //            stored dtype, bit for bit as the cache holds them. A record's start is the tokens
 //            of the records before it.
+//            kind 2 (a cut, TruncateCache): start = the tokens kept (≤ the tokens before it),
+//            n = 0, no payload (its CRC32C 0); the next record's start follows the cut.
 // A file appears whole: its header is written to <id>.kv.tmp, synced, and renamed.
 //
 // Reading (Open) keeps the longest prefix of records that verify: the first record whose
@@ -67,11 +69,14 @@ class CacheFile {
   // the read and is returned. The file is then cut back to its verified prefix and open for
   // writing after it. FAILED_PRECONDITION (DATA_LOSS for damage) naming the file when the header
   // does not verify.
+  // A cut record calls `cut` with the tokens kept.
   using TokenSink =
       std::function<absl::Status(int64_t start, int64_t n, const void* key, const void* value)>;
+  using CutSink = std::function<absl::Status(int64_t length)>;
   static absl::StatusOr<std::unique_ptr<CacheFile>> Open(const std::string& path,
                                                          CacheFileHeader* header,
-                                                         const TokenSink& tokens, Report* report);
+                                                         const TokenSink& tokens,
+                                                         const CutSink& cut, Report* report);
 
   ~CacheFile();
   CacheFile(const CacheFile&) = delete;
@@ -82,8 +87,9 @@ class CacheFile {
   int64_t tokens() const { return tokens_; }
   int64_t reserved() const { return reserved_; }  // Bytes Reserve has allocated so far.
 
-  // An upper bound on the file's size holding `tokens` tokens however they were written: the
-  // header, their payload and a record header per token.
+  // An upper bound on the file's size holding `tokens` tokens however they were written: what
+  // the file holds up to its last cut (the header when it has none), then per token after it
+  // its payload and a record header.
   int64_t BoundFor(int64_t tokens) const;
   // Allocates the disk blocks for a file of `bytes` (no-op where already allocated, or where
   // the file system cannot preallocate). RESOURCE_EXHAUSTED naming the directory when the disk
@@ -94,6 +100,9 @@ class CacheFile {
   // Appends tokens [tokens(), tokens() + n) as one record (n ≤ TokensPerRecord(); key and value
   // dense, as KvStore::CopyOut gives them). On an error nothing of it stays in the file.
   absl::Status Write(int64_t n, const void* key, const void* value);
+  // Appends a cut record: the file then holds its first `length` tokens (length ≤ tokens()).
+  // On an error nothing of it stays in the file.
+  absl::Status Cut(int64_t length);
   // Makes everything written durable (fdatasync).
   absl::Status Sync();
   // Gives back blocks Reserve allocated past the end (a clean shutdown).
@@ -112,6 +121,10 @@ class CacheFile {
   int64_t header_bytes_;
   int64_t size_ = 0;
   int64_t tokens_ = 0;
+  // Where the last cut left the file (its size and tokens; the header and 0 before any):
+  // BoundFor counts from there.
+  int64_t cut_bytes_ = 0;
+  int64_t cut_tokens_ = 0;
   int64_t reserved_ = 0;
   bool removed_ = false;
 };

@@ -29,7 +29,7 @@ absl::StatusOr<CacheExporter> CacheExporter::Start(CacheRegistry& caches, const 
                                                    const std::string& field) {
   absl::StatusOr<CacheRegistry::Lease> lease = caches.Acquire(owner, id, field);
   if (!lease.ok()) return lease.status();
-  return CacheExporter(caches, owner, field, lease->Describe());
+  return CacheExporter(caches, owner, field, lease->Describe(), lease->cuts());
 }
 
 absl::StatusOr<bool> CacheExporter::Next(v1::CacheChunk* chunk) {
@@ -47,6 +47,11 @@ absl::StatusOr<bool> CacheExporter::Next(v1::CacheChunk* chunk) {
         std::min(info_.length - sent_, std::max<int64_t>(1, kChunkBytes / TokenBytes(layout)));
     absl::StatusOr<CacheRegistry::Lease> lease = caches_->Acquire(owner_, info_.id, field_);
     if (!lease.ok()) return lease.status();
+    if (lease->cuts() != cuts_) {
+      return absl::AbortedError(absl::StrCat("cache ", info_.id,
+                                             " was truncated during its export (TruncateCache or "
+                                             "a Decode's truncate_to); export it again"));
+    }
     std::string* key = chunk->mutable_key()->mutable_data();
     std::string* value = chunk->mutable_value()->mutable_data();
     key->resize(layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype));

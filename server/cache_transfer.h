@@ -36,7 +36,8 @@ class CacheExporter {
                                              const std::string& id, const std::string& field);
 
   // The next chunk into *chunk (cleared first); false once the last has been given. NOT_FOUND
-  // when the cache went away during the export.
+  // when the cache went away during the export, ABORTED when it was cut (its tokens may differ
+  // from the ones already sent).
   absl::StatusOr<bool> Next(attention::v1::CacheChunk* chunk);
 
   int64_t length() const { return info_.length; }
@@ -45,12 +46,18 @@ class CacheExporter {
   uint32_t crc32c() const { return crc_; }
 
  private:
-  CacheExporter(CacheRegistry& caches, std::string owner, std::string field, CacheDescription info)
-      : caches_(&caches), owner_(std::move(owner)), field_(std::move(field)), info_(info) {}
+  CacheExporter(CacheRegistry& caches, std::string owner, std::string field, CacheDescription info,
+                int64_t cuts)
+      : caches_(&caches),
+        owner_(std::move(owner)),
+        field_(std::move(field)),
+        info_(info),
+        cuts_(cuts) {}
 
   CacheRegistry* caches_;
   std::string owner_, field_;
   CacheDescription info_;
+  int64_t cuts_ = 0;  // The cache's cuts at the start (Lease::cuts): one more aborts the export.
   int64_t sent_ = 0;  // Tokens sent.
   bool info_sent_ = false, done_ = false;
   uint32_t crc_ = 0;

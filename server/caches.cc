@@ -356,15 +356,78 @@ absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorVie
   if (more > 0) entry.reserved_bytes = needed;
   entry.max_abs_key = std::max(entry.max_abs_key, max_abs_key);
   entry.max_abs_value = std::max(entry.max_abs_value, max_abs_value);
+  appended_ = true;
   return absl::OkStatus();
 }
 
+void CacheRegistry::ReleaseBytesBeyond(Entry& entry, int64_t length) {
+  const int64_t needed = entry.store->BytesFor(length);
+  if (needed < entry.reserved_bytes) {
+    Release(entry.reserved_bytes - needed);
+    entry.reserved_bytes = needed;
+  }
+}
+
+absl::Status CacheRegistry::Lease::Truncate(int64_t length) {
+  Entry& entry = *entry_;
+  if (cut_to_.has_value()) {
+    return absl::FailedPreconditionError("a lease cuts its cache once");
+  }
+  if (absl::Status on_disk = registry_->CutFile(entry, length); !on_disk.ok()) return on_disk;
+  entry.store->Truncate(length);
+  length_at_start_ = std::min(length_at_start_, length);
+  registry_->ReleaseBytesBeyond(entry, entry.store->length());
+  return absl::OkStatus();
+}
+
+absl::Status CacheRegistry::Lease::TruncateTentatively(int64_t length) {
+  Entry& entry = *entry_;
+  KvStore& store = *entry.store;
+  if (cut_to_.has_value() || appended_ || store.length() != length_at_start_) {
+    return absl::FailedPreconditionError("a tentative cut comes first in its lease, and once");
+  }
+  const KvLayout& layout = store.layout();
+  const int64_t n = store.length() - length;
+  const int64_t key_bytes = layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
+  cut_tokens_.resize(n * TokenBytes(layout));  // Bounded by the caller.
+  if (absl::Status copied =
+          store.CopyOut(length, store.length(), cut_tokens_.data(), cut_tokens_.data() + key_bytes);
+      !copied.ok()) {
+    cut_tokens_.clear();
+    return copied;
+  }
+  store.Truncate(length);  // Its pages' budget stays reserved until Commit.
+  cut_to_ = length;
+  cut_persisted_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status CacheRegistry::Lease::PersistCut() {
+  if (!cut_to_.has_value() || cut_persisted_) return absl::OkStatus();
+  if (absl::Status on_disk = registry_->CutFile(*entry_, *cut_to_); !on_disk.ok()) return on_disk;
+  cut_persisted_ = true;
+  return absl::OkStatus();
+}
+
+int64_t CacheRegistry::Lease::cuts() const { return entry_->cuts.load(); }
+
 void CacheRegistry::Lease::Commit() {
   Entry& entry = *entry_;
-  if (entry.store->length() > length_at_start_ && entry.file != nullptr) {
+  if (cut_to_.has_value()) {
+    // The callers persist first (their errors roll back); this is the last line of defence.
+    if (absl::Status persisted = PersistCut(); !persisted.ok()) {
+      std::fprintf(stderr, "attnd: cache %s: a cut committed without reaching the disk: %s\n",
+                   entry.id.c_str(), std::string(persisted.message()).c_str());
+    }
+    registry_->ReleaseBytesBeyond(entry, entry.store->length());
+    cut_to_.reset();
+    cut_tokens_ = std::vector<char>();
+  }
+  if (appended_ && entry.file != nullptr) {
     int64_t clean = 0;
     entry.dirty_since_ns.compare_exchange_strong(clean, SteadyNs());
   }
+  appended_ = false;
   length_at_start_ = entry.store->length();
   max_abs_key_at_start_ = entry.max_abs_key;
   max_abs_value_at_start_ = entry.max_abs_value;
@@ -375,13 +438,34 @@ void CacheRegistry::Lease::Commit() {
 void CacheRegistry::Lease::Rollback() {
   Entry& entry = *entry_;
   KvStore& store = *entry.store;
-  if (store.length() == length_at_start_) return;
-  store.Truncate(length_at_start_);
-  const int64_t needed = store.BytesFor(length_at_start_);
-  if (needed < entry.reserved_bytes) {
-    registry_->Release(entry.reserved_bytes - needed);
-    entry.reserved_bytes = needed;
+  appended_ = false;
+  if (cut_to_.has_value()) {
+    // The tokens appended after the cut go, the ones it dropped come back (their pages' budget
+    // was kept). A cut already on disk is followed by the writer rewriting them.
+    store.Truncate(*cut_to_);
+    const KvLayout& layout = store.layout();
+    const int64_t n = length_at_start_ - *cut_to_;
+    const int64_t key_bytes = layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
+    if (absl::Status restored =
+            store.Append(TensorView{cut_tokens_.data(), layout.dtype},
+                         TensorView{cut_tokens_.data() + key_bytes, layout.dtype}, n);
+        !restored.ok()) {
+      // Out of memory for pages just freed: the cache stays its (correct) prefix, and says so.
+      std::fprintf(stderr, "attnd: cache %s: cannot put back %lld tokens after a failed cut: %s\n",
+                   entry.id.c_str(), static_cast<long long>(n),
+                   std::string(restored.message()).c_str());
+      length_at_start_ = store.length();
+      entry.length.store(store.length());
+      entry.bytes.store(store.bytes());
+    } else if (cut_persisted_) {
+      int64_t clean = 0;
+      entry.dirty_since_ns.compare_exchange_strong(clean, SteadyNs());
+    }
+    cut_to_.reset();
+    cut_tokens_ = std::vector<char>();
   }
+  if (store.length() != length_at_start_) store.Truncate(length_at_start_);
+  registry_->ReleaseBytesBeyond(entry, length_at_start_);
   entry.max_abs_key = max_abs_key_at_start_;
   entry.max_abs_value = max_abs_value_at_start_;
 }

@@ -16,6 +16,9 @@
 // - A lease's appends are all or nothing: what Describe, List and the metrics report changes only
 //   at Lease::Commit; a lease that ends without committing (an error, an exception unwinding it)
 //   takes back everything it appended, so no client ever sees a length a failing call takes back.
+// - A cache can be cut to a prefix of itself (TruncateCache, Decode's truncate_to): the tokens
+//   past the cut are gone as if never appended. With a directory the cut is on disk (a cut
+//   record, fsynced) before it is acknowledged, so a restart never brings cut tokens back.
 // - One call may hold several caches (AcquireAll, a Decode batch): they are taken in id order,
 //   so two calls naming the same caches cannot deadlock, and their appends are all or nothing
 //   together (LeaseGroup).
@@ -116,10 +119,27 @@ class CacheRegistry {
     // Visible to this lease at once, to everyone else only after Commit.
     absl::Status Append(const TensorView& key, const TensorView& value, int64_t n,
                         double max_abs_key, double max_abs_value);
-    // Publishes this lease's appends: the call that made them has succeeded.
+    // Cuts the cache to its first `length` tokens (0 ≤ length ≤ length(), the caller's check),
+    // freeing the pages past it. Durable first: with a file the cut is written and fsynced
+    // before the memory changes, so on an error nothing changed. Not undone by Rollback (the
+    // cut is applied when this returns): TruncateCache's, and a restore's.
+    absl::Status Truncate(int64_t length);
+    // The same cut, undone by Rollback (Decode's truncate_to): only first in a lease (before
+    // any Append; FAILED_PRECONDITION otherwise). It keeps a host copy of the tokens it drops,
+    // (length() − length) · TokenBytes bytes, which the caller bounds, and their pages' budget
+    // until Commit. PersistCut writes it to disk before Commit.
+    absl::Status TruncateTentatively(int64_t length);
+    // Makes a TruncateTentatively durable (a cut record written and fsynced when the file holds
+    // tokens past it); no-op without one. On an error the call must Rollback.
+    absl::Status PersistCut();
+    // Cuts committed on this cache so far: an export checks it did not change under it.
+    int64_t cuts() const;
+
+    // Publishes this lease's appends and cut: the call that made them has succeeded.
     void Commit();
-    // Takes back every token this lease appended since it began or last committed (a failed
-    // Decode): the cache is as it was. The destructor does the same for uncommitted appends.
+    // Takes back every token this lease appended since it began or last committed, and puts
+    // back what TruncateTentatively dropped (a failed Decode): the cache is as it was. The
+    // destructor does the same for uncommitted changes.
     void Rollback();
 
    private:
@@ -131,6 +151,12 @@ class CacheRegistry {
     std::unique_lock<std::mutex> hold_;
     int64_t length_at_start_;
     double max_abs_key_at_start_, max_abs_value_at_start_;
+    bool appended_ = false;  // Since the start or the last Commit.
+    // TruncateTentatively's cut: the length cut to, the tokens it dropped (key then value,
+    // dense, in the store's dtype) and whether PersistCut has written it.
+    std::optional<int64_t> cut_to_;
+    std::vector<char> cut_tokens_;
+    bool cut_persisted_ = false;
   };
 
   // Waits for the calls ahead on the cache, then holds it. NOT_FOUND (naming `field` and saying
@@ -240,11 +266,16 @@ class CacheRegistry {
   // fit) or gives back -bytes.
   absl::Status Reserve(int64_t bytes);
   void Release(int64_t bytes);
+  // Gives back the budget of the entry's pages past the first `length` tokens' (under its lease).
+  void ReleaseBytesBeyond(Entry& entry, int64_t length);
   // Adds a built entry under its id: RESOURCE_EXHAUSTED at --max-caches, ALREADY_EXISTS when
   // the id is taken.
   absl::Status Insert(std::shared_ptr<Entry> entry);
   // caches_disk.cc: the file of a new cache; the writer's loop and one pass of it.
   absl::Status CreateFile(Entry& entry);
+  // Writes a cut of the entry's file to `length` tokens and fsyncs it (when the file holds more),
+  // and counts the cut (Entry::cuts) so that the writer drops what it copied before it.
+  absl::Status CutFile(Entry& entry, int64_t length);
   // Reserves the disk blocks for `tokens` tokens of the entry's file (a no-op without one);
   // RESOURCE_EXHAUSTED naming the directory when the disk is full or the writer is failing.
   absl::Status ReserveDisk(Entry& entry, int64_t tokens);

@@ -60,6 +60,22 @@ absl::Status CacheRegistry::ReserveDisk(Entry& entry, int64_t tokens) {
   return reserved;
 }
 
+absl::Status CacheRegistry::CutFile(Entry& entry, int64_t length) {
+  std::lock_guard<std::mutex> lock(entry.file_mutex);
+  entry.cuts.fetch_add(1);  // Whatever the writer copied before this is stale now.
+  if (entry.file == nullptr || length >= entry.file->tokens()) return absl::OkStatus();
+  absl::Status cut = entry.file->Cut(length);
+  if (cut.ok()) cut = entry.file->Sync();
+  entry.file_bytes.store(entry.file->size());
+  entry.durable.store(std::min(entry.durable.load(), entry.file->tokens()));
+  if (!cut.ok()) {
+    return absl::Status(
+        cut.code(), absl::StrCat("cutting cache ", entry.id, " on disk (--cache-dir=", limits_.dir,
+                                 "): ", cut.message()));
+  }
+  return absl::OkStatus();
+}
+
 void CacheRegistry::RemoveFile(Entry& entry) {
   std::lock_guard<std::mutex> lock(entry.file_mutex);
   if (entry.file != nullptr) entry.file->Remove();
@@ -111,6 +127,10 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
         [&](int64_t, int64_t n, const void* key, const void* value) -> absl::Status {
           if (absl::Status begun = begin(); !begun.ok()) return begun;
           return AppendStored(*lease, key, value, n, path);
+        },
+        [&](int64_t length) -> absl::Status {  // The entry has no file yet: memory only.
+          if (absl::Status begun = begin(); !begun.ok()) return begun;
+          return lease->Truncate(length);
         },
         &report);
     absl::Status status = file.ok() ? begin() : file.status();
@@ -202,6 +222,7 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
       } else if (!hold.try_lock()) {
         return false;
       }
+      const int64_t cuts = entry.cuts.load();
       const int64_t from = entry.file->tokens();
       const int64_t to = entry.length.load();
       if (from >= to) return true;
@@ -216,6 +237,8 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
       hold.unlock();
       if (copied.ok()) {
         std::lock_guard<std::mutex> lock(entry.file_mutex);
+        // A cut since the copy: those tokens may be gone or replaced; copy again.
+        if (entry.cuts.load() != cuts) continue;
         copied = entry.file->Write(n, buffer.data(), buffer.data() + key_bytes);
         entry.file_bytes.store(entry.file->size());
       }

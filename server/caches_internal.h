@@ -78,6 +78,9 @@ struct CacheRegistry::Entry {
   std::atomic<int64_t> durable{0};
   std::atomic<int64_t> dirty_since_ns{0};
   std::atomic<int64_t> file_bytes{0};
+  // Cuts committed (CutFile, under file_mutex): the writer writes what it copied only if no cut
+  // came in between, and an export only if none came during it.
+  std::atomic<int64_t> cuts{0};
   std::atomic<int64_t> disk_reserved{0};  // file->reserved(), readable without file_mutex.
 };
 

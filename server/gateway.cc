@@ -38,6 +38,7 @@ using attention::v1::ListCachesResponse;
 using attention::v1::ServerInfo;
 using attention::v1::TraceEvent;
 using attention::v1::TraceRequest;
+using attention::v1::TruncateCacheRequest;
 
 constexpr char kJsonType[] = "application/json";
 constexpr char kServicePath[] = "/attention.v1.AttentionService/";
@@ -132,6 +133,26 @@ template <typename Message>
 std::function<bool(Message&, httplib::Response&)> JsonBody(const std::string& body) {
   return [&body](Message& message, httplib::Response& response) {
     return ParseBody(body, message, response);
+  };
+}
+
+// A parse step for a cache's route (/v1/caches/ID/...): the body as `Message`'s JSON, its
+// cache_id the path's (a body may leave it out; one that names another cache is refused).
+template <typename Message>
+std::function<bool(Message&, httplib::Response&)> BodyForPathCache(const httplib::Request& request,
+                                                                   const std::string& body) {
+  return [&request, &body](Message& message, httplib::Response& response) {
+    if (!ParseBody(body, message, response)) return false;
+    const std::string id = request.matches[1];
+    if (!message.cache_id().empty() && message.cache_id() != id) {
+      WriteError(
+          response, grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("cacheId \"", message.cache_id(), "\" in the body is not the path's \"", id,
+                       "\" (it may be left out)"));
+      return false;
+    }
+    message.set_cache_id(id);
+    return true;
   };
 }
 
@@ -591,22 +612,19 @@ void Gateway::AddRoutes(HttpPort& port) {
       [this](const httplib::Request& request, const std::string& body,
              httplib::Response& response) {
         Unary<AppendCacheRequest, CacheInfo>(
-            request, response,
-            [&request, &body](AppendCacheRequest& call_request, httplib::Response& answer) {
-              if (!ParseBody(body, call_request, answer)) return false;
-              const std::string id = request.matches[1];
-              if (!call_request.cache_id().empty() && call_request.cache_id() != id) {
-                WriteError(answer, grpc::StatusCode::INVALID_ARGUMENT,
-                           absl::StrCat("cacheId \"", call_request.cache_id(),
-                                        "\" in the body is not the path's \"", id,
-                                        "\" (it may be left out)"));
-                return false;
-              }
-              call_request.set_cache_id(id);
-              return true;
-            },
+            request, response, BodyForPathCache<AppendCacheRequest>(request, body),
             [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
               stub.async()->AppendCache(context, call_request, call_response, std::move(done));
+            });
+      });
+  AddPostRoute(
+      server, absl::StrCat(kCachePath, "/truncate"), "TruncateCache",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) {
+        Unary<TruncateCacheRequest, CacheInfo>(
+            request, response, BodyForPathCache<TruncateCacheRequest>(request, body),
+            [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+              stub.async()->TruncateCache(context, call_request, call_response, std::move(done));
             });
       });
   AddPostRoute(

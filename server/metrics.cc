@@ -277,11 +277,12 @@ void AddServerGauges(MetricsRegistry& registry, const AttentionService& service,
       .Set(1);
   registry.AddGaugeCallback("attnd_compute_inflight",
                             "Calls computing on a compute worker now (Naive, Tiled, Trace "
-                            "openings, AppendCache, Decode).",
+                            "openings, AppendCache, TruncateCache, Decode).",
                             [&service] { return static_cast<double>(service.computing()); });
   registry.AddGaugeCallback(
       "attnd_compute_queued",
-      "Calls waiting for a compute worker (Naive, Tiled, Trace openings, AppendCache, Decode).",
+      "Calls waiting for a compute worker (Naive, Tiled, Trace openings, AppendCache, "
+      "TruncateCache, Decode).",
       [&service] { return static_cast<double>(service.queued()); });
   registry.AddGaugeCallback(
       "attnd_inflight_request_bytes",

@@ -460,6 +460,33 @@ absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
                                                     " tokens; nothing of this call was applied"));
 }
 
+absl::Status CheckCutLength(absl::string_view prefix, absl::string_view field, int64_t length,
+                            int64_t length_now) {
+  if (length < 0) {
+    return Invalid(absl::StrCat(prefix, field),
+                   absl::StrCat("is ", length, "; expected the tokens to keep (≥ 0)"));
+  }
+  if (length_now < 0 || length <= length_now) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat(prefix, field, ": is ", length, " but the cache holds ",
+                                            length_now,
+                                            " tokens; a cut keeps a prefix, at most all of them"));
+}
+
+absl::Status CheckDecodeCut(absl::string_view prefix, int64_t truncate_to, int64_t length_now,
+                            const KvLayout& layout) {
+  if (absl::Status cut = CheckCutLength(prefix, "truncate_to", truncate_to, length_now);
+      !cut.ok()) {
+    return cut;
+  }
+  const int64_t most = kMaxDecodeCutBytes / TokenBytes(layout);
+  if (length_now - truncate_to <= most) return absl::OkStatus();
+  return Invalid(
+      absl::StrCat(prefix, "truncate_to"),
+      absl::StrCat("is ", truncate_to, ", dropping ", length_now - truncate_to, " of the cache's ",
+                   length_now, " tokens; a Decode item drops at most ", most, " (",
+                   kMaxDecodeCutBytes >> 20, " MiB of them): cut more with TruncateCache"));
+}
+
 absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, int64_t value_dim,
                                           int dtype_number) {
   constexpr int64_t kMaxDim = 1 << 16;
@@ -747,6 +774,13 @@ absl::StatusOr<DecodeBatch> ParseDecodeRequest(const v1::DecodeRequest& request,
                        TensorOrNull(item.has_value(), item.value()), parsed.layout, true);
     if (!tokens.ok()) return tokens.status();
     parsed.tokens = *tokens;
+    if (item.has_truncate_to()) {
+      if (absl::Status cut = CheckCutLength(prefix, "truncate_to", item.truncate_to(), -1);
+          !cut.ok()) {
+        return cut;
+      }
+      parsed.truncate_to = item.truncate_to();
+    }
     batch.items.push_back(std::move(parsed));
   }
   return batch;

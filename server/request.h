@@ -81,6 +81,18 @@ inline const attention::v1::Tensor* TensorOrNull(bool has, const attention::v1::
 absl::Status CheckExpectedLength(absl::string_view prefix, int64_t expected,
                                  absl::string_view cache_id, int64_t length);
 
+// A cut of a cache to its first `length` tokens (TruncateCache's length, a Decode item's
+// truncate_to; `field` names it, after `prefix`), against the cache's `length_now` (−1: not known
+// yet, only the sign is checked): INVALID_ARGUMENT when negative, OUT_OF_RANGE naming the
+// cache's length when past it.
+absl::Status CheckCutLength(absl::string_view prefix, absl::string_view field, int64_t length,
+                            int64_t length_now);
+// The most tokens one Decode item's truncate_to may drop (it keeps a copy of them until the call
+// succeeds): 64 MiB of them, INVALID_ARGUMENT naming the count allowed otherwise.
+constexpr int64_t kMaxDecodeCutBytes = int64_t{64} << 20;
+absl::Status CheckDecodeCut(absl::string_view prefix, int64_t truncate_to, int64_t length_now,
+                            const KvLayout& layout);
+
 // A cache's layout, wherever one arrives (CreateCache, an import's first chunk, a cache file's
 // header): kv_heads, head_dim and value_dim (0 = head_dim) in [1, 65536], a known dtype (the
 // wire's number). Errors are INVALID_ARGUMENT naming the field.
@@ -136,7 +148,8 @@ struct DecodeItemProblem {
   std::string prefix;  // "items[i].": starts every field name of the item's errors.
   KvLayout layout;     // Its cache's.
   Problem problem;
-  NewTokens tokens;  // Absent tokens: n = 0.
+  NewTokens tokens;                    // Absent tokens: n = 0.
+  std::optional<int64_t> truncate_to;  // The cut before the append (checked for sign only).
 };
 struct DecodeBatch {
   std::vector<DecodeItemProblem> items;  // In the request's order.
@@ -148,7 +161,8 @@ using CacheLayoutLookup =
 // Checks a Decode request as to shape, in time independent of its tensors' sizes: options carry
 // no positions (each item has its own); each item names a cache (required, at most one item per
 // cache), a non-negative expected_length, its query (ParseCacheQuery) and positions
-// (ParsePositions) and optional new tokens (ParseNewTokens); its answer and the batch's fit
+// (ParsePositions), optional new tokens (ParseNewTokens) and cut (CheckCutLength's sign); its
+// answer and the batch's fit
 // `max_message_bytes` (CheckReplyBytes). Returns the first error found; item i's errors name
 // its fields as items[i].<field>.
 absl::StatusOr<DecodeBatch> ParseDecodeRequest(const attention::v1::DecodeRequest& request,

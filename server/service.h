@@ -78,6 +78,9 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   grpc::ServerUnaryReactor* AppendCache(grpc::CallbackServerContext* context,
                                         const attention::v1::AppendCacheRequest* request,
                                         attention::v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* TruncateCache(grpc::CallbackServerContext* context,
+                                          const attention::v1::TruncateCacheRequest* request,
+                                          attention::v1::CacheInfo* response) override;
   grpc::ServerUnaryReactor* GetCacheInfo(grpc::CallbackServerContext* context,
                                          const attention::v1::GetCacheInfoRequest* request,
                                          attention::v1::CacheInfo* response) override;

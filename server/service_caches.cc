@@ -1,7 +1,7 @@
-// AttentionService (service.h), its KV-cache handlers: CreateCache, AppendCache, GetCacheInfo,
-// DeleteCache and ListCaches, Decode (a batch of one-step appends and attentions, each over
-// its own cache, all or nothing), and ExportCache and ImportCache (a cache as a stream of
-// chunks, cache_transfer.h). The request checks are request.h's, the caches' rules
+// AttentionService (service.h), its KV-cache handlers: CreateCache, AppendCache, TruncateCache,
+// GetCacheInfo, DeleteCache and ListCaches, Decode (a batch of one-step cuts, appends and
+// attentions, each over its own cache, all or nothing), and ExportCache and ImportCache (a cache
+// as a stream of chunks, cache_transfer.h). The request checks are request.h's, the caches' rules
 // caches.h's: these handlers order them, and queue what reads every element or changes a cache.
 #include <string>
 #include <utility>
@@ -217,6 +217,65 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionService::TruncateCache(grpc::CallbackServerContext* context,
+                                                          const v1::TruncateCacheRequest* request,
+                                                          v1::CacheInfo* response) {
+  const std::string owner = CallerIdentity(*context);
+  // The cache first: one a draining server handed over answers where it went (moved_to).
+  const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
+  if (!layout.ok()) return Failed(context, layout.status());
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
+  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  if (absl::Status length = CheckCutLength("", "length", request->length(), -1); !length.ok()) {
+    return Failed(context, length);
+  }
+  if (request->has_expected_length()) {
+    if (absl::Status length = CheckExpectedLength("", request->expected_length(), "", -1);
+        !length.ok()) {
+      return Failed(context, length);
+    }
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
+  // Freeing pages and, with --cache-dir, an fsync: compute-queue work, off gRPC's threads.
+  auto run = [this, context, request, response, owner, fail, reactor] {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    absl::StatusOr<CacheRegistry::Lease> lease =
+        caches_.Acquire(owner, request->cache_id(), "cache_id");
+    if (!lease.ok()) {
+      fail(lease.status());
+      return;
+    }
+    if (request->has_expected_length()) {
+      if (absl::Status length = CheckExpectedLength("", request->expected_length(),
+                                                    request->cache_id(), lease->length());
+          !length.ok()) {
+        fail(length);
+        return;
+      }
+    }
+    if (absl::Status length = CheckCutLength("", "length", request->length(), lease->length());
+        !length.ok()) {
+      fail(length);
+      return;
+    }
+    if (absl::Status cut = lease->Truncate(request->length()); !cut.ok()) {
+      fail(cut);
+      return;
+    }
+    lease->Commit();
+    EncodeCacheInfo(lease->Describe(), response);
+    reactor->Finish(grpc::Status::OK);
+  };
+  absl::Status accepted = queue_.Submit(
+      {.request_bytes = InflightBytes(*request, 0), .work = std::move(run), .refuse = fail});
+  if (!accepted.ok()) fail(accepted);
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* AttentionService::GetCacheInfo(grpc::CallbackServerContext* context,
                                                          const v1::GetCacheInfoRequest* request,
                                                          v1::CacheInfo* response) {
@@ -305,11 +364,27 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
         return;
       }
     }
-    // From here on a failure takes back every item's tokens: all items or none.
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].truncate_to.has_value()) continue;
+      if (absl::Status cut = CheckDecodeCut(items[i].prefix, *items[i].truncate_to,
+                                            leases[i].length(), items[i].layout);
+          !cut.ok()) {
+        fail(cut);
+        return;
+      }
+    }
+    // From here on a failure takes back every item's cut and tokens: all items or none.
     auto undo = [&](const absl::Status& status) {
       leases.Rollback();
       fail(status);
     };
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].truncate_to.has_value()) continue;
+      if (absl::Status cut = leases[i].TruncateTentatively(*items[i].truncate_to); !cut.ok()) {
+        undo(cut);
+        return;
+      }
+    }
     for (size_t i = 0; i < items.size(); ++i) {
       const NewTokens& tokens = items[i].tokens;
       if (tokens.n == 0) continue;
@@ -343,10 +418,16 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
       return;
     }
     for (size_t i = 0; i < leases.size(); ++i) {
+      if (absl::Status persisted = leases[i].PersistCut(); !persisted.ok()) {
+        undo(persisted);
+        return;
+      }
+    }
+    leases.Commit();
+    for (size_t i = 0; i < leases.size(); ++i) {
       EncodeCacheInfo(leases[i].Describe(), response->add_caches());
     }
     FillStats(backend_, *stats, start, response->mutable_stats());
-    leases.Commit();
     reactor->Finish(grpc::Status::OK);
   };
   absl::Status accepted = queue_.Submit({.request_bytes = InflightBytes(*request, reply_bytes),

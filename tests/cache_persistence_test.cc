@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -125,6 +126,11 @@ Opened OpenFile(const std::string& path) {
         for (int64_t t = 0; t < n; ++t) opened.tokens.push_back(TokenBytes(l, part, n, t));
         return absl::OkStatus();
       },
+      [&](int64_t length) {
+        EXPECT_LE(length, static_cast<int64_t>(opened.tokens.size()));
+        opened.tokens.resize(length);
+        return absl::OkStatus();
+      },
       &opened.report);
   opened.status = file.status();
   if (file.ok()) opened.file = *std::move(file);
@@ -187,6 +193,44 @@ TEST(CacheFileTest, RoundTripKeepsHeaderAndEveryBit) {
   EXPECT_EQ(opened.tokens, written);
   EXPECT_EQ(opened.file->tokens(), 13);
   EXPECT_EQ(opened.file->size(), static_cast<int64_t>(fs::file_size(path)));
+}
+
+// A cut record (TruncateCache): the file holds its first tokens only, the records after it
+// follow on from the cut, and BoundFor counts from it; a torn cut (the file ending inside it)
+// keeps the tokens before it, an earlier state of the cache and never a mix.
+TEST(CacheFileTest, ACutDropsTheTokensPastItAndLaterRecordsFollowIt) {
+  TempDir dir;
+  std::string path;
+  std::vector<std::string> written = WriteThreeRecords(dir.path(), kGqaBf16, &path);
+  Opened opened = OpenFile(path);
+  ASSERT_TRUE(opened.status.ok()) << opened.status;
+  CacheFile& file = *opened.file;
+  ASSERT_TRUE(file.Cut(4).ok());
+  EXPECT_EQ(file.tokens(), 4);
+  const int64_t after_cut = file.size();
+  EXPECT_EQ(file.BoundFor(4), after_cut);
+  std::mt19937 rng(31);
+  const Tokens more = RandomTokens(kGqaBf16, 3, rng);
+  ASSERT_TRUE(file.Write(3, more.key.data(), more.value.data()).ok());
+  ASSERT_TRUE(file.Sync().ok());
+  EXPECT_LE(file.size(), file.BoundFor(7));
+  written.resize(4);
+  for (int64_t t = 0; t < 3; ++t) written.push_back(TokenBytes(kGqaBf16, more, 3, t));
+
+  Opened reopened = OpenFile(path);
+  ASSERT_TRUE(reopened.status.ok()) << reopened.status;
+  EXPECT_EQ(reopened.report.dropped_bytes, 0);
+  EXPECT_EQ(reopened.tokens, written);
+  EXPECT_EQ(reopened.file->tokens(), 7);
+  EXPECT_EQ(reopened.file->BoundFor(4), after_cut);
+
+  // Torn inside the cut record: the 13 tokens before it, and nothing written after it.
+  reopened.file.reset();
+  fs::resize_file(path, after_cut - 1);
+  Opened torn = OpenFile(path);
+  ASSERT_TRUE(torn.status.ok()) << torn.status;
+  EXPECT_EQ(torn.tokens.size(), 13u);
+  EXPECT_GT(torn.report.dropped_bytes, 0);
 }
 
 // Every single-byte change anywhere in the file: the open either refuses the header or keeps
@@ -412,6 +456,108 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
   ASSERT_TRUE(again.Restore().ok());
   EXPECT_EQ(again.caches(), 2);
   EXPECT_EQ(Contents(again, "bob", ids[1]), contents[1]);
+}
+
+// Cuts (TruncateCache's and a Decode's truncate_to) are on disk before they are acknowledged:
+// a restart brings back exactly the kept tokens and what came after, never a cut token; a
+// tentative cut that is rolled back leaves the cache (and after the next flush its file) as it
+// was; the budget follows the pages.
+TEST_F(RegistryOnDiskTest, CutsSurviveARestartAndARolledBackCutChangesNothing) {
+  const KvLayout layout{.kv_heads = 2, .head_dim = 8, .value_dim = 5, .dtype = DType::kBFloat16};
+  std::string id;
+  std::vector<std::string> kept;
+  {
+    CacheRegistry registry(backend_, Limits());
+    ASSERT_TRUE(registry.Restore().ok());
+    absl::StatusOr<CacheDescription> cache = registry.Create("alice", layout);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    id = cache->id;
+    kept = Append(registry, "alice", id, 300);
+    ASSERT_TRUE(registry.Flush().ok());
+    const int64_t full_bytes = registry.bytes();
+    {  // TruncateCache: durable before it returns.
+      absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("alice", id, "cache_id");
+      ASSERT_TRUE(lease.ok());
+      ASSERT_TRUE(lease->Truncate(120).ok());
+      lease->Commit();
+      EXPECT_EQ(lease->Describe().durable_length, 120);
+    }
+    kept.resize(120);
+    EXPECT_LT(registry.bytes(), full_bytes);  // The pages past the cut went back to the budget.
+    std::vector<std::string> more = Append(registry, "alice", id, 40);
+    kept.insert(kept.end(), more.begin(), more.end());
+    ASSERT_TRUE(registry.Flush().ok());
+    {  // A Decode's cut whose call fails: rolled back, in memory and on disk.
+      absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("alice", id, "cache_id");
+      ASSERT_TRUE(lease.ok());
+      ASSERT_TRUE(lease->TruncateTentatively(100).ok());
+      EXPECT_EQ(lease->length(), 100);
+      const Tokens other = RandomTokens(layout, 7, rng_);
+      ASSERT_TRUE(lease
+                      ->Append(TensorView{other.key.data(), layout.dtype},
+                               TensorView{other.value.data(), layout.dtype}, 7, 3.0, 3.0)
+                      .ok());
+      ASSERT_TRUE(lease->PersistCut().ok());  // On disk, then the call fails all the same.
+      lease->Rollback();
+      EXPECT_EQ(lease->length(), 160);
+    }
+    EXPECT_EQ(Contents(registry, "alice", id), kept);
+    ASSERT_TRUE(registry.Flush().ok());  // The writer puts back what the cut record dropped.
+    EXPECT_EQ(registry.Describe("alice", id)->durable_length, 160);
+    {  // A Decode's cut that succeeds.
+      absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("alice", id, "cache_id");
+      ASSERT_TRUE(lease.ok());
+      ASSERT_TRUE(lease->TruncateTentatively(150).ok());
+      const Tokens draft = RandomTokens(layout, 2, rng_);
+      ASSERT_TRUE(lease
+                      ->Append(TensorView{draft.key.data(), layout.dtype},
+                               TensorView{draft.value.data(), layout.dtype}, 2, 3.0, 3.0)
+                      .ok());
+      ASSERT_TRUE(lease->PersistCut().ok());
+      lease->Commit();
+      kept.resize(150);
+      for (int64_t t = 0; t < 2; ++t) kept.push_back(TokenBytes(layout, draft, 2, t));
+    }
+    EXPECT_EQ(Contents(registry, "alice", id), kept);
+  }  // A clean shutdown writes the last two tokens.
+  CacheRegistry restored(backend_, Limits());
+  ASSERT_TRUE(restored.Restore().ok());
+  EXPECT_EQ(Contents(restored, "alice", id), kept);
+  EXPECT_EQ(restored.Describe("alice", id)->durable_length, 152);
+}
+
+// The writer copies a cache's tokens under its lease and writes them after letting go: a cut in
+// between must not let the copy land (it would put cut tokens back after the cut record). Passes
+// back to back (Flush, on another thread) beside rounds of appends and cuts, then the file
+// against what the cache holds.
+TEST_F(RegistryOnDiskTest, ACutBetweenTheWritersCopyAndItsWriteIsNotUndone) {
+  const KvLayout layout{.kv_heads = 1, .head_dim = 256, .value_dim = 256, .dtype = DType::kFloat32};
+  CacheRegistry registry(backend_, Limits(int64_t{256} << 20));
+  ASSERT_TRUE(registry.Restore().ok());
+  absl::StatusOr<CacheDescription> cache = registry.Create("alice", layout);
+  ASSERT_TRUE(cache.ok());
+  std::vector<std::string> kept = Append(registry, "alice", cache->id, 50);
+  std::atomic<bool> done{false};
+  std::thread flusher([&] {
+    while (!done.load()) EXPECT_TRUE(registry.Flush().ok());
+  });
+  for (int round = 0; round < 1000; ++round) {
+    std::vector<std::string> more = Append(registry, "alice", cache->id, 300);
+    kept.insert(kept.end(), more.begin(), more.end());
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("alice", cache->id, "cache_id");
+    ASSERT_TRUE(lease.ok());
+    ASSERT_TRUE(lease->Truncate(lease->length() - 299).ok());
+    lease->Commit();
+    kept.resize(kept.size() - 299);
+  }
+  done.store(true);
+  flusher.join();
+  ASSERT_TRUE(registry.Flush().ok());
+  EXPECT_EQ(Contents(registry, "alice", cache->id), kept);
+  Opened opened = OpenFile(dir_.path() + "/" + cache->id + ".kv");
+  ASSERT_TRUE(opened.status.ok()) << opened.status;
+  EXPECT_EQ(opened.tokens.size(), kept.size());
+  EXPECT_TRUE(opened.tokens == kept);
 }
 
 TEST_F(RegistryOnDiskTest, TwoServersNeverShareADirectory) {

@@ -3,6 +3,7 @@
 // float64 reference on the same (rounded) tokens; every refused call must leave its cache
 // exactly as it was. The registry's ownership, idle expiry and budget accounting are checked on
 // the registry itself.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "proto/dtype_mapping.h"
 #include "server/caches.h"
+#include "server/request.h"
 #include "server/service.h"
 #include "tests/reference.h"
 
@@ -298,6 +301,164 @@ TEST_F(CacheServiceTest, ADecodeBatchAppendsEachItemsTokensThenAttends) {
     const testing::Reference ref = testing::ReferenceAttention(problems[i]);
     EXPECT_LE(testing::MaxAbsError(Floats(response.lse(i)), ref.lse), 1e-4);
   }
+}
+
+// Speculative decoding: a cache cut back (TruncateCache, or a Decode item's truncate_to before
+// its new tokens) is exactly one that never had the cut tokens — the same output and lse bits,
+// and the float64 reference over the kept tokens; errors name the field and change nothing; a
+// batch that fails after its cuts puts every cut token back.
+TEST_F(CacheServiceTest, ACutCacheEqualsOneThatNeverHadTheCutTokens) {
+  const HostProblem p = RandomCacheProblem(3, 153, DType::kBFloat16, true, 71);
+  const HostProblem drafts = RandomCacheProblem(3, 153, DType::kBFloat16, true, 72);
+  const Shape& s = p.shape;
+  v1::CacheInfo info;
+  // Never had them: p's first 153 tokens.
+  const std::string clean = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(clean, p, 0, 153, 0, &info).ok());
+  // Cut by TruncateCache: p's first 150, 30 rejected drafts, cut back to 150, then p's next 3.
+  const std::string truncated = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(truncated, p, 0, 150, 0, &info).ok());
+  const int64_t bytes_at_150 = info.bytes();
+  ASSERT_TRUE(Append(truncated, drafts, 0, 30, 150, &info).ok());
+  v1::TruncateCacheRequest cut;
+  cut.set_cache_id(truncated);
+  cut.set_length(150);
+  cut.set_expected_length(180);
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::TruncateCache, cut, &info).ok());
+  EXPECT_EQ(info.length(), 150);
+  EXPECT_EQ(info.bytes(), bytes_at_150);  // The pages only the drafts used are freed.
+  ASSERT_TRUE(Append(truncated, p, 150, 153, 150, &info).ok());
+  // Cut by the Decode that appends the accepted tokens (truncate_to), in one call.
+  const std::string decoded = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(decoded, p, 0, 150, 0, &info).ok());
+  ASSERT_TRUE(Append(decoded, drafts, 0, 30, 150, &info).ok());
+
+  auto decode = [&](const std::string& id, bool with_step, v1::DecodeResponse* response) {
+    v1::DecodeRequest request;
+    request.mutable_options()->set_causal(true);
+    request.mutable_options()->set_return_lse(true);
+    request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+    v1::DecodeItem* item = request.add_items();
+    item->set_cache_id(id);
+    *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                      p.query_bytes.size(), p.dtype);
+    if (with_step) {
+      item->set_expected_length(180);
+      item->set_truncate_to(150);
+      *item->mutable_key() =
+          Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 150, 153);
+      *item->mutable_value() =
+          Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 150, 153);
+    } else {
+      item->set_expected_length(153);
+    }
+    return Call(&v1::AttentionService::Stub::Decode, request, response);
+  };
+  v1::DecodeResponse want, by_rpc, by_step;
+  ASSERT_TRUE(decode(clean, false, &want).ok());
+  ASSERT_TRUE(decode(truncated, false, &by_rpc).ok());
+  const grpc::Status stepped = decode(decoded, true, &by_step);
+  ASSERT_TRUE(stepped.ok()) << stepped.error_message();
+  EXPECT_EQ(by_step.caches(0).length(), 153);
+  for (const v1::DecodeResponse* got : {&by_rpc, &by_step}) {
+    EXPECT_EQ(got->outputs(0).data(), want.outputs(0).data());
+    EXPECT_EQ(got->lse(0).data(), want.lse(0).data());
+  }
+  HostProblem reference = p;
+  reference.block_k = 0;
+  ExpectMatches(by_step.outputs(0), reference);
+
+  // Bad cuts: named, and nothing changes.
+  auto truncate = [&](const std::string& id, int64_t length, std::optional<int64_t> expected) {
+    v1::TruncateCacheRequest request;
+    request.set_cache_id(id);
+    request.set_length(length);
+    if (expected) request.set_expected_length(*expected);
+    v1::CacheInfo answer;
+    return Call(&v1::AttentionService::Stub::TruncateCache, request, &answer);
+  };
+  grpc::Status status = truncate(clean, 154, std::nullopt);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(status.error_message(),
+              ::testing::HasSubstr("length: is 154 but the cache holds 153"));
+  status = truncate(clean, -1, std::nullopt);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("length"));
+  status = truncate(clean, 10, 152);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("expected_length"));
+  EXPECT_EQ(LengthOf(clean), 153);
+  status = truncate("0123456789abcdef0123456789abcdef", 0, std::nullopt);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // A batch that fails after its cut (item 1's query is not finite, found once its cache is
+  // bound): item 0's cache keeps every token it had, bit for bit.
+  const std::string other = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(other, p, 0, 20, 0, &info).ok());
+  ASSERT_TRUE(Append(decoded, drafts, 30, 40, 153, &info).ok());  // 163 tokens now.
+  v1::DecodeResponse before;
+  {
+    v1::DecodeRequest request;
+    request.mutable_options()->set_causal(true);
+    request.mutable_options()->set_return_lse(true);
+    v1::DecodeItem* item = request.add_items();
+    item->set_cache_id(decoded);
+    *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                      p.query_bytes.size(), p.dtype);
+    item->set_expected_length(163);
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Decode, request, &before).ok());
+    item->set_truncate_to(100);
+    *item->mutable_key() = Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 0, 2);
+    *item->mutable_value() =
+        Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 0, 2);
+    v1::DecodeItem* bad = request.add_items();
+    bad->set_cache_id(other);
+    std::vector<uint8_t> nan_query = p.query_bytes;
+    std::fill(nan_query.begin(), nan_query.begin() + 2, uint8_t{0xff});  // A bf16 NaN.
+    *bad->mutable_query() =
+        ToTensor({s.heads, s.query_len, s.head_dim}, nan_query.data(), nan_query.size(), p.dtype);
+    bad->set_expected_length(20);
+    v1::DecodeResponse failed;
+    status = Call(&v1::AttentionService::Stub::Decode, request, &failed);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), ::testing::HasSubstr("items[1].query"));
+    EXPECT_EQ(LengthOf(decoded), 163);
+    // A cut past the length is refused by name, before anything changes.
+    request.mutable_items()->RemoveLast();
+    item->set_truncate_to(164);
+    status = Call(&v1::AttentionService::Stub::Decode, request, &failed);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+    EXPECT_THAT(status.error_message(), ::testing::HasSubstr("items[0].truncate_to"));
+    item->set_truncate_to(-3);
+    status = Call(&v1::AttentionService::Stub::Decode, request, &failed);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), ::testing::HasSubstr("items[0].truncate_to"));
+    // The cache answers as before the failed calls.
+    item->clear_truncate_to();
+    item->clear_key();
+    item->clear_value();
+    v1::DecodeResponse after;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Decode, request, &after).ok());
+    EXPECT_EQ(after.outputs(0).data(), before.outputs(0).data());
+    EXPECT_EQ(after.lse(0).data(), before.lse(0).data());
+  }
+}
+
+// A Decode item's cut keeps a copy of what it drops until the call succeeds: bounded before it
+// is made, naming the count allowed.
+TEST(DecodeCutTest, AnItemDropsAtMost64MiBOfTokens) {
+  const KvLayout layout{
+      .kv_heads = 8, .head_dim = 128, .value_dim = 128, .dtype = DType::kBFloat16};
+  const int64_t most = kMaxDecodeCutBytes / TokenBytes(layout);  // 16384 tokens of 4 KiB.
+  EXPECT_EQ(most, 16384);
+  EXPECT_TRUE(CheckDecodeCut("items[0].", 100000 - most, 100000, layout).ok());
+  const absl::Status over = CheckDecodeCut("items[3].", 100000 - most - 1, 100000, layout);
+  EXPECT_EQ(over.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(over.message()), ::testing::HasSubstr("items[3].truncate_to"));
+  EXPECT_THAT(std::string(over.message()), ::testing::HasSubstr("at most 16384"));
+  EXPECT_THAT(std::string(over.message()), ::testing::HasSubstr("TruncateCache"));
+  EXPECT_EQ(CheckDecodeCut("", 5, 4, layout).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(CheckDecodeCut("", -1, 4, layout).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // A cache's keys placed by key_position and a Decode's queries by query_position (per item):

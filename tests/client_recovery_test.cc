@@ -262,6 +262,52 @@ TEST_F(ClientRecoveryTest, RefreshSendsAgainWhatARestartFromTheDiskLost) {
   EXPECT_EQ(recovered.kept_from(), 78);
 }
 
+// Speculative decoding's cuts (Truncate, Decode's truncate_to) reach the kept tail: a Refresh
+// after a restart sends the accepted tokens again, never a cut draft.
+TEST_F(ClientRecoveryTest, RefreshAfterACutNeverSendsTheCutTokens) {
+  const std::string dir = TempDir(), copy = TempDir();
+  std::unique_ptr<Server> one = StartServer(dir);
+  const Sequence seq(2, 16, 8, 80, v1::DTYPE_BFLOAT16, 3);
+  const Sequence drafts(2, 16, 8, 80, v1::DTYPE_BFLOAT16, 4);
+  absl::StatusOr<client::Cache> created = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::Cache& cache = *created;
+  ASSERT_TRUE(cache.Append(seq.Keys(0, 20), seq.Values(0, 20)).ok());
+  ASSERT_TRUE(one->service->caches().Flush().ok());
+  std::filesystem::copy(
+      dir, copy,
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  // Drafts appended and cut back, twice: by Truncate, then by the Decode that appends the
+  // accepted tokens (a kept append straddling the second cut is sliced).
+  ASSERT_TRUE(cache.Append(drafts.Keys(0, 6), drafts.Values(0, 6)).ok());
+  EXPECT_EQ(cache.kept_from(), 20);
+  const absl::StatusOr<v1::CacheInfo> cut = cache.Truncate(20);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cache.length(), 20);
+  ASSERT_TRUE(cache.Append(seq.Keys(20, 24), seq.Values(20, 24)).ok());
+  ASSERT_TRUE(cache.Append(drafts.Keys(6, 9), drafts.Values(6, 9)).ok());
+  const v1::Tensor key = seq.Keys(22, 25), value = seq.Values(22, 25);
+  const absl::StatusOr<v1::DecodeResponse> stepped =
+      cache.Decode(Query(seq, 3), &key, &value, {}, /*truncate_to=*/22);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(cache.length(), 25);
+  EXPECT_EQ(LengthOn(*one->client, cache.id()), 25);
+
+  std::unique_ptr<Server> two = StartServer(copy);  // Holds the 20 flushed tokens.
+  client::Cache recovered = cache;
+  recovered.Rebind(*two->client);
+  const absl::StatusOr<v1::CacheInfo> refreshed = recovered.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 25);
+  // Both are seq's first 25 tokens, as a cache that never saw a draft.
+  absl::StatusOr<client::Cache> clean = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(clean.ok());
+  ASSERT_TRUE(clean->Append(seq.Keys(0, 25), seq.Values(0, 25)).ok());
+  const std::string want = TiledBytes(*one->client, clean->id(), seq);
+  EXPECT_EQ(TiledBytes(*one->client, cache.id(), seq), want);
+  EXPECT_EQ(TiledBytes(*two->client, cache.id(), seq), want);
+}
+
 TEST_F(ClientRecoveryTest, RefreshSlicesTheAppendThatStraddlesTheServersLength) {
   std::unique_ptr<Server> one = StartServer(TempDir());
   std::unique_ptr<Server> two = StartServer();  // Not persistent.

@@ -403,6 +403,22 @@ def cache_checks():
     check("cache append, another cacheId in the body: 400",
           status == 400 and error_of(body).get("code") == "INVALID_ARGUMENT",
           "%d %s" % (status, body[:300]))
+    # Four draft tokens, cut back off (TruncateCache): the cache holds its 11 tokens again.
+    drafts = pb.AppendCacheRequest(key=fp32(keys[:, :4]), value=fp32(values[:, :4]),
+                                   expected_length=11)
+    status, _, body = post_message("/v1/caches/%s/append" % cache_id, drafts)
+    check("cache append of 4 drafts: 200", status == 200, "%d %s" % (status, body[:300]))
+    cut = pb.TruncateCacheRequest(length=11, expected_length=15)
+    status, _, body = post_message("/v1/caches/%s/truncate" % cache_id, cut)
+    check("cache truncate to 11: 200, length 11",
+          status == 200 and json_format.Parse(body, pb.CacheInfo()).length == 11,
+          "%d %s" % (status, body[:300]))
+    cut = pb.TruncateCacheRequest(length=12)
+    status, _, body = post_message("/v1/caches/%s/truncate" % cache_id, cut)
+    error = error_of(body)
+    check("cache truncate past the length: OUT_OF_RANGE naming length",
+          error.get("code") == "OUT_OF_RANGE" and "length" in error.get("message", ""),
+          "%d %s" % (status, body[:300]))
     status, _, body = http_call("GET", "/v1/caches/%s" % cache_id)
     expected = stub.GetCacheInfo(pb.GetCacheInfoRequest(cache_id=cache_id), timeout=30)
     check("cache info: equals gRPC's GetCacheInfo (one identity)",

@@ -235,7 +235,9 @@ class MergeTraceTest : public ::testing::Test {
         }
         running_max = m_new;
       }
-      if (p.sinks.empty()) EXPECT_EQ(row.output, row.steps.back().estimate);
+      if (p.sinks.empty()) {
+        EXPECT_EQ(row.output, row.steps.back().estimate);
+      }
     }
     return *std::move(trace);
   }
