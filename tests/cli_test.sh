@@ -114,6 +114,13 @@ check cache-append-expected 0 'length 130 tokens' -- \
   "${cache[@]}" append "$cache_id" --tokens 30 --expected-length 100 --seed 2
 check cache-append-stale 1 'FAILED_PRECONDITION: .*130' -- \
   "${cache[@]}" append "$cache_id" --tokens 5 --expected-length 100
+# Drafts cut back off (TruncateCache): 130 tokens again, and refusals that name the field.
+"${cache[@]}" append "$cache_id" --tokens 7 >/dev/null
+check cache-truncate 0 'length 130 tokens' -- "${cache[@]}" truncate "$cache_id" --keep 130
+check cache-truncate-past 1 'OUT_OF_RANGE: length: is 131 but the cache holds 130' -- \
+  "${cache[@]}" truncate "$cache_id" --keep 131
+check cache-truncate-stale 1 'FAILED_PRECONDITION: expected_length' -- \
+  "${cache[@]}" truncate "$cache_id" --keep 10 --expected-length 129
 check cache-info 0 'length 130 tokens, [0-9.]+ (B|KiB) in pages of [0-9]+ tokens' -- \
   "${cache[@]}" info "$cache_id"
 check cache-info-json 0 "^\\{\"cacheId\":\"$cache_id\".*\"length\":\"130\"" -- \

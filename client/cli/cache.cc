@@ -401,8 +401,8 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
                              std::FILE* out) {
   if (args.empty()) {
     return absl::InvalidArgumentError(
-        "give a cache command: create, append, info, list, delete, export, import or move (attn "
-        "--help)");
+        "give a cache command: create, append, truncate, info, list, delete, export, import or "
+        "move (attn --help)");
   }
   const std::string& command = args[0];
   if (command == "create") {
@@ -433,6 +433,21 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
       return filled;
     }
     PrintInfo(out, cache->info(), flags.json);
+    return absl::OkStatus();
+  }
+  if (command == "truncate") {
+    if (absl::Status usage = NeedId(args, "truncate ... --keep N"); !usage.ok()) return usage;
+    if (flags.keep < 0) return absl::InvalidArgumentError("--keep N: the tokens to keep (≥ 0)");
+    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1]);
+    if (!cache.ok()) return cache.status();
+    if (flags.expected_length >= 0) {
+      v1::CacheInfo believed = cache->info();
+      believed.set_length(flags.expected_length);
+      cache->Update(believed);
+    }
+    absl::StatusOr<v1::CacheInfo> info = cache->Truncate(flags.keep);
+    if (!info.ok()) return info.status();
+    PrintInfo(out, *info, flags.json);
     return absl::OkStatus();
   }
   if (command == "info") {

@@ -53,7 +53,8 @@ struct CacheFlags {
   attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32;
   int64_t tokens = 4096;         // append: tokens to add; decode: tokens to fill the cache with.
   int64_t steps = 16;            // decode: steps.
-  int64_t expected_length = -1;  // append: the length to send; −1 = the cache's, read first.
+  int64_t expected_length = -1;  // append, truncate: the length to send; −1 = the cache's.
+  int64_t keep = -1;             // truncate: the tokens to keep.
   uint64_t seed = 1;
   bool json = false;        // create/append/info/list: protobuf JSON instead of text.
   bool shard_keys = false;  // decode: one cache split over every endpoint (ShardedCache).

@@ -21,6 +21,7 @@
 //                     (client/cli/decode_bench.h)
 //   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16] [--json]
 //   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
+//   attn cache truncate ID --keep N [--expected-length L]   (drops the tokens from N on)
 //   attn cache info ID | attn cache list | attn cache delete ID
 //   attn cache export ID --to FILE | attn cache import FILE [--new-id]
 //   attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]
@@ -142,9 +143,10 @@ ABSL_FLAG(int64_t, tokens, 4096,
 ABSL_FLAG(int64_t, steps, 16,
           "decode: decode steps, each sending one new token's q, k and v; bench --decode: timed "
           "steps per row (20 when not given).");
+ABSL_FLAG(int64_t, keep, -1, "cache truncate: the tokens to keep; the ones after are dropped.");
 ABSL_FLAG(int64_t, expected_length, -1,
-          "cache append: the cache length to send as expected_length (-1 = the cache's current "
-          "length, read first); a wrong one is refused with FAILED_PRECONDITION.");
+          "cache append, truncate: the cache length to send as expected_length (-1 = the cache's "
+          "current length, read first); a wrong one is refused with FAILED_PRECONDITION.");
 ABSL_FLAG(std::string, ns, "256,512,1024,2048,4096", "bench: sequence lengths N to sweep.");
 ABSL_FLAG(int64_t, batch, 1, "bench: batch size B.");
 ABSL_FLAG(int64_t, heads, 8, "bench, decode: query heads H (--kv-heads sets key/value heads).");
@@ -583,6 +585,7 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.tokens = absl::GetFlag(FLAGS_tokens);
   flags.steps = absl::GetFlag(FLAGS_steps);
   flags.expected_length = absl::GetFlag(FLAGS_expected_length);
+  flags.keep = absl::GetFlag(FLAGS_keep);
   flags.seed = absl::GetFlag(FLAGS_seed);
   flags.json = absl::GetFlag(FLAGS_json);
   flags.shard_keys = absl::GetFlag(FLAGS_shard_keys);
@@ -648,6 +651,7 @@ int main(int argc, char** argv) {
       "  attn cache create --kv-heads 8 --head-dim 128 --dtype bf16   a server-resident KV cache\n"
       "  attn cache append ID --tokens 1000   1000 random tokens; also: cache info|delete ID, "
       "cache list\n"
+      "  attn cache truncate ID --keep 900    drops the tokens from 900 on (rejected drafts)\n"
       "  attn cache export ID --to FILE       the cache's tokens into a file; attn cache import "
       "FILE [--new-id] puts it back\n"
       "  attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]   streamed to another "
