@@ -28,9 +28,10 @@
 //   for await (const ev of client.trace({attention: req, rows: [{row: 0}]})) { ... }
 //
 // Server-resident KV caches: one method per RPC, taking and returning the messages
-// (createCache, appendCache, getCacheInfo, deleteCache, listCaches, decode), and a Cache that
-// tracks the length it believes the cache has and sends it as expectedLength on every append
-// and decode (a retried call is then refused with FAILED_PRECONDITION, never stored twice):
+// (createCache, appendCache, truncateCache, getCacheInfo, deleteCache, listCaches, decode), and
+// a Cache that tracks the length it believes the cache has and sends it as expectedLength on
+// every append, decode and truncate (a retried call is then refused with FAILED_PRECONDITION,
+// never stored twice):
 //   const cache = await client.openCache({kvHeads: 8, headDim: 128, dtype: 'bf16'});
 //   await cache.append(tensor(k, [8, n, 128], 'bf16'), tensor(v, [8, n, 128], 'bf16'));
 //   const step = await cache.decode(tensor(q, [32, 1, 128]), {key: k1, value: v1});
@@ -59,6 +60,32 @@
 //   ... attnd restarts ...
 //   await cache.refresh();                 // re-sends what it lost (or DATA_LOSS)
 //   const there = new Cache(otherClient, cache.info, {tail: cache.tail});
+//
+// Speculative decoding (attention.proto, TruncateCache and DecodeItem.truncateTo): a cache cut
+// to its first `length` tokens is exactly one that never had the rest (the next decode gives
+// the same bits), and with attnd --cache-dir the cut is on disk before the answer.
+// client.truncateCache({cacheId, length, expectedLength}) → CacheInfo (expectedLength, the
+// length before the cut, checked when given); cache.truncate(length, {expectedLength}) sends
+// the Cache's length unless told otherwise. A stale expectedLength is FAILED_PRECONDITION naming
+// the actual length, a length past the cache's OUT_OF_RANGE; the cache is then unchanged. In
+// Decode an item's truncateTo (Cache.item's, decodeBatch's and Cache.decode's truncateTo) cuts
+// its cache before the item's key/value are appended, atomically with the batch (if any item
+// fails every cache keeps the tokens it had); its expectedLength is still the length before the
+// cut. length, truncateTo and expectedLength that are not integer Numbers are a TypeError, and
+// negative ones a RangeError, naming the field (truncateCache and decodeBatch reject with them,
+// Cache.item throws them). A Cache's cut cuts its replay tail too (entries past the cut
+// dropped, the one straddling it sliced), so refresh() never re-sends a cut token. When a call
+// carrying a cut fails without the server refusing it (UNAVAILABLE, DEADLINE_EXCEEDED,
+// INTERNAL, ...: it may have been applied), the tail is cut all the same and the next refresh()
+// re-sends tokens only up to the cut, taking the server's info when it holds at least that many;
+// a refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE, NOT_FOUND, ...) leaves the
+// Cache as it was. One step verifies k drafts (k + 1 new tokens: the last accepted one and the
+// drafts; k + 1 query rows, causal), the next cuts the rejected ones and appends in one call:
+//   const n = cache.length;
+//   await cache.decode(tensor(q, [heads, k + 1, d]), {key, value, options: {causal: true}});
+//   const kept = n + 1 + accepted;                      // accepted: the drafts the model kept
+//   await cache.decode(q1, {key: k1, value: v1, truncateTo: kept, options: {causal: true}});
+//   // or in two calls: await cache.truncate(kept); await cache.decode(q1, {key: k1, ...});
 //
 // Export and import (ExportCache, ImportCache): client.exportCache(id) yields the CacheChunks
 // (an async iterator: info, tokens bit-exact in the cache's dtype, the last chunk's crc32c,
@@ -600,6 +627,27 @@ function wrapError(err) {
 // An AttndError with code DATA_LOSS raised here (a damaged export, a tail that cannot replay).
 function dataLoss(details) { return new AttndError({code: grpc.status.DATA_LOSS, details}); }
 
+// The codes of a call the server refused, nothing of it applied (a cut included); any other
+// failure of a call carrying a cut (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) may have been
+// applied (Cache.cutFailed_).
+const REFUSED_CODES = new Set([
+  grpc.status.INVALID_ARGUMENT, grpc.status.FAILED_PRECONDITION, grpc.status.OUT_OF_RANGE,
+  grpc.status.NOT_FOUND, grpc.status.ALREADY_EXISTS, grpc.status.PERMISSION_DENIED,
+  grpc.status.UNAUTHENTICATED, grpc.status.UNIMPLEMENTED]);
+
+// A token count to send (TruncateCache's length and expectedLength, a DecodeItem's truncateTo)
+// → the Number: a TypeError naming it (`what`) when it is not an integer Number, a RangeError
+// when it is negative or past 2^53.
+function tokenCount(value, what) {
+  if (typeof value !== 'number' || !Number.isInteger(value)) {
+    const shown = typeof value === 'string' ? `'${value}'` : String(value);
+    throw new TypeError(`${what} is ${shown} (${typeof value}); expected an integer Number`);
+  }
+  if (value < 0) throw new RangeError(`${what} is ${value}; expected ≥ 0 (a token count)`);
+  if (!Number.isSafeInteger(value)) throw new RangeError(`${what} is ${value}; expected < 2^53`);
+  return value;
+}
+
 // 'HOST:PORT' when err is the NOT_FOUND of a cache a draining server handed over (its message
 // ends "moved_to=HOST:PORT"), else null.
 function movedTo(err) {
@@ -749,6 +797,25 @@ class Client {
   // AppendCacheRequest ({cacheId, key, value, expectedLength}) → CacheInfo.
   appendCache(request, options) { return this.unary_('AppendCache', request, options); }
 
+  // TruncateCacheRequest ({cacheId, length, expectedLength}) → CacheInfo: the cache cut to its
+  // first length tokens. expectedLength (the length before the cut) is checked when given
+  // (absent, undefined or null: not sent). Rejects with a TypeError / RangeError naming length
+  // or expectedLength when one is not a non-negative integer Number, before any call; the
+  // server's FAILED_PRECONDITION (stale expectedLength) and OUT_OF_RANGE (a length past the
+  // cache's) leave the cache unchanged.
+  truncateCache({cacheId, length, expectedLength} = {}, options) {
+    const request = {cacheId};
+    try {
+      request.length = tokenCount(length, 'truncateCache: length');
+      if (expectedLength !== undefined && expectedLength !== null) {
+        request.expectedLength = tokenCount(expectedLength, 'truncateCache: expectedLength');
+      }
+    } catch (err) {
+      return Promise.reject(err);
+    }
+    return this.unary_('TruncateCache', request, options);
+  }
+
   // cacheId → CacheInfo ({cacheId, kvHeads, headDim, valueDim, dtype, length, bytes, pageTokens}).
   getCacheInfo(cacheId, options) { return this.unary_('GetCacheInfo', {cacheId}, options); }
 
@@ -758,19 +825,23 @@ class Client {
   // → ListCachesResponse ({caches: [CacheInfo, ...]}), the caller's, oldest first.
   listCaches(options) { return this.unary_('ListCaches', {}, options); }
 
-  // DecodeRequest ({items: [{cacheId, query, key?, value?, expectedLength}], options}) →
-  // DecodeResponse ({outputs, lse, stats, caches}), outputs[i] item i's [heads, nq, valueDim].
-  // Atomic: if any item fails, no item's tokens are kept. Cache.item() builds an item; after the
-  // call resolves, Cache.update(response.caches[i]) takes its new length (decodeBatch does both).
+  // DecodeRequest ({items: [{cacheId, query, key?, value?, expectedLength, truncateTo?}],
+  // options}) → DecodeResponse ({outputs, lse, stats, caches}), outputs[i] item i's [heads, nq,
+  // valueDim]. An item's truncateTo cuts its cache to that length before its key/value are
+  // appended (expectedLength is the length before the cut). Atomic: if any item fails, every
+  // cache keeps the tokens it had. Cache.item() builds an item; after the call resolves,
+  // Cache.update(response.caches[i]) takes its new length (decodeBatch does both, and keeps the
+  // replay tail).
   decode(request, options) { return this.unary_('Decode', request, options); }
 
   // decode() over Cache objects: items [{cache, query, key?, value?, keyPosition?,
-  // queryPosition?}] → DecodeResponse, each Cache's length updated from the answer. Positions
-  // are per item (see Cache.item); attentionOptions.keyPosition / queryPosition are refused
-  // here with a TypeError (the server would refuse them too: INVALID_ARGUMENT). A window
-  // (attentionOptions.windowLeft, windowRight) is the batch's, against each item's positions;
-  // a softcap (attentionOptions.softcap) and ALiBi slopes (attentionOptions.alibiSlopes) the
-  // batch's too, applied to every item (each item's query head count must be the slopes').
+  // queryPosition?, truncateTo?}] → DecodeResponse, each Cache's length updated from the answer
+  // (and its replay tail cut at truncateTo). Positions are per item (see Cache.item);
+  // attentionOptions.keyPosition / queryPosition are refused here with a TypeError (the server
+  // would refuse them too: INVALID_ARGUMENT). A window (attentionOptions.windowLeft,
+  // windowRight) is the batch's, against each item's positions; a softcap
+  // (attentionOptions.softcap) and ALiBi slopes (attentionOptions.alibiSlopes) the batch's too,
+  // applied to every item (each item's query head count must be the slopes').
   // Sinks (attentionOptions.sinks) are the batch's as well: one per query head of every item
   // (each item's query must have that many heads; the server checks, INVALID_ARGUMENT naming
   // options.sinks), each item's rows taking its sink once. A sequence whose keys are split over
@@ -784,16 +855,24 @@ class Client {
                             `({cache, query, keyPosition, queryPosition})`);
       }
     }
-    const sent = items.map(({cache, key, value}) => cache.sending_(key, value));
-    const response = await this.decode(
-        {items: items.map(({cache, query, key, value, keyPosition, queryPosition}) =>
-                              cache.item(query, key, value, {keyPosition, queryPosition})),
-         options: attentionOptions},
-        options);
+    const messages = items.map(({cache, query, key, value, keyPosition, queryPosition,
+                                 truncateTo}, i) =>
+      cache.item(query, key, value, {keyPosition, queryPosition, truncateTo}, `items[${i}].`));
+    const sent = items.map(({cache, key, value}, i) =>
+      cache.sending_(key, value, messages[i].truncateTo));
+    let response;
+    try {
+      response = await this.decode({items: messages, options: attentionOptions}, options);
+    } catch (err) {
+      items.forEach(({cache}, i) => {
+        if (messages[i].truncateTo !== undefined) cache.cutFailed_(messages[i].truncateTo, err);
+      });
+      throw err;
+    }
     if (response.caches.length !== items.length) {
       throw new Error(`Decode answered ${response.caches.length} caches for ${items.length} items`);
     }
-    items.forEach(({cache}, i) => cache.sent_(sent[i], response.caches[i]));
+    items.forEach(({cache}, i) => cache.sent_(sent[i], response.caches[i], messages[i].truncateTo));
     return response;
   }
 
@@ -951,9 +1030,10 @@ const hasDurable = (info) => info?.durableLength !== undefined && info?.durableL
 // entry {start, key, value} a copy of the Tensors as sent. Every answer for the cache prunes
 // it: whole entries ending at or before its durableLength go; an answer without durableLength
 // (a server that does not persist) empties it. refresh() re-sends from it what a restarted
-// server lost. A call that fails NOT_FOUND with "moved_to=HOST:PORT" (the server drained) is
-// retried once on a Client for HOST:PORT with the same options (client.peer_), which the Cache
-// then keeps as its client.
+// server lost; a cut (truncate(), a decode item's truncateTo) cuts the tail too, so refresh()
+// never re-sends a cut token. A call that fails NOT_FOUND with "moved_to=HOST:PORT" (the server
+// drained) is retried once on a Client for HOST:PORT with the same options (client.peer_), which
+// the Cache then keeps as its client.
 //   new Cache(client, info, {tail})  the cache `info` describes (its id and the length the caller
 //                                    believes) on client, e.g. another server holding a copy,
 //                                    with a tail to replay (another Cache's .tail).
@@ -964,6 +1044,7 @@ class Cache {
     this.tail_ = tail.map(({start, key, value}) => ({
       start: Number(start), end: Number(start) + tokenLayout(key, 'tail key').n,
       key: copyTensor(key), value: copyTensor(value)}));
+    this.unsureCut_ = null;  // The lowest cut a failed call may have applied (cutFailed_).
     if (hasDurable(info)) this.prune_(Number(info.durableLength));
   }
 
@@ -978,17 +1059,39 @@ class Cache {
   // tail (decodeBatch records them).
   update(info) {
     this.info = info;
+    this.unsureCut_ = null;  // The server said its length.
     if (hasDurable(info)) this.prune_(Number(info.durableLength)); else this.tail_ = [];
   }
 
   prune_(durable) { this.tail_ = this.tail_.filter((entry) => entry.end > durable); }
 
-  // Before a call that appends key/value at length: the entry the tail will keep, copied now
-  // when the server is known to persist (null: no tokens, or tensors this client cannot read,
-  // which the server judges; a tail missing them restarts at the next entry). For decodeBatch.
-  sending_(key, value) {
+  // The tail after the cache was cut to `length` tokens: entries at or past it dropped, the one
+  // straddling it sliced (so refresh() never re-sends a cut token).
+  cut_(length) {
+    this.tail_ = this.tail_.filter((e) => e.start < length).map((e) => {
+      if (e.end <= length) return e;
+      const to = length - e.start;
+      return {start: e.start, end: length,
+              key: joinTokens([{tensor: e.key, from: 0, to}], 'tail key'),
+              value: joinTokens([{tensor: e.value, from: 0, to}], 'tail value')};
+    });
+  }
+
+  // A call that cut the cache to `length` failed with err. A refusal (REFUSED_CODES: nothing
+  // applied) leaves the Cache as it was; otherwise the cut may have been applied: the tail is
+  // cut all the same, and refresh() re-sends tokens only up to `length`.
+  cutFailed_(length, err) {
+    if (REFUSED_CODES.has(err?.code)) return;
+    this.cut_(length);
+    if (this.unsureCut_ === null || length < this.unsureCut_) this.unsureCut_ = length;
+  }
+
+  // Before a call that appends key/value at `start` (length, or the item's truncateTo): the
+  // entry the tail will keep, copied now when the server is known to persist (null: no tokens,
+  // or tensors this client cannot read, which the server judges; a tail missing them restarts
+  // at the next entry). For decodeBatch.
+  sending_(key, value, start = this.length) {
     if (key === undefined || key === null || value === undefined || value === null) return null;
-    const start = this.length;
     let n;
     try {
       n = tokenLayout(key, 'key').n;
@@ -1002,9 +1105,11 @@ class Cache {
             value: persistent ? copyTensor(value) : value, copied: persistent};
   }
 
-  // After that call succeeded with info: keeps the entry when the answer says the server
-  // persists (a tail that would not be contiguous starts again), then update(info).
-  sent_(entry, info) {
+  // After that call succeeded with info: cuts the tail at `cut` (the item's truncateTo, when
+  // set), keeps the entry when the answer says the server persists (a tail that would not be
+  // contiguous starts again), then update(info).
+  sent_(entry, info, cut) {
+    if (cut !== undefined && cut !== null) this.cut_(cut);
     if (entry !== null && hasDurable(info)) {
       const {start, end, copied} = entry;
       const key = copied ? entry.key : copyTensor(entry.key);
@@ -1039,27 +1144,58 @@ class Cache {
     });
   }
 
+  // Cuts the cache to its first `length` tokens (TruncateCache) → the CacheInfo now held; the
+  // length follows the answer and the replay tail is cut too. expectedLength: the length before
+  // the cut (default: this Cache's length). Rejects with a TypeError / RangeError naming length
+  // or expectedLength for one that is not a non-negative integer Number; FAILED_PRECONDITION
+  // (stale) and OUT_OF_RANGE (past the cache's length) from the server leave everything as it
+  // was. Follows a moved_to once.
+  truncate(length, {expectedLength} = {}, options) {
+    return this.followMove_(async () => {
+      let info;
+      try {
+        info = await this.client.truncateCache(
+            {cacheId: this.id, length, expectedLength: expectedLength ?? this.length}, options);
+      } catch (err) {
+        if (typeof length === 'number' && Number.isSafeInteger(length) && length >= 0) {
+          this.cutFailed_(length, err);
+        }
+        throw err;
+      }
+      this.sent_(null, info, length);
+      return this.info;
+    });
+  }
+
   // The DecodeItem for this cache with expectedLength = length; key/value optional new tokens.
   // keyPosition: the position of the cache's first token (default 0); queryPosition: that of
   // the item's first query row (absent: keyPosition + the length after the append − nq).
-  item(query, key, value, {keyPosition, queryPosition} = {}) {
+  // truncateTo: the cache is first cut to that many tokens (absent: no cut); expectedLength
+  // stays the length before the cut. Throws a TypeError / RangeError naming truncateTo (after
+  // `what`, e.g. 'items[1].') when it is not a non-negative integer Number.
+  item(query, key, value, {keyPosition, queryPosition, truncateTo} = {}, what = '') {
     const item = {cacheId: this.id, query, expectedLength: this.length};
     if (key !== undefined && key !== null) item.key = key;
     if (value !== undefined && value !== null) item.value = value;
     if (keyPosition !== undefined && keyPosition !== null) item.keyPosition = keyPosition;
     if (queryPosition !== undefined && queryPosition !== null) item.queryPosition = queryPosition;
+    if (truncateTo !== undefined && truncateTo !== null) {
+      item.truncateTo = tokenCount(truncateTo, `${what}truncateTo`);
+    }
     return item;
   }
 
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
-  // this item's positions (item()); options: the AttentionOptions (a window, a softcap, ALiBi
-  // slopes and sinks included), without positions.
-  decode(query, {key, value, keyPosition, queryPosition, options: attentionOptions = {}} = {},
+  // this item's positions (item()); truncateTo: cut the cache to that many tokens first (the
+  // drafts the last step rejected), atomically with the append and the attention; options: the
+  // AttentionOptions (a window, a softcap, ALiBi slopes and sinks included), without positions.
+  decode(query, {key, value, keyPosition, queryPosition, truncateTo,
+                 options: attentionOptions = {}} = {},
          options) {
     return this.followMove_(async () => {
       const response = await this.client.decodeBatch(
-          [{cache: this, query, key, value, keyPosition, queryPosition}], attentionOptions,
-          options);
+          [{cache: this, query, key, value, keyPosition, queryPosition, truncateTo}],
+          attentionOptions, options);
       return {output: response.outputs[0], lse: response.lse[0] ?? null, stats: response.stats,
               cache: response.caches[0]};
     });
@@ -1073,22 +1209,25 @@ class Cache {
   //    server's max_message_bytes allows) and takes the last answer; otherwise rejects with an
   //    AttndError, code DATA_LOSS, saying what the server holds and the tail, and keeps its
   //    state: the sequence must be prefilled again (a new cache).
+  // After a call carrying a cut to C failed without a refusal (it may have been applied; see
+  // cutFailed_), `length` above reads min(length, C): nothing past the cut is re-sent.
   refresh(options) {
     return this.followMove_(async () => {
       const server = await this.client.getCacheInfo(this.id, options);
       const held = Number(server.length);
-      if (held >= this.length) {
+      const length = this.unsureCut_ === null ? this.length
+                                              : Math.min(this.length, this.unsureCut_);
+      if (held >= length) {
         this.update(server);
         return this.info;
       }
-      this.update(await this.replay_(held, options));
+      this.update(await this.replay_(held, length, options));
       return this.info;
     });
   }
 
   // Re-sends the tail's tokens [from, length) → the last append's CacheInfo.
-  async replay_(from, options) {
-    const length = this.length;
+  async replay_(from, length, options) {
     const first = this.tail_.findIndex((entry) => entry.end > from);
     const entries = first < 0 ? [] : this.tail_.slice(first);
     const contiguous = entries.every((e, i) => i === 0 || e.start === entries[i - 1].end);

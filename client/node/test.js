@@ -40,7 +40,17 @@
 // append so B's export equals A's; the straddling entry sliced (rank 3 and rank 2, and cut at a
 // small byte limit); DATA_LOSS when no tail reaches back (a server without --cache-dir keeps none,
 // or everything was durable), the Cache unchanged; moved_to followed once with the same options
-// through grpc-js stand-ins, never twice in a row), and, when given a TLS server with a token, TLS
+// through grpc-js stand-ins, never twice in a row), speculative decoding (truncate and
+// truncateTo: a cut cache equal bit for bit (export, bytes, the next Decode's output and lse) to
+// one that never had the cut tokens, fp32 and bf16, inside a page, at a page boundary, to 0 and to
+// its own length; four rounds of two sequences verifying k drafts with k + 1 causal query rows and
+// cutting the rejected ones with truncateTo in the next call (decodeBatch, then Cache.decode),
+// equal to caches built directly; OUT_OF_RANGE, FAILED_PRECONDITION naming the actual length,
+// INVALID_ARGUMENT naming length / expected_length / items[0].truncate_to, client-side TypeError
+// and RangeError naming the field, each leaving the cache as it was; failed 2-item Decodes with
+// truncateTo leaving both caches as they were; with --cache-dir, cuts then SIGKILL, a restart and
+// refresh() re-sending the tail without a cut token, a cut whose answer is lost not undone by
+// refresh(), a refused cut keeping the tail), and, when given a TLS server with a token, TLS
 // + bearer token.
 // Usage: node test.js --target HOST:PORT [--attnd ATTND] [--secure-target HOST:PORT
 //                                         --tls-ca CA.pem --token-file FILE]
@@ -2264,5 +2274,326 @@ test('TLS with a bearer token', {skip: !args.secureTarget && 'no --secure-target
   } finally {
     secure.close();
     anonymous.close();
+  }
+});
+
+// --- speculative decoding: TruncateCache and DecodeItem.truncateTo ------------------------------
+// Tensors [kvHeads, n_i, dim] of one dtype joined along the token axis (written here apart from
+// the client's own joinTokens).
+function concatTokens(...parts) {
+  const [heads, , dim] = parts[0].shape;
+  const pieces = [];
+  for (let h = 0; h < heads; ++h) {
+    for (const t of parts) {
+      const row = t.data.length / heads;
+      pieces.push(t.data.subarray(h * row, (h + 1) * row));
+    }
+  }
+  return {shape: [heads, parts.reduce((n, t) => n + t.shape[1], 0), dim], dtype: parts[0].dtype,
+          data: Buffer.concat(pieces)};
+}
+
+// A cache's tokens and a Decode over it (no new tokens: it changes nothing) on someClient, to
+// compare before and after a failed call: {length, bytes, key, value, output, lse}.
+async function cacheSnapshot(someClient, cacheId, query) {
+  const info = await someClient.getCacheInfo(cacheId);
+  const {key, value} = exportBytes(await exportAll(someClient, cacheId));
+  const step = await someClient.decode({
+    items: [{cacheId, query, expectedLength: info.length}],
+    options: {causal: true, returnLse: true}});
+  return {length: Number(info.length), bytes: Number(info.bytes), key: key.toString('base64'),
+          value: value.toString('base64'), output: step.outputs[0].data.toString('base64'),
+          lse: step.lse[0].data.toString('base64')};
+}
+
+const tailRanges = (cache) => cache.tail.map((e) => [e.start, e.key.shape.at(-2)]);
+const sameBits = (a, b) => a.output.data.equals(b.output.data) && a.lse.data.equals(b.lse.data);
+
+test('truncate: a cut cache equals one that never had the tokens, bit for bit; truncateTo too',
+     async () => {
+  const random = mulberry32(3131);
+  const page = Number((await client.info()).cachePageTokens);
+  for (const layout of [{kvHeads: 2, headDim: 16, valueDim: 12, dtype: 'float32', heads: 4},
+                        {kvHeads: 1, headDim: 8, valueDim: 8, dtype: 'bf16', heads: 3}]) {
+    // Inside a page, at a page boundary, nothing cut, everything cut.
+    for (const [total, kept] of [[page + 7, page - 3], [page + 2, page], [40, 40], [23, 0]]) {
+      const what = `${layout.dtype}: ${total} tokens cut to ${kept}`;
+      const [key, value] = randomTokens(random, layout, total);
+      const cut = await client.openCache(layout);
+      const split = Math.floor(total / 3) + 1;
+      await cut.append(sliceTokens(key, 0, split), sliceTokens(value, 0, split));
+      await cut.append(sliceTokens(key, split, total), sliceTokens(value, split, total));
+      const direct = await client.openCache(layout);
+      if (kept > 0) await direct.append(sliceTokens(key, 0, kept), sliceTokens(value, 0, kept));
+      const info = await cut.truncate(kept);
+      assert.deepEqual([info.length, cut.length], [kept, kept], what);
+      assert.equal(info.durableLength, undefined, what);
+      assert.deepEqual(cut.tail, [], what);
+      const directInfo = await client.getCacheInfo(direct.id);
+      assert.deepEqual([info.length, info.bytes], [directInfo.length, directInfo.bytes], what);
+      assert.deepEqual(exportBytes(await exportAll(client, cut.id)),
+                       exportBytes(await exportAll(client, direct.id)), what);
+      // The next step: two new tokens, three causal query rows, with lse: the same bits.
+      const q = tensor(randomNormal(layout.heads * 3 * layout.headDim, random),
+                       [layout.heads, 3, layout.headDim]);
+      const [k1, v1] = randomTokens(random, layout, 2);
+      const step = {key: k1, value: v1, options: {causal: true, returnLse: true}};
+      const got = await cut.decode(q, step), want = await direct.decode(q, step);
+      assert.ok(sameBits(got, want), `${what}: the next Decode's bits`);
+      assert.equal(cut.length, kept + 2, what);
+      await cut.delete();
+      await direct.delete();
+    }
+  }
+
+  // Speculative steps over two sequences in one batch: each step appends k + 1 tokens (the
+  // last accepted one and k drafts) under k + 1 causal query rows; the next cuts the rejected
+  // drafts with truncateTo and appends again, equal to caches built directly.
+  const drafts = 3;
+  const layouts = [{kvHeads: 2, headDim: 8, valueDim: 8, dtype: 'bf16', heads: 4},
+                   {kvHeads: 1, headDim: 12, valueDim: 6, dtype: 'float32', heads: 2}];
+  const seqs = [];
+  for (const [i, layout] of layouts.entries()) {
+    const [key, value] = randomTokens(random, layout, 30 + 11 * i);
+    const cache = await client.openCache(layout);
+    await cache.append(key, value);
+    seqs.push({layout, cache, key, value});
+  }
+  for (let round = 0; round < 4; ++round) {
+    const steps = seqs.map(({layout}) => {
+      const [key, value] = randomTokens(random, layout, drafts + 1);
+      const query = tensor(randomNormal(layout.heads * (drafts + 1) * layout.headDim, random),
+                           [layout.heads, drafts + 1, layout.headDim]);
+      return {query, key, value};
+    });
+    const items = seqs.map((seq, i) => ({cache: seq.cache, ...steps[i],
+                                         truncateTo: round > 0 ? seq.key.shape[1] : undefined}));
+    let got;
+    if (round === 3) {  // The last round through Cache.decode, one sequence at a time.
+      got = [];
+      for (const item of items) {
+        got.push(await item.cache.decode(item.query, {...item, options: {causal: true,
+                                                                         returnLse: true}}));
+      }
+    } else {
+      const response = await client.decodeBatch(items, {causal: true, returnLse: true});
+      got = response.outputs.map((output, i) => ({output, lse: response.lse[i]}));
+    }
+    const direct = [];
+    for (const seq of seqs) {
+      const cache = await client.openCache(seq.layout);
+      await cache.append(seq.key, seq.value);
+      direct.push(cache);
+    }
+    const want = [];
+    if (round === 3) {
+      for (const [i, cache] of direct.entries()) {
+        want.push(await cache.decode(steps[i].query, {...steps[i], options: {causal: true,
+                                                                            returnLse: true}}));
+      }
+    } else {
+      const response = await client.decodeBatch(direct.map((cache, i) => ({cache, ...steps[i]})),
+                                                {causal: true, returnLse: true});
+      want.push(...response.outputs.map((output, i) => ({output, lse: response.lse[i]})));
+    }
+    for (const [i, seq] of seqs.entries()) {
+      const what = `round ${round}, sequence ${i}`;
+      assert.ok(sameBits(got[i], want[i]), `${what}: outputs and lse`);
+      assert.equal(seq.cache.length, seq.key.shape[1] + drafts + 1, what);
+      assert.deepEqual(exportBytes(await exportAll(client, seq.cache.id)),
+                       exportBytes(await exportAll(client, direct[i].id)), what);
+      const accepted = (round + 2 * i) % (drafts + 1);  // None to all over the rounds.
+      seq.key = concatTokens(seq.key, sliceTokens(steps[i].key, 0, 1 + accepted));
+      seq.value = concatTokens(seq.value, sliceTokens(steps[i].value, 0, 1 + accepted));
+      await direct[i].delete();
+    }
+  }
+  for (const seq of seqs) await seq.cache.delete();
+});
+
+test('truncate: errors name the field and leave the cache as it was', async () => {
+  const random = mulberry32(3232);
+  const layout = {kvHeads: 1, headDim: 8, valueDim: 8};
+  const cache = await client.openCache(layout);
+  await cache.append(...randomTokens(random, layout, 10));
+  const q = tensor(randomNormal(2 * 2 * 8, random), [2, 2, 8]);
+  const before = await cacheSnapshot(client, cache.id, q);
+  const unchanged = async (what) => {
+    assert.deepEqual(await cacheSnapshot(client, cache.id, q), before, what);
+    assert.equal(cache.length, 10, what);
+  };
+  const fails = (code, pattern) => (err) => err instanceof AttndError && err.code === code &&
+                                            pattern.test(err.details);
+  await assert.rejects(cache.truncate(11), fails(status.OUT_OF_RANGE, /length.*11.*holds 10/));
+  await unchanged('length 11');
+  await assert.rejects(cache.truncate(4, {expectedLength: 9}),
+                       fails(status.FAILED_PRECONDITION, /expected_length.*holds 10/));
+  await unchanged('expectedLength 9');
+  await assert.rejects(client.truncateCache({cacheId: cache.id, length: 4, expectedLength: 11}),
+                       fails(status.FAILED_PRECONDITION, /holds 10/));
+  await unchanged('expectedLength 11');
+  // Negative values past the client's checks: INVALID_ARGUMENT naming the field.
+  await assert.rejects(client.unary_('TruncateCache', {cacheId: cache.id, length: -1}),
+                       fails(status.INVALID_ARGUMENT, /^length/));
+  await assert.rejects(client.unary_('TruncateCache',
+                                     {cacheId: cache.id, length: 3, expectedLength: -10}),
+                       fails(status.INVALID_ARGUMENT, /expected_length/));
+  await assert.rejects(client.decode({items: [{cacheId: cache.id, query: q, expectedLength: 10,
+                                               truncateTo: -1}]}),
+                       fails(status.INVALID_ARGUMENT, /items\[0\]\.truncate_to/));
+  await unchanged('negative values');
+  const [k1, v1] = randomTokens(random, layout, 1);
+  await assert.rejects(cache.decode(q, {key: k1, value: v1, truncateTo: 11}),
+                       fails(status.OUT_OF_RANGE, /items\[0\]\.truncate_to/));
+  await assert.rejects(
+      client.decode({items: [{...cache.item(q, k1, v1, {truncateTo: 5}), expectedLength: 5}]}),
+      fails(status.FAILED_PRECONDITION, /expected_length/));
+  await unchanged('Decode cuts refused');
+  // The client's own checks, before any call: TypeError / RangeError naming the field.
+  const other = await client.openCache(layout);
+  for (const [call, kind, pattern] of [
+    [() => cache.truncate(-1), RangeError, /length is -1/],
+    [() => cache.truncate(true), TypeError, /length is true/],
+    [() => cache.truncate(2.5), TypeError, /length is 2.5/],
+    [() => cache.truncate(4, {expectedLength: -1}), RangeError, /expectedLength is -1/],
+    [() => client.truncateCache({cacheId: cache.id, length: '4'}), TypeError, /length is '4'/],
+    [() => client.truncateCache({cacheId: cache.id, length: 4, expectedLength: 4n}), TypeError,
+     /expectedLength/],
+    [() => cache.decode(q, {truncateTo: -2}), RangeError, /items\[0\]\.truncateTo/],
+    [() => cache.decode(q, {truncateTo: false}), TypeError, /items\[0\]\.truncateTo/],
+    [() => client.decodeBatch([{cache, query: q}, {cache: other, query: q, truncateTo: 0.5}]),
+     TypeError, /items\[1\]\.truncateTo/],
+  ]) {
+    await assert.rejects(call(), (err) => err instanceof kind && pattern.test(err.message));
+  }
+  assert.throws(() => cache.item(q, undefined, undefined, {truncateTo: -3}), RangeError);
+  await unchanged('client-side errors');
+  // By id without expectedLength: not checked. The Cache was not told, so its next cut is
+  // refused until it takes the server's info.
+  assert.equal((await client.truncateCache({cacheId: cache.id, length: 6})).length, 6);
+  assert.equal(cache.length, 10);
+  await assert.rejects(cache.truncate(3), fails(status.FAILED_PRECONDITION, /holds 6/));
+  cache.update(await client.getCacheInfo(cache.id));
+  assert.equal((await cache.truncate(3)).length, 3);
+  assert.equal(cache.length, 3);
+  await cache.delete();
+  await other.delete();
+  await assert.rejects(cache.truncate(0), (e) => e.code === status.NOT_FOUND);
+});
+
+test('truncateTo: a failed Decode leaves every cache as it was', async () => {
+  const random = mulberry32(3333);
+  const layoutA = {kvHeads: 2, headDim: 8, valueDim: 8};
+  const layoutB = {kvHeads: 1, headDim: 16, valueDim: 12, dtype: 'fp16'};
+  const a = await client.openCache(layoutA), b = await client.openCache(layoutB);
+  await a.append(...randomTokens(random, layoutA, 21));
+  await b.append(...randomTokens(random, layoutB, 13));
+  const qa = tensor(randomNormal(4 * 2 * 8, random), [4, 2, 8]);
+  const qb = tensor(randomNormal(2 * 16, random), [2, 1, 16]);
+  const before = [await cacheSnapshot(client, a.id, qa), await cacheSnapshot(client, b.id, qb)];
+  const [ka, va] = randomTokens(random, layoutA, 2);
+  const [kb, vb] = randomTokens(random, layoutB, 1);
+  const cutA = a.item(qa, ka, va, {truncateTo: 15}), cutB = b.item(qb, kb, vb, {truncateTo: 10});
+  for (const [what, code, pattern, items] of [
+    ['a\'s query head_dim', status.INVALID_ARGUMENT, /query/,
+     [cutB, {...cutA, query: tensor(randomNormal(4 * 2 * 16, random), [4, 2, 16])}]],
+    ['a\'s query heads', status.INVALID_ARGUMENT, /query/,
+     [cutB, {...cutA, query: tensor(randomNormal(3 * 2 * 8, random), [3, 2, 8])}]],
+    ['b\'s stale expectedLength', status.FAILED_PRECONDITION, /expected_length/,
+     [cutA, {...cutB, expectedLength: 12}]],
+    ['b\'s cut past its length', status.OUT_OF_RANGE, /items\[1\]\.truncate_to/,
+     [cutA, {...cutB, truncateTo: 14}]],
+  ]) {
+    await assert.rejects(client.decode({items, options: {causal: true}}),
+                         (err) => err.code === code && pattern.test(err.details), what);
+    assert.deepEqual([await cacheSnapshot(client, a.id, qa), await cacheSnapshot(client, b.id, qb)],
+                     before, what);
+  }
+  // Through decodeBatch: the Caches keep their lengths too.
+  await assert.rejects(
+      client.decodeBatch([{cache: a, query: qa, key: ka, value: va, truncateTo: 15},
+                          {cache: b, query: qb, key: kb, value: vb, truncateTo: 14}]),
+      (err) => err.code === status.OUT_OF_RANGE);
+  assert.deepEqual([a.length, b.length], [21, 13]);
+  assert.deepEqual([await cacheSnapshot(client, a.id, qa), await cacheSnapshot(client, b.id, qb)],
+                   before, 'decodeBatch');
+  const response = await client.decodeBatch(
+      [{cache: a, query: qa, key: ka, value: va, truncateTo: 15},
+       {cache: b, query: qb, key: kb, value: vb, truncateTo: 10}]);
+  assert.deepEqual(response.caches.map((c) => c.length), [17, 11]);
+  assert.deepEqual([a.length, b.length], [17, 11]);
+  await a.delete();
+  await b.delete();
+});
+
+test('recovery: after cuts refresh() never re-sends a cut token (SIGKILL, restart, lost answers)',
+     {skip: noAttnd}, async () => {
+  const dir = path.join(scratch, 'cache-dir-cut');
+  // No write-behind pass runs during the test: tokens are durable only where a cut made them so.
+  const flags = ['--cache-dir', dir, '--cache-sync-seconds', '86400'];
+  const a = await startAttnd('cut-a', flags);
+  const clientA = new Client(a.target, {deadlineMs: 60000});
+  let clientB = null;
+  try {
+    const random = mulberry32(3434);
+    const layout = {kvHeads: 2, headDim: 16, valueDim: 8, dtype: 'bf16'};
+    const cache = await clientA.openCache(layout);
+    const sent = [5, 7, 3].map((n) => randomTokens(random, layout, n));
+    for (const [k, v] of sent) await cache.append(k, v);
+    const durable = () => Number(cache.info.durableLength);
+    const expectTail = (ranges) => assert.deepEqual(
+        tailRanges(cache), ranges.filter(([s, n]) => s + n > durable()));
+    expectTail([[0, 5], [5, 7], [12, 3]]);
+    assert.equal((await cache.truncate(9)).length, 9);
+    expectTail([[0, 5], [5, 4]]);
+    const [k1, v1] = randomTokens(random, layout, 3);
+    const step = await cache.decode(tensor(randomNormal(4 * 16, random), [4, 1, 16], 'bf16'),
+                                    {key: k1, value: v1, truncateTo: 7});
+    assert.equal(step.cache.length, 10);
+    expectTail([[0, 5], [5, 2], [7, 3]]);
+    // What the cache must hold: the same tokens appended directly, on args.target.
+    const direct = await client.openCache(layout);
+    await direct.append(concatTokens(sent[0][0], sliceTokens(sent[1][0], 0, 2), k1),
+                        concatTokens(sent[0][1], sliceTokens(sent[1][1], 0, 2), v1));
+    const want = exportBytes(await exportAll(client, direct.id));
+    assert.deepEqual(exportBytes(await exportAll(clientA, cache.id)), want);
+
+    a.kill();
+    await a.stop();  // Its exit: the directory is free for the next attnd.
+    const b = await startAttnd('cut-b', flags);
+    clientB = countingClient(b.target);
+    const held = Number((await clientB.getCacheInfo(cache.id)).length);
+    assert.ok(held >= durable() && held <= 10, `B restored ${held} tokens`);
+    const moved = new Cache(clientB, cache.info, {tail: cache.tail});
+    assert.equal((await moved.refresh()).length, 10);
+    assert.deepEqual(exportBytes(await exportAll(clientB, cache.id)), want, 'refreshed');
+
+    // A cut applied whose answer is lost: the Cache still believes 10, its tail is cut at 6,
+    // and refresh() takes the server's 6 without re-sending anything.
+    const truncateCache = clientB.truncateCache.bind(clientB);
+    clientB.truncateCache = async (request, options) => {
+      clientB.truncateCache = truncateCache;
+      await truncateCache(request, options);
+      throw new AttndError({code: status.UNAVAILABLE, details: 'connection lost (a test)'});
+    };
+    const appends = clientB.appends.length;
+    await assert.rejects(moved.truncate(6), (err) => err.code === status.UNAVAILABLE);
+    assert.equal(moved.length, 10);
+    assert.ok(moved.tail.every((e) => e.start + e.key.shape.at(-2) <= 6), 'the tail cut at 6');
+    assert.equal((await moved.refresh()).length, 6);
+    assert.equal(clientB.appends.length, appends, 'nothing re-sent');
+    await direct.truncate(6);
+    assert.deepEqual(exportBytes(await exportAll(clientB, cache.id)),
+                     exportBytes(await exportAll(client, direct.id)), 'after the lost answer');
+    // A refused cut keeps the tail.
+    const tail = tailRanges(moved);
+    await assert.rejects(moved.truncate(2, {expectedLength: 9}),
+                         (err) => err.code === status.FAILED_PRECONDITION);
+    assert.deepEqual([tailRanges(moved), moved.length], [tail, 6]);
+    await direct.delete();
+    await moved.delete();
+  } finally {
+    clientA.close();
+    clientB?.close();
   }
 });

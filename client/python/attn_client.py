@@ -63,10 +63,10 @@ only the new token's q, k and v:
     client.list_caches(); client.cache_info(cache); client.delete_cache(cache)
 
 A `Cache` tracks the length it believes the cache has and sends it as expected_length on every
-append and decode (a retried call is then refused with FAILED_PRECONDITION instead of storing
-tokens twice; `refresh()` re-reads the length). Cache ids (str) work everywhere a Cache does,
-with expected_length passed explicitly. Keys and values for a Cache are sent in its dtype unless
-`dtype=` says otherwise. Cache infos are dicts of CacheInfo's fields (cache_id, kv_heads,
+append, decode and truncate (a retried call is then refused with FAILED_PRECONDITION instead of
+storing tokens twice; `refresh()` re-reads the length). Cache ids (str) work everywhere a Cache
+does, with expected_length passed explicitly. Keys and values for a Cache are sent in its dtype
+unless `dtype=` says otherwise. Cache infos are dicts of CacheInfo's fields (cache_id, kv_heads,
 head_dim, value_dim, dtype as a name, length, bytes, page_tokens, durable_length, crc32c; the
 last two None when the server did not send them).
 
@@ -94,6 +94,34 @@ caches over and then answers NOT_FOUND ending "moved_to=HOST:PORT": a Cache's ap
 and refresh follow that once (a Client to HOST:PORT with the same token, TLS, timeout and
 message size, shared by the Client's Caches, closed with it) and retry the call; `cache.client`
 is then that Client.
+
+Speculative decoding: a cache can be cut back to its first `length` tokens (TruncateCache),
+dropping the draft tokens the target model rejected; it is then exactly a cache that never had
+them (the next decode gives the same bits), and with attnd --cache-dir the cut is on disk before
+the answer. A step verifies k drafts at once, and the next step cuts and appends in one Decode:
+
+    n = cache.length
+    step = cache.decode(q, k_new, v_new, causal=True)  # k + 1 new tokens (the last accepted
+                                                        # one and k drafts), q [heads, k + 1, d]
+    kept = n + 1 + accepted                             # accepted: the drafts the model kept
+    step = cache.decode(q1, k1, v1, truncate_to=kept, causal=True)   # cut, append, attend
+    # or in two calls: cache.truncate(kept); cache.decode(q1, k1, v1, causal=True)
+
+Cache.truncate(length) and Client.truncate_cache(cache, length, expected_length=None) → the
+CacheInfo dict. expected_length is the length before the cut (a Cache's `length` by default; not
+checked for an id given without one): FAILED_PRECONDITION naming the actual length when it is
+stale; a length past the cache's is OUT_OF_RANGE; either way the cache is left as it was. In
+decode a dict item's "truncate_to" (Cache.decode's truncate_to=) cuts the item's cache to that
+length before its key/value are appended, atomically with the batch (if any item fails, every
+cache keeps the tokens it had); the item's expected_length is still the length before the cut.
+A length, truncate_to or expected_length that is not an int (a bool included) is a TypeError,
+a negative one a ValueError, each naming the argument, before any RPC. A Cache's cut cuts its
+replay tail too (entries past the cut dropped, the one straddling it sliced), so refresh() never
+re-sends a cut token. A call carrying a cut that fails without the server refusing it
+(UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...: it may have been applied) cuts the tail all the
+same, and the next refresh() re-sends tokens only up to the cut, taking the server's info when it
+holds at least that many; any other failure (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE,
+NOT_FOUND, ...) leaves the Cache as it was.
 
 Export and import (bit-exact, in the cache's dtype):
 
@@ -616,6 +644,15 @@ class DecodeResult:
             len(self.outputs), [o.shape for o in self.outputs], self.stats.get("backend"))
 
 
+# The codes of a call the server refused, nothing of it applied (a cut included); any other
+# failure of a call carrying a cut (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) may have been
+# applied (Cache._cut_failed).
+_REFUSED_CODES = frozenset((
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNIMPLEMENTED))
+
 _ELEMENT_BYTES = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2}
 
 # The most bytes of keys and values refresh() re-sends in one AppendCache.
@@ -690,21 +727,26 @@ class Cache:
 
     id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), durable_length
     (tokens on the server's disk, None when it does not persist), info (the last CacheInfo dict
-    the server sent). `length` is what append() and decode() send as expected_length; each
-    successful call sets it from the server's answer. replay_tail: [(start, n), ...], the tokens
-    kept to re-send (see refresh()). `client` is the Client it calls (another one once it
-    followed a moved_to)."""
+    the server sent). `length` is what append(), decode() and truncate() send as
+    expected_length; each successful call sets it from the server's answer. replay_tail:
+    [(start, n), ...], the tokens kept to re-send (see refresh()); a cut (truncate(), decode's
+    truncate_to) cuts it too. `client` is the Client it calls (another one once it followed a
+    moved_to)."""
 
     def __init__(self, client, info):
         self.client = client
         self._tail = []  # _Sent entries, by start, not overlapping.
+        # The lowest cut a failed call may have applied (see _cut_failed); None: none pending.
+        self._unsure_cut = None
         self._set(info)
 
     def _set(self, info):
         """Takes a CacheInfo (dict or message) the server answered for this cache: drops the
         replay tail's entries that end at or before its durable_length, or all of them when it
-        has none (the server does not persist)."""
+        has none (the server does not persist). The server's length is known again: no cut is
+        pending."""
         self.info = info if isinstance(info, dict) else _cache_dict(info)
+        self._unsure_cut = None
         durable = self.info.get("durable_length")
         if durable is None:
             self._tail = []
@@ -721,6 +763,22 @@ class Cache:
             kept.append(sent.head(start) if sent.end > start else sent)
         kept.append(_Sent(start, key, value))
         self._tail = kept
+
+    def _cut(self, length):
+        """The replay tail after the cache was cut to `length` tokens: entries at or past it
+        dropped, the one straddling it sliced, so refresh() never re-sends a cut token."""
+        self._tail = [sent if sent.end <= length else sent.head(length)
+                      for sent in self._tail if sent.start < length]
+
+    def _cut_failed(self, length, error):
+        """A call that cut the cache to `length` failed with `error`. When the server refused it
+        (nothing applied) the Cache stays as it was; otherwise the cut may have been applied, so
+        the tail is cut all the same and refresh() will re-send tokens only up to `length`."""
+        if isinstance(error, AttnError) and error.code in _REFUSED_CODES:
+            return
+        self._cut(length)
+        if self._unsure_cut is None or length < self._unsure_cut:
+            self._unsure_cut = length
 
     def _follow(self, call):
         """call() (which reads self.client); once more on a Client to HOST:PORT when it fails
@@ -749,15 +807,30 @@ class Cache:
         moved_to once (see the module docstring)."""
         return self._follow(lambda: self.client.append(self, key, value, dtype=dtype))
 
+    def truncate(self, length, *, expected_length=None):
+        """Cuts the cache to its first `length` tokens (TruncateCache) → the new CacheInfo
+        dict; `length` follows it and the replay tail is cut too. expected_length: the length
+        before the cut (None: this Cache's `length`), FAILED_PRECONDITION naming the actual one
+        when stale; a length past the cache's is OUT_OF_RANGE. TypeError / ValueError naming
+        the argument for a non-int or negative value. Follows a moved_to once."""
+        length = _token_length("length", length)
+        return self._follow(lambda: self.client.truncate_cache(
+            self, length, expected_length=expected_length))
+
     def decode(self, query, key=None, value=None, *, key_position=0, query_position=None,
-               **options):
-        """One decode step of this cache alone: appends key/value when given, then attends
-        query [heads, nq, head_dim] over the whole cache → Result (output [heads, nq,
-        value_dim]). key_position, query_position: this item's positions (Client.decode).
-        options: causal, scale, block_k, return_lse, dtype, output_dtype, window_left,
-        window_right, softcap, alibi_slopes, sinks. Follows a moved_to once."""
+               truncate_to=None, **options):
+        """One decode step of this cache alone: cuts the cache to its first truncate_to tokens
+        when given (speculative decoding: the drafts the last step rejected), appends key/value
+        when given, then attends query [heads, nq, head_dim] over the whole cache → Result
+        (output [heads, nq, value_dim]). The cut, the append and the attention are one atomic
+        step; expected_length (this Cache's `length`) is the length before the cut.
+        key_position, query_position: this item's positions (Client.decode). options: causal,
+        scale, block_k, return_lse, dtype, output_dtype, window_left, window_right, softcap,
+        alibi_slopes, sinks. Follows a moved_to once."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
+        if truncate_to is not None:
+            item["truncate_to"] = _token_length("truncate_to", truncate_to)
         if key is not None or value is not None:
             item.update(key=key, value=value)
         result = self._follow(lambda: self.client.decode([item], **options))
@@ -770,13 +843,17 @@ class Cache:
         straddling L sliced, as few appends as practical) and the final answer adopted. When the
         tail does not reach back to L: AttnError DATA_LOSS (the sequence must be prefilled
         again), the Cache left as it was. L ≥ length: the server's info is adopted as it is.
-        Follows a moved_to once."""
+        After a call carrying a cut to C failed without a refusal (it may have been applied),
+        `length` above reads min(length, C): nothing past the cut is re-sent. Follows a
+        moved_to once."""
         return self._follow(self._refresh)
 
     def _refresh(self):
         client = self.client
         info = _cache_dict(client._cache_info(self.id))
         held, length = info["length"], self.length
+        if self._unsure_cut is not None:
+            length = min(length, self._unsure_cut)
         if held >= length:
             self._set(info)
             return self.info
@@ -1195,6 +1272,32 @@ class Client:
             cache._set(info)
         return info
 
+    def truncate_cache(self, cache, length, expected_length=None):
+        """TruncateCache: cuts `cache` (a Cache or an id) to its first `length` tokens → the
+        new CacheInfo dict; the tokens from `length` on are dropped, so the cache is exactly one
+        that never had them (speculative decoding's rollback of rejected drafts). With attnd
+        --cache-dir the cut is on disk before the answer. expected_length: the length before the
+        cut; None: a Cache's `length`, or not checked for an id. FAILED_PRECONDITION naming the
+        actual length when it is stale, OUT_OF_RANGE for a length past the cache's; the cache is
+        then unchanged. TypeError / ValueError naming `length` or `expected_length` for a
+        non-int (a bool included) or a negative value, before any RPC. A Cache takes the answer
+        (its length, and its replay tail cut at `length`)."""
+        cache_id = _cache_id(cache)
+        length = _token_length("length", length)
+        request = pb.TruncateCacheRequest(cache_id=cache_id, length=length)
+        if expected_length is not None or isinstance(cache, Cache):
+            request.expected_length = _expected_length(cache, expected_length)
+        try:
+            info = _cache_dict(self._call("TruncateCache", self._stub.TruncateCache, request))
+        except BaseException as error:
+            if isinstance(cache, Cache):
+                cache._cut_failed(length, error)
+            raise
+        if isinstance(cache, Cache):
+            cache._cut(length)
+            cache._set(info)
+        return info
+
     def _cache_info(self, cache_id):
         return self._call("GetCacheInfo", self._stub.GetCacheInfo,
                           pb.GetCacheInfoRequest(cache_id=cache_id))
@@ -1339,13 +1442,19 @@ class Client:
 
         items: a list, one per sequence (at most one per cache), each a tuple
         (cache, query) or (cache, query, key, value), or a dict with "cache", "query" and
-        optionally "key", "value", "expected_length", "key_position" and "query_position".
-        cache: a Cache or an id; query [heads, nq, head_dim] with heads a multiple of the
-        cache's kv_heads; key/value (both or neither) new tokens appended first, as for
-        append(); expected_length as for append(). The appends and the attention are one
-        atomic step: if any item fails, no item's tokens are kept (and no Cache's length
-        moves). Item i's output is [heads, nq, value_dim]; causal is bottom-right against each
-        cache's length after its append. Positions are per item: "key_position" (default 0)
+        optionally "key", "value", "expected_length", "key_position", "query_position" and
+        "truncate_to". cache: a Cache or an id; query [heads, nq, head_dim] with heads a
+        multiple of the cache's kv_heads; key/value (both or neither) new tokens appended
+        first, as for append(); expected_length as for append(). "truncate_to" (None: no cut):
+        the cache is first cut to its first truncate_to tokens, as by truncate_cache(), then
+        the item's key/value appended (speculative decoding: drop the drafts the last step
+        rejected and append the next ones in one call); expected_length is still the length
+        before the cut; a cut past the cache's length is OUT_OF_RANGE naming
+        items[i].truncate_to. The cuts, the appends and the attention are one atomic step: if
+        any item fails, every cache keeps the tokens it had (and no Cache's length moves; see
+        the module docstring for a failure that does not say whether it was applied). Item i's
+        output is [heads, nq, value_dim]; causal is bottom-right against each cache's length
+        after its cut and append. Positions are per item: "key_position" (default 0)
         is that of the cache's first token and "query_position" (default None: key_position +
         the cache's length after the append − nq) that of the item's first query row, as for
         naive(); key_position= and query_position= here, for the whole batch, are a ValueError.
@@ -1381,20 +1490,22 @@ class Client:
             item_key_position, item_query_position = 0, None
             if isinstance(item, dict):
                 unknown = set(item) - {"cache", "query", "key", "value", "expected_length",
-                                       "key_position", "query_position"}
+                                       "key_position", "query_position", "truncate_to"}
                 if unknown or "cache" not in item or "query" not in item:
                     raise TypeError("items[%d]: a dict with 'cache' and 'query' (and optionally "
                                     "'key', 'value', 'expected_length', 'key_position', "
-                                    "'query_position'), got keys %s" % (index, sorted(item)))
+                                    "'query_position', 'truncate_to'), got keys %s"
+                                    % (index, sorted(item)))
                 cache, query = item["cache"], item["query"]
                 key, value = item.get("key"), item.get("value")
                 expected = item.get("expected_length")
                 item_key_position = item.get("key_position", 0)
                 item_query_position = item.get("query_position")
+                truncate_to = item.get("truncate_to")
             elif isinstance(item, (tuple, list)) and len(item) in (2, 4):
                 cache, query = item[0], item[1]
                 key, value = (item[2], item[3]) if len(item) == 4 else (None, None)
-                expected = None
+                expected = truncate_to = None
             else:
                 raise TypeError("items[%d] must be (cache, query), (cache, query, key, value) or "
                                 "a dict, not %r" % (index, type(item).__name__))
@@ -1407,6 +1518,8 @@ class Client:
             message.key_position = _position(name + "key_position", item_key_position)
             if item_query_position is not None:
                 message.query_position = _position(name + "query_position", item_query_position)
+            if truncate_to is not None:
+                message.truncate_to = _token_length(name + "truncate_to", truncate_to)
             if key is not None:
                 token_dtype = input_dtype
                 if token_dtype is None and isinstance(cache, Cache):
@@ -1414,16 +1527,26 @@ class Client:
                 message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype))
                 message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype))
             caches.append(cache)
-            sent.append(message if key is not None else None)
-        result = DecodeResult(self._call("Decode", self._stub.Decode, request))
+            sent.append(message)
+        try:
+            result = DecodeResult(self._call("Decode", self._stub.Decode, request))
+        except BaseException as error:
+            for cache, message in zip(caches, sent):
+                if isinstance(cache, Cache) and message.HasField("truncate_to"):
+                    cache._cut_failed(message.truncate_to, error)
+            raise
         if len(result.caches) != len(caches) or len(result.outputs) != len(caches):
             raise AttnError("Decode", grpc.StatusCode.INTERNAL,
                             "%d outputs and %d cache infos for %d items"
                             % (len(result.outputs), len(result.caches), len(caches)))
         for cache, message, info in zip(caches, sent, result.caches):
             if isinstance(cache, Cache):
-                if message is not None:
-                    cache._record(message.expected_length, message.key, message.value)
+                start = message.expected_length
+                if message.HasField("truncate_to"):
+                    cache._cut(message.truncate_to)
+                    start = message.truncate_to
+                if message.HasField("key"):
+                    cache._record(start, message.key, message.value)
                 cache._set(info)
         return result
 
@@ -1705,6 +1828,19 @@ def _sinks(sinks):
     sinks[h] (_per_head_values). There is no "standard": sinks are learned, one per query
     head."""
     return _per_head_values("sinks", sinks, "sink")
+
+
+def _token_length(name, length):
+    """A cache length to send (TruncateCache's length, a DecodeItem's truncate_to) → the int;
+    TypeError / ValueError naming it (`name`) for a non-int, a bool, or one outside
+    [0, 2^63)."""
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+        raise TypeError("%s must be an int, not %s" % (name, type(length).__name__))
+    if length < 0:
+        raise ValueError("%s must be ≥ 0 (a token count), got %d" % (name, length))
+    if length > _INT64_MAX:
+        raise ValueError("%s must be < 2^63, got %d" % (name, length))
+    return int(length)
 
 
 def _expected_length(cache, expected_length):

@@ -14,13 +14,35 @@ a float64 reference over exactly those keys and values:
     for append and for decode (where no item of the batch keeps its tokens);
   - NOT_FOUND for every call after delete; INVALID_ARGUMENT naming the field for wrong shapes;
   - a second attnd with a small --cache-bytes: RESOURCE_EXHAUSTED naming the flag, the cache
-    keeping what it had.
+    keeping what it had;
+  - speculative decoding (TruncateCache, DecodeItem.truncate_to): a cache cut back equals, bit
+    for bit (export, bytes, the next Decode's outputs and lse, Tiled over it), one that never had
+    the cut tokens, in fp32 / bf16 / fp16, cut inside a page, a page freed, at a page boundary,
+    to 0 and to its own length; five rounds of two sequences verifying k drafts (nq = k + 1,
+    causal) and cutting the rejected ones with truncate_to in the next call (a batch, then
+    Cache.decode), equal to caches built directly from the accepted tokens and to float64;
+    a length past the cache → OUT_OF_RANGE, a stale expected_length → FAILED_PRECONDITION naming
+    the actual length, negative → INVALID_ARGUMENT naming the field, client-side TypeError /
+    ValueError naming the argument, each leaving the cache as it was (info, export, a Decode's
+    bits); failed 2-item Decodes with truncate_to (shapes only the cache can refuse, a stale
+    expected_length, a cut past a cache, in either order) leave both caches as they were; a
+    Decode item's cut of exactly 64 MiB of tokens and of one token more;
+  - cuts with --cache-dir (their own attnd processes): SIGKILL after cuts above and below the
+    durable length (TruncateCache and truncate_to), a restart and Cache.refresh() never bring a
+    cut token back; a cut among tokens not yet written, and one below what the file holds with
+    tokens pending, then a SIGTERM's flush: exactly the kept and later tokens on disk; a cut
+    whose answer is lost (applied, or never sent) and refresh() re-sending nothing past it;
+    refused cuts keeping the replay tail.
 
 Run by CTest as
   /usr/bin/python3 tests/python/test_caches.py --attnd <attnd> --stubs <stubs dir>
 """
 
+import shutil
+import signal
 import sys
+import tempfile
+import time
 import unittest
 
 import attnd_harness as harness  # tests/python is sys.path[0] for a script.
@@ -33,6 +55,7 @@ import numpy as np  # noqa: E402
 import attn_client  # noqa: E402
 from attn_client import AttnError, Cache, Client  # noqa: E402
 from attnd_harness import DTYPE_NUMBER  # noqa: E402
+from attention.v1 import attention_pb2 as pb  # noqa: E402
 
 RPC_TIMEOUT_S = 60.0
 
@@ -339,6 +362,608 @@ class BudgetTest(ServerCase):
         self.assertEqual(self.client.cache_info(cache)["length"], 3)
         self.assertEqual(cache.length, 3)
         cache.delete()
+
+
+# --- Speculative decoding: TruncateCache and DecodeItem.truncate_to -----------------------------
+
+STORED_NUMPY = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
+
+
+def stored_tokens(rng, kv_heads, n, dim, dtype):
+    """n random tokens [kv_heads, n, dim] as the cache stores them (bf16: uint16 bits), so what
+    is sent is what the server keeps, bit for bit."""
+    return as_stored(rng.uniform(-1, 1, (kv_heads, n, dim)).astype(np.float32), dtype)[0]
+
+
+def widened(array, dtype):
+    """Stored tokens as float64 values."""
+    return (attn_client.bf16_to_float32(array) if dtype == "bf16" else array).astype(np.float64)
+
+
+def joined(*arrays):
+    return np.concatenate(arrays, axis=1)
+
+
+def exported(client, cache):
+    """ExportCache of a Cache or id → (length, keys [kv_heads, n, head_dim], values [kv_heads, n,
+    value_dim]) in the stored dtype."""
+    chunks = client.export_cache(cache)
+    info = chunks[0].info
+    dtype = STORED_NUMPY[harness.DTYPE_NAMES[info.dtype]]
+    keys = [np.zeros((info.kv_heads, 0, info.head_dim), dtype)]
+    values = [np.zeros((info.kv_heads, 0, info.value_dim), dtype)]
+    for chunk in chunks:
+        if chunk.HasField("key"):
+            keys.append(np.frombuffer(chunk.key.data, dtype)
+                        .reshape(info.kv_heads, -1, info.head_dim))
+            values.append(np.frombuffer(chunk.value.data, dtype)
+                          .reshape(info.kv_heads, -1, info.value_dim))
+    return info.length, joined(*keys), joined(*values)
+
+
+def same_bytes(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def decode_bits(result):
+    """A DecodeResult's (or Result's) outputs and lse as bytes, to compare bit for bit."""
+    outputs = result.outputs if hasattr(result, "outputs") else [result.output]
+    lse = result.lse if isinstance(result.lse, list) else [result.lse]
+    return [o.tobytes() for o in outputs] + [x.tobytes() for x in lse if x is not None]
+
+
+class TruncateTest(ServerCase):
+    """TruncateCache and DecodeItem.truncate_to against one attnd without --cache-dir."""
+
+    # dtype, kv_heads, head_dim, value_dim, query heads.
+    LAYOUTS = (("fp32", 2, 16, 12, 4), ("bf16", 1, 32, 32, 3), ("fp16", 2, 8, 8, 8))
+
+    def setUp(self):
+        self.rng = np.random.default_rng()
+
+    def kv(self, layout, n):
+        """n random tokens (key, value) for a cache of `layout`, in its stored dtype."""
+        dtype, kv_heads, head_dim, value_dim, _ = layout
+        return (stored_tokens(self.rng, kv_heads, n, head_dim, dtype),
+                stored_tokens(self.rng, kv_heads, n, value_dim, dtype))
+
+    def query(self, layout, nq):
+        _, _, head_dim, _, heads = layout
+        return self.rng.uniform(-1, 1, (heads, nq, head_dim)).astype(np.float32)
+
+    def cache(self, layout, key=None, value=None):
+        """A new Cache of `layout` holding key/value (none when None or empty); deleted after
+        the test."""
+        dtype, kv_heads, head_dim, value_dim, _ = layout
+        cache = self.client.create_cache(kv_heads, head_dim, value_dim, dtype=dtype)
+        self.addCleanup(self.delete_quietly, cache.id)
+        if key is not None and key.shape[1] > 0:
+            cache.append(key, value)
+        return cache
+
+    def delete_quietly(self, cache_id):
+        try:
+            self.client.delete_cache(cache_id)
+        except AttnError:
+            pass
+
+    def snapshot(self, cache, query):
+        """What the server holds for `cache` (a Cache or id), to compare before and after a
+        failed call: its info, its tokens' bytes and a Decode over it (no new tokens: it
+        changes nothing) as bits."""
+        cache_id = attn_client._cache_id(cache)
+        info = self.client.cache_info(cache_id)
+        length, keys, values = exported(self.client, cache_id)
+        step = self.client.decode([{"cache": cache_id, "query": query,
+                                    "expected_length": info["length"]}],
+                                  causal=True, return_lse=True)
+        return info, length, keys.tobytes(), values.tobytes(), decode_bits(step)
+
+    def assertSameCache(self, got, want, what):
+        """Caches (or ids) `got` and `want` hold the same tokens bit for bit, with the same
+        length, layout and page bytes."""
+        got_info = self.client.cache_info(attn_client._cache_id(got))
+        want_info = self.client.cache_info(attn_client._cache_id(want))
+        for field in ("length", "bytes", "kv_heads", "head_dim", "value_dim", "dtype",
+                      "page_tokens"):
+            self.assertEqual(got_info[field], want_info[field], "%s: %s" % (what, field))
+        got_tokens, want_tokens = exported(self.client, got), exported(self.client, want)
+        self.assertEqual(got_tokens[0], want_tokens[0], what)
+        self.assertTrue(same_bytes(got_tokens[1], want_tokens[1]), "%s: keys differ" % what)
+        self.assertTrue(same_bytes(got_tokens[2], want_tokens[2]), "%s: values differ" % what)
+
+    def test_cut_cache_equals_one_that_never_had_the_tokens(self):
+        page = self.client.info()["cache_page_tokens"]
+        # (tokens appended, tokens kept): inside a page, a whole page freed, at a page boundary,
+        # nothing cut, everything cut, one token cut.
+        cuts = ((page + 7, page - 3), (2 * page + 5, page + 1), (2 * page + 1, 2 * page),
+                (37, 37), (29, 0), (page + 5, page + 4))
+        for layout in self.LAYOUTS:
+            for total, kept in cuts:
+                with self.subTest(dtype=layout[0], total=total, kept=kept):
+                    key, value = self.kv(layout, total)
+                    split = total // 3 + 1  # Two appends, the second straddling the cut.
+                    cut = self.cache(layout, key[:, :split], value[:, :split])
+                    cut.append(key[:, split:], value[:, split:])
+                    direct = self.cache(layout, key[:, :kept], value[:, :kept])
+                    info = cut.truncate(kept)
+                    self.assertEqual((info["length"], cut.length), (kept, kept))
+                    self.assertIsNone(info["durable_length"])
+                    self.assertEqual(info, self.client.cache_info(cut.id))
+                    self.assertEqual(cut.replay_tail, [])
+                    self.assertSameCache(cut, direct, "after the cut")
+                    # The next step (two new tokens, three query rows, causal, lse) and Tiled
+                    # over the cache give the same bits on both.
+                    q = self.query(layout, 3)
+                    k1, v1 = self.kv(layout, 2)
+                    got = cut.decode(q, k1, v1, causal=True, return_lse=True)
+                    want = direct.decode(q, k1, v1, causal=True, return_lse=True)
+                    self.assertEqual(decode_bits(got), decode_bits(want), "the next Decode")
+                    self.assertEqual((got.cache["length"], cut.length), (kept + 2, kept + 2))
+                    tiled = [self.client.tiled(q, cache=c, causal=True, block_k=5,
+                                               return_lse=True) for c in (cut, direct)]
+                    self.assertEqual(decode_bits(tiled[0]), decode_bits(tiled[1]), "Tiled")
+                    self.assertSameCache(cut, direct, "after the next Decode")
+                    # And both are right: the float64 reference over the kept and new tokens.
+                    dtype = layout[0]
+                    ref, _, score_max = harness.reference_attention(
+                        q[None].astype(np.float64),
+                        widened(joined(key[:, :kept], k1), dtype)[None],
+                        widened(joined(value[:, :kept], v1), dtype)[None], causal=True)
+                    self.assertMatches(got.output, ref[0], "fp32", score_max, "vs float64")
+
+    def test_speculative_steps_verify_drafts_and_cut_the_rejected_ones(self):
+        # Two sequences decoded together; each round one Decode appends k + 1 tokens per
+        # sequence (the last accepted token and k drafts) and verifies them with k + 1 causal
+        # query rows, and from the second round on first cuts (truncate_to) the drafts the
+        # previous round rejected. Each round equals the same Decode on caches built directly
+        # from the accepted tokens.
+        drafts = 4
+        layouts = (("bf16", 2, 16, 16, 8), ("fp32", 1, 24, 20, 3))
+        seqs = []
+        for layout, prefix in zip(layouts, (45, 70)):
+            key, value = self.kv(layout, prefix)
+            seqs.append({"layout": layout, "cache": self.cache(layout, key, value),
+                         "keys": key, "values": value})
+        for round_ in range(5):
+            items, steps = [], []
+            for seq in seqs:
+                k_new, v_new = self.kv(seq["layout"], drafts + 1)
+                q = self.query(seq["layout"], drafts + 1)
+                item = {"cache": seq["cache"], "query": q, "key": k_new, "value": v_new}
+                if round_ > 0:
+                    item["truncate_to"] = seq["keys"].shape[1]
+                items.append(item)
+                steps.append((q, k_new, v_new))
+            if round_ == 4:  # The last round through Cache.decode, one sequence at a time.
+                result = [seq["cache"].decode(q, k, v, truncate_to=item["truncate_to"],
+                                              causal=True, return_lse=True)
+                          for seq, item, (q, k, v) in zip(seqs, items, steps)]
+                got = [bits for r in result for bits in decode_bits(r)]
+                infos = [r.cache for r in result]
+            else:
+                result = self.client.decode(items, causal=True, return_lse=True)
+                got, infos = decode_bits(result), result.caches
+            direct = [self.cache(seq["layout"], seq["keys"], seq["values"]) for seq in seqs]
+            if round_ == 4:
+                want = [bits for c, (q, k, v) in zip(direct, steps)
+                        for bits in decode_bits(c.decode(q, k, v, causal=True,
+                                                         return_lse=True))]
+            else:
+                want = decode_bits(self.client.decode(
+                    [(c, q, k, v) for c, (q, k, v) in zip(direct, steps)], causal=True,
+                    return_lse=True))
+            self.assertEqual(got, want, "round %d: outputs and lse" % round_)
+            for index, (seq, cache, info, (q, k_new, v_new)) in enumerate(
+                    zip(seqs, direct, infos, steps)):
+                what = "round %d, sequence %d" % (round_, index)
+                length = seq["keys"].shape[1] + drafts + 1
+                self.assertEqual((info["length"], seq["cache"].length), (length, length), what)
+                self.assertSameCache(seq["cache"], cache, what)
+                dtype = seq["layout"][0]
+                ref, _, score_max = harness.reference_attention(
+                    q[None].astype(np.float64), widened(joined(seq["keys"], k_new), dtype)[None],
+                    widened(joined(seq["values"], v_new), dtype)[None], causal=True)
+                out = result[index].output if round_ == 4 else result.outputs[index]
+                self.assertMatches(out, ref[0], "fp32", score_max, what + " vs float64")
+                # Accepted drafts: every count from none to all over the rounds.
+                accepted = (round_ + 2 * index) % (drafts + 1)
+                seq["keys"] = joined(seq["keys"], k_new[:, :1 + accepted])
+                seq["values"] = joined(seq["values"], v_new[:, :1 + accepted])
+                cache.delete()
+
+    def test_truncate_errors_leave_the_cache_as_it_was(self):
+        layout = ("fp32", 1, 8, 8, 2)
+        cache = self.cache(layout, *self.kv(layout, 10))
+        q = self.query(layout, 2)
+        before = self.snapshot(cache, q)
+
+        def unchanged(what):
+            self.assertEqual(self.snapshot(cache, q), before, what)
+            self.assertEqual(cache.length, 10, what)
+
+        code = grpc.StatusCode
+        # A length past the cache's: OUT_OF_RANGE naming it (and the cache's length).
+        message = self.assertCode(code.OUT_OF_RANGE, cache.truncate, 11)
+        self.assertIn("length", message)
+        self.assertIn("10", message)
+        unchanged("length 11")
+        self.assertCode(code.OUT_OF_RANGE, self.client.truncate_cache, cache.id, 11)
+        unchanged("length 11, no expected_length")
+        # A stale expected_length: FAILED_PRECONDITION naming the actual length.
+        message = self.assertCode(code.FAILED_PRECONDITION, cache.truncate, 4, expected_length=9)
+        self.assertIn("expected_length", message)
+        self.assertIn("holds 10", message)
+        unchanged("expected_length 9")
+        self.assertCode(code.FAILED_PRECONDITION, self.client.truncate_cache, cache.id, 4,
+                        expected_length=11)
+        unchanged("expected_length 11")
+        stale = Cache(self.client, dict(cache.info, length=12))  # A Cache that believes 12.
+        self.assertCode(code.FAILED_PRECONDITION, stale.truncate, 4)
+        self.assertEqual(stale.length, 12)
+        unchanged("a stale Cache")
+        # Negative values (past the client's own checks): INVALID_ARGUMENT naming the field.
+        for request, field in (
+                (pb.TruncateCacheRequest(cache_id=cache.id, length=-1), "length"),
+                (pb.TruncateCacheRequest(cache_id=cache.id, length=-1, expected_length=10),
+                 "length"),
+                (pb.TruncateCacheRequest(cache_id=cache.id, length=3, expected_length=-10),
+                 "expected_length")):
+            message = self.assertCode(code.INVALID_ARGUMENT, self.client._call, "TruncateCache",
+                                      self.client._stub.TruncateCache, request)
+            self.assertIn(field, message)
+            unchanged("negative %s" % field)
+        item = pb.DecodeItem(cache_id=cache.id, query=attn_client._encode("query", q, None),
+                             expected_length=10, truncate_to=-1)
+        message = self.assertCode(code.INVALID_ARGUMENT, self.client._call, "Decode",
+                                  self.client._stub.Decode, pb.DecodeRequest(items=[item]))
+        self.assertIn("items[0].truncate_to", message)
+        unchanged("negative truncate_to")
+        # Decode: a cut past the cache, a stale expected_length with a cut.
+        k1, v1 = self.kv(layout, 1)
+        message = self.assertCode(code.OUT_OF_RANGE, cache.decode, q, k1, v1, truncate_to=11)
+        self.assertIn("items[0].truncate_to", message)
+        unchanged("truncate_to 11")
+        self.assertCode(code.FAILED_PRECONDITION, self.client.decode,
+                        [{"cache": cache, "query": q, "key": k1, "value": v1, "truncate_to": 5,
+                          "expected_length": 5}])
+        unchanged("truncate_to 5 with expected_length 5 (the length after the cut)")
+        # The client's own checks, before any RPC: TypeError / ValueError naming the argument.
+        for call, error, name in (
+                (lambda: cache.truncate(-1), ValueError, "length"),
+                (lambda: cache.truncate(True), TypeError, "length"),
+                (lambda: cache.truncate(4.0), TypeError, "length"),
+                (lambda: cache.truncate(np.float32(4)), TypeError, "length"),
+                (lambda: cache.truncate(1 << 63), ValueError, "length"),
+                (lambda: cache.truncate(4, expected_length=-1), ValueError, "expected_length"),
+                (lambda: cache.truncate(4, expected_length=False), TypeError, "expected_length"),
+                (lambda: self.client.truncate_cache(cache.id, "4"), TypeError, "length"),
+                (lambda: cache.decode(q, truncate_to=-2), ValueError, "truncate_to"),
+                (lambda: cache.decode(q, truncate_to=False), TypeError, "truncate_to"),
+                (lambda: self.client.decode([{"cache": cache, "query": q, "truncate_to": 2.5}]),
+                 TypeError, "items[0].truncate_to"),
+                (lambda: self.client.decode([(cache, q), {"cache": cache.id, "query": q,
+                                                          "expected_length": 10,
+                                                          "truncate_to": -3}]),
+                 ValueError, "items[1].truncate_to")):
+            with self.assertRaises(error) as raised:
+                call()
+            self.assertIn(name, str(raised.exception))
+        unchanged("client-side errors")
+        # numpy integers are ints; a cut by id without expected_length is not checked.
+        self.assertEqual(self.client.truncate_cache(cache.id, np.int64(10))["length"], 10)
+        unchanged("a cut to its own length")
+        info = self.client.truncate_cache(cache.id, 6)
+        self.assertEqual(info["length"], 6)
+        self.assertEqual(cache.length, 10)  # This Cache was not told: its next cut is refused.
+        message = self.assertCode(code.FAILED_PRECONDITION, cache.truncate, 3)
+        self.assertIn("holds 6", message)
+        self.assertEqual(self.client.cache_info(cache)["length"], 6)  # Taken as it is.
+        self.assertEqual(cache.truncate(3)["length"], 3)
+        self.assertEqual(cache.length, 3)
+        # A deleted cache: NOT_FOUND.
+        cache.delete()
+        self.assertCode(code.NOT_FOUND, cache.truncate, 0)
+        self.assertCode(code.NOT_FOUND, self.client.truncate_cache, "0" * 32, 0)
+
+    def test_failed_decode_with_truncate_to_leaves_every_cache(self):
+        layout_a, layout_b = ("fp32", 2, 8, 8, 4), ("fp16", 1, 16, 12, 2)
+        a = self.cache(layout_a, *self.kv(layout_a, 21))
+        b = self.cache(layout_b, *self.kv(layout_b, 13))
+        qa, qb = self.query(layout_a, 2), self.query(layout_b, 1)
+        before = [self.snapshot(a, qa), self.snapshot(b, qb)]
+        ka, va = self.kv(layout_a, 2)
+        kb, vb = self.kv(layout_b, 1)
+        cut_a = {"cache": a, "query": qa, "key": ka, "value": va, "truncate_to": 15}
+        cut_b = {"cache": b, "query": qb, "key": kb, "value": vb, "truncate_to": 10}
+        code = grpc.StatusCode
+        cases = (
+            # Shapes only the cache can refuse: the query's head_dim (16 here, the cache's 8),
+            # query heads not a multiple of its kv_heads, a key of the wrong head_dim.
+            ("a's query head_dim", code.INVALID_ARGUMENT, "query",
+             [cut_b, dict(cut_a, query=self.rng.uniform(-1, 1, (4, 2, 16)).astype(np.float32))]),
+            ("a's query heads", code.INVALID_ARGUMENT, "query",
+             [cut_b, dict(cut_a, query=self.rng.uniform(-1, 1, (3, 2, 8)).astype(np.float32))]),
+            ("b's key head_dim", code.INVALID_ARGUMENT, "key",
+             [cut_a, dict(cut_b, key=stored_tokens(self.rng, 1, 1, 15, "fp16"))]),
+            # A stale expected_length on the other item, or on the cut item itself.
+            ("b's stale expected_length", code.FAILED_PRECONDITION, "expected_length",
+             [cut_a, dict(cut_b, expected_length=12)]),
+            ("a's stale expected_length", code.FAILED_PRECONDITION, "expected_length",
+             [cut_b, dict(cut_a, expected_length=20)]),
+            # A cut past the other cache's length.
+            ("b's cut past its length", code.OUT_OF_RANGE, "items[1].truncate_to",
+             [cut_a, dict(cut_b, truncate_to=14)]),
+            ("a's cut past its length", code.OUT_OF_RANGE, "items[0].truncate_to",
+             [dict(cut_a, truncate_to=22), cut_b]),
+        )
+        for what, status, field, items in cases:
+            with self.subTest(what):
+                message = self.assertCode(status, self.client.decode, items, causal=True,
+                                          return_lse=True)
+                self.assertIn(field, message)
+                self.assertEqual([self.snapshot(a, qa), self.snapshot(b, qb)], before, what)
+                self.assertEqual((a.length, b.length), (21, 13), what)
+        # The same batch, well formed, cuts and appends both.
+        result = self.client.decode([cut_a, cut_b], causal=True, return_lse=True)
+        self.assertEqual([c["length"] for c in result.caches], [17, 11])
+        self.assertEqual((a.length, b.length), (17, 11))
+
+    def test_decode_cut_limit(self):
+        # fp32, 16 kv heads of 256 + 256: 32 KiB a token, so a Decode item may drop 2048 tokens
+        # (64 MiB) and not 2049; TruncateCache has no such limit.
+        layout = ("fp32", 16, 256, 256, 16)
+        total, most = 2100, (64 << 20) // (16 * 512 * 4)
+        key = self.rng.random((16, total, 256), dtype=np.float32)
+        cache = self.cache(layout, key, key)
+        q = self.query(layout, 1)
+        message = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, cache.decode, q,
+                                  truncate_to=total - most - 1)
+        self.assertIn("items[0].truncate_to", message)
+        self.assertIn(str(most), message)
+        self.assertEqual(self.client.cache_info(cache.id)["length"], total)
+        step = cache.decode(q, truncate_to=total - most)
+        self.assertEqual((step.cache["length"], cache.length), (total - most, total - most))
+        self.assertEqual(cache.truncate(0)["length"], 0)
+
+
+class TruncatePersistenceTest(unittest.TestCase):
+    """Cuts with attnd --cache-dir: each test starts its own attnd processes on one directory
+    with --cache-sync-seconds 86400, so no write-behind pass runs during a test: tokens are
+    durable only where a SIGTERM's flush or a cut (fsynced before its answer) made them so, and a
+    SIGKILL loses the rest."""
+
+    def setUp(self):
+        self.rng = np.random.default_rng()
+        self.directory = tempfile.mkdtemp(prefix="attnd-truncate-")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+        self.logs = []
+
+    def run(self, result=None):
+        before = len(result.failures) + len(result.errors) if result is not None else 0
+        result = super().run(result)
+        if result is not None and len(result.failures) + len(result.errors) > before:
+            for log in self.logs:
+                sys.stderr.write(log)
+        return result
+
+    def start(self, client_class=None):
+        """attnd on self.directory → (process, client); both closed after the test. Returns
+        once its startup lines (the restore's too) are all printed."""
+        server = harness.AttndProcess(ARGS.attnd, ("--threads", "2", "--cache-dir",
+                                                   self.directory, "--cache-sync-seconds",
+                                                   "86400"))
+        self.addCleanup(self.close_server, server)
+        client = (client_class or Client)(server.address, timeout=RPC_TIMEOUT_S)
+        self.addCleanup(client.close)
+        deadline = time.monotonic() + 20
+        while not any(line.startswith("  http: ") for line in server.stdout_lines):
+            self.assertLess(time.monotonic(), deadline, "".join(server.stdout_lines))
+            time.sleep(0.01)
+        return server, client
+
+    def close_server(self, server):
+        server.stop()
+        server._reader.join(5)
+        self.logs.append("\n--- attnd %s stdout ---\n%s--- stderr ---\n%s--- end ---\n"
+                         % (server.address, "".join(server.stdout_lines), server.stderr()))
+        server.close()
+
+    def kill(self, server):
+        server.process.kill()
+        server.process.wait(20)
+
+    def terminate(self, server, client):
+        """SIGTERM (client closed first: shutdown waits for idle connections): exit 0, caches
+        flushed."""
+        client.close()
+        server.process.send_signal(signal.SIGTERM)
+        self.assertEqual(server.process.wait(60), 0, server.stderr())
+        server._reader.join(5)
+        self.assertIn("caches flushed", "".join(server.stdout_lines))
+
+    def kv(self, n, dtype="fp16", kv_heads=2, head_dim=8):
+        return (stored_tokens(self.rng, kv_heads, n, head_dim, dtype),
+                stored_tokens(self.rng, kv_heads, n, head_dim, dtype))
+
+    def assertHolds(self, client, cache, keys, values, what, prefix=False):
+        """The server holds exactly keys/values for `cache` (prefix: a prefix of them, at least
+        as long as the cache's durable_length) → its length."""
+        length, got_keys, got_values = exported(client, attn_client._cache_id(cache))
+        if prefix:
+            keys, values = keys[:, :length], values[:, :length]
+        self.assertEqual(length, keys.shape[1], what)
+        self.assertTrue(same_bytes(got_keys, keys), "%s: keys differ" % what)
+        self.assertTrue(same_bytes(got_values, values), "%s: values differ" % what)
+        return length
+
+    def test_sigkill_after_cuts_then_refresh_never_brings_cut_tokens_back(self):
+        server, client = self.start()
+        # Caches 2 and 3 get 16 durable tokens (SIGTERM flushes them); cache 4 is cut among
+        # tokens not yet durable, then flushed with the tokens after the cut.
+        two, three, four = (client.create_cache(2, 8, dtype="fp16") for _ in range(3))
+        a2, a3 = self.kv(16), self.kv(16)
+        two.append(*a2)
+        three.append(*a3)
+        x4, y4, z4 = self.kv(10), self.kv(6), self.kv(3)
+        four.append(*x4)
+        four.append(*y4)
+        self.assertEqual(four.truncate(12)["length"], 12)
+        four.append(*z4)
+        want4 = [joined(x4[i], y4[i][:, :2], z4[i]) for i in (0, 1)]
+        self.terminate(server, client)
+
+        server, client = self.start()
+        self.assertHolds(client, four.id, *want4, "cache 4 after SIGTERM")
+        two, three = client.open_cache(two.id), client.open_cache(three.id)
+        self.assertEqual((two.durable_length, three.durable_length), (16, 16))
+        # Cache 1: its tokens never durable, cut inside them, then more tokens.
+        one = client.create_cache(2, 8, dtype="fp16")
+        a1, b1, c1 = self.kv(12), self.kv(9), self.kv(4)
+        one.append(*a1)
+        one.append(*b1)
+        self.assertEqual(one.replay_tail, [(0, 12), (12, 9)])
+        info = one.truncate(15)
+        self.assertEqual(info["length"], 15)
+        self.assertLessEqual(info["durable_length"], 15)
+        self.assertEqual(one.replay_tail, [(s, n) for s, n in ((0, 12), (12, 3))
+                                           if s + n > info["durable_length"]])
+        one.append(*c1)
+        want1 = [joined(a1[i], b1[i][:, :3], c1[i]) for i in (0, 1)]
+        # Cache 2: durable tokens cut by a Decode's truncate_to, 3 new tokens after the cut.
+        n2 = self.kv(3)
+        step = two.decode(self.rng.uniform(-1, 1, (4, 1, 8)).astype(np.float32), *n2,
+                          truncate_to=8)
+        self.assertEqual((step.cache["length"], two.length), (11, 11))
+        self.assertGreaterEqual(two.durable_length, 8)  # The cut is on disk.
+        self.assertLessEqual(two.durable_length, 11)
+        self.assertEqual(two.replay_tail, [(8, 3)] if two.durable_length < 11 else [])
+        want2 = [joined(a2[i][:, :8], n2[i]) for i in (0, 1)]
+        # Cache 3: durable tokens cut by TruncateCache.
+        info = three.truncate(5)
+        self.assertEqual((info["length"], info["durable_length"]), (5, 5))
+        want3 = [a3[i][:, :5] for i in (0, 1)]
+        for cache, want in ((one, want1), (two, want2), (three, want3)):
+            self.assertHolds(client, cache, *want, "before the kill")
+        self.kill(server)
+
+        server, client = self.start()
+        for name, cache, want in (("one", one, want1), ("two", two, want2),
+                                  ("three", three, want3)):
+            held = self.assertHolds(client, cache.id, *want, "cache %s restored" % name,
+                                    prefix=True)
+            self.assertGreaterEqual(held, cache.durable_length, name)
+            cache.client = client
+            info = cache.refresh()
+            self.assertEqual((info["length"], cache.length), (want[0].shape[1],) * 2, name)
+            self.assertHolds(client, cache, *want, "cache %s refreshed" % name)
+        self.assertEqual(three.durable_length, 5)  # Nothing to re-send there.
+        # A Decode over the refreshed cache 1 equals one over a cache built directly.
+        direct = client.create_cache(2, 8, dtype="fp16")
+        direct.append(*want1)
+        q = self.rng.uniform(-1, 1, (4, 2, 8)).astype(np.float32)
+        self.assertEqual(decode_bits(one.decode(q, causal=True, return_lse=True)),
+                         decode_bits(direct.decode(q, causal=True, return_lse=True)))
+        # Cache 3 (5 tokens on disk): 4 tokens not yet written, a cut below what its file holds,
+        # 2 tokens more, and a SIGTERM's flush: the pending tokens past the cut never reach the
+        # file.
+        pending, after = self.kv(4), self.kv(2)
+        three.append(*pending)
+        info = three.truncate(3)
+        self.assertEqual((info["length"], info["durable_length"]), (3, 3))
+        three.append(*after)
+        want3 = [joined(a3[i][:, :3], after[i]) for i in (0, 1)]
+        self.terminate(server, client)
+        server, client = self.start()
+        self.assertHolds(client, three.id, *want3, "cache 3 after the flush")
+
+    def test_a_cut_whose_answer_is_lost_is_never_undone_by_refresh(self):
+        server, client = self.start(LosingClient)
+        cache = client.create_cache(1, 4, dtype="fp32")
+        kv = lambda n: self.kv(n, "fp32", 1, 4)  # noqa: E731
+        a, b = kv(10), kv(6)
+        cache.append(*a)
+        cache.append(*b)
+        self.assertEqual(cache.replay_tail, [(0, 10), (10, 6)])
+        # TruncateCache applied, its answer lost: the Cache still believes 16, but its tail is
+        # cut at 12 and refresh() takes the server's 12 without re-sending anything.
+        client.lose("TruncateCache", applied=True)
+        self.assertRaises(AttnError, cache.truncate, 12)
+        self.assertEqual(cache.length, 16)
+        self.assertEqual(cache.replay_tail, [(0, 10), (10, 2)])
+        self.assertEqual(cache.refresh()["length"], 12)
+        self.assertEqual(client.appends, 2)  # The two above: nothing re-sent.
+        self.assertHolds(client, cache, joined(a[0], b[0][:, :2]), joined(a[1], b[1][:, :2]),
+                         "after a lost TruncateCache answer")
+        # A Decode cutting to 5 and appending 3, applied, its answer lost: the same.
+        n = kv(3)
+        tail = cache.replay_tail
+        client.lose("Decode", applied=True)
+        self.assertRaises(AttnError, cache.decode, np.ones((1, 1, 4), np.float32), *n,
+                          truncate_to=5)
+        self.assertEqual(cache.replay_tail, [(s, min(s + k, 5) - s) for s, k in tail if s < 5])
+        self.assertEqual(cache.refresh()["length"], 8)
+        self.assertEqual(client.appends, 2)
+        want = [joined(a[i][:, :5], n[i]) for i in (0, 1)]
+        self.assertHolds(client, cache, *want, "after a lost Decode answer")
+        # A cut that never reached the server: refresh() takes its length as it is (nothing
+        # lost, nothing re-sent), and the cut can be sent again.
+        client.lose("TruncateCache", applied=False)
+        self.assertRaises(AttnError, cache.truncate, 3)
+        self.assertEqual(cache.refresh()["length"], 8)
+        self.assertEqual(client.appends, 2)
+        self.assertHolds(client, cache, *want, "after a cut that was not sent")
+        # Refused cuts (the server says nothing was applied) keep the Cache as it was.
+        tail = cache.replay_tail
+        self.assertCode(grpc.StatusCode.FAILED_PRECONDITION, cache.truncate, 2,
+                        expected_length=7)
+        self.assertCode(grpc.StatusCode.OUT_OF_RANGE, cache.decode,
+                        np.ones((1, 1, 4), np.float32), truncate_to=9)
+        self.assertEqual((cache.replay_tail, cache.length), (tail, 8))
+        self.assertEqual(cache.truncate(3)["length"], 3)
+        e = kv(4)
+        cache.append(*e)
+        self.assertEqual(cache.replay_tail[-1], (3, 4))
+        want = [joined(a[i][:, :3], e[i]) for i in (0, 1)]
+        # A SIGKILL loses every token not durable (no write-behind pass ran), and refresh()
+        # re-sends them from the tail, cut tokens never among them.
+        self.kill(server)
+        server, client = self.start()
+        held = self.assertHolds(client, cache.id, *want, "restored", prefix=True)
+        self.assertGreaterEqual(held, cache.durable_length)
+        cache.client = client
+        self.assertEqual(cache.refresh()["length"], 7)
+        self.assertHolds(client, cache, *want, "refreshed after the kill")
+
+    def assertCode(self, code, call, *args, **kwargs):
+        with self.assertRaises(AttnError) as raised:
+            call(*args, **kwargs)
+        self.assertEqual(raised.exception.code, code, raised.exception.message)
+        return raised.exception.message
+
+
+class LosingClient(Client):
+    """A Client whose next call of one RPC fails UNAVAILABLE, after the server applied it (its
+    answer lost) or before it was sent; counts the AppendCache calls it makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lose = None
+        self.appends = 0
+
+    def lose(self, rpc, applied):
+        self._lose = (rpc, applied)
+
+    def _call(self, name, method, request):
+        if name == "AppendCache":
+            self.appends += 1
+        if self._lose is not None and self._lose[0] == name:
+            applied = self._lose[1]
+            self._lose = None
+            if applied:
+                super()._call(name, method, request)
+            raise AttnError(name, grpc.StatusCode.UNAVAILABLE, "connection lost (a test)")
+        return super()._call(name, method, request)
 
 
 if __name__ == "__main__":
