@@ -7,8 +7,12 @@
 # openssl); persistent caches (crc32c, export / import between servers and through files,
 # DATA_LOSS for damaged exports, the Cache's replay tail re-sent by refresh() to an attnd
 # restored from a copy of another's --cache-dir, DATA_LOSS when no tail was kept, moved_to
-# followed once), for which test.js starts attnd servers of its own (--attnd); then
-# client/node/example.js must print the seed's out[0] and its trace.
+# followed once), for which test.js starts attnd servers of its own (--attnd); speculative
+# decoding (truncate and truncateTo: a cut cache bit-equal to one that never had the cut tokens,
+# rounds of k drafts, errors naming the field and failed batches leaving every cache as it was,
+# and with --cache-dir a SIGKILL after cuts, a restart and refresh() never re-sending a cut
+# token, a cut whose answer is lost not undone); then client/node/example.js must print the
+# seed's out[0] and its trace.
 # Exits 77 (ctest: skipped) when node is absent; fails when client/node/node_modules is missing.
 # Usage: node_client_test.sh ATTND
 set -euo pipefail
