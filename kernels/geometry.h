@@ -26,6 +26,12 @@
 // sequence as above and across sequences since the cumulative lengths never decrease; and for
 // one row, p − t is still linear in the key index (Distance(row, key) = Distance(row, 0) − key).
 //
+// Token trees (a Decode item's tree_parents: speculative decoding's EAGLE/Medusa drafts): query
+// row i is new token i, at key tree_first + i, and of the new tokens [tree_first, tree_first +
+// tree_count) it sees only its ancestors and itself (TreeHides), on top of the rules above.
+// Visible(i) stays the contiguous range around what it sees (a bound the kernels skip tiles by);
+// the kernels hide the rest of the tree within it (MaskTreeTile, or TreeHides per key).
+//
 // Positions are checked to lie in [0, 2^62] (kMaxPosition), windows too, and key_len,
 // query_len < 2^62, so p − key_position = query_position − key_position + row stays within
 // (−2^63, 2^63) and no bound below overflows int64.
@@ -61,6 +67,7 @@ enum class Hidden : int {
   kCausal = 1,    // t > p under the causal mask (first: causal wins over a window).
   kWindow = 2,    // Outside p − window_left … p + window_right.
   kSequence = 3,  // In another sequence of a ragged batch.
+  kTree = 4,      // A new token that is not the row's ancestor in its token tree.
 };
 
 struct Geometry {
@@ -76,6 +83,13 @@ struct Geometry {
   const int64_t* cu_seqlens_q = nullptr;
   const int64_t* cu_seqlens_k = nullptr;
   int64_t sequences = 0;
+  // A token tree (see above; tree_count 0: none): row i's bit j of tree_ancestors (tree_words
+  // 64-bit words a row, in memory the kernel reading them can) is set when new token j is its
+  // ancestor or itself.
+  int64_t tree_first = 0;
+  int64_t tree_count = 0;
+  int64_t tree_words = 0;
+  const uint64_t* tree_ancestors = nullptr;
 
   // The request defaults: keys at key_position …, queries bottom-right against them.
   static ATTN_HOST_DEVICE Geometry BottomRight(int64_t query_len, int64_t key_len, bool causal,
@@ -139,7 +153,29 @@ struct Geometry {
     return own.query_position - own.key_position + (row - first_row) - (key - first_key);
   }
 
-  // What hides key `key` from row `row` (kNone exactly when Visible(row) contains it).
+  // Whether the token tree hides key `key` from row `row` (false without a tree, and for keys
+  // before the new tokens).
+  ATTN_HOST_DEVICE bool TreeHides(int64_t row, int64_t key) const {
+    const int64_t j = key - tree_first;
+    if (j < 0 || j >= tree_count) return false;
+    return ((tree_ancestors[row * tree_words + j / 64] >> (j % 64)) & 1u) == 0;
+  }
+
+  // Sets to −inf the scores of a tile of n keys from key_begin that the token tree hides from
+  // row `row` (no-op without a tree): what MaskTile leaves to a Decode item with tree_parents.
+  ATTN_HOST_DEVICE void MaskTreeTile(int64_t row, int64_t key_begin, int64_t n,
+                                     float* scores) const {
+    if (tree_count == 0) return;
+    const int64_t first = key_begin > tree_first ? key_begin : tree_first;
+    const int64_t end =
+        tree_first + tree_count < key_begin + n ? tree_first + tree_count : key_begin + n;
+    for (int64_t key = first; key < end; ++key) {
+      if (TreeHides(row, key)) scores[key - key_begin] = -INFINITY;
+    }
+  }
+
+  // What hides key `key` from row `row` (kNone exactly when Visible(row) contains it and the
+  // token tree does not hide it).
   ATTN_HOST_DEVICE Hidden HiddenBy(int64_t row, int64_t key) const {
     int64_t first_row, first_key;
     const Geometry own = Sequence(SequenceOf(row), first_row, first_key);
@@ -148,6 +184,7 @@ struct Geometry {
     if (causal && d < 0) return Hidden::kCausal;
     if (window_left != kUnbounded && d > window_left) return Hidden::kWindow;
     if (window_right != kUnbounded && -d > window_right) return Hidden::kWindow;
+    if (TreeHides(row, key)) return Hidden::kTree;
     return Hidden::kNone;
   }
 
@@ -163,7 +200,8 @@ struct Geometry {
 
   // Whether a row may see fewer than all the keys (a mask of any kind applies).
   ATTN_HOST_DEVICE bool Masked() const {
-    return causal || window_left != kUnbounded || window_right != kUnbounded || sequences > 1;
+    return causal || window_left != kUnbounded || window_right != kUnbounded || sequences > 1 ||
+           tree_count > 0;
   }
 
  private:

@@ -114,6 +114,12 @@ struct Problem {
   const int64_t* cu_seqlens_q = nullptr;
   const int64_t* cu_seqlens_k = nullptr;
   int64_t sequences = 0;
+  // A token tree (kernels/geometry.h; a Decode item's tree_parents): query row i is new token i,
+  // key tree_first + i; tree_ancestors holds (tree_count + 63) / 64 words a row. tree_count 0 =
+  // none. Host memory, owned like the tensors.
+  int64_t tree_first = 0;
+  int64_t tree_count = 0;
+  const uint64_t* tree_ancestors = nullptr;
   int block_k = 1;  // Keys per tile for Tiled and Trace.
   bool return_lse = false;
   DType output_dtype = DType::kFloat32;
@@ -138,6 +144,10 @@ struct Problem {
     g.cu_seqlens_q = cu_seqlens_q;
     g.cu_seqlens_k = cu_seqlens_k;
     g.sequences = sequences;
+    g.tree_first = tree_first;
+    g.tree_count = tree_count;
+    g.tree_words = (tree_count + 63) / 64;
+    g.tree_ancestors = tree_ancestors;
     return g;
   }
 
@@ -186,7 +196,11 @@ struct Problem {
       per_head = static_cast<double>(shape.query_len) * static_cast<double>(shape.key_len);
     } else {
       for (int64_t i = 0; i < shape.query_len; ++i) {
-        per_head += static_cast<double>(g.Visible(i).size());
+        const KeyRange visible = g.Visible(i);
+        per_head += static_cast<double>(visible.size());
+        for (int64_t key = g.tree_first; key < g.tree_first + g.tree_count; ++key) {
+          per_head -= visible.Contains(key) && g.TreeHides(i, key) ? 1.0 : 0.0;
+        }
       }
     }
     return per_head * static_cast<double>(shape.batch * shape.heads);

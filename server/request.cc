@@ -644,6 +644,7 @@ absl::Status BindCache(absl::string_view prefix, const PagedKv& pages, int64_t l
                    "heads·query_len·cache length is too large to account for in int64 bytes");
   }
   s.key_len = length;
+  problem->tree_first = length - problem->tree_count;  // A token tree's new tokens end the cache.
   problem->pages = &pages;
   problem->block_k = static_cast<int>(std::min<int64_t>(problem->block_k, length));
   const absl::StatusOr<double> q = CheckValues(absl::StrCat(prefix, "query"), problem->query,
@@ -721,6 +722,45 @@ absl::Status CheckDecodeItemCount(const v1::DecodeRequest& request) {
   return absl::OkStatus();
 }
 
+// A Decode item's tree_parents into parsed->tree (ancestor bitmasks) and problem.tree_count.
+absl::Status ParseTokenTree(const v1::DecodeItem& item, DecodeItemProblem* parsed) {
+  const int64_t n = item.tree_parents_size();
+  if (n == 0) return absl::OkStatus();
+  const std::string& prefix = parsed->prefix;
+  const std::string field = absl::StrCat(prefix, "tree_parents");
+  if (n > kMaxTreeTokens) {
+    return Invalid(field, absl::StrCat("has ", n, " entries; a token tree has at most ",
+                                       kMaxTreeTokens, " new tokens"));
+  }
+  if (n != parsed->tokens.n) {
+    return Invalid(field, absl::StrCat("has ", n, " entries but the item appends ",
+                                       parsed->tokens.n, " new tokens; one parent per new token"));
+  }
+  if (parsed->problem.shape.query_len != n) {
+    return Invalid(
+        absl::StrCat(prefix, "query"),
+        absl::StrCat("has ", parsed->problem.shape.query_len, " rows but tree_parents has ", n,
+                     " new tokens; a token tree takes one query row per new token"));
+  }
+  const int64_t words = (n + 63) / 64;
+  parsed->tree.assign(n * words, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t parent = item.tree_parents(i);
+    if (parent < -1 || parent >= i) {
+      return Invalid(absl::StrCat(field, "[", i, "]"),
+                     absl::StrCat("is ", parent,
+                                  "; expected −1 (a child of the cached tokens) or an earlier new "
+                                  "token, 0 … ",
+                                  i - 1));
+    }
+    uint64_t* row = parsed->tree.data() + i * words;
+    if (parent >= 0) std::copy_n(parsed->tree.data() + parent * words, words, row);
+    row[i / 64] |= uint64_t{1} << (i % 64);
+  }
+  parsed->problem.tree_count = n;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DecodeBatch> ParseDecodeRequest(const v1::DecodeRequest& request,
                                                CacheLayoutLookup layout_of, int default_block_k,
                                                int64_t max_message_bytes) {
@@ -781,6 +821,7 @@ absl::StatusOr<DecodeBatch> ParseDecodeRequest(const v1::DecodeRequest& request,
       }
       parsed.truncate_to = item.truncate_to();
     }
+    if (absl::Status tree = ParseTokenTree(item, &parsed); !tree.ok()) return tree;
     batch.items.push_back(std::move(parsed));
   }
   return batch;

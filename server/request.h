@@ -124,7 +124,8 @@ absl::StatusOr<Problem> ParseCacheQuery(absl::string_view prefix,
                                         const attention::v1::AttentionOptions& options,
                                         const KvLayout& layout, int default_block_k);
 // Completes it under the cache's lease: its keys are the cache's first `length` tokens
-// (FAILED_PRECONDITION for an empty cache), block_k capped at length; then the value checks:
+// (FAILED_PRECONDITION for an empty cache), block_k capped at length, a token tree's first new
+// token at length − tree_count; then the value checks:
 // the query's elements finite, and scores and sums within fp32 given the cache's largest |key|
 // and |value|.
 absl::Status BindCache(absl::string_view prefix, const PagedKv& pages, int64_t length,
@@ -150,7 +151,13 @@ struct DecodeItemProblem {
   Problem problem;
   NewTokens tokens;                    // Absent tokens: n = 0.
   std::optional<int64_t> truncate_to;  // The cut before the append (checked for sign only).
+  // tree_parents as the kernels read them (kernels/geometry.h): a bitmask of ancestors per new
+  // token, (n + 63) / 64 words each; empty: no tree. problem.tree_count is set; BindCache sets
+  // tree_first, and the caller points problem.tree_ancestors here once the item stays put.
+  std::vector<uint64_t> tree;
 };
+// The most new tokens a token tree may have (tree_parents' entries): its masks take n² bits.
+inline constexpr int64_t kMaxTreeTokens = 1024;
 struct DecodeBatch {
   std::vector<DecodeItemProblem> items;  // In the request's order.
   int64_t reply_bytes = 0;               // Every item's output and lse: one reply carries all.
@@ -161,8 +168,9 @@ using CacheLayoutLookup =
 // Checks a Decode request as to shape, in time independent of its tensors' sizes: options carry
 // no positions (each item has its own); each item names a cache (required, at most one item per
 // cache), a non-negative expected_length, its query (ParseCacheQuery) and positions
-// (ParsePositions), optional new tokens (ParseNewTokens) and cut (CheckCutLength's sign); its
-// answer and the batch's fit
+// (ParsePositions), optional new tokens (ParseNewTokens), cut (CheckCutLength's sign) and token
+// tree (one parent per new token, each −1 or earlier, one query row per new token, at most
+// kMaxTreeTokens); its answer and the batch's fit
 // `max_message_bytes` (CheckReplyBytes). Returns the first error found; item i's errors name
 // its fields as items[i].<field>.
 absl::StatusOr<DecodeBatch> ParseDecodeRequest(const attention::v1::DecodeRequest& request,

@@ -406,6 +406,7 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
         undo(bound);
         return;
       }
+      if (!item.tree.empty()) item.problem.tree_ancestors = item.tree.data();
       problems.push_back(item.problem);
       Outputs out = PrepareOutputs(item.problem, request->items(i).query(), response->add_outputs(),
                                    item.problem.return_lse ? response->add_lse() : nullptr);

@@ -444,6 +444,100 @@ TEST_F(CacheServiceTest, ACutCacheEqualsOneThatNeverHadTheCutTokens) {
   }
 }
 
+// A tree step (tree_parents): each row sees the cache, its ancestors and itself — against the
+// float64 reference's own walk up each chain — in one call with a cut of the last step's drafts;
+// then the accepted branch alone, appended to a cache that never saw the tree, decodes the same
+// bits as the tree's cache cut back to it. Bad trees are refused by name and change nothing.
+TEST_F(CacheServiceTest, ATreeStepSeesEachRowsBranchAndItsAcceptedBranchIsACache) {
+  const std::vector<int32_t> parents = {-1, 0, 0, 1, 1, 2, -1};  // Two roots; 3 and 4 under 1.
+  HostProblem p = RandomCacheProblem(7, 207, DType::kBFloat16, true, 81);
+  p.SetTree(parents);
+  const HostProblem drafts = RandomCacheProblem(7, 207, DType::kBFloat16, true, 82);
+  const Shape& s = p.shape;
+  v1::CacheInfo info;
+  const std::string id = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(id, p, 0, 200, 0, &info).ok());
+  ASSERT_TRUE(Append(id, drafts, 0, 5, 200, &info).ok());  // The last step's drafts.
+  v1::DecodeRequest request;
+  request.mutable_options()->set_causal(true);
+  request.mutable_options()->set_return_lse(true);
+  request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+  v1::DecodeItem* item = request.add_items();
+  item->set_cache_id(id);
+  *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                    p.query_bytes.size(), p.dtype);
+  item->set_expected_length(205);
+  item->set_truncate_to(200);
+  *item->mutable_key() = Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 200, 207);
+  *item->mutable_value() =
+      Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 200, 207);
+  for (int32_t parent : parents) item->add_tree_parents(parent);
+  v1::DecodeResponse response;
+  grpc::Status status = Call(&v1::AttentionService::Stub::Decode, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.caches(0).length(), 207);
+  HostProblem reference = p;
+  reference.block_k = 0;
+  ExpectMatches(response.outputs(0), reference);
+  const testing::Reference ref = testing::ReferenceAttention(p);
+  EXPECT_LE(testing::MaxAbsError(Floats(response.lse(0)), ref.lse), 1e-4);
+
+  // The branch 0 → 1 → 4 accepted: the tree's cache cut to it and a cache that had only it.
+  v1::DecodeRequest accept = request;
+  v1::DecodeItem* next = accept.mutable_items(0);
+  next->clear_tree_parents();
+  next->clear_key();
+  next->clear_value();
+  next->set_expected_length(207);
+  next->set_truncate_to(202);  // Tokens 0 and 1 of the tree lie in place; 4 does not.
+  *next->mutable_query() =
+      ToTensor({s.heads, 1, s.head_dim}, p.query_bytes.data(), p.query_bytes.size() / 7, p.dtype);
+  // Token 4 goes after them: p's key 204 (the tree's token 4).
+  *next->mutable_key() = Tokens(p.key_bytes, p.dtype, s.kv_heads, s.key_len, s.head_dim, 204, 205);
+  *next->mutable_value() =
+      Tokens(p.value_bytes, p.dtype, s.kv_heads, s.key_len, s.value_dim, 204, 205);
+  v1::DecodeResponse cut_back, direct;
+  status = Call(&v1::AttentionService::Stub::Decode, accept, &cut_back);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const std::string branch = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(branch, p, 0, 202, 0, &info).ok());
+  next->set_cache_id(branch);
+  next->set_expected_length(202);
+  next->clear_truncate_to();
+  status = Call(&v1::AttentionService::Stub::Decode, accept, &direct);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(cut_back.outputs(0).data(), direct.outputs(0).data());
+  EXPECT_EQ(cut_back.lse(0).data(), direct.lse(0).data());
+
+  // Bad trees: named, nothing appended.
+  const struct {
+    std::vector<int32_t> parents;
+    const char* field;
+  } bad[] = {{{-1, 0, 0, 1, 1, 2}, "items[0].tree_parents: has 6 entries but the item appends 7"},
+             {{-1, 0, 0, 1, 5, 2, -1}, "items[0].tree_parents[4]: is 5"},
+             {{-1, 0, 0, 1, 1, 2, -2}, "items[0].tree_parents[6]: is -2"},
+             {{0, 0, 0, 1, 1, 2, -1}, "items[0].tree_parents[0]: is 0"}};
+  for (const auto& b : bad) {
+    v1::DecodeRequest wrong = request;
+    wrong.mutable_items(0)->set_expected_length(209);
+    wrong.mutable_items(0)->clear_truncate_to();
+    wrong.mutable_items(0)->clear_tree_parents();
+    for (int32_t parent : b.parents) wrong.mutable_items(0)->add_tree_parents(parent);
+    status = Call(&v1::AttentionService::Stub::Decode, wrong, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << b.field;
+    EXPECT_THAT(status.error_message(), ::testing::HasSubstr(b.field));
+  }
+  v1::DecodeRequest rows = request;  // One query row fewer than new tokens.
+  rows.mutable_items(0)->set_expected_length(209);
+  rows.mutable_items(0)->clear_truncate_to();
+  *rows.mutable_items(0)->mutable_query() = ToTensor({s.heads, 6, s.head_dim}, p.query_bytes.data(),
+                                                     p.query_bytes.size() / 7 * 6, p.dtype);
+  status = Call(&v1::AttentionService::Stub::Decode, rows, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("items[0].query"));
+  EXPECT_EQ(LengthOf(id), 203);
+}
+
 // A Decode item's cut keeps a copy of what it drops until the call succeeds: bounded before it
 // is made, naming the count allowed.
 TEST(DecodeCutTest, AnItemDropsAtMost64MiBOfTokens) {

@@ -127,6 +127,56 @@ TEST_P(DecodeTest, ABatchOfCachesOfDifferentLengthsMatchesTheReference) {
   EXPECT_GE(stats.peak_memory_bytes, stats.scratch_bytes);
 }
 
+// A token tree (DecodeItem.tree_parents): each row sees the keys before the new tokens, its
+// ancestors and itself, against the reference's own walk up each chain — in the decode kernel
+// and, for groups taller than kDecodeMaxRows, in Tiled; masks of more than one 64-bit word;
+// causal or not (the tree alone hides the later tokens).
+TEST_P(DecodeTest, ATokenTreeSeesOnlyEachRowsBranch) {
+  const DType dtype = GetParam();
+  CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 7);
+  struct Spec {
+    int64_t heads, kv_heads, nk, d, dv;
+    bool causal;
+    std::vector<int32_t> parents;
+  };
+  std::vector<int32_t> long_tree;  // 70 tokens: chains of 5 off the prefix, one branch deep.
+  for (int32_t i = 0; i < 70; ++i) long_tree.push_back(i % 5 == 0 ? (i >= 10 ? 3 : -1) : i - 1);
+  const std::vector<Spec> specs = {
+      {8, 2, 300, 33, 20, true, {-1, 0, 0, 1, 1, 2, -1}},         // EAGLE-like, decode kernel.
+      {12, 2, 150, 24, 24, true, {-1, 0, 1, 2, 0, 4, -1, 6, 6}},  // 54 rows: decode kernel.
+      {16, 2, 200, 16, 16, true, {-1, 0, 1, 2, 0, 4, -1, 6, 6}},  // 72 rows: Tiled.
+      {4, 1, 40, 8, 8, false, {-1, -1, 1, 2, 0}},                 // Not causal.
+      {2, 1, 400, 8, 8, true, long_tree},                         // Two words a row: Tiled.
+  };
+  std::vector<Item> items;
+  uint64_t seed = 900 + static_cast<int>(dtype) * 10;
+  for (const Spec& spec : specs) {
+    const int64_t nq = static_cast<int64_t>(spec.parents.size());
+    Item item;
+    item.host = RandomProblem(MakeShape(1, spec.heads, spec.kv_heads, nq, spec.nk, spec.d, spec.dv),
+                              dtype, spec.causal, 16, seed++);
+    item.host.SetTree(spec.parents);
+    absl::StatusOr<PagedCopy> copy = MakePaged(backend, item.host, {spec.nk / 3, 1});
+    ASSERT_TRUE(copy.ok()) << copy.status();
+    item.paged = std::make_unique<PagedCopy>(*std::move(copy));
+    item.problem = item.paged->problem;
+    items.push_back(std::move(item));
+  }
+  Stats stats;
+  const std::vector<KernelRun> runs = RunDecode(backend, items, &stats);
+  double flops = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "item " << i);
+    ExpectMatches(runs[i], items[i]);
+    flops += items[i].problem.Flops();
+    // The tree hides pairs: fewer FLOPs than the same problem without it.
+    Problem untreed = items[i].problem;
+    untreed.tree_count = 0;
+    EXPECT_LT(items[i].problem.Flops(), untreed.Flops());
+  }
+  EXPECT_EQ(stats.flops, flops);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, DecodeTest,
                          ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          [](const ::testing::TestParamInfo<DType>& info) {

@@ -66,10 +66,27 @@ Problem HostProblem::View() const {
     problem.cu_seqlens_k = cu_seqlens_k.data();
     problem.sequences = static_cast<int64_t>(cu_seqlens_q.size()) - 1;
   }
+  if (!tree_parents.empty()) {
+    problem.tree_count = static_cast<int64_t>(tree_parents.size());
+    problem.tree_first = shape.key_len - problem.tree_count;
+    problem.tree_ancestors = tree_ancestors.data();
+  }
   problem.block_k = static_cast<int>(std::min<int64_t>(block_k, shape.key_len));
   problem.return_lse = return_lse;
   problem.output_dtype = output_dtype;
   return problem;
+}
+
+void HostProblem::SetTree(std::vector<int32_t> parents) {
+  tree_parents = std::move(parents);
+  const int64_t n = static_cast<int64_t>(tree_parents.size());
+  const int64_t words = (n + 63) / 64;
+  tree_ancestors.assign(n * words, 0);
+  for (int64_t i = 0; i < n; ++i) {  // Walking each token's chain up to the prefix.
+    for (int64_t a = i; a >= 0; a = tree_parents[a]) {
+      tree_ancestors[i * words + a / 64] |= uint64_t{1} << (a % 64);
+    }
+  }
 }
 
 std::vector<int64_t> CumulativeLengths(const std::vector<int64_t>& lengths) {
@@ -189,6 +206,14 @@ bool ReferenceSees(const HostProblem& p, int64_t i, int64_t j) {
   if (p.causal && distance < 0) return false;
   if (p.window_left && distance > *p.window_left) return false;
   if (p.window_right && -distance > *p.window_right) return false;
+  // A token tree: of the new tokens (the last query_len keys), row i sees its own chain only.
+  const int64_t first_new = p.shape.key_len - p.shape.query_len;
+  if (!p.tree_parents.empty() && j >= first_new) {
+    for (int64_t a = i; a >= 0; a = p.tree_parents[a]) {
+      if (first_new + a == j) return true;
+    }
+    return false;
+  }
   return true;
 }
 

@@ -36,6 +36,12 @@ struct HostProblem {
   // keys into sequences, each with its own positions (keys from 0, queries bottom-right); empty =
   // one sequence.
   std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;
+  // A token tree (DecodeItem.tree_parents): query row i is new token i, the key at key_len −
+  // query_len + i, and among the new tokens sees only its ancestors and itself; tree_parents[i]
+  // is its parent among them (−1: a child of the keys before). Empty = none. Set with SetTree,
+  // which also fills tree_ancestors, the bitmasks the kernels read (View).
+  std::vector<int32_t> tree_parents;
+  std::vector<uint64_t> tree_ancestors;
   int block_k = 64;
   bool return_lse = true;
   std::vector<uint8_t> query_bytes, key_bytes, value_bytes;
@@ -43,6 +49,8 @@ struct HostProblem {
 
   // A Problem viewing this object's bytes (valid while it lives, unmoved).
   Problem View() const;
+  // Sets the token tree (query_len parents, each −1 or earlier than its token).
+  void SetTree(std::vector<int32_t> parents);
 };
 
 // A Shape from its seven dimensions, in Shape's field order.

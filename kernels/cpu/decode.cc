@@ -19,17 +19,19 @@
 namespace attn {
 namespace {
 
-// One row of a task's GQA group: the keys it sees, its head's score transform, and its distance
-// p − t to key 0 (Geometry::Distance).
+// One row of a task's GQA group: the keys it sees, its head's score transform, its distance
+// p − t to key 0 (Geometry::Distance), and its query row (for a token tree's mask).
 struct DecodeRow {
   KeyRange visible;
   ScoreTransform transform;
   int64_t distance = 0;
+  int64_t query_row = 0;
 };
 
 // One task: a run of consecutive chunks of one kv head's keys for the rows of its GQA group.
 struct DecodeRun {
   const Problem* problem = nullptr;
+  const Geometry* geometry = nullptr;  // The problem's.
   int64_t batch = 0, kv_head = 0;
   int64_t rows = 0, head_dim = 0, value_dim = 0;
   const float* queries = nullptr;  // [rows, head_dim], fp32, scale folded in.
@@ -282,13 +284,14 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
       const int64_t row = r % s.query_len;
       scratch.row[r] =
           DecodeRow{geometry.Visible(row), p.transform(run.kv_head * group + r / s.query_len),
-                    geometry.Distance(row, 0)};
+                    geometry.Distance(row, 0), row};
       const KeyRange& visible = scratch.row[r].visible;
       if (visible.size() == 0) continue;
       seen.begin = std::min(seen.begin, visible.begin);
       seen.end = std::max(seen.end, visible.end);
     }
     run.row = scratch.row.data();
+    run.geometry = &geometry;
     scratch.queries.resize(item.rows * s.head_dim);
     scratch.arranged.resize(item.rows * s.head_dim);
     ConvertToFloat(

@@ -34,6 +34,7 @@ ATTN_ALWAYS_INLINE void VisitKeyTileRowsBody(const Problem& problem, int64_t hea
     float* s = scores + r * n;
     ScoresOrHidden<V>(transform, masked ? geometry.Visible(row) : every_key,
                       transformed ? geometry.Distance(row, 0) : 0, key_begin, n, s);
+    geometry.MaskTreeTile(row, key_begin, n, s);  // A Decode item's token tree, if any.
     const float rescale = states[r].template VisitTile<V>(s, n, s);
     if (rescales != nullptr) rescales[r] = rescale;
     float* a = acc + r * acc_stride;

@@ -153,9 +153,12 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       float dot = 0.f;
 #pragma unroll 8
       for (int c = 0; c < P; ++c) dot += q[c] * key[c];
-      // Lanes past the tile's n keys hold keys past `end`, which visible[k] excludes.
+      // Lanes past the tile's n keys hold keys past `end`, which visible[k] excludes; a token
+      // tree hides the new tokens off the row's branch.
       const float score =
-          ScoreOrHidden(transform[k], visible[k], distance[k], tile + lane, item.scale * dot);
+          item.geometry.TreeHides((row0 + r) % nq, tile + lane)
+              ? -INFINITY
+              : ScoreOrHidden(transform[k], visible[k], distance[k], tile + lane, item.scale * dot);
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);
       const float weight = state[k].AddScore(score);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <utility>
 #include <vector>
@@ -53,6 +54,14 @@ absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
     const bool split = problem.pages != nullptr && problem.shape.batch == 1 && pitch != 0 &&
                        DecodeSharedBytes(pitch) + kStaticSharedBytes <= options_.max_shared_bytes;
     if (!split) {
+      if (problem.tree_count > 0) {  // Tiled's kernels take no token tree.
+        return absl::UnimplementedError(absl::StrCat(
+            "Decode with tree_parents on CUDA runs only in the decode kernel (head_dim and "
+            "value_dim ≤ ",
+            kCompiledDims[std::size(kCompiledDims) - 1],
+            ", within the device's shared memory); this item's are ", problem.shape.head_dim,
+            " and ", problem.shape.value_dim));
+      }
       ATTN_ASSIGN_OR_RETURN(const Stats stats, Tiled(problem, outputs[i]));
       total.Add(stats);
       continue;
@@ -99,7 +108,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
   std::vector<DecodeItem> items(count);
   std::vector<DecodeUnit> units;
   std::vector<int64_t> query_offset(count), slopes_offset(count), sinks_offset(count),
-      output_offset(count), lse_offset(count);
+      tree_offset(count), output_offset(count), lse_offset(count);
   int64_t query_bytes = 0, result_bytes = 0, partial_acc = 0, partial_state = 0, max_rows = 0;
   double flops = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -135,6 +144,11 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     if (p.sinks != nullptr) {
       sinks_offset[i] = query_bytes;
       query_bytes += Align(s.heads * 4);
+    }
+    tree_offset[i] = -1;
+    if (p.tree_count > 0) {
+      tree_offset[i] = query_bytes;
+      query_bytes += Align(s.query_len * item.geometry.tree_words * 8);
     }
     output_offset[i] = result_bytes;
     result_bytes += Align(p.OutputElements() * ElementSize(p.output_dtype));
@@ -192,6 +206,11 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     if (sinks_offset[i] >= 0) {
       std::memcpy(staged + sinks_offset[i], p.sinks, p.shape.heads * 4);
       items[i].transforms.sinks = reinterpret_cast<const float*>(upload + sinks_offset[i]);
+    }
+    if (tree_offset[i] >= 0) {
+      std::memcpy(staged + tree_offset[i], p.tree_ancestors,
+                  p.shape.query_len * items[i].geometry.tree_words * 8);
+      items[i].geometry.tree_ancestors = reinterpret_cast<const uint64_t*>(upload + tree_offset[i]);
     }
     items[i].output = results + output_offset[i];
     items[i].lse = lse_offset[i] >= 0 ? reinterpret_cast<float*>(results + lse_offset[i]) : nullptr;

@@ -247,7 +247,16 @@ struct DecodeCase {
   bool causal = false;
   bool alibi = false;  // ALiBi slopes 2^−(h+1) on every item (the split kernel's rows by head).
   bool sinks = false;  // Sinks 0.5·h − 1 on every item (added in the merge kernel, by head).
+  // A token tree on every item (DecodeItem.tree_parents; query_len entries); empty: none.
+  std::vector<int32_t> tree = {};
 };
+
+// 70 new tokens, chains of five off the prefix and off token 3: masks of two 64-bit words.
+std::vector<int32_t> LongTree() {
+  std::vector<int32_t> parents;
+  for (int32_t i = 0; i < 70; ++i) parents.push_back(i % 5 == 0 ? (i >= 10 ? 3 : -1) : i - 1);
+  return parents;
+}
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 
@@ -268,6 +277,7 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
     for (int64_t h = 0; c.sinks && h < c.items[i].heads; ++h) {
       hosts.back().sinks.push_back(0.5f * static_cast<float>(h) - 1.f);
     }
+    if (!c.tree.empty()) hosts.back().SetTree(c.tree);
   }
   std::vector<Problem> problems;
   std::vector<PoisonedOutputs> poisoned;
@@ -365,7 +375,22 @@ INSTANTIATE_TEST_SUITE_P(
                    {MakeShape(1, 6, 3, 2, 131, 48, 40)},
                    true,
                    true,
-                   true}),
+                   true},
+        // Speculative decoding's token trees: EAGLE-like over GQA with ALiBi, and a long one.
+        DecodeCase{"TreeGqaAlibiF32",
+                   DType::kFloat32,
+                   {MakeShape(1, 8, 2, 7, 300, 64, 64)},
+                   true,
+                   true,
+                   false,
+                   {-1, 0, 0, 1, 1, 2, -1}},
+        DecodeCase{"LongTreeBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 2, 1, 70, 400, 32, 32)},
+                   true,
+                   false,
+                   false,
+                   LongTree()}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
