@@ -152,6 +152,9 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   absl::Status CheckDevice();
   // UNAVAILABLE while draining.
   absl::Status CheckAccepting() const;
+  // A call that changes cache `id`: its layout (NOT_FOUND first, so a cache a draining server
+  // handed over answers where it went), then CheckAccepting and CheckDevice.
+  absl::StatusOr<KvLayout> AdmitCacheChange(const std::string& owner, const std::string& id);
 
   Backend& backend_;
   const ServiceConfig config_;

@@ -157,15 +157,21 @@ grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerCont
   return Finished(context);
 }
 
+absl::StatusOr<KvLayout> AttentionService::AdmitCacheChange(const std::string& owner,
+                                                            const std::string& id) {
+  absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, id, "cache_id");
+  if (!layout.ok()) return layout.status();
+  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return accepting;
+  if (absl::Status device = CheckDevice(); !device.ok()) return device;
+  return layout;
+}
+
 grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerContext* context,
                                                         const v1::AppendCacheRequest* request,
                                                         v1::CacheInfo* response) {
   const std::string owner = CallerIdentity(*context);
-  // The cache first: one a draining server handed over answers where it went (moved_to).
-  const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
+  const absl::StatusOr<KvLayout> layout = AdmitCacheChange(owner, request->cache_id());
   if (!layout.ok()) return Failed(context, layout.status());
-  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
-  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
   const absl::StatusOr<NewTokens> tokens =
       ParseNewTokens("", TensorOrNull(request->has_key(), request->key()),
                      TensorOrNull(request->has_value(), request->value()), *layout, false);
@@ -221,11 +227,10 @@ grpc::ServerUnaryReactor* AttentionService::TruncateCache(grpc::CallbackServerCo
                                                           const v1::TruncateCacheRequest* request,
                                                           v1::CacheInfo* response) {
   const std::string owner = CallerIdentity(*context);
-  // The cache first: one a draining server handed over answers where it went (moved_to).
-  const absl::StatusOr<KvLayout> layout = caches_.LayoutOf(owner, request->cache_id(), "cache_id");
-  if (!layout.ok()) return Failed(context, layout.status());
-  if (absl::Status accepting = CheckAccepting(); !accepting.ok()) return Failed(context, accepting);
-  if (absl::Status device = CheckDevice(); !device.ok()) return Failed(context, device);
+  if (const absl::StatusOr<KvLayout> layout = AdmitCacheChange(owner, request->cache_id());
+      !layout.ok()) {
+    return Failed(context, layout.status());
+  }
   if (absl::Status length = CheckCutLength("", "length", request->length(), -1); !length.ok()) {
     return Failed(context, length);
   }

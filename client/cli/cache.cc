@@ -129,11 +129,15 @@ absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
               cache.length(), count, rng, stored_keys, stored_values, appends);
 }
 
-absl::StatusOr<client::Cache> OpenCache(client::MultiServerClient& client, const std::string& id) {
+// The cache `id` on the server holding it; with expected_length ≥ 0 it is believed to hold that
+// many tokens (what the next call sends as expected_length), else what the server says.
+absl::StatusOr<client::Cache> OpenCache(client::MultiServerClient& client, const std::string& id,
+                                        int64_t expected_length = -1) {
   absl::StatusOr<v1::CacheInfo> info = client.GetCacheInfo(id);
   if (!info.ok()) return info.status();
   absl::StatusOr<client::Client*> owner = client.ClientFor(id);
   if (!owner.ok()) return owner.status();
+  if (expected_length >= 0) info->set_length(expected_length);
   return client::Cache(**owner, *std::move(info));
 }
 
@@ -420,13 +424,8 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
   if (command == "append") {
     if (absl::Status usage = NeedId(args, "append ... --tokens N"); !usage.ok()) return usage;
     if (flags.tokens < 1) return absl::InvalidArgumentError("--tokens must be positive");
-    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1]);
+    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1], flags.expected_length);
     if (!cache.ok()) return cache.status();
-    if (flags.expected_length >= 0) {
-      v1::CacheInfo believed = cache->info();
-      believed.set_length(flags.expected_length);
-      cache->Update(believed);
-    }
     std::mt19937_64 rng(flags.seed);
     if (absl::Status filled = Fill(*cache, flags.tokens, rng, nullptr, nullptr, nullptr);
         !filled.ok()) {
@@ -438,13 +437,8 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
   if (command == "truncate") {
     if (absl::Status usage = NeedId(args, "truncate ... --keep N"); !usage.ok()) return usage;
     if (flags.keep < 0) return absl::InvalidArgumentError("--keep N: the tokens to keep (≥ 0)");
-    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1]);
+    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1], flags.expected_length);
     if (!cache.ok()) return cache.status();
-    if (flags.expected_length >= 0) {
-      v1::CacheInfo believed = cache->info();
-      believed.set_length(flags.expected_length);
-      cache->Update(believed);
-    }
     absl::StatusOr<v1::CacheInfo> info = cache->Truncate(flags.keep);
     if (!info.ok()) return info.status();
     PrintInfo(out, *info, flags.json);
