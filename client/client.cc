@@ -698,24 +698,32 @@ auto Cache::FollowingMoves(const Call& call) -> decltype(call(std::declval<Clien
 void Cache::Adopt(const v1::CacheInfo& info, const v1::Tensor* key, const v1::Tensor* value) {
   const int64_t before = length();
   info_ = info;
+  unsure_cut_.reset();               // The server said what it holds.
   if (!info.has_durable_length()) {  // The server does not persist: nothing to send again.
     tail_.clear();
     return;
   }
+  const auto tail_end = [&] { return tail_.back()->start + tail_.back()->tokens; };
   const int64_t sent = key != nullptr && value != nullptr ? ShapeOf(*key).tokens : 0;
-  if (sent > 0 && info.length() == before + sent) {
-    if (info.length() > info.durable_length()) {
-      tail_.push_back(std::make_shared<const Sent>(Sent{before, sent, *key, *value}));
-    }
-  } else if (info.length() != before) {
-    tail_.clear();  // Tokens this Cache has not seen: the tail would have a gap.
+  if (sent > 0 && info.length() == before + sent && info.length() > info.durable_length()) {
+    // After a cut it was unsure of, the tail may end short of `before`: it would have a gap.
+    if (!tail_.empty() && tail_end() != before) tail_.clear();
+    tail_.push_back(std::make_shared<const Sent>(Sent{before, sent, *key, *value}));
   }
+  // Tokens this Cache has not seen (a length that moved), or a cut it was unsure of that the
+  // server did not make: the tail would have a gap.
+  if (!tail_.empty() && tail_end() != info.length()) tail_.clear();
   while (!tail_.empty() && tail_.front()->start + tail_.front()->tokens <= info.durable_length()) {
     tail_.pop_front();
   }
 }
 
 void Cache::Cut(int64_t length) {
+  CutTail(length);
+  info_.set_length(length);
+}
+
+void Cache::CutTail(int64_t length) {
   while (!tail_.empty() && tail_.back()->start >= length) tail_.pop_back();
   if (!tail_.empty() && tail_.back()->start + tail_.back()->tokens > length) {
     const int64_t start = tail_.back()->start;
@@ -723,7 +731,34 @@ void Cache::Cut(int64_t length) {
         Sent{start, length - start, Gather(true, start, length), Gather(false, start, length)});
     tail_.back() = std::move(sliced);
   }
-  info_.set_length(length);
+}
+
+bool Cache::IsRefusal(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kUnimplemented:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void Cache::CutFailed(int64_t length, const absl::Status& status) {
+  if (status.ok() || IsRefusal(status) || length < 0) return;
+  CutTail(length);
+  if (!unsure_cut_ || length < *unsure_cut_) unsure_cut_ = length;
+}
+
+void Cache::CallFailed(const absl::Status& status, const v1::DecodeItem& item) {
+  if (item.has_truncate_to() && item.expected_length() == length()) {
+    CutFailed(item.truncate_to(), status);
+  }
 }
 
 v1::Tensor Cache::Gather(bool keys, int64_t begin, int64_t end) const {
@@ -766,12 +801,15 @@ absl::StatusOr<v1::CacheInfo> Cache::Truncate(int64_t length) {
   if (info.ok()) {
     Cut(length);
     Adopt(*info, nullptr, nullptr);
+  } else {
+    CutFailed(length, info.status());
   }
   return info;
 }
 
 v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key, const v1::Tensor* value,
-                           std::optional<int64_t> truncate_to) const {
+                           std::optional<int64_t> truncate_to,
+                           absl::Span<const int32_t> tree_parents) const {
   v1::DecodeItem item;
   item.set_cache_id(id());
   *item.mutable_query() = query;
@@ -779,6 +817,7 @@ v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key, const
   if (value != nullptr) *item.mutable_value() = *value;
   item.set_expected_length(length());
   if (truncate_to) item.set_truncate_to(*truncate_to);
+  item.mutable_tree_parents()->Add(tree_parents.begin(), tree_parents.end());
   return item;
 }
 
@@ -797,13 +836,17 @@ void Cache::Update(const v1::CacheInfo& info, const v1::DecodeItem& item) {
 absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const v1::Tensor* key,
                                                  const v1::Tensor* value,
                                                  const v1::AttentionOptions& options,
-                                                 std::optional<int64_t> truncate_to) {
+                                                 std::optional<int64_t> truncate_to,
+                                                 absl::Span<const int32_t> tree_parents) {
   v1::DecodeRequest request;
-  *request.add_items() = Item(query, key, value, truncate_to);
+  *request.add_items() = Item(query, key, value, truncate_to, tree_parents);
   *request.mutable_options() = options;
   absl::StatusOr<v1::DecodeResponse> response =
       FollowingMoves([&](Client& client) { return client.Decode(request); });
-  if (!response.ok()) return response;
+  if (!response.ok()) {
+    CallFailed(response.status(), request.items(0));
+    return response;
+  }
   if (response->caches_size() != 1 || response->outputs_size() != 1) {
     return absl::InternalError(absl::StrCat("Decode of one item answered ",
                                             response->outputs_size(), " outputs and ",
@@ -818,26 +861,30 @@ absl::StatusOr<v1::CacheInfo> Cache::Refresh() {
       FollowingMoves([&](Client& client) { return client.GetCacheInfo(id()); });
   if (!info.ok()) return info;
   const int64_t held = info->length();
-  if (held >= length()) {
+  // After a cut that may have been applied (CutFailed), nothing past it is sent again.
+  const int64_t target = unsure_cut_ ? std::min(length(), *unsure_cut_) : length();
+  if (held >= target) {
+    if (target < length()) Cut(target);  // So Adopt keeps the tail when the server holds target.
     Adopt(*info, nullptr, nullptr);
     return info;
   }
+  // The tail, when not empty, ends at target: at length(), or cut at the unsure cut.
   if (kept_from() > held) {
     return absl::DataLossError(
         absl::StrCat("cache ", id(), ": the server holds ", held, " tokens, this client sent ",
-                     length(), " and kept them only from ", kept_from(),
+                     target, " and kept them only from ", kept_from(),
                      " on (the rest were durable, or the server does not persist caches): tokens [",
                      held, ", ", kept_from(), ") are lost; prefill the sequence again"));
   }
-  // Tokens [held, length()) again, from the tail, in appends of at most kReplayAppendBytes.
+  // Tokens [held, target) again, from the tail, in appends of at most kReplayAppendBytes.
   const Sent& front = *tail_.front();
   const int64_t token_bytes =
       static_cast<int64_t>(front.key.data().size() + front.value.data().size()) /
       std::max<int64_t>(1, front.tokens);
   const int64_t per_append =
       std::max<int64_t>(1, kReplayAppendBytes / std::max<int64_t>(1, token_bytes));
-  for (int64_t begin = held; begin < length();) {
-    const int64_t end = std::min(length(), begin + per_append);
+  for (int64_t begin = held; begin < target;) {
+    const int64_t end = std::min(target, begin + per_append);
     info = client_->AppendCache(
         AppendRequest(id(), Gather(true, begin, end), Gather(false, begin, end), begin));
     if (!info.ok()) {

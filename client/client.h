@@ -30,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
@@ -286,6 +287,15 @@ attention::v1::AttentionRequest CacheRequest(const std::string& cache_id,
 // - moved_to: when Append, Decode, Refresh or Delete fails NOT_FOUND naming moved_to=HOST:PORT
 //   (MovedTo), the Cache makes a Client for HOST:PORT with the first one's options, keeps it,
 //   and retries the call there once (a second moved_to in a row is returned as the error).
+// - Cuts (Truncate, Decode's truncate_to, Update(info, item)) cut the kept tail too: the kept
+//   appends at or past the cut are dropped and the one that straddles it is sliced, so a Refresh
+//   never sends a cut token back. A call carrying a cut that fails without the server refusing
+//   it (any code but IsRefusal's: UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, CANCELLED, ...; the
+//   cut may have been applied, its answer lost) cuts the tail all the same and keeps length():
+//   the next Refresh sends tokens only up to the lowest such cut C, i.e. when the server holds
+//   at least C tokens it takes the server's info as it is (nothing sent), and when it holds L < C
+//   it sends [L, C) again. A refusal applied nothing and leaves the Cache as it was. For a
+//   batched Client::Decode that failed, CallFailed(status, item) applies the same rule.
 //
 // Not thread-safe (one sequence, one writer). The Client it was made with must outlive it (a
 // Client it made for a moved_to lives as long as the last copy). Copies are cheap: they share
@@ -317,27 +327,50 @@ class Cache {
   absl::StatusOr<attention::v1::CacheInfo> Append(const attention::v1::Tensor& key,
                                                   const attention::v1::Tensor& value);
   // Cuts the cache to its first `length` tokens (TruncateCache, expected_length = length()): the
-  // kept tail loses what lies past the cut, so a Refresh never sends cut tokens again.
+  // kept tail loses what lies past the cut, so a Refresh never sends cut tokens again. A failure
+  // that is not a refusal (IsRefusal) cuts the tail too and bounds the next Refresh (above).
   absl::StatusOr<attention::v1::CacheInfo> Truncate(int64_t length);
   // One Decode of this cache alone: cuts it to truncate_to first when given (speculative
-  // decoding's rejected drafts), appends key/value when given (nullptr: none), then attends
-  // `query` [heads, nq, head_dim] over the whole cache.
+  // decoding's rejected drafts; a failure that is not a refusal as for Truncate), appends
+  // key/value when given (nullptr: none), then attends `query` [heads, nq, head_dim] over the
+  // whole cache. tree_parents (empty: none) makes the new tokens a token tree (EAGLE, Medusa;
+  // attention.proto, DecodeItem.tree_parents): entry i is new token i's parent among the new
+  // tokens (−1: a child of the cached prefix; else earlier, 0 ≤ parent < i); `query` then has one
+  // row per new token, and row i sees the cached prefix, token i's ancestors and itself. Sent as
+  // given: the server names items[0].tree_parents, items[0].tree_parents[j] or items[0].query
+  // (INVALID_ARGUMENT) when it does not fit.
+  // E.g. t0 → {a, b}, a → {c}: Decode(query, &key, &value, options, std::nullopt, {-1, 0, 0, 1}).
   absl::StatusOr<attention::v1::DecodeResponse> Decode(
       const attention::v1::Tensor& query, const attention::v1::Tensor* key = nullptr,
       const attention::v1::Tensor* value = nullptr,
       const attention::v1::AttentionOptions& options = {},
-      std::optional<int64_t> truncate_to = std::nullopt);
-  // The DecodeItem for this cache in a batched Client::Decode, with expected_length = length().
-  // After the call succeeds, pass Update the response's caches[i] for this item and the item.
+      std::optional<int64_t> truncate_to = std::nullopt,
+      absl::Span<const int32_t> tree_parents = {});
+  // The DecodeItem for this cache in a batched Client::Decode, with expected_length = length(),
+  // truncate_to and tree_parents as for Decode. After the call succeeds, pass Update the
+  // response's caches[i] for this item and the item; after it fails, pass CallFailed the status
+  // and the item.
   attention::v1::DecodeItem Item(const attention::v1::Tensor& query,
                                  const attention::v1::Tensor* key = nullptr,
                                  const attention::v1::Tensor* value = nullptr,
-                                 std::optional<int64_t> truncate_to = std::nullopt) const;
+                                 std::optional<int64_t> truncate_to = std::nullopt,
+                                 absl::Span<const int32_t> tree_parents = {}) const;
   // Takes `info` (the server's answer naming this cache) as what the cache now holds. With the
   // `item` that produced it, its cut (truncate_to) applies to the kept tail and its key and
   // value join it; without, a length that moved drops the tail (its tokens are not known here).
   void Update(const attention::v1::CacheInfo& info);
   void Update(const attention::v1::CacheInfo& info, const attention::v1::DecodeItem& item);
+  // A batched Client::Decode carrying this Cache's `item` failed with `status`: when the item
+  // has a cut and the status is not a refusal (IsRefusal), the cut may have been applied, so the
+  // kept tail is cut and the next Refresh bounded by it (above); otherwise nothing changes.
+  void CallFailed(const absl::Status& status, const attention::v1::DecodeItem& item);
+  // Whether a failed call's `status` is the server refusing it, nothing of it applied:
+  // INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE, NOT_FOUND, ALREADY_EXISTS,
+  // PERMISSION_DENIED, UNAUTHENTICATED, UNIMPLEMENTED. Any other failure may have been applied.
+  static bool IsRefusal(const absl::Status& status);
+  // The lowest cut a failed call may have applied (a Refresh sends nothing past it); nullopt
+  // when none is pending (every answer from the server clears it).
+  std::optional<int64_t> unsure_cut() const { return unsure_cut_; }
   // Re-reads the cache's info from the server, re-sending the tokens it lost (above).
   absl::StatusOr<attention::v1::CacheInfo> Refresh();
   // Deletes the cache on the server.
@@ -362,6 +395,10 @@ class Cache {
   // A cut to `length` tokens that the server made: the kept tail loses what lies past it (the
   // append that straddles it sliced), and length() becomes `length`.
   void Cut(int64_t length);
+  // The kept tail's part of Cut, length() unchanged.
+  void CutTail(int64_t length);
+  // A call cutting to `length` failed with `status` (see CallFailed).
+  void CutFailed(int64_t length, const absl::Status& status);
   // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor.
   attention::v1::Tensor Gather(bool keys, int64_t begin, int64_t end) const;
   // call(client()), and once more on the moved_to server's Client when it fails naming one.
@@ -371,7 +408,9 @@ class Cache {
   Client* client_;
   std::shared_ptr<Client> moved_client_;  // The Client made for a moved_to, when one was.
   attention::v1::CacheInfo info_;
-  std::deque<std::shared_ptr<const Sent>> tail_;  // Contiguous, ending at length().
+  // Contiguous, ending at length(); or, while a cut is unsure, at or before it.
+  std::deque<std::shared_ptr<const Sent>> tail_;
+  std::optional<int64_t> unsure_cut_;  // See unsure_cut().
 };
 
 }  // namespace attn::client

@@ -9,17 +9,28 @@
 //   --cache-dir keeps none; one with it drops what it said was durable);
 // - a cache moved away (CacheRegistry::MarkMoved, as a drain does) is followed once, not twice;
 // - ExportCache's chunks and CRC32C, MoveCache deleting the source only after the copy checked
-//   out, and refusing (DATA_LOSS, source kept, copy deleted) a target whose answer differs.
+//   out, and refusing (DATA_LOSS, source kept, copy deleted) a target whose answer differs;
+// - a cut whose answer is lost (a LosingService in front of a real one answers UNAVAILABLE after
+//   applying TruncateCache or a Decode's truncate_to, or before sending it): the Cache cuts its
+//   tail and Refresh sends nothing past the lowest such cut (taking the server's info when it
+//   holds at least that many), a refusal leaves the Cache as it was, CallFailed does the same for
+//   a batched item, and a restarted server holding fewer tokens gets them only up to that cut;
+// - Cache::Decode's tree_parents: each row of a token tree equal to a plain causal Decode over
+//   the prefix and that row's branch, a count that does not fit refused naming the field.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -567,6 +578,320 @@ TEST_F(ClientRecoveryTest, MoveCacheRefusesATargetWhoseAnswerDiffers) {
   EXPECT_EQ(LengthOn(*one->client, cache->id()), 30);                 // The source stays.
   EXPECT_EQ(wrong.deleted(), std::vector<std::string>{cache->id()});  // The bad copy goes.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+// A server in front of `real` that forwards the cache calls a Cache makes, except that the next
+// call of one RPC is lost: applied on `real` and its answer replaced by UNAVAILABLE, or failed
+// UNAVAILABLE before it was forwarded. Counts the AppendCache calls it forwards. Synchronous: a
+// forward blocks on `real`, which the sync server's own threads may do.
+class LosingService final : public v1::AttentionService::Service {
+ public:
+  explicit LosingService(client::Client& real) : real_(real) {}
+
+  void Lose(const std::string& rpc, bool applied) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    lose_ = {rpc, applied};
+  }
+  int appends() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return appends_;
+  }
+
+  grpc::Status CreateCache(grpc::ServerContext*, const v1::CreateCacheRequest* request,
+                           v1::CacheInfo* response) override {
+    return Forward("CreateCache", response, [&] { return real_.CreateCache(*request); });
+  }
+  grpc::Status AppendCache(grpc::ServerContext*, const v1::AppendCacheRequest* request,
+                           v1::CacheInfo* response) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++appends_;
+    }
+    return Forward("AppendCache", response, [&] { return real_.AppendCache(*request); });
+  }
+  grpc::Status GetCacheInfo(grpc::ServerContext*, const v1::GetCacheInfoRequest* request,
+                            v1::CacheInfo* response) override {
+    return Forward("GetCacheInfo", response,
+                   [&] { return real_.GetCacheInfo(request->cache_id()); });
+  }
+  grpc::Status TruncateCache(grpc::ServerContext*, const v1::TruncateCacheRequest* request,
+                             v1::CacheInfo* response) override {
+    return Forward("TruncateCache", response, [&] { return real_.TruncateCache(*request); });
+  }
+  grpc::Status Decode(grpc::ServerContext*, const v1::DecodeRequest* request,
+                      v1::DecodeResponse* response) override {
+    return Forward("Decode", response, [&] { return real_.Decode(*request); });
+  }
+
+ private:
+  template <typename Response, typename Call>
+  grpc::Status Forward(const std::string& rpc, Response* response, const Call& call) {
+    std::optional<bool> applied;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (lose_ && lose_->first == rpc) applied = lose_->second;
+      if (applied) lose_.reset();
+    }
+    if (applied && !*applied) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "lost before it was sent (a test)");
+    }
+    absl::StatusOr<Response> answer = call();
+    if (applied) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost (a test)");
+    if (!answer.ok()) {
+      return grpc::Status(static_cast<grpc::StatusCode>(answer.status().code()),
+                          std::string(answer.status().message()));
+    }
+    *response = *std::move(answer);
+    return grpc::Status::OK;
+  }
+
+  client::Client& real_;
+  std::mutex mutex_;
+  std::optional<std::pair<std::string, bool>> lose_;
+  int appends_ = 0;
+};
+
+// LosingService on a port of its own.
+struct LosingServer {
+  explicit LosingServer(client::Client& real) : service(real) {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+    EXPECT_NE(server, nullptr);
+    client = std::make_unique<client::Client>(absl::StrCat("127.0.0.1:", port), Options());
+  }
+  ~LosingServer() {
+    if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+  LosingService service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<client::Client> client;
+};
+
+// Tiled's bytes over a new cache on `client` holding `key` and `value`, deleted after.
+std::string TiledOfTokens(client::Client& client, const Sequence& layout, const v1::Tensor& key,
+                          const v1::Tensor& value) {
+  absl::StatusOr<client::Cache> clean = client::Cache::Create(client, layout.Create());
+  EXPECT_TRUE(clean.ok()) << clean.status();
+  if (!clean.ok()) return "";
+  EXPECT_TRUE(clean->Append(key, value).ok());
+  std::string bytes = TiledBytes(client, clean->id(), layout);
+  EXPECT_TRUE(clean->Delete().ok());
+  return bytes;
+}
+
+// Tokens of `a` then `b` ([kv_heads, n, dim] of one dtype) as one tensor.
+v1::Tensor Joined(const v1::Tensor& a, const v1::Tensor& b) {
+  const int64_t heads = a.shape(0), na = a.shape(1), nb = b.shape(1);
+  const int64_t row = static_cast<int64_t>(a.data().size()) / (heads * na);
+  v1::Tensor joined = a;
+  joined.set_shape(1, na + nb);
+  std::string* data = joined.mutable_data();
+  data->clear();
+  for (int64_t h = 0; h < heads; ++h) {
+    data->append(a.data(), h * na * row, na * row);
+    data->append(b.data(), h * nb * row, nb * row);
+  }
+  return joined;
+}
+
+// Rule 6 of the recovery protocol (docs/usage.md): a call carrying a cut that fails without a
+// refusal may have been applied, so the Cache cuts its tail and the next Refresh sends nothing
+// past the lowest such cut, taking the server's info when it holds at least that many tokens.
+TEST_F(ClientRecoveryTest, ACutWhoseAnswerIsLostBoundsTheNextRefresh) {
+  // A persistent server (answers carry durable_length, so the Cache keeps a tail), behind a
+  // LosingServer.
+  std::unique_ptr<Server> real = StartServer(TempDir());
+  LosingServer losing(*real->client);
+  const Sequence seq(1, 8, 8, 40, v1::DTYPE_FLOAT32, 11);
+  const Sequence drafts(1, 8, 8, 40, v1::DTYPE_FLOAT32, 12);
+  absl::StatusOr<client::Cache> created = client::Cache::Create(*losing.client, seq.Create());
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::Cache& cache = *created;
+  ASSERT_TRUE(cache.Append(seq.Keys(0, 10), seq.Values(0, 10)).ok());
+  ASSERT_TRUE(cache.Append(seq.Keys(10, 16), seq.Values(10, 16)).ok());
+  EXPECT_EQ(cache.kept_from(), 0);
+  EXPECT_EQ(losing.service.appends(), 2);
+
+  // TruncateCache applied, its answer lost: the Cache still believes 16, its tail is cut at 12,
+  // and Refresh takes the server's 12 without sending anything.
+  losing.service.Lose("TruncateCache", /*applied=*/true);
+  const absl::StatusOr<v1::CacheInfo> truncated = cache.Truncate(12);
+  EXPECT_EQ(truncated.status().code(), absl::StatusCode::kUnavailable) << truncated.status();
+  EXPECT_EQ(cache.length(), 16);
+  EXPECT_EQ(cache.unsure_cut(), 12);
+  EXPECT_EQ(LengthOn(*real->client, cache.id()), 12);
+  absl::StatusOr<v1::CacheInfo> refreshed = cache.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 12);
+  EXPECT_EQ(cache.length(), 12);
+  EXPECT_EQ(cache.unsure_cut(), std::nullopt);
+  EXPECT_EQ(cache.kept_from(), 0);  // The tail, cut at 12, still reaches back.
+  EXPECT_EQ(losing.service.appends(), 2);
+  EXPECT_EQ(TiledBytes(*real->client, cache.id(), seq),
+            TiledOfTokens(*real->client, seq, seq.Keys(0, 12), seq.Values(0, 12)));
+
+  // A Decode cutting to 5 and appending 3 drafts, applied, its answer lost: the same.
+  const v1::Tensor key = drafts.Keys(0, 3), value = drafts.Values(0, 3);
+  losing.service.Lose("Decode", /*applied=*/true);
+  const absl::StatusOr<v1::DecodeResponse> decoded =
+      cache.Decode(Query(seq, 1), &key, &value, {}, /*truncate_to=*/5);
+  EXPECT_EQ(decoded.status().code(), absl::StatusCode::kUnavailable) << decoded.status();
+  EXPECT_EQ(cache.length(), 12);
+  EXPECT_EQ(cache.unsure_cut(), 5);
+  refreshed = cache.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(cache.length(), 8);
+  EXPECT_EQ(losing.service.appends(), 2);
+  const v1::Tensor want_key = Joined(seq.Keys(0, 5), key);
+  const v1::Tensor want_value = Joined(seq.Values(0, 5), value);
+  const std::string want = TiledOfTokens(*real->client, seq, want_key, want_value);
+  EXPECT_EQ(TiledBytes(*real->client, cache.id(), seq), want);
+
+  // A cut that never reached the server: Refresh takes its 8 as they are, sending nothing.
+  losing.service.Lose("TruncateCache", /*applied=*/false);
+  EXPECT_EQ(cache.Truncate(3).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cache.unsure_cut(), 3);
+  refreshed = cache.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(cache.length(), 8);
+  EXPECT_EQ(losing.service.appends(), 2);
+  EXPECT_EQ(TiledBytes(*real->client, cache.id(), seq), want);
+
+  // Refusals applied nothing: the Cache is left as it was.
+  EXPECT_EQ(cache.Truncate(9).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(cache.Decode(Query(seq, 2), nullptr, nullptr, {}, 9).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(cache.unsure_cut(), std::nullopt);
+  EXPECT_EQ(cache.length(), 8);
+
+  // A batched Decode: CallFailed applies the same rule to the item (and ignores a refusal).
+  v1::DecodeRequest batch;
+  *batch.add_items() = cache.Item(Query(seq, 3), nullptr, nullptr, /*truncate_to=*/6);
+  cache.CallFailed(absl::OutOfRangeError("refused"), batch.items(0));
+  EXPECT_EQ(cache.unsure_cut(), std::nullopt);
+  losing.service.Lose("Decode", /*applied=*/true);
+  const absl::StatusOr<v1::DecodeResponse> batched = losing.client->Decode(batch);
+  EXPECT_EQ(batched.status().code(), absl::StatusCode::kUnavailable) << batched.status();
+  cache.CallFailed(batched.status(), batch.items(0));
+  EXPECT_EQ(cache.unsure_cut(), 6);
+  refreshed = cache.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(cache.length(), 6);
+  EXPECT_EQ(losing.service.appends(), 2);
+
+  // What a Refresh sends is bounded by the lowest unsure cut: three lost cuts (25, 27, and a
+  // Decode's 28), none applied, then a server that holds only 18 tokens gets [18, 25) again.
+  std::unique_ptr<Server> two = StartServer();
+  absl::StatusOr<client::Cache> second = client::Cache::Create(*losing.client, seq.Create());
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE(second->Append(seq.Keys(0, 10), seq.Values(0, 10)).ok());
+  ASSERT_TRUE(second->Append(seq.Keys(10, 30), seq.Values(10, 30)).ok());
+  losing.service.Lose("TruncateCache", /*applied=*/false);
+  EXPECT_EQ(second->Truncate(25).status().code(), absl::StatusCode::kUnavailable);
+  losing.service.Lose("TruncateCache", /*applied=*/false);
+  EXPECT_EQ(second->Truncate(27).status().code(), absl::StatusCode::kUnavailable);
+  losing.service.Lose("Decode", /*applied=*/false);
+  EXPECT_EQ(second->Decode(Query(seq, 4), nullptr, nullptr, {}, 28).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(second->unsure_cut(), 25);
+  EXPECT_EQ(second->length(), 30);
+  EXPECT_EQ(second->kept_from(), 0);
+  ASSERT_TRUE(ImportPrefix(*two->client, second->id(), seq, 18).ok());
+  second->Rebind(*two->client);
+  refreshed = second->Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 25);
+  EXPECT_EQ(second->length(), 25);
+  EXPECT_EQ(LengthOn(*two->client, second->id()), 25);
+  EXPECT_EQ(TiledBytes(*two->client, second->id(), seq),
+            TiledOfTokens(*two->client, seq, seq.Keys(0, 25), seq.Values(0, 25)));
+}
+
+// A query [heads, rows, head_dim] of uniform values in [-1, 1) as an Array.
+client::Array RandomQuery(int64_t heads, int64_t rows, int64_t head_dim, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  client::Array query;
+  query.shape = {heads, rows, head_dim};
+  query.values.resize(heads * rows * head_dim);
+  for (float& x : query.values) x = uniform(rng);
+  return query;
+}
+
+// Cache::Decode sends tree_parents (and Item carries them): each row of a token tree's output
+// equals a plain causal Decode over a cache holding the prefix and that row's branch (another
+// path through the kernels: within 1e-5 of the largest output); a count that does not fit is
+// the server's INVALID_ARGUMENT naming items[0].tree_parents, the cache unchanged.
+TEST_F(ClientRecoveryTest, DecodeSendsATokenTree) {
+  std::unique_ptr<Server> server = StartServer();
+  const std::vector<int32_t> parents = {-1, 0, 0, 1, 1, 2, -1};
+  const int64_t prefix = 21, n = 7, heads = 4;
+  const Sequence seq(2, 16, 12, prefix + n, v1::DTYPE_FLOAT32, 21);
+  absl::StatusOr<client::Cache> cache = client::Cache::Create(*server->client, seq.Create());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(cache->Append(seq.Keys(0, prefix), seq.Values(0, prefix)).ok());
+  v1::AttentionOptions options;
+  options.set_causal(true);
+  const client::Array query = RandomQuery(heads, n, 16, 22);
+  const v1::Tensor key = seq.Keys(prefix, prefix + n), value = seq.Values(prefix, prefix + n);
+
+  const v1::DecodeItem item =
+      cache->Item(client::ToTensor(query), &key, &value, std::nullopt, parents);
+  EXPECT_EQ(std::vector<int32_t>(item.tree_parents().begin(), item.tree_parents().end()), parents);
+  const absl::StatusOr<v1::DecodeResponse> tree =
+      cache->Decode(client::ToTensor(query), &key, &value, options, std::nullopt, parents);
+  ASSERT_TRUE(tree.ok()) << tree.status();
+  EXPECT_EQ(cache->length(), prefix + n);
+  const absl::StatusOr<client::Array> output = client::FromTensor(tree->outputs(0));
+  ASSERT_TRUE(output.ok()) << output.status();
+  ASSERT_EQ(output->shape, (std::vector<int64_t>{heads, n, 12}));
+
+  for (int64_t i = 0; i < n; ++i) {
+    absl::StatusOr<client::Cache> alone = client::Cache::Create(*server->client, seq.Create());
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    ASSERT_TRUE(alone->Append(seq.Keys(0, prefix), seq.Values(0, prefix)).ok());
+    std::vector<int64_t> branch;
+    for (int64_t j = i; j >= 0; j = parents[j]) branch.insert(branch.begin(), j);
+    for (const int64_t j : branch) {
+      ASSERT_TRUE(
+          alone
+              ->Append(seq.Keys(prefix + j, prefix + j + 1), seq.Values(prefix + j, prefix + j + 1))
+              .ok());
+    }
+    client::Array row;
+    row.shape = {heads, 1, 16};
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto first = query.values.begin() + (h * n + i) * 16;
+      row.values.insert(row.values.end(), first, first + 16);
+    }
+    const absl::StatusOr<v1::DecodeResponse> plain =
+        alone->Decode(client::ToTensor(row), nullptr, nullptr, options);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    const absl::StatusOr<client::Array> want = client::FromTensor(plain->outputs(0));
+    ASSERT_TRUE(want.ok()) << want.status();
+    float miss = 0.f, top = 0.f;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t c = 0; c < 12; ++c) {
+        const float got = output->values[(h * n + i) * 12 + c], expected = want->values[h * 12 + c];
+        miss = std::max(miss, std::abs(got - expected));
+        top = std::max(top, std::abs(expected));
+      }
+    }
+    EXPECT_LE(miss, 1e-5f * top) << "row " << i;
+    ASSERT_TRUE(alone->Delete().ok());
+  }
+
+  // Two parents for seven new tokens: the server's INVALID_ARGUMENT, nothing appended.
+  const absl::StatusOr<v1::DecodeResponse> wrong =
+      cache->Decode(client::ToTensor(query), &key, &value, options, std::nullopt, {-1, 0});
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument) << wrong.status();
+  EXPECT_TRUE(absl::StrContains(wrong.status().message(), "items[0].tree_parents"))
+      << wrong.status();
+  EXPECT_EQ(cache->length(), prefix + n);
+  EXPECT_EQ(LengthOn(*server->client, cache->id()), prefix + n);
 }
 
 }  // namespace

@@ -87,6 +87,34 @@
 //   await cache.decode(q1, {key: k1, value: v1, truncateTo: kept, options: {causal: true}});
 //   // or in two calls: await cache.truncate(kept); await cache.decode(q1, {key: k1, ...});
 //
+// Token trees (attention.proto, DecodeItem.treeParents; EAGLE, Medusa, SpecInfer): a step can
+// verify a tree of drafts instead of one chain. treeParents (Cache.decode's, Cache.item's and
+// decodeBatch items') gives each new token the index of its parent among the item's new tokens
+// (−1: a child of the cached prefix; otherwise an earlier token, 0 ≤ parent < i). The query then
+// has one row per new token (nq = the new tokens), and row i attends over the cached prefix,
+// token i's ancestors and itself, never the other branches: its output is what a plain causal
+// decode over the prefix and that one branch gives. New token i sits at position n + i (its
+// index, not its depth) for the causal mask, windows and ALiBi; rotate q and k by depth yourself
+// (RoPE) before sending. Lay the tree out depth first, likeliest child first, so the path the
+// model usually accepts is a prefix of the new tokens and truncateTo keeps it in place:
+//   const n = cache.length;
+//   // t0 (the last accepted token) → {a, b}; a → {c, d}; b → {e}; f, a second root.
+//   const treeParents = [-1, 0, 0, 1, 1, 2, -1];        // t0 a b c d e f, depth first
+//   await cache.decode(tensor(q, [heads, 7, d]), {key, value, treeParents,
+//                                                 options: {causal: true}});
+//   const path = [0, 1, 3];                              // t0 → a → c, accepted
+//   if (path.every((node, i) => node === i)) {           // a prefix: cut the rest of the tree
+//     await cache.decode(q1, {key: k1, value: v1, truncateTo: n + path.length, options});
+//   } else {                                             // cut the tree, send the path again
+//     await cache.decode(q1, {key: pathThenK1, value: pathThenV1, truncateTo: n, options});
+//   }
+// treeParents is checked before any call: an Array (or integer typed array) of integer Numbers
+// (a TypeError naming treeParents[j] otherwise), each −1 or earlier than its index (a RangeError
+// naming treeParents[j]); decodeBatch rejects and Cache.item throws with them (after the item's
+// 'items[i].'). The server checks the counts: INVALID_ARGUMENT naming items[i].tree_parents (not
+// one entry per new token, or more than 1024) or items[i].query (not one row per new token).
+// Absent, null or empty: no tree.
+//
 // Export and import (ExportCache, ImportCache): client.exportCache(id) yields the CacheChunks
 // (an async iterator: info, tokens bit-exact in the cache's dtype, the last chunk's crc32c,
 // checked here: DATA_LOSS when they do not add up); client.importCache(chunks, {newIdIfTaken})
@@ -635,6 +663,35 @@ const REFUSED_CODES = new Set([
   grpc.status.NOT_FOUND, grpc.status.ALREADY_EXISTS, grpc.status.PERMISSION_DENIED,
   grpc.status.UNAUTHENTICATED, grpc.status.UNIMPLEMENTED]);
 
+// A DecodeItem's treeParents → the Array to send: an Array or integer typed array whose entry j
+// is an integer Number, −1 (a child of the cached prefix) or an earlier index (0 ≤ parent < j).
+// A TypeError naming `what` or `what[j]` for a wrong type, a RangeError for a parent out of
+// range. The count (one per new token, at most 1024) is the server's check.
+function treeParentsOf(parents, what) {
+  const typed = ArrayBuffer.isView(parents) && !(parents instanceof DataView) &&
+                !(parents instanceof Float32Array) && !(parents instanceof Float64Array);
+  if (!Array.isArray(parents) && !typed) {
+    const kind = Object.prototype.toString.call(parents);
+    throw new TypeError(`${what} must be an Array of integers (one parent per new token), ` +
+                        `not ${kind}`);
+  }
+  return Array.from(parents, (parent, j) => {
+    if (typeof parent === 'bigint') parent = Number(parent);
+    if (typeof parent !== 'number' || !Number.isInteger(parent)) {
+      const shown = typeof parent === 'string' ? `'${parent}'` : String(parent);
+      throw new TypeError(`${what}[${j}] is ${shown} (${typeof parent}); expected an integer ` +
+                          'Number');
+    }
+    if (parent < -1 || parent >= j) {
+      const earlier = j > 0 ? `or an earlier new token's index, 0 … ${j - 1}`
+                            : '(no new token comes before the first)';
+      throw new RangeError(`${what}[${j}] is ${parent}; expected −1 (a child of the cached ` +
+                           `prefix) ${earlier}`);
+    }
+    return parent;
+  });
+}
+
 // A token count to send (TruncateCache's length and expectedLength, a DecodeItem's truncateTo)
 // → the Number: a TypeError naming it (`what`) when it is not an integer Number, a RangeError
 // when it is negative or past 2^53.
@@ -825,20 +882,21 @@ class Client {
   // → ListCachesResponse ({caches: [CacheInfo, ...]}), the caller's, oldest first.
   listCaches(options) { return this.unary_('ListCaches', {}, options); }
 
-  // DecodeRequest ({items: [{cacheId, query, key?, value?, expectedLength, truncateTo?}],
-  // options}) → DecodeResponse ({outputs, lse, stats, caches}), outputs[i] item i's [heads, nq,
-  // valueDim]. An item's truncateTo cuts its cache to that length before its key/value are
-  // appended (expectedLength is the length before the cut). Atomic: if any item fails, every
-  // cache keeps the tokens it had. Cache.item() builds an item; after the call resolves,
-  // Cache.update(response.caches[i]) takes its new length (decodeBatch does both, and keeps the
-  // replay tail).
+  // DecodeRequest ({items: [{cacheId, query, key?, value?, expectedLength, truncateTo?,
+  // treeParents?}], options}) → DecodeResponse ({outputs, lse, stats, caches}), outputs[i] item
+  // i's [heads, nq, valueDim]. An item's truncateTo cuts its cache to that length before its
+  // key/value are appended (expectedLength is the length before the cut); its treeParents make
+  // its new tokens a token tree (see the header; sent unchecked here, Cache.item checks).
+  // Atomic: if any item fails, every cache keeps the tokens it had. Cache.item() builds an item;
+  // after the call resolves, Cache.update(response.caches[i]) takes its new length (decodeBatch
+  // does both, and keeps the replay tail).
   decode(request, options) { return this.unary_('Decode', request, options); }
 
   // decode() over Cache objects: items [{cache, query, key?, value?, keyPosition?,
-  // queryPosition?, truncateTo?}] → DecodeResponse, each Cache's length updated from the answer
-  // (and its replay tail cut at truncateTo). Positions are per item (see Cache.item);
-  // attentionOptions.keyPosition / queryPosition are refused here with a TypeError (the server
-  // would refuse them too: INVALID_ARGUMENT). A window (attentionOptions.windowLeft,
+  // queryPosition?, truncateTo?, treeParents?}] → DecodeResponse, each Cache's length updated
+  // from the answer (and its replay tail cut at truncateTo). Positions are per item (see
+  // Cache.item); attentionOptions.keyPosition / queryPosition are refused here with a TypeError
+  // (the server would refuse them too: INVALID_ARGUMENT). A window (attentionOptions.windowLeft,
   // windowRight) is the batch's, against each item's positions; a softcap
   // (attentionOptions.softcap) and ALiBi slopes (attentionOptions.alibiSlopes) the batch's too,
   // applied to every item (each item's query head count must be the slopes').
@@ -856,8 +914,9 @@ class Client {
       }
     }
     const messages = items.map(({cache, query, key, value, keyPosition, queryPosition,
-                                 truncateTo}, i) =>
-      cache.item(query, key, value, {keyPosition, queryPosition, truncateTo}, `items[${i}].`));
+                                 truncateTo, treeParents}, i) =>
+      cache.item(query, key, value, {keyPosition, queryPosition, truncateTo, treeParents},
+                 `items[${i}].`));
     const sent = items.map(({cache, key, value}, i) =>
       cache.sending_(key, value, messages[i].truncateTo));
     let response;
@@ -1172,8 +1231,12 @@ class Cache {
   // the item's first query row (absent: keyPosition + the length after the append − nq).
   // truncateTo: the cache is first cut to that many tokens (absent: no cut); expectedLength
   // stays the length before the cut. Throws a TypeError / RangeError naming truncateTo (after
-  // `what`, e.g. 'items[1].') when it is not a non-negative integer Number.
-  item(query, key, value, {keyPosition, queryPosition, truncateTo} = {}, what = '') {
+  // `what`, e.g. 'items[1].') when it is not a non-negative integer Number. treeParents: the new
+  // tokens as a token tree (see the header: one parent index per new token, −1 for a child of
+  // the cached prefix; the query then has one row per new token); absent, null or empty: none.
+  // Throws a TypeError / RangeError naming treeParents[j] (after `what`) for an entry that is not
+  // an integer, or not −1 or an earlier index.
+  item(query, key, value, {keyPosition, queryPosition, truncateTo, treeParents} = {}, what = '') {
     const item = {cacheId: this.id, query, expectedLength: this.length};
     if (key !== undefined && key !== null) item.key = key;
     if (value !== undefined && value !== null) item.value = value;
@@ -1182,19 +1245,25 @@ class Cache {
     if (truncateTo !== undefined && truncateTo !== null) {
       item.truncateTo = tokenCount(truncateTo, `${what}truncateTo`);
     }
+    if (treeParents !== undefined && treeParents !== null) {
+      const parents = treeParentsOf(treeParents, `${what}treeParents`);
+      if (parents.length > 0) item.treeParents = parents;
+    }
     return item;
   }
 
   // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
   // this item's positions (item()); truncateTo: cut the cache to that many tokens first (the
-  // drafts the last step rejected), atomically with the append and the attention; options: the
-  // AttentionOptions (a window, a softcap, ALiBi slopes and sinks included), without positions.
-  decode(query, {key, value, keyPosition, queryPosition, truncateTo,
+  // drafts the last step rejected), atomically with the append and the attention; treeParents:
+  // the new tokens as a token tree, one query row each (item(); e.g. [-1, 0, 0, 1]: t0 → {t1,
+  // t2}, t1 → {t3}); options: the AttentionOptions (a window, a softcap, ALiBi slopes and sinks
+  // included), without positions.
+  decode(query, {key, value, keyPosition, queryPosition, truncateTo, treeParents,
                  options: attentionOptions = {}} = {},
          options) {
     return this.followMove_(async () => {
       const response = await this.client.decodeBatch(
-          [{cache: this, query, key, value, keyPosition, queryPosition, truncateTo}],
+          [{cache: this, query, key, value, keyPosition, queryPosition, truncateTo, treeParents}],
           attentionOptions, options);
       return {output: response.outputs[0], lse: response.lse[0] ?? null, stats: response.stats,
               cache: response.caches[0]};

@@ -50,8 +50,15 @@
 // and RangeError naming the field, each leaving the cache as it was; failed 2-item Decodes with
 // truncateTo leaving both caches as they were; with --cache-dir, cuts then SIGKILL, a restart and
 // refresh() re-sending the tail without a cut token, a cut whose answer is lost not undone by
-// refresh(), a refused cut keeping the tail), and, when given a TLS server with a token, TLS
-// + bearer token.
+// refresh(), a refused cut keeping the tail), token trees (treeParents: a 7-token tree over a
+// cached prefix, GQA, causal, fp32 through Cache.decode and bf16 through decodeBatch beside a
+// plain item, each row against float64 over the prefix and its branch and against a plain causal
+// decode over a cache holding just that branch; a tree step then truncateTo keeping the branch
+// t0 → t1 in place, a cut and a tree in one call, and the branch t0 → t2 → t5 cut and sent again,
+// each bit-equal (outputs, lse, export) to caches built from the kept tokens; INVALID_ARGUMENT
+// naming items[i].tree_parents, items[i].tree_parents[j] and items[i].query, client-side TypeError
+// and RangeError naming items[i].treeParents[j], each leaving the cache as it was), and, when
+// given a TLS server with a token, TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--attnd ATTND] [--secure-target HOST:PORT
 //                                         --tls-ca CA.pem --token-file FILE]
 // --attnd: the binary the persistent-cache tests start servers of (skipped without it).
@@ -2524,6 +2531,265 @@ test('truncateTo: a failed Decode leaves every cache as it was', async () => {
   assert.deepEqual([a.length, b.length], [17, 11]);
   await a.delete();
   await b.delete();
+});
+
+// --- token trees: DecodeItem.treeParents -------------------------------------------------------
+// t0 → {t1, t2}, t1 → {t3, t4}, t2 → {t5}, and t6 a second child of the cached prefix (depth
+// first, so t0 → t1 is a prefix of the new tokens).
+const TREE = [-1, 0, 0, 1, 1, 2, -1];
+// The new tokens on the path from the cached prefix to new token i, root first.
+function branchOf(parents, i) {
+  const path = [];
+  for (; i >= 0; i = parents[i]) path.unshift(i);
+  return path;
+}
+// Tokens from + j for each j of `indices`, joined, of a [kvHeads, n, dim] Tensor.
+const pickTokens = (t, from, indices) =>
+  concatTokens(...indices.map((j) => sliceTokens(t, from + j, from + j + 1)));
+// Row i of each head of a [heads, n, width] Float32Array → [heads, 1, width].
+function rowOf(values, heads, n, width, i) {
+  const out = new Float32Array(heads * width);
+  for (let h = 0; h < heads; ++h) {
+    out.set(values.subarray((h * n + i) * width, (h * n + i + 1) * width), h * width);
+  }
+  return out;
+}
+// Two fp32 paths to the same attention: max |got − want| ≤ tol · max |want|.
+function assertNear(got, want, tol, what) {
+  assert.equal(got.length, want.length, `${what}: length`);
+  let miss = 0, top = 0;
+  for (let i = 0; i < want.length; ++i) {
+    assert.ok(Number.isFinite(got[i]), `${what}[${i}] is ${got[i]}`);
+    miss = Math.max(miss, Math.abs(got[i] - want[i]));
+    top = Math.max(top, Math.abs(want[i]));
+  }
+  assert.ok(miss <= tol * top, `${what}: misses by ${miss}, over ${tol} × ${top}`);
+}
+
+test('tree: each row equals a causal decode over its branch and float64 (fp32, bf16, GQA)',
+     async () => {
+  const random = mulberry32(4141);
+  for (const [layout, prefix] of [
+    [{kvHeads: 2, headDim: 24, valueDim: 20, dtype: 'float32', heads: 6}, 37],
+    [{kvHeads: 2, headDim: 16, valueDim: 16, dtype: 'bf16', heads: 8}, 53]]) {
+    const {heads, kvHeads, headDim, valueDim, dtype} = layout;
+    const n = TREE.length;
+    const [key, value] = randomTokens(random, layout, prefix + n);
+    const newKey = sliceTokens(key, prefix, prefix + n);
+    const newValue = sliceTokens(value, prefix, prefix + n);
+    const cache = await client.openCache(layout);
+    await cache.append(sliceTokens(key, 0, prefix), sliceTokens(value, 0, prefix));
+    const qValues = randomNormal(heads * n * headDim, random);
+    const q = tensor(qValues, [heads, n, headDim]);
+    let output, lse;
+    if (dtype === 'float32') {  // Cache.decode, the parents an Array.
+      ({output, lse} = await cache.decode(q, {key: newKey, value: newValue, treeParents: TREE,
+                                              options: {causal: true, returnLse: true}}));
+    } else {  // decodeBatch: the tree (parents an Int32Array) beside a plain causal item.
+      const plainLayout = {kvHeads: 1, headDim: 8, valueDim: 8};
+      const [pk, pv] = randomTokens(random, plainLayout, 12);
+      const plain = await client.openCache(plainLayout);
+      await plain.append(sliceTokens(pk, 0, 10), sliceTokens(pv, 0, 10));
+      const pq = randomNormal(2 * 3 * 8, random);
+      const response = await client.decodeBatch(
+          [{cache, query: q, key: newKey, value: newValue, treeParents: Int32Array.from(TREE)},
+           {cache: plain, query: tensor(pq, [2, 3, 8]), key: sliceTokens(pk, 10, 12),
+            value: sliceTokens(pv, 10, 12)}],
+          {causal: true, returnLse: true});
+      [output, lse] = [response.outputs[0], response.lse[0]];
+      const ref = referenceAttention(
+          {q: pq, k: toFloat32Array(pk), v: toFloat32Array(pv),
+           dims: {batch: 1, heads: 2, kvHeads: 1, queryLen: 3, keyLen: 12, headDim: 8,
+                  valueDim: 8}},
+          1 / Math.sqrt(8), true);
+      assertClose(toFloat32Array(response.outputs[1]), ref.out, 1e-5, 'the plain item');
+      assert.equal(plain.length, 12);
+      await plain.delete();
+    }
+    assert.deepEqual(output.shape.map(Number), [heads, n, valueDim], dtype);
+    assert.equal(cache.length, prefix + n, dtype);
+    const got = toFloat32Array(output), gotLse = toFloat32Array(lse);
+    for (let i = 0; i < n; ++i) {
+      const what = `${dtype}: row ${i}`;
+      const path = branchOf(TREE, i);
+      const branchKey = concatTokens(sliceTokens(key, 0, prefix), pickTokens(key, prefix, path));
+      const branchValue = concatTokens(sliceTokens(value, 0, prefix),
+                                       pickTokens(value, prefix, path));
+      const qRow = rowOf(qValues, heads, n, headDim, i);
+      const rowOut = rowOf(got, heads, n, valueDim, i), rowLse = rowOf(gotLse, heads, n, 1, i);
+      // float64 over the prefix and the row's branch alone.
+      const ref = referenceAttention(
+          {q: qRow, k: toFloat32Array(branchKey), v: toFloat32Array(branchValue),
+           dims: {batch: 1, heads, kvHeads, queryLen: 1, keyLen: prefix + path.length, headDim,
+                  valueDim}},
+          1 / Math.sqrt(headDim), true);
+      assertClose(rowOut, ref.out, 1e-5, `${what} vs float64`);
+      assertClose(rowLse, ref.lse, 1e-5, `${what}'s lse vs float64`);
+      // A plain causal decode over a cache holding the prefix and the branch (another path
+      // through the kernels: near, not equal).
+      const alone = await client.openCache(layout);
+      await alone.append(branchKey, branchValue);
+      const want = await alone.decode(tensor(qRow, [heads, 1, headDim]),
+                                      {options: {causal: true, returnLse: true}});
+      assertNear(rowOut, toFloat32Array(want.output), 1e-5, `${what} vs its branch`);
+      assertClose(rowLse, toFloat32Array(want.lse), 1e-5, `${what}'s lse vs its branch`);
+      await alone.delete();
+    }
+    await cache.delete();
+  }
+});
+
+test('tree: a cut keeping one branch equals a cache built from it, bit for bit', async () => {
+  const random = mulberry32(4242);
+  for (const [layout, prefix] of [
+    [{kvHeads: 2, headDim: 16, valueDim: 12, dtype: 'float32', heads: 4}, 29],
+    [{kvHeads: 1, headDim: 32, valueDim: 32, dtype: 'bf16', heads: 3}, 41]]) {
+    const n = TREE.length;
+    const query = (rows) => tensor(randomNormal(layout.heads * rows * layout.headDim, random),
+                                   [layout.heads, rows, layout.headDim]);
+    const options = {causal: true, returnLse: true};
+    const built = [];  // Caches made from the kept tokens, deleted at the end.
+    const direct = async (key, value) => {
+      const made = await client.openCache(layout);
+      await made.append(key, value);
+      built.push(made);
+      return made;
+    };
+    const same = async (got, want, cut, made, what) => {
+      assert.ok(sameBits(got, want), `${layout.dtype}: ${what}: outputs and lse`);
+      assert.deepEqual(exportBytes(await exportAll(client, cut.id)),
+                       exportBytes(await exportAll(client, made.id)), `${layout.dtype}: ${what}`);
+    };
+    let [keptKey, keptValue] = randomTokens(random, layout, prefix);
+    const cache = await client.openCache(layout);
+    await cache.append(keptKey, keptValue);
+    // A tree step, then t0 → t1 accepted: a prefix of the tree, cut in place by truncateTo.
+    let [treeKey, treeValue] = randomTokens(random, layout, n);
+    await cache.decode(query(n), {key: treeKey, value: treeValue, treeParents: TREE,
+                                  options: {causal: true}});
+    keptKey = concatTokens(keptKey, sliceTokens(treeKey, 0, 2));
+    keptValue = concatTokens(keptValue, sliceTokens(treeValue, 0, 2));
+    const q1 = query(3), [k1, v1] = randomTokens(random, layout, 2);
+    let got = await cache.decode(q1, {key: k1, value: v1, truncateTo: prefix + 2, options});
+    let made = await direct(keptKey, keptValue);
+    await same(got, await made.decode(q1, {key: k1, value: v1, options}), cache, made,
+               'the branch t0 → t1');
+    assert.equal(cache.length, prefix + 4);
+    keptKey = concatTokens(keptKey, k1);
+    keptValue = concatTokens(keptValue, v1);
+    // A cut and a tree in one call: the same bits as the tree over the kept tokens.
+    const base = cache.length - 1;
+    keptKey = sliceTokens(keptKey, 0, base);
+    keptValue = sliceTokens(keptValue, 0, base);
+    [treeKey, treeValue] = randomTokens(random, layout, n);
+    const q2 = query(n);
+    got = await cache.decode(q2, {key: treeKey, value: treeValue, truncateTo: base,
+                                  treeParents: TREE, options});
+    made = await direct(keptKey, keptValue);
+    await same(got, await made.decode(q2, {key: treeKey, value: treeValue, treeParents: TREE,
+                                           options}),
+               cache, made, 'a cut and a tree');
+    // t0 → t2 → t5 accepted: not a prefix, so the whole tree is cut and the branch sent again.
+    const path = branchOf(TREE, 5);
+    assert.deepEqual(path, [0, 2, 5]);
+    const q3 = query(1), [k3, v3] = randomTokens(random, layout, 1);
+    got = await cache.decode(q3, {key: concatTokens(pickTokens(treeKey, 0, path), k3),
+                                  value: concatTokens(pickTokens(treeValue, 0, path), v3),
+                                  truncateTo: base, options});
+    keptKey = concatTokens(keptKey, pickTokens(treeKey, 0, path));
+    keptValue = concatTokens(keptValue, pickTokens(treeValue, 0, path));
+    made = await direct(keptKey, keptValue);
+    await same(got, await made.decode(q3, {key: k3, value: v3, options}), cache, made,
+               'the branch t0 → t2 → t5');
+    assert.equal(cache.length, base + 4);
+    for (const c of [cache, ...built]) await c.delete();
+  }
+});
+
+test('tree: errors name the field (server and client) and leave the cache as it was',
+     async () => {
+  const random = mulberry32(4343);
+  const layout = {kvHeads: 1, headDim: 8, valueDim: 8};
+  const cache = await client.openCache(layout), other = await client.openCache(layout);
+  await cache.append(...randomTokens(random, layout, 10));
+  await other.append(...randomTokens(random, layout, 4));
+  const snapshotQuery = tensor(randomNormal(2 * 2 * 8, random), [2, 2, 8]);
+  const before = await cacheSnapshot(client, cache.id, snapshotQuery);
+  const unchanged = async (what) => {
+    assert.deepEqual(await cacheSnapshot(client, cache.id, snapshotQuery), before, what);
+    assert.equal(cache.length, 10, what);
+  };
+  const q = (rows) => tensor(randomNormal(2 * rows * 8, random), [2, rows, 8]);
+  const [k7, v7] = randomTokens(random, layout, 7);
+  const [k1025, v1025] = randomTokens(random, layout, 1025);
+  const q7 = q(7), q1 = q(1);
+  const invalid = (pattern) => (err) => err instanceof AttndError &&
+      err.code === status.INVALID_ARGUMENT && pattern.test(err.details);
+  // The server's checks: counts, rows, a tree without new tokens, more than 1024 new tokens.
+  for (const [what, call, pattern] of [
+    ['6 parents for 7 tokens',
+     () => cache.decode(q7, {key: k7, value: v7, treeParents: TREE.slice(0, 6)}),
+     /^items\[0\]\.tree_parents\b/],
+    ['5 query rows for 7 tokens',
+     () => cache.decode(q(5), {key: k7, value: v7, treeParents: TREE}), /^items\[0\]\.query/],
+    ['no new tokens', () => cache.decode(q1, {treeParents: [-1]}), /^items\[0\]\.tree_parents/],
+    ['1025 new tokens',
+     () => cache.decode(q(1025), {key: k1025, value: v1025, treeParents: Array(1025).fill(-1)}),
+     /^items\[0\]\.tree_parents/],
+    ['item 1 of a batch',
+     () => client.decodeBatch([{cache: other, query: q1},
+                               {cache, query: q7, key: k7, value: v7, treeParents: [-1, 0]}]),
+     /^items\[1\]\.tree_parents/],
+    // Parents that are not earlier, past the client's checks: the server names the entry.
+    ['a later parent',
+     () => client.decode({items: [{cacheId: cache.id, query: q7, key: k7, value: v7,
+                                   expectedLength: 10, treeParents: [-1, 0, 2, 1, 1, 2, -1]}]}),
+     /^items\[0\]\.tree_parents\[2\]/],
+    ['a parent below −1',
+     () => client.decode({items: [{cacheId: cache.id, query: q7, key: k7, value: v7,
+                                   expectedLength: 10, treeParents: [-1, 0, 0, -2, 1, 2, -1]}]}),
+     /^items\[0\]\.tree_parents\[3\]/],
+  ]) {
+    await assert.rejects(call(), invalid(pattern), what);
+    await unchanged(what);
+  }
+  assert.equal(other.length, 4);
+  // The client's own checks, before any call: TypeError / RangeError naming the entry.
+  for (const [parents, kind, pattern] of [
+    [[-1, 0.5], TypeError, /treeParents\[1\] is 0\.5/],
+    [[-1, true], TypeError, /treeParents\[1\] is true/],
+    [['-1'], TypeError, /treeParents\[0\] is '-1'/],
+    [Float32Array.from([-1, 0]), TypeError, /treeParents must be/],
+    ['-1', TypeError, /treeParents must be/],
+    [3, TypeError, /treeParents must be/],
+    [[-2], RangeError, /treeParents\[0\] is -2/],
+    [[0], RangeError, /treeParents\[0\] is 0/],
+    [[-1, 0, 2], RangeError, /treeParents\[2\] is 2/],
+    [Int32Array.from([-1, 0, 0, 7]), RangeError, /treeParents\[3\] is 7/],
+  ]) {
+    const what = `treeParents ${String(parents)}`;
+    await assert.rejects(cache.decode(q7, {key: k7, value: v7, treeParents: parents}),
+                         (err) => err instanceof kind && pattern.test(err.message) &&
+                                  /items\[0\]\./.test(err.message), what);
+    await assert.rejects(
+        client.decodeBatch([{cache: other, query: q1},
+                            {cache, query: q7, key: k7, value: v7, treeParents: parents}]),
+        (err) => err instanceof kind && /items\[1\]\.treeParents/.test(err.message), what);
+    assert.throws(() => cache.item(q7, k7, v7, {treeParents: parents}), kind, what);
+  }
+  await unchanged('client-side errors');
+  // null and [] are no tree; the tree with a BigInt64Array's parents goes through.
+  assert.equal(cache.item(q1, undefined, undefined, {treeParents: []}).treeParents, undefined);
+  const [k3, v3] = randomTokens(random, layout, 3);
+  await cache.decode(q(2), {key: k3, value: v3, treeParents: null, options: {causal: true}});
+  assert.equal(cache.length, 13);
+  const step = await cache.decode(q7, {key: k7, value: v7,
+                                       treeParents: BigInt64Array.from(TREE.map(BigInt)),
+                                       options: {causal: true}});
+  assert.deepEqual(step.output.shape.map(Number), [2, 7, 8]);
+  assert.equal(cache.length, 20);
+  await cache.delete();
+  await other.delete();
 });
 
 test('recovery: after cuts refresh() never re-sends a cut token (SIGKILL, restart, lost answers)',

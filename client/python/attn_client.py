@@ -123,6 +123,34 @@ same, and the next refresh() re-sends tokens only up to the cut, taking the serv
 holds at least that many; any other failure (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE,
 NOT_FOUND, ...) leaves the Cache as it was.
 
+Token trees (EAGLE, Medusa, SpecInfer): a step can verify a tree of drafts instead of one chain.
+tree_parents= (Cache.decode; a dict item's "tree_parents" in decode) gives each new token the
+index of its parent among the item's new tokens (−1: a child of the cached prefix; otherwise an
+earlier token, 0 ≤ parent < i). The query then has one row per new token (nq = the new tokens),
+and row i attends over the cached prefix, token i's ancestors and token i itself, never over the
+other branches: its output is what a plain causal decode over the prefix and that one branch
+gives (the target model's next-token input at node i). New token i sits at position n + i (its
+index, not its depth) for the causal mask, windows and ALiBi; rotate q and k by depth yourself
+(RoPE) before sending. Lay the tree out depth first, the likeliest child first, so the path the
+model usually accepts is a prefix of the new tokens and truncate_to keeps it in place:
+
+    n = cache.length
+    # t0 (the last accepted token) → {a, b}; a → {c, d}; b → {e}; plus f, a second root.
+    parents = [-1, 0, 0, 1, 1, 2, -1]                   # t0 a b c d e f, depth first
+    step = cache.decode(q, k_new, v_new, tree_parents=parents, causal=True)  # q [heads, 7, d]
+    path = [0, 1, 3]                                    # t0 → a → c, accepted by the model
+    if path == list(range(len(path))):                  # a prefix: cut the rest of the tree
+        step = cache.decode(q1, k1, v1, truncate_to=n + len(path), causal=True)
+    else:                                               # cut the tree, send the path again
+        k1 = np.concatenate([k_new[:, path], k1], axis=1)   # and v1 likewise
+        step = cache.decode(q1, k1, v1, truncate_to=n, causal=True)
+
+The client checks tree_parents before any RPC: a sequence or 1-D array of ints (TypeError naming
+tree_parents[j] for anything else, a bool included), each −1 or earlier than its index
+(ValueError naming tree_parents[j]); the server checks the counts: INVALID_ARGUMENT naming
+items[i].tree_parents (not one entry per new token, or more than 1024) or items[i].query (not
+one row per new token). An empty tree_parents (or None) is no tree.
+
 Export and import (bit-exact, in the cache's dtype):
 
     chunks = client.export_cache(cache)                 # [CacheChunk, ...]
@@ -818,12 +846,20 @@ class Cache:
             self, length, expected_length=expected_length))
 
     def decode(self, query, key=None, value=None, *, key_position=0, query_position=None,
-               truncate_to=None, **options):
+               truncate_to=None, tree_parents=None, **options):
         """One decode step of this cache alone: cuts the cache to its first truncate_to tokens
         when given (speculative decoding: the drafts the last step rejected), appends key/value
         when given, then attends query [heads, nq, head_dim] over the whole cache → Result
         (output [heads, nq, value_dim]). The cut, the append and the attention are one atomic
         step; expected_length (this Cache's `length`) is the length before the cut.
+        tree_parents: the new tokens as a token tree (EAGLE-style drafts; see the module
+        docstring), one parent index per new token (−1: a child of the cached prefix, else an
+        earlier new token); nq must then be the new tokens, and row i sees the prefix, token
+        i's ancestors and itself. TypeError / ValueError naming tree_parents[j] before any RPC:
+
+            # t0 → {a, b}, a → {c}: rows see [t0], [t0 a], [t0 b], [t0 a c]
+            step = cache.decode(q, k4, v4, tree_parents=[-1, 0, 0, 1], causal=True)
+
         key_position, query_position: this item's positions (Client.decode). options: causal,
         scale, block_k, return_lse, dtype, output_dtype, window_left, window_right, softcap,
         alibi_slopes, sinks. Follows a moved_to once."""
@@ -831,6 +867,8 @@ class Cache:
                 "query_position": query_position}
         if truncate_to is not None:
             item["truncate_to"] = _token_length("truncate_to", truncate_to)
+        if tree_parents is not None:
+            item["tree_parents"] = _tree_parents("tree_parents", tree_parents)
         if key is not None or value is not None:
             item.update(key=key, value=value)
         result = self._follow(lambda: self.client.decode([item], **options))
@@ -1442,15 +1480,25 @@ class Client:
 
         items: a list, one per sequence (at most one per cache), each a tuple
         (cache, query) or (cache, query, key, value), or a dict with "cache", "query" and
-        optionally "key", "value", "expected_length", "key_position", "query_position" and
-        "truncate_to". cache: a Cache or an id; query [heads, nq, head_dim] with heads a
-        multiple of the cache's kv_heads; key/value (both or neither) new tokens appended
-        first, as for append(); expected_length as for append(). "truncate_to" (None: no cut):
+        optionally "key", "value", "expected_length", "key_position", "query_position",
+        "truncate_to" and "tree_parents". cache: a Cache or an id; query [heads, nq,
+        head_dim] with heads a multiple of the cache's kv_heads; key/value (both or neither)
+        new tokens appended first, as for append(); expected_length as for append().
+        "truncate_to" (None: no cut):
         the cache is first cut to its first truncate_to tokens, as by truncate_cache(), then
         the item's key/value appended (speculative decoding: drop the drafts the last step
         rejected and append the next ones in one call); expected_length is still the length
         before the cut; a cut past the cache's length is OUT_OF_RANGE naming
-        items[i].truncate_to. The cuts, the appends and the attention are one atomic step: if
+        items[i].truncate_to. "tree_parents" (None or empty: no tree): the item's new tokens as
+        a token tree (EAGLE, Medusa; see the module docstring), a sequence or 1-D array of ints,
+        one per new token: the index of its parent among them, or −1 for a child of the cached
+        prefix; the item's query then has one row per new token, and row i sees the prefix,
+        token i's ancestors and itself (e.g. [-1, 0, 0, 1]: t0 → {t1, t2}, t1 → {t3}). The
+        client raises TypeError naming items[i].tree_parents[j] for an entry that is not an int
+        (a bool included) and ValueError for one below −1 or not earlier than j, before any RPC;
+        the server answers INVALID_ARGUMENT naming items[i].tree_parents for a count other than
+        the new tokens' (or over 1024) and items[i].query for a row count other than theirs.
+        The cuts, the appends and the attention are one atomic step: if
         any item fails, every cache keeps the tokens it had (and no Cache's length moves; see
         the module docstring for a failure that does not say whether it was applied). Item i's
         output is [heads, nq, value_dim]; causal is bottom-right against each cache's length
@@ -1490,22 +1538,24 @@ class Client:
             item_key_position, item_query_position = 0, None
             if isinstance(item, dict):
                 unknown = set(item) - {"cache", "query", "key", "value", "expected_length",
-                                       "key_position", "query_position", "truncate_to"}
+                                       "key_position", "query_position", "truncate_to",
+                                       "tree_parents"}
                 if unknown or "cache" not in item or "query" not in item:
                     raise TypeError("items[%d]: a dict with 'cache' and 'query' (and optionally "
                                     "'key', 'value', 'expected_length', 'key_position', "
-                                    "'query_position', 'truncate_to'), got keys %s"
-                                    % (index, sorted(item)))
+                                    "'query_position', 'truncate_to', 'tree_parents'), got "
+                                    "keys %s" % (index, sorted(item)))
                 cache, query = item["cache"], item["query"]
                 key, value = item.get("key"), item.get("value")
                 expected = item.get("expected_length")
                 item_key_position = item.get("key_position", 0)
                 item_query_position = item.get("query_position")
                 truncate_to = item.get("truncate_to")
+                tree_parents = item.get("tree_parents")
             elif isinstance(item, (tuple, list)) and len(item) in (2, 4):
                 cache, query = item[0], item[1]
                 key, value = (item[2], item[3]) if len(item) == 4 else (None, None)
-                expected = truncate_to = None
+                expected = truncate_to = tree_parents = None
             else:
                 raise TypeError("items[%d] must be (cache, query), (cache, query, key, value) or "
                                 "a dict, not %r" % (index, type(item).__name__))
@@ -1520,6 +1570,8 @@ class Client:
                 message.query_position = _position(name + "query_position", item_query_position)
             if truncate_to is not None:
                 message.truncate_to = _token_length(name + "truncate_to", truncate_to)
+            if tree_parents is not None:
+                message.tree_parents.extend(_tree_parents(name + "tree_parents", tree_parents))
             if key is not None:
                 token_dtype = input_dtype
                 if token_dtype is None and isinstance(cache, Cache):
@@ -1841,6 +1893,34 @@ def _token_length(name, length):
     if length > _INT64_MAX:
         raise ValueError("%s must be < 2^63, got %d" % (name, length))
     return int(length)
+
+
+def _tree_parents(name, parents):
+    """A token tree's parents (DecodeItem.tree_parents) → the list of ints to send ([]: no
+    tree). A sequence or 1-D array of ints, entry j being −1 (a child of the cached prefix) or
+    an earlier index, 0 ≤ parent < j; TypeError / ValueError naming `name` or name[j]
+    otherwise. The count (one per new token, at most 1024) is the server's check."""
+    if isinstance(parents, np.ndarray):
+        if parents.ndim != 1:
+            raise ValueError("%s must be 1-D (one parent per new token), got shape %s"
+                             % (name, parents.shape))
+        if parents.dtype.kind not in "iu":
+            raise TypeError("%s has element type %s; expected ints" % (name, parents.dtype))
+        parents = parents.tolist()
+    elif isinstance(parents, (str, bytes, dict, set)) or not hasattr(parents, "__iter__"):
+        raise TypeError("%s must be a sequence or 1-D array of ints (one parent per new token), "
+                        "not %s" % (name, type(parents).__name__))
+    result = []
+    for j, parent in enumerate(parents):
+        if isinstance(parent, (bool, np.bool_)) or not isinstance(parent, numbers.Integral):
+            raise TypeError("%s[%d] must be an int, not %s" % (name, j, type(parent).__name__))
+        if not -1 <= parent < j:
+            earlier = ("or an earlier new token's index, 0 … %d" % (j - 1) if j > 0
+                       else "(no new token comes before the first)")
+            raise ValueError("%s[%d] is %d; expected −1 (a child of the cached prefix) %s"
+                             % (name, j, parent, earlier))
+        result.append(int(parent))
+    return result
 
 
 def _expected_length(cache, expected_length):

@@ -32,7 +32,16 @@ a float64 reference over exactly those keys and values:
     cut token back; a cut among tokens not yet written, and one below what the file holds with
     tokens pending, then a SIGTERM's flush: exactly the kept and later tokens on disk; a cut
     whose answer is lost (applied, or never sent) and refresh() re-sending nothing past it;
-    refused cuts keeping the replay tail.
+    refused cuts keeping the replay tail;
+  - token trees (DecodeItem.tree_parents): a 7-token tree over a cached prefix (GQA, causal,
+    fp32 through Cache.decode, bf16 through a batch beside a plain item), each row against a
+    float64 reference over the prefix and its branch and against a plain causal decode over a
+    cache holding just that branch (within 1e-5), and the same without the causal mask; a tree
+    step then truncate_to keeping the branch t0 → t1 in place, a cut and a tree in one call, and
+    the branch t0 → t2 → t5 cut and sent again, each bit-equal (outputs, lse, export) to caches
+    built from the kept tokens; INVALID_ARGUMENT naming items[i].tree_parents (count, > 1024, no
+    new tokens), items[i].query (rows) and items[i].tree_parents[j] (not earlier), client-side
+    TypeError / ValueError naming (items[i].)tree_parents[j], each leaving the cache as it was.
 
 Run by CTest as
   /usr/bin/python3 tests/python/test_caches.py --attnd <attnd> --stubs <stubs dir>
@@ -412,11 +421,8 @@ def decode_bits(result):
     return [o.tobytes() for o in outputs] + [x.tobytes() for x in lse if x is not None]
 
 
-class TruncateTest(ServerCase):
-    """TruncateCache and DecodeItem.truncate_to against one attnd without --cache-dir."""
-
-    # dtype, kv_heads, head_dim, value_dim, query heads.
-    LAYOUTS = (("fp32", 2, 16, 12, 4), ("bf16", 1, 32, 32, 3), ("fp16", 2, 8, 8, 8))
+class TokenCase(ServerCase):
+    """Helpers for tests that build caches from known tokens (no tests of its own)."""
 
     def setUp(self):
         self.rng = np.random.default_rng()
@@ -471,6 +477,13 @@ class TruncateTest(ServerCase):
         self.assertEqual(got_tokens[0], want_tokens[0], what)
         self.assertTrue(same_bytes(got_tokens[1], want_tokens[1]), "%s: keys differ" % what)
         self.assertTrue(same_bytes(got_tokens[2], want_tokens[2]), "%s: values differ" % what)
+
+
+class TruncateTest(TokenCase):
+    """TruncateCache and DecodeItem.truncate_to against one attnd without --cache-dir."""
+
+    # dtype, kv_heads, head_dim, value_dim, query heads.
+    LAYOUTS = (("fp32", 2, 16, 12, 4), ("bf16", 1, 32, 32, 3), ("fp16", 2, 8, 8, 8))
 
     def test_cut_cache_equals_one_that_never_had_the_tokens(self):
         page = self.client.info()["cache_page_tokens"]
@@ -725,6 +738,251 @@ class TruncateTest(ServerCase):
         step = cache.decode(q, truncate_to=total - most)
         self.assertEqual((step.cache["length"], cache.length), (total - most, total - most))
         self.assertEqual(cache.truncate(0)["length"], 0)
+
+
+# A token tree for the tests below: t0 → {t1, t2}, t1 → {t3, t4}, t2 → {t5}, and t6 a second
+# child of the cached prefix (depth first, so t0 → t1 is a prefix of the new tokens).
+TREE = (-1, 0, 0, 1, 1, 2, -1)
+
+
+def branch(parents, i):
+    """The new tokens on the path from the cached prefix to new token i, root first."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def tree_reference(q, keys, values, parents):
+    """float64 attention of q [heads, n, d] over keys [kv_heads, P + n, d] and values
+    [kv_heads, P + n, dv] (float64), the last n tokens a token tree: row i sees the P cached
+    tokens, its ancestors and itself, nothing else (written here, apart from the server's
+    masks) → (out [heads, n, dv], lse [heads, n], score_max)."""
+    heads, n, head_dim = q.shape
+    kv_heads, total, _ = keys.shape
+    first, group = total - n, heads // kv_heads
+    out = np.zeros((heads, n, values.shape[2]))
+    lse = np.zeros((heads, n))
+    score_max = 0.0
+    for i in range(n):
+        seen = list(range(first)) + [first + j for j in branch(parents, i)]
+        for h in range(heads):
+            scores = keys[h // group, seen] @ q[h, i] / np.sqrt(head_dim)
+            top = scores.max()
+            weights = np.exp(scores - top)
+            out[h, i] = weights @ values[h // group, seen] / weights.sum()
+            lse[h, i] = top + np.log(weights.sum())
+            score_max = max(score_max, float(np.abs(scores).max()))
+    return out, lse, score_max
+
+
+class TreeTest(TokenCase):
+    """Token trees (DecodeItem.tree_parents) against one attnd without --cache-dir."""
+
+    def assertNear(self, got, want, what):
+        """fp32 outputs of two paths to the same attention: within 1e-5 of max |want|."""
+        bound = 1e-5 * float(np.max(np.abs(want)))
+        miss = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+        self.assertLessEqual(miss, bound, "%s: misses by %.3g (bound %.3g)" % (what, miss, bound))
+
+    def test_each_tree_row_equals_a_causal_decode_over_its_branch(self):
+        # (dtype, kv_heads, head_dim, value_dim, query heads), cached prefix: GQA, odd sizes.
+        for layout, prefix in ((("fp32", 2, 24, 20, 6), 37), (("bf16", 2, 16, 16, 8), 53)):
+            dtype, n = layout[0], len(TREE)
+            with self.subTest(dtype=dtype):
+                key, value = self.kv(layout, prefix + n)
+                cache = self.cache(layout, key[:, :prefix], value[:, :prefix])
+                q = self.query(layout, n)
+                if dtype == "fp32":  # Cache.decode, the parents a list.
+                    step = cache.decode(q, key[:, prefix:], value[:, prefix:],
+                                        tree_parents=list(TREE), causal=True, return_lse=True)
+                    output, lse = step.output, step.lse
+                else:  # A batch: the tree item (parents an int32 array) and a plain causal one.
+                    plain_layout = ("fp32", 1, 8, 8, 2)
+                    plain_key, plain_value = self.kv(plain_layout, 12)
+                    plain = self.cache(plain_layout, plain_key[:, :10], plain_value[:, :10])
+                    plain_q = self.query(plain_layout, 3)
+                    result = self.client.decode(
+                        [{"cache": cache, "query": q, "key": key[:, prefix:],
+                          "value": value[:, prefix:], "tree_parents": np.array(TREE, np.int32)},
+                         (plain, plain_q, plain_key[:, 10:], plain_value[:, 10:])],
+                        causal=True, return_lse=True)
+                    output, lse = result.outputs[0], result.lse[0]
+                    ref, _, score_max = harness.reference_attention(
+                        plain_q[None].astype(np.float64), plain_key[None].astype(np.float64),
+                        plain_value[None].astype(np.float64), causal=True)
+                    self.assertMatches(result.outputs[1], ref[0], "fp32", score_max,
+                                       "the plain item beside the tree")
+                    self.assertEqual(plain.length, 12)
+                self.assertEqual(output.shape, (layout[4], n, layout[3]))
+                self.assertEqual((cache.length, self.client.cache_info(cache.id)["length"]),
+                                 (prefix + n, prefix + n))
+                # Against float64 over exactly what each row may see.
+                ref, ref_lse, score_max = tree_reference(
+                    q.astype(np.float64), widened(key, dtype), widened(value, dtype), TREE)
+                self.assertMatches(output, ref, "fp32", score_max, "the tree vs float64")
+                self.assertEqual(harness.lse_error(lse.astype(np.float64), ref_lse), "")
+                # Row i against a plain causal decode over a cache holding the prefix and
+                # token i's branch alone (another path through the kernels: near, not equal).
+                for i in range(n):
+                    path = prefix + np.array(branch(TREE, i))
+                    alone = self.cache(layout, joined(key[:, :prefix], key[:, path]),
+                                       joined(value[:, :prefix], value[:, path]))
+                    want = alone.decode(q[:, i:i + 1], causal=True, return_lse=True)
+                    self.assertNear(output[:, i], want.output[:, 0], "row %d vs its branch" % i)
+                    self.assertEqual(harness.lse_error(lse[:, i].astype(np.float64),
+                                                       want.lse[:, 0].astype(np.float64)), "",
+                                     "row %d's lse vs its branch" % i)
+                # The tree hides the other branches without the causal mask too.
+                again = self.cache(layout, key[:, :prefix], value[:, :prefix])
+                open_step = again.decode(q, key[:, prefix:], value[:, prefix:],
+                                         tree_parents=TREE, causal=False)
+                self.assertMatches(open_step.output, ref, "fp32", score_max,
+                                   "the tree without causal vs float64")
+
+    def test_a_tree_step_then_a_cut_keeping_one_branch_equals_that_branch(self):
+        for layout, prefix in ((("fp32", 2, 16, 12, 4), 29), (("bf16", 1, 32, 32, 3), 41)):
+            dtype, n = layout[0], len(TREE)
+            with self.subTest(dtype=dtype):
+                key, value = self.kv(layout, prefix)
+                cache = self.cache(layout, key, value)
+                kept_key, kept_value = key, value  # The tokens a cache without drafts holds.
+                # A tree step, then t0 → t1 accepted: a prefix of the tree, cut in place by the
+                # next step's truncate_to.
+                tree_key, tree_value = self.kv(layout, n)
+                cache.decode(self.query(layout, n), tree_key, tree_value, tree_parents=TREE,
+                             causal=True)
+                q1, (k1, v1) = self.query(layout, 3), self.kv(layout, 2)
+                got = cache.decode(q1, k1, v1, truncate_to=prefix + 2, causal=True,
+                                   return_lse=True)
+                kept_key = joined(kept_key, tree_key[:, :2], k1)
+                kept_value = joined(kept_value, tree_value[:, :2], v1)
+                direct = self.cache(layout, kept_key[:, :-2], kept_value[:, :-2])
+                want = direct.decode(q1, k1, v1, causal=True, return_lse=True)
+                self.assertEqual(decode_bits(got), decode_bits(want), "the branch t0 → t1")
+                self.assertEqual(cache.length, prefix + 4)
+                self.assertSameCache(cache, direct, "after the branch t0 → t1")
+                # A cut and a tree in one call: the same bits as the tree over the kept tokens.
+                base = cache.length - 1
+                q2, (tree_key, tree_value) = self.query(layout, n), self.kv(layout, n)
+                got = cache.decode(q2, tree_key, tree_value, truncate_to=base, tree_parents=TREE,
+                                   causal=True, return_lse=True)
+                kept_key, kept_value = kept_key[:, :base], kept_value[:, :base]
+                direct = self.cache(layout, kept_key, kept_value)
+                want = direct.decode(q2, tree_key, tree_value, tree_parents=TREE, causal=True,
+                                     return_lse=True)
+                self.assertEqual(decode_bits(got), decode_bits(want), "a cut and a tree")
+                self.assertSameCache(cache, direct, "after a cut and a tree")
+                # t0 → t2 → t5 accepted: not a prefix, so cut the whole tree and send the
+                # branch's tokens again with the next one.
+                path = branch(TREE, 5)
+                self.assertEqual(path, [0, 2, 5])
+                q3, (k3, v3) = self.query(layout, 1), self.kv(layout, 1)
+                got = cache.decode(q3, joined(tree_key[:, path], k3),
+                                   joined(tree_value[:, path], v3), truncate_to=base,
+                                   causal=True, return_lse=True)
+                kept_key = joined(kept_key, tree_key[:, path], k3)
+                kept_value = joined(kept_value, tree_value[:, path], v3)
+                direct = self.cache(layout, kept_key[:, :-1], kept_value[:, :-1])
+                want = direct.decode(q3, k3, v3, causal=True, return_lse=True)
+                self.assertEqual(decode_bits(got), decode_bits(want), "the branch t0 → t2 → t5")
+                self.assertSameCache(cache, direct, "after the branch t0 → t2 → t5")
+                self.assertEqual(cache.length, base + 4)
+                ref, _, score_max = harness.reference_attention(
+                    q3[None].astype(np.float64), widened(kept_key, dtype)[None],
+                    widened(kept_value, dtype)[None], causal=True)
+                self.assertMatches(got.output, ref[0], "fp32", score_max, "vs float64")
+
+    def test_tree_errors_name_the_field_and_leave_the_cache(self):
+        layout = ("fp32", 1, 8, 8, 2)
+        cache = self.cache(layout, *self.kv(layout, 10))
+        other = self.cache(layout, *self.kv(layout, 4))
+        snapshot_q = self.query(layout, 2)
+        before = self.snapshot(cache, snapshot_q)
+
+        def unchanged(what):
+            self.assertEqual(self.snapshot(cache, snapshot_q), before, what)
+            self.assertEqual(cache.length, 10, what)
+
+        code = grpc.StatusCode
+        k7, v7 = self.kv(layout, 7)
+        q7 = self.query(layout, 7)
+        # The server's checks: a count other than the new tokens', a query row count other
+        # than theirs, a tree without new tokens, more than 1024 new tokens.
+        k1025, v1025 = self.kv(layout, 1025)
+        for what, call, field in (
+                ("6 parents for 7 tokens",
+                 lambda: cache.decode(q7, k7, v7, tree_parents=TREE[:6]), "items[0].tree_parents"),
+                ("8 parents for 7 tokens",
+                 lambda: cache.decode(q7, k7, v7, tree_parents=TREE + (6,)),
+                 "items[0].tree_parents"),
+                ("5 query rows for 7 tokens",
+                 lambda: cache.decode(q7[:, :5], k7, v7, tree_parents=TREE), "items[0].query"),
+                ("no new tokens",
+                 lambda: cache.decode(q7[:, :1], tree_parents=[-1]), "items[0].tree_parents"),
+                ("1025 new tokens",
+                 lambda: cache.decode(self.query(layout, 1025), k1025, v1025,
+                                      tree_parents=[-1] * 1025),
+                 "items[0].tree_parents"),
+                ("item 1 of a batch",
+                 lambda: self.client.decode(
+                     [{"cache": other, "query": q7[:, :1]},
+                      {"cache": cache, "query": q7, "key": k7, "value": v7,
+                       "tree_parents": TREE[:3]}]), "items[1].tree_parents")):
+            with self.subTest(what):
+                message = self.assertCode(code.INVALID_ARGUMENT, call)
+                self.assertIn(field, message)
+                unchanged(what)
+        self.assertEqual(other.length, 4)
+        # Parents that are not earlier, past the client's own check: the server names the entry.
+        for parents, field in (((-1, 0, 2, 1, 1, 2, -1), "items[0].tree_parents[2]"),
+                               ((-1, 0, 0, 1, 1, 2, 9), "items[0].tree_parents[6]"),
+                               ((-1, 0, 0, -2, 1, 2, -1), "items[0].tree_parents[3]"),
+                               ((0, 0, 0, 1, 1, 2, -1), "items[0].tree_parents[0]")):
+            with self.subTest(parents=parents):
+                item = pb.DecodeItem(cache_id=cache.id, expected_length=10,
+                                     query=attn_client._encode("query", q7, None),
+                                     key=attn_client._encode("key", k7, None),
+                                     value=attn_client._encode("value", v7, None),
+                                     tree_parents=parents)
+                message = self.assertCode(code.INVALID_ARGUMENT, self.client._call, "Decode",
+                                          self.client._stub.Decode, pb.DecodeRequest(items=[item]))
+                self.assertIn(field, message)
+                unchanged(field)
+        # The client's own checks, before any RPC.
+        for parents, error, name in (
+                ([-1, 0, 1.0], TypeError, "tree_parents[2]"),
+                ([-1, True], TypeError, "tree_parents[1]"),
+                (["-1"], TypeError, "tree_parents[0]"),
+                (np.array([-1.0, 0.0]), TypeError, "tree_parents"),
+                (np.array([[-1, 0]]), ValueError, "tree_parents"),
+                (3, TypeError, "tree_parents"),
+                ("-1", TypeError, "tree_parents"),
+                ([-2], ValueError, "tree_parents[0] is -2"),
+                ([0], ValueError, "tree_parents[0] is 0"),
+                ([-1, 0, 2], ValueError, "tree_parents[2] is 2"),
+                ([-1, 0, 0, 5], ValueError, "tree_parents[3] is 5"),
+                (np.array([-1, 0, 0, 1, 7], np.int64), ValueError, "tree_parents[4] is 7")):
+            with self.subTest(parents=repr(parents)):
+                with self.assertRaises(error) as raised:
+                    cache.decode(q7, k7, v7, tree_parents=parents)
+                self.assertIn(name, str(raised.exception))
+                with self.assertRaises(error) as raised:
+                    self.client.decode([(other, q7[:, :1]),
+                                        {"cache": cache, "query": q7, "key": k7, "value": v7,
+                                         "tree_parents": parents}])
+                self.assertIn("items[1]." + name, str(raised.exception))
+        unchanged("client-side errors")
+        # numpy integers are ints; None and [] are no tree.
+        parents = [np.int64(-1)] + [np.int32(p) for p in TREE[1:]]
+        step = cache.decode(q7, k7, v7, tree_parents=parents, causal=True)
+        self.assertEqual(cache.length, 17)
+        self.assertEqual(step.output.shape, (2, 7, 8))
+        for parents in (None, []):
+            step = cache.decode(q7[:, :2], *self.kv(layout, 3), tree_parents=parents, causal=True)
+            self.assertEqual(step.output.shape, (2, 2, 8))
+        self.assertEqual(cache.length, 23)
 
 
 class TruncatePersistenceTest(unittest.TestCase):
