@@ -373,6 +373,7 @@ absl::Status CacheRegistry::Lease::Truncate(int64_t length) {
   if (cut_to_.has_value()) {
     return absl::FailedPreconditionError("a lease cuts its cache once");
   }
+  if (length == entry.store->length()) return absl::OkStatus();  // Nothing to cut.
   if (absl::Status on_disk = registry_->CutFile(entry, length); !on_disk.ok()) return on_disk;
   entry.store->Truncate(length);
   length_at_start_ = std::min(length_at_start_, length);
@@ -388,6 +389,7 @@ absl::Status CacheRegistry::Lease::TruncateTentatively(int64_t length) {
   }
   const KvLayout& layout = store.layout();
   const int64_t n = store.length() - length;
+  if (n == 0) return absl::OkStatus();  // Nothing to cut.
   const int64_t key_bytes = layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
   cut_tokens_.resize(n * TokenBytes(layout));  // Bounded by the caller.
   if (absl::Status copied =
