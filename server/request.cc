@@ -748,10 +748,13 @@ absl::Status ParseTokenTree(const v1::DecodeItem& item, DecodeItemProblem* parse
     const int64_t parent = item.tree_parents(i);
     if (parent < -1 || parent >= i) {
       return Invalid(absl::StrCat(field, "[", i, "]"),
-                     absl::StrCat("is ", parent,
-                                  "; expected −1 (a child of the cached tokens) or an earlier new "
-                                  "token, 0 … ",
-                                  i - 1));
+                     i == 0 ? absl::StrCat("is ", parent,
+                                           "; expected −1: the first new token's parent is among "
+                                           "the cached tokens")
+                            : absl::StrCat("is ", parent,
+                                           "; expected −1 (a child of the cached tokens) or an "
+                                           "earlier new token, 0 … ",
+                                           i - 1));
     }
     uint64_t* row = parsed->tree.data() + i * words;
     if (parent >= 0) std::copy_n(parsed->tree.data() + parent * words, words, row);

@@ -11,8 +11,10 @@
 # decoding (truncate and truncateTo: a cut cache bit-equal to one that never had the cut tokens,
 # rounds of k drafts, errors naming the field and failed batches leaving every cache as it was,
 # and with --cache-dir a SIGKILL after cuts, a restart and refresh() never re-sending a cut
-# token, a cut whose answer is lost not undone); then client/node/example.js must print the
-# seed's out[0] and its trace.
+# token, a cut whose answer is lost not undone); token trees (treeParents: each row against
+# float64 and a causal decode over its branch, a cut keeping one branch bit-equal to a cache built
+# from it, the server's and the client's errors naming the field and leaving the cache); then
+# client/node/example.js must print the seed's out[0] and its trace.
 # Exits 77 (ctest: skipped) when node is absent; fails when client/node/node_modules is missing.
 # Usage: node_client_test.sh ATTND
 set -euo pipefail
