@@ -378,7 +378,16 @@ absl::Status CacheRegistry::Lease::Truncate(int64_t length) {
   entry.store->Truncate(length);
   length_at_start_ = std::min(length_at_start_, length);
   registry_->ReleaseBytesBeyond(entry, entry.store->length());
+  if (!appended_) CaughtUpAfterCut(entry);
   return absl::OkStatus();
+}
+
+void CacheRegistry::Lease::CaughtUpAfterCut(Entry& entry) {
+  // The writer only visits caches longer than their disk: a cut that leaves nothing to write
+  // must end the wait itself, or the disk-lag gauge would grow for ever.
+  if (entry.file != nullptr && entry.store->length() <= entry.durable.load()) {
+    entry.dirty_since_ns.store(0);
+  }
 }
 
 absl::Status CacheRegistry::Lease::TruncateTentatively(int64_t length) {
@@ -424,6 +433,7 @@ void CacheRegistry::Lease::Commit() {
     registry_->ReleaseBytesBeyond(entry, entry.store->length());
     cut_to_.reset();
     cut_tokens_ = std::vector<char>();
+    if (!appended_) CaughtUpAfterCut(entry);
   }
   if (appended_ && entry.file != nullptr) {
     int64_t clean = 0;

@@ -157,6 +157,8 @@ class CacheRegistry {
     std::optional<int64_t> cut_to_;
     std::vector<char> cut_tokens_;
     bool cut_persisted_ = false;
+    // After a cut with nothing appended: no token waits for the disk when none lies past it.
+    static void CaughtUpAfterCut(Entry& entry);
   };
 
   // Waits for the calls ahead on the cache, then holds it. NOT_FOUND (naming `field` and saying

@@ -526,6 +526,32 @@ TEST_F(RegistryOnDiskTest, CutsSurviveARestartAndARolledBackCutChangesNothing) {
   EXPECT_EQ(restored.Describe("alice", id)->durable_length, 152);
 }
 
+// A cut that leaves nothing for the disk (back to what it holds) ends the disk's lag at once:
+// the writer visits only caches longer than their file, so nothing else would.
+TEST_F(RegistryOnDiskTest, ACutBackToTheDiskLeavesNoLag) {
+  const KvLayout layout{.kv_heads = 1, .head_dim = 4, .value_dim = 4, .dtype = DType::kFloat32};
+  CacheRegistry registry(backend_, Limits());
+  ASSERT_TRUE(registry.Restore().ok());
+  absl::StatusOr<CacheDescription> cache = registry.Create("alice", layout);
+  ASSERT_TRUE(cache.ok());
+  Append(registry, "alice", cache->id, 50);
+  ASSERT_TRUE(registry.Flush().ok());
+  for (const bool tentative : {false, true}) {
+    Append(registry, "alice", cache->id, 10);  // Not on disk yet: the lag starts.
+    EXPECT_GE(registry.disk_lag_seconds(), 0.0);
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("alice", cache->id, "cache_id");
+    ASSERT_TRUE(lease.ok());
+    if (tentative) {
+      ASSERT_TRUE(lease->TruncateTentatively(50).ok());
+      ASSERT_TRUE(lease->PersistCut().ok());
+    } else {
+      ASSERT_TRUE(lease->Truncate(50).ok());
+    }
+    lease->Commit();
+    EXPECT_EQ(registry.disk_lag_seconds(), 0.0) << (tentative ? "a Decode's cut" : "TruncateCache");
+  }
+}
+
 // The writer copies a cache's tokens under its lease and writes them after letting go: a cut in
 // between must not let the copy land (it would put cut tokens back after the cut record). Passes
 // back to back (Flush, on another thread) beside rounds of appends and cuts, then the file
