@@ -23,7 +23,16 @@ struct KvLayout {
   int64_t head_dim = 1;
   int64_t value_dim = 1;
   DType dtype = DType::kFloat32;
+  // A latent cache (MLA; CreateCacheRequest.values_from_keys): only keys are stored, and a
+  // token's value is the first value_dim (≤ head_dim) columns of its key.
+  bool values_from_keys = false;
 };
+
+// Elements of one token's value a store of this layout keeps per kv head: value_dim, or none
+// for a latent cache (its values are its keys' columns).
+inline int64_t StoredValueDim(const KvLayout& layout) {
+  return layout.values_from_keys ? 0 : layout.value_dim;
+}
 
 class KvStore {
  public:
@@ -38,7 +47,8 @@ class KvStore {
   virtual int64_t BytesFor(int64_t length) const = 0;
 
   // Appends n tokens: key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] (dense,
-  // host memory, any dtype: converted to the store's). All or nothing: on an error (e.g.
+  // host memory, any dtype: converted to the store's; a latent store ignores `value`, which
+  // may be empty). All or nothing: on an error (e.g.
   // RESOURCE_EXHAUSTED when memory runs out) the store is as it was.
   virtual absl::Status Append(const TensorView& key, const TensorView& value, int64_t n) = 0;
   // Drops the tokens from `length` on (length ≤ length()), freeing pages no longer needed: how
@@ -50,9 +60,11 @@ class KvStore {
 
   // Copies tokens [begin, end) out to dense host tensors in the store's dtype, key
   // [kv_heads, end − begin, head_dim] and value [kv_heads, end − begin, value_dim]
-  // (0 ≤ begin ≤ end ≤ length()): a snapshot for work that outlives the registry's hold on the
-  // cache (a trace's stream), a chunk of an export, a record of the cache's file. Default: reads
-  // pages() on the host, for a store in host memory; a device store overrides it (and may fail).
+  // (0 ≤ begin ≤ end ≤ length()); `value` null: the keys only (for a latent store, whose values
+  // are its keys' first columns, what a file or an export keeps). A snapshot for work that outlives
+  // the registry's hold on the cache (a trace's stream), a chunk of an export, a record of the
+  // cache's file. Default: reads pages() on the host, for a store in host memory; a device store
+  // overrides it (and may fail).
   virtual absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const {
     const KvLayout& l = layout();
     const PagedKv& p = pages();
@@ -63,22 +75,34 @@ class KvStore {
       for (int64_t t = begin; t < end; t += tokens_per_page - t % tokens_per_page) {
         const int64_t run = std::min(end, t - t % tokens_per_page + tokens_per_page) - t;
         std::memcpy(static_cast<char*>(key) + (h * n + t - begin) * l.head_dim * element,
-                    static_cast<const char*>(p.KeyPage(t)) +
-                        p.ElementOffsetInPage(h, t, l.head_dim) * element,
+                    static_cast<const char*>(p.KeyPage(t)) + p.KeyOffsetInPage(h, t) * element,
                     run * l.head_dim * element);
-        std::memcpy(static_cast<char*>(value) + (h * n + t - begin) * l.value_dim * element,
-                    static_cast<const char*>(p.ValuePage(t)) +
-                        p.ElementOffsetInPage(h, t, l.value_dim) * element,
-                    run * l.value_dim * element);
+        if (value == nullptr) continue;
+        // A run of whole rows, or row by row where a value is part of its row (latent).
+        const bool whole = p.value_width == l.value_dim;
+        for (int64_t i = 0; i < (whole ? 1 : run); ++i) {
+          std::memcpy(
+              static_cast<char*>(value) + (h * n + t - begin + i) * l.value_dim * element,
+              static_cast<const char*>(p.ValuePage(t)) + p.ValueOffsetInPage(h, t + i) * element,
+              (whole ? run : 1) * l.value_dim * element);
+        }
       }
     }
     return absl::OkStatus();
   }
 };
 
-// Bytes one token takes in a store of this layout: every KV head's key and value.
+// Bytes one token takes in a store of this layout: every KV head's key and stored value.
 inline int64_t TokenBytes(const KvLayout& layout) {
-  return layout.kv_heads * (layout.head_dim + layout.value_dim) * ElementSize(layout.dtype);
+  return layout.kv_heads * (layout.head_dim + StoredValueDim(layout)) * ElementSize(layout.dtype);
+}
+
+// Bytes of n tokens' keys, and of their stored values (none for a latent cache), dense.
+inline int64_t KeyBytes(const KvLayout& layout, int64_t n) {
+  return layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
+}
+inline int64_t StoredValueBytes(const KvLayout& layout, int64_t n) {
+  return layout.kv_heads * n * StoredValueDim(layout) * ElementSize(layout.dtype);
 }
 
 // Pages that `length` tokens fill, `page_tokens` to a page (the last one maybe partly).

@@ -39,20 +39,27 @@ struct MutableTensorView {
 
 // The keys and values of a server-resident cache, as fixed-size pages of page_tokens tokens in
 // one dtype (kernels/kv_store.h owns them). Page p holds tokens [p·page_tokens, (p+1)·page_tokens)
-// of every kv head: its key block is [kv_heads, page_tokens, head_dim] and its value block
-// [kv_heads, page_tokens, value_dim], row-major. The tables and the pages live in the backend's
-// memory (device memory on a GPU) and stay unchanged while a Problem uses them.
+// of every kv head: its key block is [kv_heads, page_tokens, key_width] and its value block
+// [kv_heads, page_tokens, value_width], row-major; a key is the first head_dim elements of its
+// row, a value the first value_dim of its own. A latent cache (KvLayout::values_from_keys) has
+// no value blocks: value_pages is key_pages and value_width key_width, so a value is the first
+// value_dim columns of its key. The tables and the pages live in the backend's memory (device
+// memory on a GPU) and stay unchanged while a Problem uses them.
 struct PagedKv {
   const void* const* key_pages = nullptr;    // [pages] → key block
-  const void* const* value_pages = nullptr;  // [pages] → value block
+  const void* const* value_pages = nullptr;  // [pages] → value block (key_pages: latent)
   int64_t page_tokens = 1;
+  int64_t key_width = 1;    // Elements per row of a key block: head_dim.
+  int64_t value_width = 1;  // Elements per row of a value block: value_dim (head_dim: latent).
   DType dtype = DType::kFloat32;
 
   // The offset, in elements, of token `token` of kv head `kv_head` from the start of its page's
-  // key or value block (width: head_dim or value_dim elements a row).
-  ATTN_HOST_DEVICE int64_t ElementOffsetInPage(int64_t kv_head, int64_t token,
-                                               int64_t width) const {
-    return (kv_head * page_tokens + token % page_tokens) * width;
+  // key or value block.
+  ATTN_HOST_DEVICE int64_t KeyOffsetInPage(int64_t kv_head, int64_t token) const {
+    return (kv_head * page_tokens + token % page_tokens) * key_width;
+  }
+  ATTN_HOST_DEVICE int64_t ValueOffsetInPage(int64_t kv_head, int64_t token) const {
+    return (kv_head * page_tokens + token % page_tokens) * value_width;
   }
   ATTN_HOST_DEVICE const void* KeyPage(int64_t token) const {
     return key_pages[token / page_tokens];

@@ -23,7 +23,11 @@ namespace attn {
 namespace {
 
 constexpr char kMagic[8] = {'A', 'T', 'T', 'N', 'K', 'V', '0', '1'};
+// Version 1: the layout as below; version 2 (written for latent caches only, so that files of
+// other caches stay readable by an older attnd): then a u32 of flags, bit 0 values_from_keys.
 constexpr uint32_t kVersion = 1;
+constexpr uint32_t kLatentVersion = 2;
+constexpr uint32_t kValuesFromKeysFlag = 1;
 constexpr uint32_t kRecordMagic = 0x4352564B;  // "KVRC" little-endian.
 constexpr uint32_t kTokensRecord = 1;
 constexpr uint32_t kCutRecord = 2;
@@ -108,7 +112,7 @@ int64_t ReadUpTo(int fd, void* data, size_t n, int64_t offset) {
 
 std::string EncodeHeader(const CacheFileHeader& header) {
   std::string body;
-  Put<uint32_t>(body, kVersion);
+  Put<uint32_t>(body, header.layout.values_from_keys ? kLatentVersion : kVersion);
   Put<int64_t>(body, header.layout.kv_heads);
   Put<int64_t>(body, header.layout.head_dim);
   Put<int64_t>(body, header.layout.value_dim);
@@ -118,6 +122,7 @@ std::string EncodeHeader(const CacheFileHeader& header) {
   body += header.owner;
   Put<uint32_t>(body, static_cast<uint32_t>(header.id.size()));
   body += header.id;
+  if (header.layout.values_from_keys) Put<uint32_t>(body, kValuesFromKeysFlag);
   std::string out(kMagic, sizeof kMagic);
   Put<uint32_t>(out, static_cast<uint32_t>(body.size()));
   out += body;
@@ -222,18 +227,24 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
   const char* p = head.data() + sizeof fixed;
   const char* end = head.data() + head.size() - 4;
   uint32_t version, dtype;
-  if (!Get(p, end, &version) || version != kVersion) return damaged("unknown format version");
+  if (!Get(p, end, &version) || (version != kVersion && version != kLatentVersion)) {
+    return damaged("unknown format version");
+  }
   if (!Get(p, end, &header->layout.kv_heads) || !Get(p, end, &header->layout.head_dim) ||
       !Get(p, end, &header->layout.value_dim) || !Get(p, end, &dtype) ||
       !Get(p, end, &header->created_ns) || !GetString(p, end, &header->owner) ||
       !GetString(p, end, &header->id)) {
     return damaged("its fields do not fit its length");
   }
+  uint32_t flags = 0;
+  if (version == kLatentVersion && (!Get(p, end, &flags) || flags != kValuesFromKeysFlag)) {
+    return damaged("its flags are unknown");
+  }
   // The rule a new cache's layout meets (so no record size can overflow); value_dim is stored
   // resolved, never 0.
   const absl::StatusOr<KvLayout> layout =
       CheckCacheLayout(header->layout.kv_heads, header->layout.head_dim, header->layout.value_dim,
-                       static_cast<int>(dtype));
+                       static_cast<int>(dtype), (flags & kValuesFromKeysFlag) != 0);
   if (!layout.ok() || header->layout.value_dim < 1) {
     return damaged(absl::StrCat("its layout is invalid: ", layout.status().message()));
   }
@@ -360,8 +371,8 @@ absl::Status CacheFile::Write(int64_t n, const void* key, const void* value) {
     tokens_ += n;
     return absl::OkStatus();
   }
-  const int64_t key_bytes = layout_.kv_heads * n * layout_.head_dim * ElementSize(layout_.dtype);
-  const int64_t value_bytes = layout_.kv_heads * n * layout_.value_dim * ElementSize(layout_.dtype);
+  const int64_t key_bytes = KeyBytes(layout_, n);
+  const int64_t value_bytes = StoredValueBytes(layout_, n);
   const std::string record = RecordHeader(kTokensRecord, tokens_, n, key_bytes + value_bytes,
                                           Crc32c(value, value_bytes, Crc32c(key, key_bytes)));
   // The payload first and the header last: a crash in between leaves a tail that never verifies.

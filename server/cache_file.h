@@ -5,14 +5,15 @@
 //   header   "ATTNKV01", u32 body bytes, body, u32 CRC32C of everything before it. The body:
 //            u32 format version (1), i64 kv_heads, head_dim, value_dim, u32 dtype (the wire's
 //            attention.v1.DType number), i64 created (ns since the epoch: List's order),
-//            u32 + bytes owner, u32 + bytes id.
+//            u32 + bytes owner, u32 + bytes id. Version 2, for a latent cache only
+//            (values_from_keys; other caches keep version 1): then u32 flags, 1.
 //   records  one per write: u32 "KVRC", u32 kind (1: tokens), i64 start, i64 n, u64 payload
 //            bytes, u32 CRC32C of the payload, u32 CRC32C of the 36 bytes before it; then the
-//            payload: key [kv_heads, n, head_dim] then value [kv_heads, n, value_dim] in the
-//            stored dtype, bit for bit as the cache holds them. A record's start is the tokens
-//            of the records before it.
-//            kind 2 (a cut, TruncateCache): start = the tokens kept (≤ the tokens before it),
-//            n = 0, no payload (its CRC32C 0); the next record's start follows the cut.
+//            payload: key [kv_heads, n, head_dim] then value [kv_heads, n, value_dim] (none in
+//            a latent cache) in the stored dtype, bit for bit as the cache holds them. A record's
+//            start is the tokens of the records before it. kind 2 (a cut, TruncateCache): start =
+//            the tokens kept (≤ the tokens before it), n = 0, no payload (its CRC32C 0); the next
+//            record's start follows the cut.
 // A file appears whole: its header is written to <id>.kv.tmp, synced, and renamed.
 //
 // Reading (Open) keeps the longest prefix of records that verify: the first record whose

@@ -52,16 +52,21 @@ absl::StatusOr<bool> CacheExporter::Next(v1::CacheChunk* chunk) {
                                              " was truncated during its export (TruncateCache or "
                                              "a Decode's truncate_to); export it again"));
     }
+    // The stored bytes: a latent cache's chunks carry keys alone.
+    const bool latent = layout.values_from_keys;
     std::string* key = chunk->mutable_key()->mutable_data();
-    std::string* value = chunk->mutable_value()->mutable_data();
-    key->resize(layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype));
-    value->resize(layout.kv_heads * n * layout.value_dim * ElementSize(layout.dtype));
-    if (absl::Status copied = lease->CopyOut(sent_, sent_ + n, key->data(), value->data());
+    std::string value_bytes;
+    std::string* value = latent ? &value_bytes : chunk->mutable_value()->mutable_data();
+    key->resize(KeyBytes(layout, n));
+    value->resize(StoredValueBytes(layout, n));
+    if (absl::Status copied =
+            lease->CopyOut(sent_, sent_ + n, key->data(), latent ? nullptr : value->data());
         !copied.ok()) {
       return copied;
     }
     SetShape(chunk->mutable_key(), layout.kv_heads, n, layout.head_dim, layout.dtype);
-    SetShape(chunk->mutable_value(), layout.kv_heads, n, layout.value_dim, layout.dtype);
+    if (!latent)
+      SetShape(chunk->mutable_value(), layout.kv_heads, n, layout.value_dim, layout.dtype);
     chunk->set_start(sent_);
     crc_ = Crc32c(value->data(), value->size(), Crc32c(key->data(), key->size(), crc_));
     sent_ += n;
@@ -81,8 +86,8 @@ absl::Status CacheImporter::Add(const v1::CacheChunk& chunk, int64_t index) {
   if (index == 0) {
     if (!chunk.has_info()) return invalid("info", "is missing; the first chunk carries it");
     const v1::CacheInfo& info = chunk.info();
-    absl::StatusOr<KvLayout> layout =
-        CheckCacheLayout(info.kv_heads(), info.head_dim(), info.value_dim(), info.dtype());
+    absl::StatusOr<KvLayout> layout = CheckCacheLayout(
+        info.kv_heads(), info.head_dim(), info.value_dim(), info.dtype(), info.values_from_keys());
     if (!layout.ok()) return invalid("info.", std::string(layout.status().message()));
     if (info.length() < 0) return invalid("info.length", absl::StrCat("is ", info.length()));
     absl::StatusOr<CacheRegistry::Import> import = caches_->BeginImport(
@@ -102,9 +107,15 @@ absl::Status CacheImporter::Add(const v1::CacheChunk& chunk, int64_t index) {
                                            import_->length(), " tokens"));
     }
     const int64_t n = chunk.key().shape_size() == 3 ? chunk.key().shape(1) : 0;
+    if (layout.values_from_keys && chunk.has_value()) {
+      return invalid("value",
+                     "is set, but the cache is latent (values_from_keys): its chunks "
+                     "carry keys alone");
+    }
     const std::pair<const v1::Tensor*, int64_t> parts[] = {{&chunk.key(), layout.head_dim},
                                                            {&chunk.value(), layout.value_dim}};
     for (const auto& [tensor, dim] : parts) {
+      if (tensor == &chunk.value() && layout.values_from_keys) continue;
       const std::string name = tensor == &chunk.key() ? "key" : "value";
       const std::string want =
           absl::StrCat("[", layout.kv_heads, ", n, ", dim, "] in ", DTypeName(layout.dtype));

@@ -399,10 +399,11 @@ absl::Status CacheRegistry::Lease::TruncateTentatively(int64_t length) {
   const KvLayout& layout = store.layout();
   const int64_t n = store.length() - length;
   if (n == 0) return absl::OkStatus();  // Nothing to cut.
-  const int64_t key_bytes = layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
-  cut_tokens_.resize(n * TokenBytes(layout));  // Bounded by the caller.
+  const int64_t key_bytes = KeyBytes(layout, n);
+  cut_tokens_.resize(n * TokenBytes(layout));  // Bounded by the caller. The stored bytes only.
   if (absl::Status copied =
-          store.CopyOut(length, store.length(), cut_tokens_.data(), cut_tokens_.data() + key_bytes);
+          store.CopyOut(length, store.length(), cut_tokens_.data(),
+                        layout.values_from_keys ? nullptr : cut_tokens_.data() + key_bytes);
       !copied.ok()) {
     cut_tokens_.clear();
     return copied;
@@ -457,7 +458,7 @@ void CacheRegistry::Lease::Rollback() {
     store.Truncate(*cut_to_);
     const KvLayout& layout = store.layout();
     const int64_t n = length_at_start_ - *cut_to_;
-    const int64_t key_bytes = layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
+    const int64_t key_bytes = KeyBytes(layout, n);
     if (absl::Status restored =
             store.Append(TensorView{cut_tokens_.data(), layout.dtype},
                          TensorView{cut_tokens_.data() + key_bytes, layout.dtype}, n);
@@ -561,7 +562,10 @@ absl::Status CacheRegistry::AppendStored(Lease& lease, const void* key, const vo
                                          int64_t n, const std::string& field) {
   const KvLayout& layout = lease.layout();
   const ValueScan keys = ScanValues(key, layout.dtype, layout.kv_heads * n * layout.head_dim);
-  const ValueScan values = ScanValues(value, layout.dtype, layout.kv_heads * n * layout.value_dim);
+  const ValueScan values =  // None stored in a latent cache: its values are within its keys.
+      layout.values_from_keys
+          ? keys
+          : ScanValues(value, layout.dtype, layout.kv_heads * n * layout.value_dim);
   for (const auto& [scan, what] : {std::pair{keys, "key"}, std::pair{values, "value"}}) {
     if (scan.first_non_finite >= 0) {
       return absl::InvalidArgumentError(

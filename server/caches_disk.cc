@@ -228,12 +228,11 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
       if (from >= to) return true;
       const KvLayout& layout = entry.store->layout();
       const int64_t n = std::min(to - from, entry.file->TokensPerRecord());
-      const int64_t key_bytes = layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
-      const int64_t value_bytes =
-          layout.kv_heads * n * layout.value_dim * ElementSize(layout.dtype);
-      buffer.resize(key_bytes + value_bytes);
+      const int64_t key_bytes = KeyBytes(layout, n);
+      buffer.resize(key_bytes + StoredValueBytes(layout, n));  // A record holds what is stored.
       absl::Status copied =
-          entry.store->CopyOut(from, from + n, buffer.data(), buffer.data() + key_bytes);
+          entry.store->CopyOut(from, from + n, buffer.data(),
+                               layout.values_from_keys ? nullptr : buffer.data() + key_bytes);
       hold.unlock();
       if (copied.ok()) {
         std::lock_guard<std::mutex> lock(entry.file_mutex);

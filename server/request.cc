@@ -488,7 +488,7 @@ absl::Status CheckDecodeCut(absl::string_view prefix, int64_t truncate_to, int64
 }
 
 absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, int64_t value_dim,
-                                          int dtype_number) {
+                                          int dtype_number, bool values_from_keys) {
   constexpr int64_t kMaxDim = 1 << 16;
   KvLayout layout;
   const std::pair<absl::string_view, int64_t> dims[] = {
@@ -503,6 +503,13 @@ absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, in
   layout.kv_heads = kv_heads;
   layout.head_dim = head_dim;
   layout.value_dim = value_dim > 0 ? value_dim : head_dim;
+  layout.values_from_keys = values_from_keys;
+  if (values_from_keys && layout.value_dim > head_dim) {
+    return Invalid("value_dim",
+                   absl::StrCat("is ", value_dim, " but head_dim is ", head_dim,
+                                "; a latent cache (values_from_keys) takes each value from the "
+                                "first value_dim columns of its key, so value_dim ≤ head_dim"));
+  }
   const std::optional<DType> dtype = FromProtoDType(dtype_number);
   if (!dtype) return UnknownDType("dtype", static_cast<v1::DType>(dtype_number));
   layout.dtype = *dtype;
@@ -511,7 +518,7 @@ absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, in
 
 absl::StatusOr<KvLayout> ParseCreateCache(const v1::CreateCacheRequest& request) {
   return CheckCacheLayout(request.kv_heads(), request.head_dim(), request.value_dim(),
-                          request.dtype());
+                          request.dtype(), request.values_from_keys());
 }
 
 namespace {
@@ -538,11 +545,21 @@ absl::StatusOr<NewTokens> ParseNewTokens(absl::string_view prefix, const v1::Ten
   const std::string key_name = absl::StrCat(prefix, "key"),
                     value_name = absl::StrCat(prefix, "value");
   DType key_dtype, value_dtype;
+  if (layout.values_from_keys && value != nullptr) {
+    return Invalid(value_name,
+                   "is set, but this cache is latent (values_from_keys): each value is the first "
+                   "value_dim columns of its key; send the key alone");
+  }
   const absl::StatusOr<TensorDims> k = CheckCacheTensor(key_name, key, &key_dtype);
   if (!k.ok()) return k.status();
-  const absl::StatusOr<TensorDims> v = CheckCacheTensor(value_name, value, &value_dtype);
+  // A latent cache's values are views of its keys: checked as the keys, with the keys' width.
+  const v1::Tensor* value_tensor = layout.values_from_keys ? key : value;
+  const absl::StatusOr<TensorDims> v =
+      layout.values_from_keys ? k : CheckCacheTensor(value_name, value, &value_dtype);
   if (!v.ok()) return v.status();
-  const int key_rank = key->shape_size(), value_rank = value->shape_size();
+  if (layout.values_from_keys) value_dtype = key_dtype;
+  const int key_rank = key->shape_size(), value_rank = value_tensor->shape_size();
+  const int64_t value_width = layout.values_from_keys ? layout.head_dim : layout.value_dim;
   const struct {
     const std::string& name;
     int rank;
@@ -550,7 +567,7 @@ absl::StatusOr<NewTokens> ParseNewTokens(absl::string_view prefix, const v1::Ten
     int64_t width;
     const char* width_name;
   } checks[] = {{key_name, key_rank, *k, layout.head_dim, "head_dim"},
-                {value_name, value_rank, *v, layout.value_dim, "value_dim"}};
+                {value_name, value_rank, *v, value_width, "value_dim"}};
   for (const auto& check : checks) {
     const DType dtype = &check.name == &key_name ? key_dtype : value_dtype;
     if (dtype != layout.dtype) {
@@ -573,7 +590,8 @@ absl::StatusOr<NewTokens> ParseNewTokens(absl::string_view prefix, const v1::Ten
                     absl::StrCat(key_name, "'s"), k->len);
   }
   tokens.key = TensorView{key->data().data(), key_dtype};
-  tokens.value = TensorView{value->data().data(), value_dtype};
+  tokens.value = layout.values_from_keys ? TensorView{nullptr, value_dtype}
+                                         : TensorView{value->data().data(), value_dtype};
   tokens.n = k->len;
   return tokens;
 }
@@ -586,10 +604,11 @@ absl::Status CheckNewTokenValues(absl::string_view prefix, const NewTokens& toke
   const absl::StatusOr<double> k = CheckValues(absl::StrCat(prefix, "key"), tokens.key,
                                                layout.kv_heads * tokens.n * layout.head_dim);
   if (!k.ok()) return k.status();
+  *max_abs_key = *max_abs_value = *k;  // A latent cache's values are within its keys.
+  if (layout.values_from_keys) return absl::OkStatus();
   const absl::StatusOr<double> v = CheckValues(absl::StrCat(prefix, "value"), tokens.value,
                                                layout.kv_heads * tokens.n * layout.value_dim);
   if (!v.ok()) return v.status();
-  *max_abs_key = *k;
   *max_abs_value = *v;
   return absl::OkStatus();
 }

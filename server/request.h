@@ -95,15 +95,17 @@ absl::Status CheckDecodeCut(absl::string_view prefix, int64_t truncate_to, int64
 
 // A cache's layout, wherever one arrives (CreateCache, an import's first chunk, a cache file's
 // header): kv_heads, head_dim and value_dim (0 = head_dim) in [1, 65536], a known dtype (the
-// wire's number). Errors are INVALID_ARGUMENT naming the field.
+// wire's number); a latent cache (values_from_keys) with value_dim ≤ head_dim. Errors are
+// INVALID_ARGUMENT naming the field.
 absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, int64_t value_dim,
-                                          int dtype);
+                                          int dtype, bool values_from_keys);
 // CheckCacheLayout of a CreateCacheRequest.
 absl::StatusOr<KvLayout> ParseCreateCache(const attention::v1::CreateCacheRequest& request);
 
 // Tokens to append to a cache of `layout`: key [kv_heads, n, head_dim] and value
 // [kv_heads, n, value_dim] (rank 2 when kv_heads is 1, rank 4 with batch 1), in the cache's
-// dtype. Both absent is n = 0 when `optional`, else INVALID_ARGUMENT.
+// dtype. Both absent is n = 0 when `optional`, else INVALID_ARGUMENT. A latent cache takes the
+// key alone (a value is INVALID_ARGUMENT naming it), and `value` is then unset (data null).
 struct NewTokens {
   TensorView key, value;
   int64_t n = 0;

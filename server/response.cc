@@ -42,6 +42,7 @@ void EncodeCacheInfo(const CacheDescription& cache, v1::CacheInfo* message) {
   message->set_head_dim(cache.layout.head_dim);
   message->set_value_dim(cache.layout.value_dim);
   message->set_dtype(ToProtoDType(cache.layout.dtype));
+  message->set_values_from_keys(cache.layout.values_from_keys);
   message->set_length(cache.length);
   message->set_bytes(cache.bytes);
   message->set_page_tokens(cache.page_tokens);

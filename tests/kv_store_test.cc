@@ -43,9 +43,10 @@ float RoundTo(float x, DType dtype) {
 // Element c of token `token` of kv head `head` of the store's keys (or values), via its pages.
 float StoredElement(const KvStore& store, bool key, int64_t head, int64_t token, int64_t c) {
   const PagedKv& pages = store.pages();
-  const int64_t width = key ? store.layout().head_dim : store.layout().value_dim;
   const void* page = key ? pages.KeyPage(token) : pages.ValuePage(token);
-  return LoadElement(page, pages.dtype, pages.ElementOffsetInPage(head, token, width) + c);
+  return LoadElement(
+      page, pages.dtype,
+      (key ? pages.KeyOffsetInPage(head, token) : pages.ValueOffsetInPage(head, token)) + c);
 }
 
 // The stored tokens [begin, begin + n) equal the appended ones, rounded to the store's dtype.

@@ -94,15 +94,15 @@ void KvRowPointers(const Problem& problem, int64_t batch, int64_t kv_head, int64
   }
   const PagedKv& pages = *problem.pages;
   const int64_t element = ElementSize(pages.dtype);
-  const int64_t key_row = s.head_dim * element, value_row = s.value_dim * element;
+  const int64_t key_row = pages.key_width * element, value_row = pages.value_width * element;
   for (int j = 0; j < n;) {
     const int64_t token = begin + j;
     const int segment =
         static_cast<int>(std::min<int64_t>(pages.page_tokens - token % pages.page_tokens, n - j));
     const char* k = static_cast<const char*>(pages.KeyPage(token)) +
-                    pages.ElementOffsetInPage(kv_head, token, s.head_dim) * element;
+                    pages.KeyOffsetInPage(kv_head, token) * element;
     const char* v = static_cast<const char*>(pages.ValuePage(token)) +
-                    pages.ElementOffsetInPage(kv_head, token, s.value_dim) * element;
+                    pages.ValueOffsetInPage(kv_head, token) * element;
     for (int i = 0; i < segment; ++i) {
       keys[j + i] = k + i * key_row;
       values[j + i] = v + i * value_row;

@@ -80,8 +80,7 @@ class Fp32Rows {
       return Load(problem.key, problem.KeyOffset(batch, kv_head, begin),
                   count * problem.shape.head_dim);
     }
-    return LoadPaged(*problem.pages, problem.pages->key_pages, kv_head, begin, count,
-                     problem.shape.head_dim);
+    return LoadPaged(*problem.pages, /*keys=*/true, kv_head, begin, count, problem.shape.head_dim);
   }
   // Values [begin, begin + count) of kv head `kv_head` of batch `batch`, [count, value_dim] fp32.
   const float* LoadValues(const Problem& problem, int64_t batch, int64_t kv_head, int64_t begin,
@@ -90,7 +89,7 @@ class Fp32Rows {
       return Load(problem.value, problem.ValueOffset(batch, kv_head, begin),
                   count * problem.shape.value_dim);
     }
-    return LoadPaged(*problem.pages, problem.pages->value_pages, kv_head, begin, count,
+    return LoadPaged(*problem.pages, /*keys=*/false, kv_head, begin, count,
                      problem.shape.value_dim);
   }
 
@@ -98,22 +97,35 @@ class Fp32Rows {
   int64_t scratch_bytes() const { return static_cast<int64_t>(buffer_.capacity() * sizeof(float)); }
 
  private:
-  // Rows of `width` elements from the pages of `table` (PagedKv's layout).
-  const float* LoadPaged(const PagedKv& pages, const void* const* table, int64_t kv_head,
-                         int64_t begin, int64_t count, int64_t width) {
+  // The first `width` elements of rows [begin, begin + count) of the key or value blocks
+  // (PagedKv's layout; rows of key_width or value_width elements, which a latent cache's values
+  // do not fill).
+  const float* LoadPaged(const PagedKv& pages, bool keys, int64_t kv_head, int64_t begin,
+                         int64_t count, int64_t width) {
+    const void* const* table = keys ? pages.key_pages : pages.value_pages;
+    const int64_t row = keys ? pages.key_width : pages.value_width;
     const int64_t element = ElementSize(pages.dtype);
     const int64_t in_page = pages.page_tokens - begin % pages.page_tokens;
-    if (pages.dtype == DType::kFloat32 && count <= in_page) {  // One page: in place.
-      return static_cast<const float*>(table[begin / pages.page_tokens]) +
-             pages.ElementOffsetInPage(kv_head, begin, width);
+    auto offset = [&](int64_t token) {
+      return keys ? pages.KeyOffsetInPage(kv_head, token) : pages.ValueOffsetInPage(kv_head, token);
+    };
+    if (pages.dtype == DType::kFloat32 && count <= in_page && (row == width || count == 1)) {
+      return static_cast<const float*>(table[begin / pages.page_tokens]) + offset(begin);
     }
     if (static_cast<int64_t>(buffer_.size()) < count * width) buffer_.resize(count * width);
     for (int64_t token = begin; token < begin + count;) {
       const int64_t rows =
           std::min(pages.page_tokens - token % pages.page_tokens, begin + count - token);
       const char* page = static_cast<const char*>(table[token / pages.page_tokens]);
-      ConvertToFloat(page + pages.ElementOffsetInPage(kv_head, token, width) * element, pages.dtype,
-                     rows * width, buffer_.data() + (token - begin) * width);
+      if (row == width) {  // A segment of whole rows: one conversion.
+        ConvertToFloat(page + offset(token) * element, pages.dtype, rows * width,
+                       buffer_.data() + (token - begin) * width);
+      } else {
+        for (int64_t i = 0; i < rows; ++i) {
+          ConvertToFloat(page + offset(token + i) * element, pages.dtype, width,
+                         buffer_.data() + (token + i - begin) * width);
+        }
+      }
       token += rows;
     }
     return buffer_.data();

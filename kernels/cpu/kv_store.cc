@@ -51,7 +51,7 @@ int64_t CpuKvStore::KeyBlockBytes() const {
 }
 
 int64_t CpuKvStore::ValueBlockBytes() const {
-  return layout_.kv_heads * page_tokens_ * layout_.value_dim * ElementSize(layout_.dtype);
+  return layout_.kv_heads * page_tokens_ * StoredValueDim(layout_) * ElementSize(layout_.dtype);
 }
 
 int64_t CpuKvStore::BytesFor(int64_t length) const {
@@ -64,9 +64,12 @@ int64_t CpuKvStore::BytesFor(int64_t length) const {
 }
 
 void CpuKvStore::RefreshTables() {
+  const bool latent = layout_.values_from_keys;
   pages_.key_pages = key_pages_.data();
-  pages_.value_pages = value_pages_.data();
+  pages_.value_pages = latent ? key_pages_.data() : value_pages_.data();
   pages_.page_tokens = page_tokens_;
+  pages_.key_width = layout_.head_dim;
+  pages_.value_width = latent ? layout_.head_dim : layout_.value_dim;
   pages_.dtype = layout_.dtype;
 }
 
@@ -85,10 +88,11 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
   }
   // Every allocation first (the page blocks and the tables' room), so that a failure leaves the
   // store exactly as it was.
+  const bool latent = layout_.values_from_keys;  // No value blocks.
   std::vector<const void*> new_keys, new_values;
   try {
     key_pages_.reserve(need);
-    value_pages_.reserve(need);
+    if (!latent) value_pages_.reserve(need);
     new_keys.reserve(need - have);
     new_values.reserve(need - have);
   } catch (const std::bad_alloc&) {
@@ -98,15 +102,16 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
   bool failed = false;
   for (int64_t p = have; p < need && !failed; ++p) {
     const void* k = allocator_.allocate(static_cast<size_t>(KeyBlockBytes()));
-    const void* v =
-        k != nullptr ? allocator_.allocate(static_cast<size_t>(ValueBlockBytes())) : nullptr;
-    if (v == nullptr) {
+    const void* v = k != nullptr && !latent
+                        ? allocator_.allocate(static_cast<size_t>(ValueBlockBytes()))
+                        : nullptr;
+    if (k == nullptr || (v == nullptr && !latent)) {
       if (k != nullptr) allocator_.free(const_cast<void*>(k));
       failed = true;
       break;
     }
     new_keys.push_back(k);
-    new_values.push_back(v);
+    if (!latent) new_values.push_back(v);
   }
   if (failed) {
     for (const void* block : new_keys) allocator_.free(const_cast<void*>(block));
@@ -120,6 +125,8 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
   // The new tokens, a page segment of one kv head at a time.
   std::vector<float> scratch;
   auto copy = [&](const TensorView& source, const std::vector<const void*>& table, int64_t width) {
+    // Rows of `width` elements: the blocks of `table` hold nothing else (a latent store has no
+    // value table, so its rows are always whole keys).
     const int64_t source_element = ElementSize(source.dtype);
     const int64_t element = ElementSize(layout_.dtype);
     for (int64_t head = 0; head < layout_.kv_heads; ++head) {
@@ -129,14 +136,14 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
         const char* src =
             static_cast<const char*>(source.data) + (head * n + t) * width * source_element;
         char* dst = static_cast<char*>(const_cast<void*>(table[token / page_tokens_])) +
-                    pages_.ElementOffsetInPage(head, token, width) * element;
+                    (head * page_tokens_ + token % page_tokens_) * width * element;
         ConvertRows(src, source.dtype, rows * width, dst, layout_.dtype, scratch);
         t += rows;
       }
     }
   };
   copy(key, key_pages_, layout_.head_dim);
-  copy(value, value_pages_, layout_.value_dim);
+  if (!latent) copy(value, value_pages_, layout_.value_dim);
   length_ = new_length;
   return absl::OkStatus();
 }
@@ -146,8 +153,9 @@ void CpuKvStore::Truncate(int64_t length) {
   const int64_t keep = PagesFor(length, page_tokens_);
   while (static_cast<int64_t>(key_pages_.size()) > keep) {
     allocator_.free(const_cast<void*>(key_pages_.back()));
-    allocator_.free(const_cast<void*>(value_pages_.back()));
     key_pages_.pop_back();
+    if (layout_.values_from_keys) continue;
+    allocator_.free(const_cast<void*>(value_pages_.back()));
     value_pages_.pop_back();
   }
   length_ = length;

@@ -1,7 +1,8 @@
 // CpuKvStore: a KV cache's pages in host memory (kernels/kv_store.h's contract).
 //
 // Each page is two 64-byte-aligned blocks (keys [kv_heads, page_tokens, head_dim] and values
-// [kv_heads, page_tokens, value_dim], the store's dtype), allocated when an append first reaches
+// [kv_heads, page_tokens, value_dim], the store's dtype; a latent store's only the first),
+// allocated when an append first reaches
 // it and freed when a truncation drops its last token. Appending writes only the new tokens:
 // stored ones never move. Not thread-safe (the registry orders calls on one store).
 #pragma once

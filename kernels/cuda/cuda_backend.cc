@@ -109,11 +109,10 @@ absl::StatusOr<DeviceProblem> CudaBackend::Upload(const Problem& problem, int pi
     if (problem.pages != nullptr && input.target != &device.query) {
       // A cache's keys or values: already on the device, gathered out of the pages (batch 1).
       const bool keys = input.target == &device.key;
-      ATTN_RETURN_IF_ERROR(Check(
-          LaunchGather(*problem.pages, keys ? problem.pages->key_pages : problem.pages->value_pages,
-                       s.kv_heads, s.key_len, input.width, buffer, device.dtype, pitch,
-                       slot.stream),
-          "LaunchGather"));
+      ATTN_RETURN_IF_ERROR(
+          Check(LaunchGather(*problem.pages, keys, s.kv_heads, s.key_len, input.width, buffer,
+                             device.dtype, pitch, slot.stream),
+                "LaunchGather"));
       continue;
     }
     const int64_t dense_bytes = input.rows * input.width * element;

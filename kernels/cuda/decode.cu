@@ -130,9 +130,9 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       const int64_t token = tile + threadIdx.x;
       const int64_t page = token / item.pages.page_tokens;
       key_rows[threadIdx.x] = static_cast<const T*>(item.pages.key_pages[page]) +
-                              item.pages.ElementOffsetInPage(unit.kv_head, token, head_dim);
+                              item.pages.KeyOffsetInPage(unit.kv_head, token);
       value_rows[threadIdx.x] = static_cast<const T*>(item.pages.value_pages[page]) +
-                                item.pages.ElementOffsetInPage(unit.kv_head, token, value_dim);
+                                item.pages.ValueOffsetInPage(unit.kv_head, token);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kDecodeKeys * P; i += kThreads) {

@@ -16,6 +16,8 @@ CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
                          int64_t page_tokens)
     : device_(std::move(device)), layout_(layout), page_tokens_(page_tokens) {
   paged_.page_tokens = page_tokens_;
+  paged_.key_width = layout_.head_dim;
+  paged_.value_width = layout_.values_from_keys ? layout_.head_dim : layout_.value_dim;
   paged_.dtype = layout_.dtype;
 }
 
@@ -37,7 +39,7 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   const DType dtype = layout_.dtype;
   const int64_t element = ElementSize(dtype);
   const int64_t key_elements = layout_.kv_heads * n * layout_.head_dim;
-  const int64_t value_elements = layout_.kv_heads * n * layout_.value_dim;
+  const int64_t value_elements = layout_.kv_heads * n * StoredValueDim(layout_);
   const int64_t token_bytes = (key_elements + value_elements) * element;
   const int64_t old_pages = static_cast<int64_t>(pages_.size());
   const int64_t new_pages = PagesFor(length_ + n, page_tokens_);
@@ -91,7 +93,8 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   std::vector<const void*> key_entries = key_entries_, value_entries = value_entries_;
   for (const DeviceBlock& page : added) {
     key_entries.push_back(page.get());
-    value_entries.push_back(static_cast<const char*>(page.get()) + KeyBlockBytes());
+    value_entries.push_back(static_cast<const char*>(page.get()) +
+                            (layout_.values_from_keys ? 0 : KeyBlockBytes()));
   }
   void* key_table = grow_tables ? new_key_table.get() : key_table_.get();
   void* value_table = grow_tables ? new_value_table.get() : value_table_.get();
@@ -123,7 +126,7 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
                       static_cast<void* const*>(key_table), page_tokens_, length_, slot.stream),
         "LaunchScatter (keys)");
   }
-  if (status.ok()) {
+  if (status.ok() && value_elements > 0) {
     status = check(
         LaunchScatter(static_cast<char*>(*tokens) + key_elements * element, layout_.kv_heads, n,
                       layout_.value_dim, static_cast<int>(element),
@@ -166,6 +169,10 @@ absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* v
           cudaMemcpyAsync(static_cast<char*>(key) + (h * n + t - begin) * key_row,
                           static_cast<const char*>(key_entries_[page]) + row_in_page * key_row,
                           run * key_row, cudaMemcpyDeviceToHost, stream));
+      if (value == nullptr || layout_.values_from_keys) {  // A latent value: from its key, below.
+        t += run;
+        continue;
+      }
       ATTN_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(static_cast<char*>(value) + (h * n + t - begin) * value_row,
                           static_cast<const char*>(value_entries_[page]) + row_in_page * value_row,
@@ -174,6 +181,12 @@ absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* v
     }
   }
   ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (value != nullptr && layout_.values_from_keys) {
+    for (int64_t row = 0; row < layout_.kv_heads * n; ++row) {
+      std::memcpy(static_cast<char*>(value) + row * value_row,
+                  static_cast<const char*>(key) + row * key_row, value_row);
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -1,7 +1,8 @@
 // CudaKvStore: a KvStore (kernels/kv_store.h) in device memory.
 //
 // Each page is one device allocation — its key block [kv_heads, page_tokens, head_dim], then its
-// value block [kv_heads, page_tokens, value_dim], in the store's dtype — charged to the
+// value block [kv_heads, page_tokens, value_dim] (none in a latent store, whose value table
+// repeats the key table), in the store's dtype — charged to the
 // device's memory budget (device_memory.h) like every other allocation of the backend. The page
 // tables (PagedKv::key_pages and value_pages) are device arrays of pointers kept in step with
 // the pages: an append writes the new pages' entries (or, when the tables are full, new tables
@@ -51,10 +52,7 @@ class CudaKvStore final : public KvStore {
   int64_t KeyBlockBytes() const {
     return layout_.kv_heads * page_tokens_ * layout_.head_dim * ElementSize(layout_.dtype);
   }
-  int64_t PageBytes() const {
-    return layout_.kv_heads * page_tokens_ * (layout_.head_dim + layout_.value_dim) *
-           ElementSize(layout_.dtype);
-  }
+  int64_t PageBytes() const { return page_tokens_ * TokenBytes(layout_); }
 
   const std::shared_ptr<Device> device_;
   const KvLayout layout_;

@@ -126,11 +126,11 @@ cudaError_t LaunchTrace(const DeviceProblem& problem, const TraceRecords& record
 // --- KV cache pages (pages.cu) ----------------------------------------------------------------
 
 // Dense [kv_heads, key_len, pitch] in out_dtype (rows zero-padded past `width`) of the first
-// key_len tokens of a cache: `table` is pages.key_pages (width head_dim) or pages.value_pages
-// (width value_dim), a device array; the pages hold pages.dtype. How Naive, Tiled and Trace read
-// a cache: they run on the gathered copy.
-cudaError_t LaunchGather(const PagedKv& pages, const void* const* table, int64_t kv_heads,
-                         int64_t key_len, int64_t width, void* out, DType out_dtype, int64_t pitch,
+// key_len tokens of a cache: its keys (width head_dim) or its values (width value_dim; a latent
+// cache's are its keys' first columns); the tables and pages (pages.dtype) in device memory.
+// How Naive, Tiled and Trace read a cache: they run on the gathered copy.
+cudaError_t LaunchGather(const PagedKv& pages, bool keys, int64_t kv_heads, int64_t key_len,
+                         int64_t width, void* out, DType out_dtype, int64_t pitch,
                          cudaStream_t stream);
 
 // Writes dense tokens [kv_heads, n, width] (element_size bytes each, 2 or 4, already in the

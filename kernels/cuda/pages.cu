@@ -36,9 +36,9 @@ __global__ void ScatterKernel(const Element* tokens, int64_t kv_heads, int64_t n
   }
 }
 
-__global__ void GatherKernel(const PagedKv pages, const void* const* table, int64_t kv_heads,
-                             int64_t key_len, int64_t width, void* out, DType out_dtype,
-                             int64_t pitch) {
+__global__ void GatherKernel(const PagedKv pages, bool keys, int64_t kv_heads, int64_t key_len,
+                             int64_t width, void* out, DType out_dtype, int64_t pitch) {
+  const void* const* table = keys ? pages.key_pages : pages.value_pages;
   const int64_t per_head = key_len * pitch;
   const int64_t total = kv_heads * per_head;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
@@ -48,8 +48,10 @@ __global__ void GatherKernel(const PagedKv pages, const void* const* table, int6
     const int64_t column = i % pitch;
     float value = 0.f;
     if (column < width) {
-      value = LoadElement(table[token / pages.page_tokens], pages.dtype,
-                          pages.ElementOffsetInPage(kv_head, token, width) + column);
+      value = LoadElement(
+          table[token / pages.page_tokens], pages.dtype,
+          (keys ? pages.KeyOffsetInPage(kv_head, token) : pages.ValueOffsetInPage(kv_head, token)) +
+              column);
     }
     StoreElement(out, out_dtype, i, value);
   }
@@ -62,11 +64,11 @@ unsigned GridFor(int64_t count) {
 
 }  // namespace
 
-cudaError_t LaunchGather(const PagedKv& pages, const void* const* table, int64_t kv_heads,
-                         int64_t key_len, int64_t width, void* out, DType out_dtype, int64_t pitch,
+cudaError_t LaunchGather(const PagedKv& pages, bool keys, int64_t kv_heads, int64_t key_len,
+                         int64_t width, void* out, DType out_dtype, int64_t pitch,
                          cudaStream_t stream) {
   return LaunchKernel(GatherKernel, GridFor(kv_heads * key_len * pitch), kThreads, 0, stream, pages,
-                      table, kv_heads, key_len, width, out, out_dtype, pitch);
+                      keys, kv_heads, key_len, width, out, out_dtype, pitch);
 }
 
 cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64_t width,

@@ -132,7 +132,8 @@ std::vector<float> ReadBack(const KvStore& store, bool keys, int64_t length) {
   EXPECT_EQ(cudaMemcpy(table.data(), keys ? pages.key_pages : pages.value_pages,
                        page_count * sizeof(void*), cudaMemcpyDeviceToHost),
             cudaSuccess);
-  const int64_t block = layout.kv_heads * store.page_tokens() * width;
+  const int64_t block =
+      layout.kv_heads * store.page_tokens() * (keys ? pages.key_width : pages.value_width);
   std::vector<uint8_t> page(block * ElementSize(layout.dtype));
   for (int64_t p = 0; p < page_count; ++p) {
     EXPECT_EQ(cudaMemcpy(page.data(), table[p], page.size(), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -141,7 +142,8 @@ std::vector<float> ReadBack(const KvStore& store, bool keys, int64_t length) {
            ++t) {
         for (int64_t c = 0; c < width; ++c) {
           out[(h * length + t) * width + c] =
-              LoadElement(page.data(), layout.dtype, pages.ElementOffsetInPage(h, t, width) + c);
+              LoadElement(page.data(), layout.dtype,
+                          (keys ? pages.KeyOffsetInPage(h, t) : pages.ValueOffsetInPage(h, t)) + c);
         }
       }
     }
