@@ -76,6 +76,12 @@ Tokens RandomTokens(const KvLayout& layout, int64_t n, std::mt19937& rng) {
       StoreElement(part->data(), layout.dtype, i, uniform(rng));
     }
   }
+  if (layout.values_from_keys) {  // A latent cache's values: its keys' first columns.
+    for (int64_t row = 0; row < layout.kv_heads * n; ++row) {
+      std::memcpy(tokens.value.data() + row * layout.value_dim * element,
+                  tokens.key.data() + row * layout.head_dim * element, layout.value_dim * element);
+    }
+  }
   return tokens;
 }
 
@@ -122,7 +128,14 @@ Opened OpenFile(const std::string& path) {
         part.key.assign(static_cast<const char*>(key),
                         static_cast<const char*>(key) + l.kv_heads * n * l.head_dim * element);
         part.value.assign(static_cast<const char*>(value),
-                          static_cast<const char*>(value) + l.kv_heads * n * l.value_dim * element);
+                          static_cast<const char*>(value) + StoredValueBytes(l, n));
+        if (l.values_from_keys) {  // No values stored: each is its key's first columns.
+          part.value.resize(l.kv_heads * n * l.value_dim * element);
+          for (int64_t row = 0; row < l.kv_heads * n; ++row) {
+            std::memcpy(part.value.data() + row * l.value_dim * element,
+                        part.key.data() + row * l.head_dim * element, l.value_dim * element);
+          }
+        }
         for (int64_t t = 0; t < n; ++t) opened.tokens.push_back(TokenBytes(l, part, n, t));
         return absl::OkStatus();
       },
@@ -193,6 +206,36 @@ TEST(CacheFileTest, RoundTripKeepsHeaderAndEveryBit) {
   EXPECT_EQ(opened.tokens, written);
   EXPECT_EQ(opened.file->tokens(), 13);
   EXPECT_EQ(opened.file->size(), static_cast<int64_t>(fs::file_size(path)));
+}
+
+// A latent cache's file (values_from_keys): its header says so (version 2, so that an older
+// attnd refuses it rather than read keys as values), its records hold keys only, and it reads
+// back every bit.
+TEST(CacheFileTest, ALatentCachesFileHoldsItsKeysOnlyAndSaysSo) {
+  KvLayout latent = kGqaBf16;
+  latent.head_dim = 7;
+  latent.value_dim = 5;
+  latent.values_from_keys = true;
+  KvLayout full = latent;
+  full.values_from_keys = false;
+  TempDir latent_dir, full_dir;
+  std::string latent_path, full_path;
+  const std::vector<std::string> written =
+      WriteThreeRecords(latent_dir.path(), latent, &latent_path);
+  WriteThreeRecords(full_dir.path(), full, &full_path);
+  Opened opened = OpenFile(latent_path);
+  ASSERT_TRUE(opened.status.ok()) << opened.status;
+  EXPECT_TRUE(opened.header.layout.values_from_keys);
+  EXPECT_EQ(opened.header.layout.value_dim, 5);
+  EXPECT_EQ(opened.tokens, written);
+  EXPECT_EQ(opened.report.dropped_bytes, 0);
+  // 13 tokens' values fewer, and 4 bytes of flags more.
+  EXPECT_EQ(static_cast<int64_t>(fs::file_size(full_path)) -
+                static_cast<int64_t>(fs::file_size(latent_path)),
+            StoredValueBytes(full, 13) - 4);
+  Opened plain = OpenFile(full_path);
+  ASSERT_TRUE(plain.status.ok()) << plain.status;
+  EXPECT_FALSE(plain.header.layout.values_from_keys);
 }
 
 // A cut record (TruncateCache): the file holds its first tokens only, the records after it
@@ -402,14 +445,19 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
   const KvLayout layouts[] = {
       {.kv_heads = 1, .head_dim = 16, .value_dim = 16, .dtype = DType::kFloat32},
       {.kv_heads = 2, .head_dim = 8, .value_dim = 8, .dtype = DType::kBFloat16},
-      {.kv_heads = 2, .head_dim = 24, .value_dim = 40, .dtype = DType::kFloat16}};
-  const std::string owners[] = {"alice", "bob", "alice"};
+      {.kv_heads = 2, .head_dim = 24, .value_dim = 40, .dtype = DType::kFloat16},
+      {.kv_heads = 1,
+       .head_dim = 40,
+       .value_dim = 24,
+       .dtype = DType::kBFloat16,
+       .values_from_keys = true}};  // Latent: keys only, in a version-2 file.
+  const std::string owners[] = {"alice", "bob", "alice", "carol"};
   std::vector<std::string> ids;
   std::vector<std::vector<std::string>> contents;
   {
     CacheRegistry registry(backend_, Limits());
     ASSERT_TRUE(registry.persistent());
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       absl::StatusOr<CacheDescription> cache = registry.Create(owners[i], layouts[i]);
       ASSERT_TRUE(cache.ok()) << cache.status();
       ASSERT_EQ(cache->durable_length, 0);
@@ -429,8 +477,8 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
     absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
     ASSERT_TRUE(lines.ok()) << lines.status();
     ASSERT_EQ(lines->size(), 1u);
-    EXPECT_NE((*lines)[0].find("restored 3 caches"), std::string::npos) << (*lines)[0];
-    for (int i = 0; i < 3; ++i) {
+    EXPECT_NE((*lines)[0].find("restored 4 caches"), std::string::npos) << (*lines)[0];
+    for (int i = 0; i < 4; ++i) {
       absl::StatusOr<CacheDescription> info = restored.Describe(owners[i], ids[i]);
       ASSERT_TRUE(info.ok()) << info.status();
       EXPECT_EQ(info->length, static_cast<int64_t>(contents[i].size()));
@@ -438,6 +486,7 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
       EXPECT_EQ(info->layout.kv_heads, layouts[i].kv_heads);
       EXPECT_EQ(info->layout.value_dim, layouts[i].value_dim);
       EXPECT_EQ(info->layout.dtype, layouts[i].dtype);
+      EXPECT_EQ(info->layout.values_from_keys, layouts[i].values_from_keys);
       EXPECT_EQ(Contents(restored, owners[i], ids[i]), contents[i]) << i;
     }
     EXPECT_EQ(restored.Describe("bob", ids[0]).status().code(), absl::StatusCode::kNotFound);
@@ -454,7 +503,7 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
   }  // The server stops (and lets go of the directory's lock).
   CacheRegistry again(backend_, Limits());
   ASSERT_TRUE(again.Restore().ok());
-  EXPECT_EQ(again.caches(), 2);
+  EXPECT_EQ(again.caches(), 3);
   EXPECT_EQ(Contents(again, "bob", ids[1]), contents[1]);
 }
 

@@ -303,6 +303,131 @@ TEST_F(CacheServiceTest, ADecodeBatchAppendsEachItemsTokensThenAttends) {
   }
 }
 
+// A latent cache (values_from_keys, MLA): keys only, each value its key's first value_dim
+// columns. Appends and Decode items send keys alone; Naive, Tiled, Trace and Decode over it
+// match the float64 reference, which reads each value from its key; it takes half the bytes of
+// a cache storing both; a value sent to it, or a value_dim past head_dim, is refused naming the
+// field and changes nothing.
+TEST_F(CacheServiceTest, ALatentCacheStoresKeysOnlyAndEveryPathReadsItsValuesFromThem) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    // 80 query heads over one latent head (a GEMM group), head_dim 72, value_dim 40.
+    HostProblem p =
+        testing::RandomProblem(testing::MakeShape(1, 80, 1, 2, 389, 72, 40), dtype, true, 29, 61);
+    p.SetValuesFromKeys();
+    const Shape& s = p.shape;
+    v1::CreateCacheRequest create;
+    create.set_kv_heads(s.kv_heads);
+    create.set_head_dim(s.head_dim);
+    create.set_value_dim(s.value_dim);
+    create.set_dtype(ToProtoDType(dtype));
+    create.set_values_from_keys(true);
+    v1::CacheInfo latent;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::CreateCache, create, &latent).ok());
+    EXPECT_TRUE(latent.values_from_keys());
+    const std::string id = latent.cache_id();
+    auto keys = [&](int64_t begin, int64_t end) {
+      return Tokens(p.key_bytes, dtype, s.kv_heads, s.key_len, s.head_dim, begin, end);
+    };
+    // Keys alone; a value is refused, naming it, and appends nothing.
+    v1::AppendCacheRequest append;
+    append.set_cache_id(id);
+    *append.mutable_key() = keys(0, 200);
+    *append.mutable_value() =
+        Tokens(p.value_bytes, dtype, s.kv_heads, s.key_len, s.value_dim, 0, 200);
+    v1::CacheInfo info;
+    grpc::Status status = Call(&v1::AttentionService::Stub::AppendCache, append, &info);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("value"), std::string::npos) << status.error_message();
+    EXPECT_NE(status.error_message().find("values_from_keys"), std::string::npos);
+    EXPECT_EQ(LengthOf(id), 0);
+    append.clear_value();
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::AppendCache, append, &info).ok());
+    EXPECT_EQ(info.length(), 200);
+
+    // The same tokens in a cache storing values too: twice the bytes.
+    v1::CreateCacheRequest full_create = create;
+    full_create.set_values_from_keys(false);
+    full_create.set_value_dim(s.head_dim);
+    v1::CacheInfo full;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::CreateCache, full_create, &full).ok());
+    v1::AppendCacheRequest full_append;
+    full_append.set_cache_id(full.cache_id());
+    *full_append.mutable_key() = keys(0, 200);
+    *full_append.mutable_value() = keys(0, 200);
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::AppendCache, full_append, &full).ok());
+    EXPECT_EQ(2 * info.bytes(), full.bytes());
+
+    // A Decode item with a value is refused, naming it; with keys alone it appends and attends.
+    v1::DecodeRequest decode;
+    decode.mutable_options()->set_causal(true);
+    decode.mutable_options()->set_return_lse(true);
+    decode.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+    v1::DecodeItem* item = decode.add_items();
+    item->set_cache_id(id);
+    *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                      p.query_bytes.size(), dtype);
+    *item->mutable_key() = keys(200, s.key_len);
+    *item->mutable_value() =
+        Tokens(p.value_bytes, dtype, s.kv_heads, s.key_len, s.value_dim, 200, s.key_len);
+    item->set_expected_length(200);
+    v1::DecodeResponse decoded;
+    status = Call(&v1::AttentionService::Stub::Decode, decode, &decoded);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("items[0].value"), std::string::npos)
+        << status.error_message();
+    EXPECT_EQ(LengthOf(id), 200);
+    item->clear_value();
+    status = Call(&v1::AttentionService::Stub::Decode, decode, &decoded);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(LengthOf(id), s.key_len);
+    HostProblem unblocked = p;
+    unblocked.block_k = 0;
+    ExpectMatches(decoded.outputs(0), unblocked);
+    const testing::Reference ref = testing::ReferenceAttention(p);
+    EXPECT_LE(testing::MaxAbsError(Floats(decoded.lse(0)), ref.lse), 1e-4);
+
+    // Naive, Tiled and a trace over it.
+    const v1::AttentionRequest request = OverCache(p, id);
+    v1::AttentionResponse naive, tiled;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Naive, request, &naive).ok());
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, request, &tiled).ok());
+    ExpectMatches(naive.output(), p);
+    ExpectMatches(tiled.output(), p);
+    v1::TraceRequest trace;
+    *trace.mutable_attention() = request;
+    trace.add_rows()->set_head(79);
+    trace.mutable_rows(0)->set_row(1);
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
+    v1::TraceEvent event;
+    std::vector<float> traced;
+    while (reader->Read(&event)) {
+      if (event.has_row_done()) {
+        traced.assign(event.row_done().output().begin(), event.row_done().output().end());
+      }
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      const double expected = ref.output[(79 * s.query_len + 1) * s.value_dim + c];
+      EXPECT_NEAR(traced[c], expected, dtype == DType::kFloat32 ? 1e-5 : 2e-2) << c;
+    }
+  }
+
+  // value_dim past head_dim cannot come from the keys.
+  v1::CreateCacheRequest wide;
+  wide.set_kv_heads(1);
+  wide.set_head_dim(64);
+  wide.set_value_dim(65);
+  wide.set_dtype(v1::DTYPE_BFLOAT16);
+  wide.set_values_from_keys(true);
+  v1::CacheInfo refused;
+  const grpc::Status status = Call(&v1::AttentionService::Stub::CreateCache, wide, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message().rfind("value_dim", 0), 0u) << status.error_message();
+}
+
 // Speculative decoding: a cache cut back (TruncateCache, or a Decode item's truncate_to before
 // its new tokens) is exactly one that never had the cut tokens — the same output and lse bits,
 // and the float64 reference over the kept tokens; errors name the field and change nothing; a

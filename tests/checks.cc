@@ -156,7 +156,8 @@ absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
       backend.CreateKvStore(KvLayout{.kv_heads = s.kv_heads,
                                      .head_dim = s.head_dim,
                                      .value_dim = s.value_dim,
-                                     .dtype = host.dtype});
+                                     .dtype = host.dtype,
+                                     .values_from_keys = host.values_from_keys});
   if (!store.ok()) return store.status();
   const DType dtype = input_dtype != nullptr ? *input_dtype : host.dtype;
   std::vector<int64_t> sizes;
@@ -182,9 +183,12 @@ absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
       return bytes;
     };
     const std::vector<uint8_t> key = slice(host.key, s.head_dim);
-    const std::vector<uint8_t> value = slice(host.value, s.value_dim);
+    // A latent store takes keys alone.
+    const std::vector<uint8_t> value =
+        host.values_from_keys ? std::vector<uint8_t>() : slice(host.value, s.value_dim);
     if (absl::Status status =
-            (*store)->Append(TensorView{key.data(), dtype}, TensorView{value.data(), dtype}, n);
+            (*store)->Append(TensorView{key.data(), dtype},
+                             TensorView{host.values_from_keys ? nullptr : value.data(), dtype}, n);
         !status.ok()) {
       return status;
     }

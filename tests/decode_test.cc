@@ -2,8 +2,8 @@
 // KV store's pages and over contiguous tensors — against the float64 reference, with outputs
 // poisoned first. Cases: a cache of one token, caches that split into several chunks (and end
 // on and just past a chunk's edge), causal rows that see nothing, GQA groups larger than a row
-// group, head widths with vector tails, thread counts, interrupts, and problems too tall for the
-// decode kernel (given to Tiled).
+// group, head widths with vector tails, thread counts, interrupts, and groups run on GEMM kernels,
+// latent caches, and problems too tall for the decode kernel (given to Tiled).
 #include "kernels/cpu/decode.h"
 
 #include <algorithm>
@@ -128,8 +128,9 @@ TEST_P(DecodeTest, ABatchOfCachesOfDifferentLengthsMatchesTheReference) {
 }
 
 // A token tree (DecodeItem.tree_parents): each row sees the keys before the new tokens, its
-// ancestors and itself, against the reference's own walk up each chain — in the decode kernel
-// and, for groups taller than kDecodeMaxRows, in Tiled; masks of more than one 64-bit word;
+// ancestors and itself, against the reference's own walk up each chain — in the decode kernel's
+// vector path, its GEMM path (groups taller than kDecodeMaxRows) and, past kDecodeGemmMaxRows,
+// in Tiled; masks of more than one 64-bit word;
 // causal or not (the tree alone hides the later tokens).
 TEST_P(DecodeTest, ATokenTreeSeesOnlyEachRowsBranch) {
   const DType dtype = GetParam();
@@ -144,9 +145,10 @@ TEST_P(DecodeTest, ATokenTreeSeesOnlyEachRowsBranch) {
   const std::vector<Spec> specs = {
       {8, 2, 300, 33, 20, true, {-1, 0, 0, 1, 1, 2, -1}},         // EAGLE-like, decode kernel.
       {12, 2, 150, 24, 24, true, {-1, 0, 1, 2, 0, 4, -1, 6, 6}},  // 54 rows: decode kernel.
-      {16, 2, 200, 16, 16, true, {-1, 0, 1, 2, 0, 4, -1, 6, 6}},  // 72 rows: Tiled.
+      {16, 2, 200, 16, 16, true, {-1, 0, 1, 2, 0, 4, -1, 6, 6}},  // 72 rows: GEMM path.
+      {60, 2, 90, 16, 16, true, {-1, 0, 1, 2, 0, 4, -1, 6, 6}},   // 270 rows: Tiled.
       {4, 1, 40, 8, 8, false, {-1, -1, 1, 2, 0}},                 // Not causal.
-      {2, 1, 400, 8, 8, true, long_tree},                         // Two words a row: Tiled.
+      {2, 1, 400, 8, 8, true, long_tree},                         // Two words a row: GEMM.
   };
   std::vector<Item> items;
   uint64_t seed = 900 + static_cast<int>(dtype) * 10;
@@ -175,6 +177,77 @@ TEST_P(DecodeTest, ATokenTreeSeesOnlyEachRowsBranch) {
     EXPECT_LT(items[i].problem.Flops(), untreed.Flops());
   }
   EXPECT_EQ(stats.flops, flops);
+}
+
+// Groups of more than kDecodeMaxRows rows run on the GEMM kernels (decode.h), up to
+// kDecodeGemmMaxRows, and latent caches (values_from_keys: a value is its key's first value_dim
+// columns) on both paths: MLA-shaped (many query heads over one latent head), just past the
+// vector path's limit, several query rows, sinks and ALiBi, dense keys, a cache long enough for
+// the GEMM path's longer chunks; the reference reads each latent value from its key itself.
+TEST_P(DecodeTest, GemmGroupsAndLatentCachesMatchTheReference) {
+  const DType dtype = GetParam();
+  CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 7);
+  struct Spec {
+    int64_t heads, kv_heads, nq, nk, d, dv;
+    bool causal, paged, latent, transforms;
+  };
+  const std::vector<Spec> specs = {
+      {128, 1, 1, 1300, 72, 40, false, true, true, false},  // MLA-like: 128 rows, GEMM.
+      {96, 1, 2, 700, 33, 17, true, true, true, false},     // 192 rows, causal, GEMM.
+      {130, 2, 1, 600, 24, 24, false, true, false, false},  // 65 rows: the first GEMM group.
+      {64, 1, 1, 300, 40, 24, true, true, true, false},     // 64 rows: vector path, latent.
+      {8, 2, 1, 200, 16, 16, false, true, true, true},      // Latent with sinks and ALiBi.
+      {100, 1, 1, 500, 20, 20, false, false, false, true},  // Dense keys, GEMM, transforms.
+      {65, 1, 1, 40000, 8, 8, false, true, true, false},    // Chunks of 1024 keys.
+  };
+  std::vector<Item> items;
+  uint64_t seed = 1100 + static_cast<int>(dtype) * 10;
+  for (const Spec& spec : specs) {
+    Item item;
+    item.host =
+        RandomProblem(MakeShape(1, spec.heads, spec.kv_heads, spec.nq, spec.nk, spec.d, spec.dv),
+                      dtype, spec.causal, 16, seed++);
+    if (spec.latent) item.host.SetValuesFromKeys();
+    if (spec.transforms) {
+      for (int64_t h = 0; h < spec.heads; ++h) {
+        item.host.sinks.push_back(0.5f - 0.1f * static_cast<float>(h % 7));
+        item.host.alibi_slopes.push_back(0.01f * static_cast<float>(h % 5 + 1));
+      }
+    }
+    item.problem = item.host.View();
+    if (spec.paged) {
+      absl::StatusOr<PagedCopy> copy = MakePaged(backend, item.host, {spec.nk / 3, 1});
+      ASSERT_TRUE(copy.ok()) << copy.status();
+      item.paged = std::make_unique<PagedCopy>(*std::move(copy));
+      item.problem = item.paged->problem;
+    }
+    items.push_back(std::move(item));
+  }
+  EXPECT_EQ(DecodeChunkTokensOf(65, 40000), 2 * kDecodeChunkTokens);
+  EXPECT_EQ(DecodeChunkTokensOf(64, 40000), kDecodeChunkTokens);
+  const std::vector<KernelRun> runs = RunDecode(backend, items);
+  for (size_t i = 0; i < items.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "item " << i);
+    ExpectMatches(runs[i], items[i]);
+  }
+}
+
+// A latent store holds keys only: half the bytes of one that stores values as wide, and its
+// values are views of its keys' rows.
+TEST(DecodeTest, ALatentStoreTakesTheKeysMemoryOnly) {
+  CpuBackend backend(1, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 16);
+  HostProblem host =
+      RandomProblem(MakeShape(1, 4, 1, 1, 50, 64, 64), DType::kBFloat16, false, 16, 3);
+  host.SetValuesFromKeys();
+  absl::StatusOr<PagedCopy> latent = MakePaged(backend, host);
+  ASSERT_TRUE(latent.ok()) << latent.status();
+  host.values_from_keys = false;
+  absl::StatusOr<PagedCopy> full = MakePaged(backend, host);
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(2 * latent->store->bytes(), full->store->bytes());
+  const PagedKv& pages = latent->store->pages();
+  EXPECT_EQ(pages.value_pages, pages.key_pages);
+  EXPECT_EQ(pages.value_width, 64);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, DecodeTest,

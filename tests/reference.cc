@@ -46,6 +46,17 @@ Shape MakeShape(int64_t batch, int64_t heads, int64_t kv_heads, int64_t query_le
                .value_dim = value_dim};
 }
 
+void HostProblem::SetValuesFromKeys() {
+  values_from_keys = true;
+  const Shape& s = shape;
+  std::vector<float> v(s.batch * s.kv_heads * s.key_len * s.value_dim);
+  for (int64_t row = 0; row < s.batch * s.kv_heads * s.key_len; ++row) {
+    for (int64_t c = 0; c < s.value_dim; ++c) v[row * s.value_dim + c] = key[row * s.head_dim + c];
+  }
+  value_bytes = Encode(v, dtype);
+  value = std::move(v);
+}
+
 Problem HostProblem::View() const {
   Problem problem;
   problem.shape = shape;
@@ -279,7 +290,10 @@ Reference ReferenceAttention(const HostProblem& p) {
         for (int64_t j : seen) {
           const double w = std::exp(scores[j] - max) / sum;
           for (int64_t c = 0; c < s.value_dim; ++c) {
-            out[c] += w * double(p.value[view.ValueOffset(b, kvh, j) + c]);
+            // A latent cache's value: its key's first value_dim columns.
+            const double v = p.values_from_keys ? double(p.key[view.KeyOffset(b, kvh, j) + c])
+                                                : double(p.value[view.ValueOffset(b, kvh, j) + c]);
+            out[c] += w * v;
           }
         }
         ref.lse[view.LseOffset(b, h, i)] = max + std::log(sum);

@@ -42,6 +42,11 @@ struct HostProblem {
   // which also fills tree_ancestors, the bitmasks the kernels read (View).
   std::vector<int32_t> tree_parents;
   std::vector<uint64_t> tree_ancestors;
+  // A latent cache (KvLayout::values_from_keys, MLA): the value of key j is the first
+  // value_dim columns of key j, and the reference reads it there. Set with SetValuesFromKeys,
+  // which also rewrites value to match (for the kernels that read dense tensors); MakePaged then
+  // makes a latent store.
+  bool values_from_keys = false;
   int block_k = 64;
   bool return_lse = true;
   std::vector<uint8_t> query_bytes, key_bytes, value_bytes;
@@ -51,6 +56,8 @@ struct HostProblem {
   Problem View() const;
   // Sets the token tree (query_len parents, each −1 or earlier than its token).
   void SetTree(std::vector<int32_t> parents);
+  // Makes the values the keys' first value_dim columns (value_dim ≤ head_dim).
+  void SetValuesFromKeys();
 };
 
 // A Shape from its seven dimensions, in Shape's field order.

@@ -115,7 +115,7 @@ absl::StatusOr<Stats> CpuBackend::Decode(const std::vector<Problem>& problems,
   std::vector<const Outputs*> decode_outputs;
   Stats total;
   for (size_t i = 0; i < problems.size(); ++i) {
-    if (DecodeRowsOf(problems[i]) <= kDecodeMaxRows) {
+    if (DecodeRowsOf(problems[i]) <= kDecodeGemmMaxRows) {
       decode_problems.push_back(&problems[i]);
       decode_outputs.push_back(&outputs[i]);
       continue;

@@ -48,7 +48,7 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<std::unique_ptr<KvStore>> CreateKvStore(const KvLayout& layout) override;
   int64_t kv_page_tokens() const override { return kv_page_tokens_; }
-  // Decode-shaped problems (DecodeRowsOf ≤ kDecodeMaxRows, decode.h) through the decode kernel,
+  // Decode-shaped problems (DecodeRowsOf ≤ kDecodeGemmMaxRows, decode.h) through the decode kernel,
   // all in one pool run; any others through Tiled.
   absl::StatusOr<Stats> Decode(const std::vector<Problem>& problems,
                                const std::vector<Outputs>& outputs) override;

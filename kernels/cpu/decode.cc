@@ -13,6 +13,7 @@
 #include "kernels/cpu/aligned.h"
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/fp32_rows.h"
+#include "kernels/cpu/kv_tile.h"
 #include "kernels/lanes.h"
 #include "kernels/online_softmax.h"
 
@@ -34,8 +35,9 @@ struct DecodeRun {
   const Geometry* geometry = nullptr;  // The problem's.
   int64_t batch = 0, kv_head = 0;
   int64_t rows = 0, head_dim = 0, value_dim = 0;
-  const float* queries = nullptr;  // [rows, head_dim], fp32, scale folded in.
-  const DecodeRow* row = nullptr;  // [rows]
+  const float* queries = nullptr;             // [rows, head_dim], fp32, scale folded in.
+  const DecodeRow* row = nullptr;             // [rows]
+  int64_t chunk_tokens = kDecodeChunkTokens;  // DecodeChunkTokensOf the problem.
   int64_t first_chunk = 0, chunks = 0;
   KeyRange seen;             // The keys some row sees.
   float* partial = nullptr;  // [chunks, rows, 2 + value_dim]: max, denominator, accumulator.
@@ -43,8 +45,8 @@ struct DecodeRun {
   // The keys chunk `c` of the run reads (empty: a chunk no row sees).
   KeyRange ChunkKeys(int64_t c) const {
     const int64_t chunk = first_chunk + c;
-    return KeyRange{std::max(chunk * kDecodeChunkTokens, seen.begin),
-                    std::min((chunk + 1) * kDecodeChunkTokens, seen.end)};
+    return KeyRange{std::max(chunk * chunk_tokens, seen.begin),
+                    std::min((chunk + 1) * chunk_tokens, seen.end)};
   }
 };
 
@@ -62,11 +64,15 @@ struct DecodeScratch {
   std::vector<DecodeTileKeys> tiles;
   std::vector<OnlineSoftmaxRow> states;
   std::vector<const void*> key_rows, value_rows;
+  // A GEMM group's (decode.h): its tile's rows as fp32, packed.
+  Fp32Rows tile_keys, tile_values;
+  KvTile tile;
 
   int64_t bytes() const {
     return static_cast<int64_t>(
         (queries.capacity() + arranged.capacity() + scores.capacity() + acc.capacity()) *
             sizeof(float) +
+        tile_keys.scratch_bytes() + tile_values.scratch_bytes() + tile.scratch_bytes() +
         row.capacity() * sizeof(DecodeRow) + tiles.capacity() * sizeof(DecodeTileKeys) +
         states.capacity() * sizeof(OnlineSoftmaxRow) +
         (key_rows.capacity() + value_rows.capacity()) * sizeof(void*));
@@ -181,6 +187,13 @@ void RunDispatched(const DecodeRun& run, DecodeScratch& scratch) {
 }
 
 void RunChunks(DType dtype, const DecodeRun& run, DecodeScratch& scratch) {
+  if (run.rows > kDecodeMaxRows) {  // A GEMM group: any dtype, converted a tile at a time.
+#if defined(ATTN_DECODE_X86)
+    if (CpuHasAvx512()) return avx512::RunGemmChunks(run, scratch);
+    if (CpuHasAvx2Fma()) return avx2::RunGemmChunks(run, scratch);
+#endif
+    return portable::RunGemmChunks(run, scratch);
+  }
   switch (dtype) {
     case DType::kFloat32:
       return RunDispatched<DType::kFloat32>(run, scratch);
@@ -196,7 +209,8 @@ struct Item {
   const Problem* problem = nullptr;
   const Outputs* outputs = nullptr;
   int64_t rows = 0, chunks = 0, heads = 0;  // heads: batch · kv_heads; chunks: per head.
-  int64_t runs = 0;                         // Tasks per head.
+  int64_t chunk_tokens = kDecodeChunkTokens;
+  int64_t runs = 0;  // Tasks per head.
   int64_t first_task = 0, first_head = 0, partial_offset = 0;
 };
 
@@ -213,8 +227,9 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     item.problem = &p;
     item.outputs = outputs[i];
     item.rows = DecodeRowsOf(p);
+    item.chunk_tokens = DecodeChunkTokensOf(item.rows, p.shape.key_len);
     item.chunks =
-        std::max<int64_t>(1, (p.shape.key_len + kDecodeChunkTokens - 1) / kDecodeChunkTokens);
+        std::max<int64_t>(1, (p.shape.key_len + item.chunk_tokens - 1) / item.chunk_tokens);
     item.heads = p.shape.batch * p.shape.kv_heads;
     item.first_head = heads;
     item.partial_offset = partial_floats;
@@ -269,6 +284,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     run.rows = item.rows;
     run.head_dim = s.head_dim;
     run.value_dim = s.value_dim;
+    run.chunk_tokens = item.chunk_tokens;
     run.first_chunk = run_index * run_chunks;
     run.chunks = std::min(run_chunks, item.chunks - run.first_chunk);
     run.partial = partials.data() + item.partial_offset +
@@ -300,8 +316,8 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
         p.query.dtype, item.rows * s.head_dim, scratch.queries.data());
     for (float& q : scratch.queries) q *= p.scale;
     run.queries = scratch.queries.data();
-    scratch.scores.resize(item.rows * kDecodeTile);
-    scratch.acc.resize(item.rows * s.value_dim);
+    scratch.scores.resize(item.rows * std::max(kDecodeTile, kDecodeGemmTile));
+    scratch.acc.resize(item.rows * AccStride(static_cast<int>(s.value_dim)));
     scratch.states.resize(item.rows);
     scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);  // A ring of tiles.
     scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);

@@ -20,6 +20,7 @@
 // Measured (tests/bench/attention_bench --methods=decode): see docs/perf.md.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -47,9 +48,27 @@ inline constexpr int64_t kDecodeMaxRunChunks = 64;
 inline constexpr int kDecodeTile = 64;
 // Tiles ahead of the one computing whose rows are prefetched (decode_kernels.inc).
 inline constexpr int kDecodePrefetchTiles = 2;
-// Rows of a GQA group (query_len · heads / kv_heads) up to which a problem is decode-shaped;
-// CpuBackend::Decode gives larger ones to Tiled.
+// Rows of a GQA group (query_len · heads / kv_heads) up to which a chunk runs the vector loops
+// above (each key and value read in place, once for the group's rows: bound by memory). A larger
+// group (MLA's 128 query heads over one latent head; a wide verify step) is bound by compute
+// instead: its chunks run on KvTile's register-blocked GEMM kernels (kv_tile.h), a tile of
+// kDecodeGemmTile keys converted and packed once for all the rows, up to kDecodeGemmMaxRows rows;
+// CpuBackend::Decode gives larger groups to Tiled.
 inline constexpr int64_t kDecodeMaxRows = 64;
+inline constexpr int64_t kDecodeGemmMaxRows = 256;
+inline constexpr int kDecodeGemmTile = 64;
+// A GEMM group's chunks are longer (each holds rows · (value_dim + 2) floats of partial state):
+// key_len / kDecodeGemmChunks keys, within [kDecodeChunkTokens, 8 · kDecodeChunkTokens].
+inline constexpr int64_t kDecodeGemmChunks = 64;
+
+// Keys per chunk of a problem: kDecodeChunkTokens, or longer for a GEMM group (a multiple of it;
+// from the problem alone, so that results do not depend on the thread count).
+inline int64_t DecodeChunkTokensOf(int64_t rows, int64_t key_len) {
+  if (rows <= kDecodeMaxRows) return kDecodeChunkTokens;
+  const int64_t chunks_of_base =
+      (key_len / kDecodeGemmChunks + kDecodeChunkTokens - 1) / kDecodeChunkTokens;
+  return kDecodeChunkTokens * std::clamp<int64_t>(chunks_of_base, 1, 8);
+}
 
 // Rows one kv head's task computes: query_len · heads / kv_heads.
 inline int64_t DecodeRowsOf(const Problem& problem) {
@@ -57,8 +76,9 @@ inline int64_t DecodeRowsOf(const Problem& problem) {
 }
 
 // The decode kernel over problems[i] into outputs[i] (every problem decode-shaped:
-// DecodeRowsOf ≤ kDecodeMaxRows; dense or paged). Asks every outputs[i].interrupt between tasks.
-// Never fails otherwise. Its Stats: block_k, flops and scratch_bytes (the caller times the call).
+// DecodeRowsOf ≤ kDecodeGemmMaxRows; dense or paged). Asks every outputs[i].interrupt between
+// tasks. Never fails otherwise. Its Stats: block_k, flops and scratch_bytes (the caller times the
+// call).
 absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problems,
                                       const std::vector<const Outputs*>& outputs, ThreadPool& pool);
 

@@ -11,23 +11,31 @@
 // output dtype, lse fp32.
 //
 // Two kernels, one launch each for the whole batch:
-//   DecodeKernel<T, P>  one block per unit (item, kv head, group of ≤ kDecodeRows query rows of
-//                       that kv head's GQA group, key chunk): the chunk's keys and values are
-//                       read from global memory once, for all the rows, a tile of kDecodeKeys at
-//                       a time into shared memory (fp32, rows padded to P); each warp owns up to
-//                       4 rows: lane j scores key j of the tile, the row's OnlineSoftmax
-//                       <WarpReduce> takes the tile (the one update step, online_softmax.h),
-//                       then every lane accumulates its P/32 value columns in fp32 registers.
-//                       The chunk's unnormalized (acc, max, denominator) go to scratch.
+//   DecodeKernel<T, P>  one block per unit (item, kv head, group of ≤ R query rows of that kv
+//                       head's GQA group, key chunk): the chunk's keys and values are read from
+//                       global memory once, for all the rows, a tile of K keys at a time into
+//                       shared memory (fp32, rows padded to P); each warp owns up to R/4 rows.
+//                       Scoring: the 32/K lanes j, j + K, … of the warp each sum a part of key j's
+//                       dot product with the row, added across them by shuffles; the row's
+//                       OnlineSoftmax<WarpReduce> takes the tile (the one update step,
+//                       online_softmax.h; lanes ≥ K hold no key); then every lane accumulates its
+//                       P/32 value columns in fp32 registers. The chunk's unnormalized (acc, max,
+//                       denominator) go to scratch.
 //   MergeKernel         one block per (item, row): the row's chunks combined in order with
 //                       OnlineSoftmax::MergeInto (the one merge rule), normalized and stored.
+// Tiles (R rows × K keys, DecodeTileOf in launch.h): P = 32 … 256: 16 × 32, one lane per key;
+// P = 576 (DeepSeek-V3's MLA decode, 128 heads over one latent kv head): 8 × 16, two lanes per
+// key, which holds shared memory to 92 224 bytes. A latent cache's values are read from its key
+// pages at their row stride (PagedKv::ValueOffsetInPage), into the value tile like any other.
 // The host (decode_method.cc) splits each cache into chunks so that the grid fills the device,
 // and the unit list covers the whole batch at once, whatever each cache's length.
 // Not yet done: double-buffered (cp.async) tiles and vector loads of the pages; the tiles are
-// loaded element by element, coalesced within each token's row.
+// loaded element by element, coalesced within each token's row; at P = 576 a latent cache's
+// value columns are loaded a second time (they are the key tile's first columns).
 // Measured: not yet on a GPU (docs/perf.md; tests/gpu/device_check.sh measures cache bytes read
 // per second against the same-run copy bandwidth). The static checks
-// (tests/static/cuda_static_check.sh) hold both kernels to no spills and no stack frame.
+// (tests/static/cuda_static_check.sh) hold both kernels to no spills and no stack frame, and the
+// shared memory of every instance to each built architecture's opt-in limit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -46,13 +54,32 @@ namespace {
 // --- Tunables ---------------------------------------------------------------------------------
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = kDecodeRows / kWarps;
-static_assert(kDecodeKeys == 32, "lane j scores key j of a tile");
-static_assert(kDecodeRows % kWarps == 0);
 constexpr int kMergeThreads = 128;
-// The widest pitch's shared memory, plus the static row pointers, fits the smallest opt-in limit
-// of the architectures built (99 KB on sm_86/sm_120; tests/static/cuda_static_check.sh).
-static_assert(DecodeSharedBytes(kMaxHeadDim) + 2 * kDecodeKeys * 8 <= 101376);
+
+// The tile at pitch P (DecodeTileOf, launch.h) and what follows from it.
+template <int P>
+struct Tile {
+  static constexpr int kRows = DecodeTileOf(P).rows;  // Query rows per block.
+  static constexpr int kKeys = DecodeTileOf(P).keys;  // Keys per tile.
+  static constexpr int kRowsPerWarp = kRows / kWarps;
+  static constexpr int kLanesPerKey = 32 / kKeys;  // Lanes j, j + K, … share key j's dot product.
+  static constexpr int kSpan = P / kLanesPerKey;   // Columns of the dot product per lane.
+  static constexpr int kSegments = kSpan / kKeys;  // Its pieces of K columns.
+  static_assert(kRows % kWarps == 0 && 32 % kKeys == 0);
+  // Lane j + K·part starts its sweep `part` pieces in: with key rows P + 1 ≡ 1 (mod 32) floats
+  // apart and kSpan ≡ 0 (mod 32), the lanes of one step then read 32 different banks.
+  static_assert(kSpan % 32 == 0 && kSpan % kKeys == 0);
+};
+
+// Every pitch's shared memory, dynamic and static, fits the smallest opt-in limit of the
+// architectures built (99 KB on sm_86/sm_120; tests/static/cuda_static_check.sh checks each).
+constexpr bool DecodeFitsSmallestLimit() {
+  for (int pitch : kDecodeDims) {
+    if (DecodeSharedBytes(pitch) + DecodeStaticSharedBytes(pitch) > 101376) return false;
+  }
+  return true;
+}
+static_assert(DecodeFitsSmallestLimit());
 
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
@@ -62,12 +89,16 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162fl
 // kernels at 72 registers and spills; shared memory, not registers, bounds the blocks per SM.
 template <class T, int P>
 __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch batch) {
+  using Layout = Tile<P>;
+  constexpr int kRows = Layout::kRows;
+  constexpr int kKeys = Layout::kKeys;
+  constexpr int kRowsPerWarp = Layout::kRowsPerWarp;
   ATTN_DYNAMIC_SHARED(float, shared);
-  float* query_tile = shared;                            // [kDecodeRows][P]
-  float* key_tile = query_tile + kDecodeRows * P;        // [kDecodeKeys][P + 1]
-  float* value_tile = key_tile + kDecodeKeys * (P + 1);  // [kDecodeKeys][P]
-  ATTN_SHARED_ARRAY(const T*, key_rows, kDecodeKeys);
-  ATTN_SHARED_ARRAY(const T*, value_rows, kDecodeKeys);
+  float* query_tile = shared;                      // [kRows][P]
+  float* key_tile = query_tile + kRows * P;        // [kKeys][P + 1]
+  float* value_tile = key_tile + kKeys * (P + 1);  // [kKeys][P]
+  ATTN_SHARED_ARRAY(const T*, key_rows, kKeys);
+  ATTN_SHARED_ARRAY(const T*, value_rows, kKeys);
 
   const DecodeUnit unit = batch.units[blockIdx.x];
   const DecodeItem& item = batch.items[unit.item];
@@ -76,13 +107,16 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   const int64_t head_dim = item.head_dim;
   const int64_t value_dim = item.value_dim;
   const int64_t group = QueryHeadsPerKvHead(item.heads, item.kv_heads);
-  const int64_t row0 = int64_t{unit.row_group} * kDecodeRows;
-  const int rows = static_cast<int>(min(int64_t{kDecodeRows}, group * nq - row0));
+  const int64_t row0 = int64_t{unit.row_group} * kRows;
+  const int rows = static_cast<int>(min(int64_t{kRows}, group * nq - row0));
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  // While scoring: the tile's key this lane works on, and which part of its columns.
+  const int key_lane = lane % kKeys;
+  const int part = Layout::kLanesPerKey == 1 ? 0 : lane / kKeys;
 
   // The block's query rows, zero-padded to P; rows past `rows` all zeros.
-  for (int i = threadIdx.x; i < kDecodeRows * P; i += kThreads) {
+  for (int i = threadIdx.x; i < kRows * P; i += kThreads) {
     const int r = i / P;
     const int c = i % P;
     float q = 0.f;
@@ -123,8 +157,8 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
     for (int m = 0; m < P / 32; ++m) acc[k][m] = 0.f;
   }
 
-  for (int64_t tile = begin; tile < end; tile += kDecodeKeys) {
-    const int n = static_cast<int>(min(int64_t{kDecodeKeys}, end - tile));
+  for (int64_t tile = begin; tile < end; tile += kKeys) {
+    const int n = static_cast<int>(min(int64_t{kKeys}, end - tile));
     __syncthreads();  // The previous tile is consumed.
     if (static_cast<int>(threadIdx.x) < n) {
       const int64_t token = tile + threadIdx.x;
@@ -135,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
                                 item.pages.ValueOffsetInPage(unit.kv_head, token);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kDecodeKeys * P; i += kThreads) {
+    for (int i = threadIdx.x; i < kKeys * P; i += kThreads) {
       const int j = i / P;
       const int c = i % P;
       key_tile[j * (P + 1) + c] = j < n && c < head_dim ? ToFloat(key_rows[j][c]) : 0.f;
@@ -147,18 +181,30 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
     for (int k = 0; k < kRowsPerWarp; ++k) {
       const int r = warp + kWarps * k;
       if (r >= rows) continue;  // The same for the whole warp.
-      // score = scale · q·k for key `lane` of the tile.
-      const float* q = query_tile + r * P;
-      const float* key = key_tile + lane * (P + 1);
+      // score = scale · q·k for key `key_lane` of the tile: this lane's part of the columns, its
+      // pieces swept from piece `part` on (no bank conflicts: Tile), then the parts added.
+      const float* q = query_tile + r * P + part * Layout::kSpan;
+      const float* key = key_tile + key_lane * (P + 1) + part * Layout::kSpan;
       float dot = 0.f;
+      for (int s = 0; s < Layout::kSegments; ++s) {
+        const int piece = s + part < Layout::kSegments ? s + part : s + part - Layout::kSegments;
+        const float* q_piece = q + piece * kKeys;
+        const float* key_piece = key + piece * kKeys;
 #pragma unroll 8
-      for (int c = 0; c < P; ++c) dot += q[c] * key[c];
-      // Lanes past the tile's n keys hold keys past `end`, which visible[k] excludes; a token
-      // tree hides the new tokens off the row's branch.
+        for (int c = 0; c < kKeys; ++c) dot += q_piece[c] * key_piece[c];
+      }
+#pragma unroll
+      for (int offset = kKeys; offset < 32; offset *= 2) {
+        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      }
+      // Lanes past the tile's n keys hold keys past `end`, which visible[k] excludes; lanes ≥ kKeys
+      // hold no key (their copies of the dot products are not scores); a token tree hides the new
+      // tokens off the row's branch.
+      const int64_t token = tile + key_lane;
       const float score =
-          item.geometry.TreeHides((row0 + r) % nq, tile + lane)
+          lane >= kKeys || item.geometry.TreeHides((row0 + r) % nq, token)
               ? -INFINITY
-              : ScoreOrHidden(transform[k], visible[k], distance[k], tile + lane, item.scale * dot);
+              : ScoreOrHidden(transform[k], visible[k], distance[k], token, item.scale * dot);
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);
       const float weight = state[k].AddScore(score);
@@ -225,7 +271,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const DecodeBatch b
 template <class T, int P>
 cudaError_t Run(const DecodeBatch& batch, cudaStream_t stream) {
   auto kernel = DecodeKernel<T, P>;
-  constexpr int kShared = DecodeSharedBytes(P);
+  constexpr int kShared = DecodeSharedBytes(P);  // DecodeTileOf(P)'s tiles.
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
   if (error != cudaSuccess) return error;
@@ -244,6 +290,8 @@ cudaError_t RunPitch(const DecodeBatch& batch, cudaStream_t stream) {
       return Run<T, 128>(batch, stream);
     case 256:
       return Run<T, 256>(batch, stream);
+    case 576:
+      return Run<T, 576>(batch, stream);
   }
   return cudaErrorInvalidValue;
 }

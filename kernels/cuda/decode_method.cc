@@ -2,18 +2,20 @@
 // caches, the whole batch in one launch of the split-KV kernels (decode.cu).
 //
 // The host's part: group the problems by the kernel instance they need (the pages' dtype and
-// the padded width), split every cache into chunks of one size chosen so that the batch fills
-// the device (about kBlocksPerMultiprocessor blocks per SM, chunks of at least kMinChunkKeys),
-// list the units (item, kv head, row group, chunk), stage the queries (as fp32), the items and
-// the units in one upload, launch, and bring every output and lse back in one download.
-// Problems the kernels do not take (not over a cache, batch > 1, wider than kMaxHeadDim, or a
-// device whose shared memory is too small) run as Tiled, one by one.
+// the padded width, PaddedDecodeDim: up to 576), split every cache into chunks of one size
+// chosen so that the batch fills the device (about kBlocksPerMultiprocessor blocks per SM,
+// chunks of at least kMinChunkKeys, a multiple of the instance's keys per tile), list the units
+// (item, kv head, row group of the instance's rows, chunk: DecodeTileOf in launch.h, as the
+// kernel takes them), stage the queries (as fp32), the items and the units in one upload,
+// launch, and bring every output and lse back in one download.
+// Problems the kernels do not take (not over a cache, batch > 1, wider than kMaxDecodeDim, or a
+// device whose shared memory is too small) run as Tiled, one by one (which refuses widths over
+// kMaxHeadDim); one with a token tree is refused, UNIMPLEMENTED, since Tiled takes no tree.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <iterator>
 #include <map>
 #include <utility>
 #include <vector>
@@ -28,8 +30,7 @@ namespace {
 
 constexpr int64_t kBlocksPerMultiprocessor = 4;
 constexpr int64_t kMinChunkKeys = 128;
-constexpr int kMaxItemsPerLaunch = 65535;                    // The merge kernel's grid.y.
-constexpr int64_t kStaticSharedBytes = 2 * kDecodeKeys * 8;  // The tile's row pointers.
+constexpr int kMaxItemsPerLaunch = 65535;  // The merge kernel's grid.y.
 
 int64_t RoundUp(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 int64_t Align(int64_t bytes) { return RoundUp(bytes, 16); }
@@ -47,20 +48,22 @@ absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
   std::map<std::pair<int, int>, std::pair<std::vector<const Problem*>, std::vector<const Outputs*>>>
       groups;
   Stats total;
-  total.block_k = kDecodeKeys;
+  // Keys per tile of the first item's kernel (a batch of several widths reports that one).
+  total.block_k = problems.empty() ? DecodeTileOf(kMaxHeadDim).keys
+                                   : DecodeTileOf(PaddedDecodeDim(problems[0].shape)).keys;
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& problem = problems[i];
-    const int pitch = PaddedDim(problem.shape);
-    const bool split = problem.pages != nullptr && problem.shape.batch == 1 && pitch != 0 &&
-                       DecodeSharedBytes(pitch) + kStaticSharedBytes <= options_.max_shared_bytes;
+    const int pitch = PaddedDecodeDim(problem.shape);
+    const bool split =
+        problem.pages != nullptr && problem.shape.batch == 1 && pitch != 0 &&
+        DecodeSharedBytes(pitch) + DecodeStaticSharedBytes(pitch) <= options_.max_shared_bytes;
     if (!split) {
       if (problem.tree_count > 0) {  // Tiled's kernels take no token tree.
         return absl::UnimplementedError(absl::StrCat(
             "Decode with tree_parents on CUDA runs only in the decode kernel (head_dim and "
             "value_dim ≤ ",
-            kCompiledDims[std::size(kCompiledDims) - 1],
-            ", within the device's shared memory); this item's are ", problem.shape.head_dim,
-            " and ", problem.shape.value_dim));
+            kMaxDecodeDim, ", within the device's shared memory); this item's are ",
+            problem.shape.head_dim, " and ", problem.shape.value_dim));
       }
       ATTN_ASSIGN_OR_RETURN(const Stats stats, Tiled(problem, outputs[i]));
       total.Add(stats);
@@ -87,6 +90,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
                                                const std::vector<const Outputs*>& outputs,
                                                int pitch) {
   const int64_t count = static_cast<int64_t>(problems.size());
+  const DecodeTile tile = DecodeTileOf(pitch);  // The kernel's, at this pitch.
   // The chunk size: the batch's (kv head, row group) pairs, each cache cut so that the units
   // come to about kBlocksPerMultiprocessor per SM.
   int64_t chunk_keys = options_.decode_chunk_keys;
@@ -95,13 +99,13 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     for (const Problem* p : problems) {
       const Shape& s = p->shape;
       const int64_t row_groups =
-          (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + kDecodeRows - 1) / kDecodeRows;
+          (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + tile.rows - 1) / tile.rows;
       key_work += static_cast<double>(s.kv_heads * row_groups) * static_cast<double>(s.key_len);
     }
     const double target = static_cast<double>(kBlocksPerMultiprocessor * multiprocessors_);
     chunk_keys = std::max<int64_t>(kMinChunkKeys, static_cast<int64_t>(key_work / target));
   }
-  chunk_keys = RoundUp(chunk_keys, kDecodeKeys);
+  chunk_keys = RoundUp(chunk_keys, tile.keys);
 
   // Layout of the upload (queries and slopes, items, units), the download (outputs, lse) and the
   // scratch.
@@ -158,7 +162,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
       result_bytes += Align(p.LseElements() * 4);
     }
     const int64_t row_groups =
-        (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + kDecodeRows - 1) / kDecodeRows;
+        (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + tile.rows - 1) / tile.rows;
     for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head) {
       for (int64_t group = 0; group < row_groups; ++group) {
         for (int64_t chunk = 0; chunk < item.chunks; ++chunk) {
@@ -255,7 +259,7 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
 
   Stats stats;
   ATTN_ASSIGN_OR_RETURN(stats.compute_ns, ElapsedNs(slot));
-  stats.block_k = kDecodeKeys;
+  stats.block_k = tile.keys;
   stats.flops = flops;
   stats.scratch_bytes = (partial_acc + partial_state) * 4;
   stats.peak_memory_bytes = stats.scratch_bytes + result_bytes;

@@ -5,6 +5,8 @@
 // was queued); errors during execution surface at the next synchronizing call. Inputs are a
 // DeviceProblem: query, key and value in one storage dtype, each row padded with zeros to
 // `pitch` elements, so that kernels compiled for a few head sizes serve every head_dim 1..256.
+// The decode kernel reads a cache's pages in place and takes one more, wider pitch (576:
+// kDecodeDims); Naive, Tiled and Trace stop at kMaxHeadDim.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -142,18 +144,49 @@ cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64
 
 // --- Decode (decode.cu): split-KV attention over the pages of a batch of caches --------------
 
-constexpr int kDecodeKeys = 32;  // Keys per tile (one per lane while scoring).
-constexpr int kDecodeRows = 16;  // Query rows of one GQA group per block (4 per warp).
+// Head sizes the decode kernel is compiled for: kCompiledDims and 576, DeepSeek-V3's MLA decode
+// (head_dim 576 over a latent cache whose values are the first 512 columns of each key). Only
+// the decode kernel takes rows wider than kMaxHeadDim; PaddedDim, and so Naive, Tiled and Trace,
+// do not.
+constexpr int kDecodeDims[] = {32, 64, 128, 256, 576};
+constexpr int kMaxDecodeDim = 576;
+
+// The decode kernel's pitch for a shape: the smallest of kDecodeDims ≥ max(head_dim,
+// value_dim), or 0 when the shape is too wide for it.
+inline int PaddedDecodeDim(const Shape& shape) {
+  for (int dim : kDecodeDims) {
+    if (shape.head_dim <= dim && shape.value_dim <= dim) return dim;
+  }
+  return 0;
+}
+
+// The decode kernel's tile at one pitch, the one definition that the kernel and the host (which
+// lists the units and rounds the chunks) both use. Up to kMaxHeadDim: 16 query rows per block
+// (4 per warp) and 32 keys per tile (one per lane while scoring). Wider: 8 rows (2 per warp) and
+// 16 keys, each key's dot product split between two lanes, so that the tiles fit the 99 KB
+// opt-in limit of sm_86/sm_120 (92 224 bytes at 576, where 16 × 32 would take 184 KB).
+struct DecodeTile {
+  int rows;  // Query rows of one GQA group per block.
+  int keys;  // Keys per tile; a multiple of it is every chunk's size.
+};
+constexpr DecodeTile DecodeTileOf(int pitch) {
+  return pitch <= kMaxHeadDim ? DecodeTile{16, 32} : DecodeTile{8, 16};
+}
 
 // Dynamic shared memory of the decode kernel at `pitch`, bytes: the block's query rows, one key
 // tile (rows padded by one float: no bank conflicts) and one value tile, fp32.
 constexpr int DecodeSharedBytes(int pitch) {
-  return 4 * (kDecodeRows * pitch + kDecodeKeys * (pitch + 1) + kDecodeKeys * pitch);
+  const DecodeTile tile = DecodeTileOf(pitch);
+  return 4 * (tile.rows * pitch + tile.keys * (pitch + 1) + tile.keys * pitch);
 }
 
+// Its static shared memory, bytes: the tile's key and value row pointers.
+constexpr int DecodeStaticSharedBytes(int pitch) { return 2 * DecodeTileOf(pitch).keys * 8; }
+
 // One sequence of the batch (device memory, read by both kernels). Its rows are
-// flat = head · query_len + row; its keys split into `chunks` of chunk_keys (a multiple of
-// kDecodeKeys), chunk c holding keys [c · chunk_keys, (c + 1) · chunk_keys) ∩ [0, key_len).
+// flat = head · query_len + row; its keys split into `chunks` of chunk_keys (a multiple of the
+// tile's keys, DecodeTileOf), chunk c holding keys [c · chunk_keys, (c + 1) · chunk_keys) ∩ [0,
+// key_len).
 struct DecodeItem {
   PagedKv pages;       // Tables and pages in device memory, pages.dtype the batch's dtype.
   const float* query;  // [heads, query_len, head_dim] fp32
@@ -170,16 +203,16 @@ struct DecodeItem {
   int64_t partial_state;  // Offset in DecodeBatch::partial_state of its [rows, chunks, 2].
 };
 
-// One block of the split kernel: item, kv head, group of kDecodeRows query rows of that kv
-// head (row r of the group is flat row (kv_head · group + r / query_len) · query_len +
-// r % query_len, group = heads / kv_heads), key chunk.
+// One block of the split kernel: item, kv head, row group (DecodeTileOf(pitch).rows query rows
+// of that kv head: row r of row group g is flat row (kv_head · group + i / query_len) ·
+// query_len + i % query_len, i = g · rows + r, group = heads / kv_heads), key chunk.
 struct DecodeUnit {
   int32_t item, kv_head, row_group, chunk;
 };
 
 struct DecodeBatch {
   DType dtype = DType::kFloat32;  // Of every item's pages.
-  int pitch = 32;                 // One of kCompiledDims ≥ every item's head_dim and value_dim.
+  int pitch = 32;                 // One of kDecodeDims ≥ every item's head_dim and value_dim.
   const DecodeItem* items = nullptr;
   int items_count = 0;
   const DecodeUnit* units = nullptr;
@@ -190,7 +223,7 @@ struct DecodeBatch {
 };
 
 // The split kernel over every unit, then the merge of every row's chunks into its output and
-// lse. cudaErrorInvalidValue for a pitch that is not one of kCompiledDims;
+// lse. cudaErrorInvalidValue for a pitch that is not one of kDecodeDims;
 // cudaErrorInvalidConfiguration for a grid the device cannot launch.
 cudaError_t LaunchDecode(const DecodeBatch& batch, cudaStream_t stream);
 

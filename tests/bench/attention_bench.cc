@@ -91,6 +91,10 @@
 //                      1x4096,4x1024); rows only when --methods names decode or decode_tiled
 //   --decode_heads=HxKV  query heads × kv heads of the decode rows (default 32x8)
 //   --decode_d=D       head_dim = value_dim of the decode rows (default 128)
+//   --decode_latent=DV latent caches (values_from_keys: MLA, as DeepSeek-V3 decodes): value_dim DV
+//                      (≤ D), each value the first DV columns of its key; the rows then also
+//                      count GFLOP/s (read it against the sgemm rows: 128 query heads over one
+//                      latent head is bound by compute)
 //   --memread_mib=M    the memory-read ceiling's buffer (default 1024, well past the L3 cache;
 //                      --quick 256)
 //   --memcopy_mib=M    the copy ceiling's source (and destination) buffer (default 1024; --quick
@@ -160,7 +164,7 @@ struct Options {
   double deadline_s = 0;
   bool refusal = true;
   std::vector<std::pair<int64_t, int64_t>> decode_shapes = {{1, 32768}, {16, 4096}};
-  int64_t decode_heads = 32, decode_kv_heads = 8, decode_d = 128;
+  int64_t decode_heads = 32, decode_kv_heads = 8, decode_d = 128, decode_latent_dv = 0;
   int64_t memread_mib = 1024;
   int64_t memcopy_mib = 1024;
 };
@@ -207,7 +211,8 @@ bool DeadlinePassed() {
                "       --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
                "--naive_budget_gib=G\n"
                "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-               "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
+               "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
+               "--memread_mib=M\n"
                "       --memcopy_mib=M\n"
                "       and Google Benchmark's --benchmark_* flags\n",
                problem.c_str());
@@ -327,6 +332,9 @@ Options ParseOptions(int* argc, char** argv) {
       need_value();
       options.decode_d = ParseInt(flag, value);
       if (options.decode_d == 0) Usage("--decode_d must be positive");
+    } else if (flag == "--decode_latent") {
+      need_value();
+      options.decode_latent_dv = ParseInt(flag, value);
     } else if (flag == "--memread_mib") {
       need_value();
       options.memread_mib = ParseInt(flag, value);
@@ -391,7 +399,8 @@ Options ParseOptions(int* argc, char** argv) {
           "  --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
           "--naive_budget_gib=G\n"
           "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-          "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --memread_mib=M\n"
+          "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
+          "--memread_mib=M\n"
           "  --memcopy_mib=M\n"
           "  (see tests/bench/attention_bench.cc); Google Benchmark's own flags follow.\n\n");
       argv[kept++] = argv[i];
@@ -534,14 +543,18 @@ struct DecodeCell {
   std::string method;  // "decode" or "decode_tiled".
   DType dtype = DType::kBFloat16;
   int64_t batch = 1, n = 0, heads = 32, kv_heads = 8, d = 128;
+  int64_t latent_dv = 0;  // > 0: a latent cache of value_dim latent_dv.
 
+  int64_t ValueDim() const { return latent_dv > 0 ? latent_dv : d; }
   std::string Name() const {
     return absl::StrCat(method, "/", Cell::DTypeLabel(dtype), "/B:", batch, "/N:", n, "/H:", heads,
-                        "/KV:", kv_heads, "/d:", d);
+                        "/KV:", kv_heads, "/d:", d,
+                        latent_dv > 0 ? absl::StrCat("/latent_dv:", latent_dv) : "");
   }
-  // Cache bytes one step reads: every sequence's keys and values once.
+  // Cache bytes one step reads: every sequence's keys and stored values once.
   double CacheBytes() const {
-    return static_cast<double>(batch) * kv_heads * n * 2 * d * attn::ElementSize(dtype);
+    return static_cast<double>(batch) * kv_heads * n * (latent_dv > 0 ? 1 : 2) * d *
+           attn::ElementSize(dtype);
   }
 };
 
@@ -555,7 +568,11 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
   std::vector<float> key, value;
   for (int64_t b = 0; b < cell.batch; ++b) {
     absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
-        backend->CreateKvStore(attn::KvLayout{cell.kv_heads, cell.d, cell.d, cell.dtype});
+        backend->CreateKvStore(attn::KvLayout{.kv_heads = cell.kv_heads,
+                                              .head_dim = cell.d,
+                                              .value_dim = cell.ValueDim(),
+                                              .dtype = cell.dtype,
+                                              .values_from_keys = cell.latent_dv > 0});
     if (!store.ok()) return Skip(state, StatusText(store.status()));
     for (int64_t done = 0; done < cell.n; done += kPiece) {
       const int64_t n = std::min(kPiece, cell.n - done);
@@ -581,14 +598,15 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
   std::vector<attn::Outputs> outputs(cell.batch);
   for (int64_t b = 0; b < cell.batch; ++b) {
     attn::Problem& p = problems[b];
-    p.shape = attn::testing::MakeShape(1, cell.heads, cell.kv_heads, 1, cell.n, cell.d, cell.d);
+    p.shape =
+        attn::testing::MakeShape(1, cell.heads, cell.kv_heads, 1, cell.n, cell.d, cell.ValueDim());
     p.query = attn::TensorView{queries.data() + b * cell.heads * cell.d * esize, cell.dtype};
     p.pages = &stores[b]->pages();
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cell.d)));
     p.block_k = backend->default_block_k();
     p.return_lse = true;
     p.output_dtype = cell.dtype;
-    output_bytes[b].resize(p.OutputElements() * esize);
+    output_bytes[b].resize(p.OutputElements() * esize);  // [heads, 1, value_dim]
     for (int64_t i = 0; i < p.OutputElements(); ++i) {
       attn::StoreElement(output_bytes[b].data(), cell.dtype, i,
                          std::numeric_limits<float>::quiet_NaN());
@@ -622,6 +640,7 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
   }
   using benchmark::Counter;
   state.counters["GB/s"] = Counter(cell.CacheBytes() / 1e9, Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] = Counter(stats->flops / 1e9, Counter::kIsIterationInvariantRate);
   state.counters["compute_ms"] = compute_s * 1e3 / static_cast<double>(state.iterations());
   state.counters["cache_bytes"] = Counter(cell.CacheBytes(), Counter::kDefaults, Counter::kIs1024);
   state.counters["scratch_bytes"] =
@@ -903,7 +922,8 @@ int main(int argc, char** argv) {
     for (DType dtype : options.dtypes) {
       for (const auto& [batch, n] : options.decode_shapes) {
         decode_cells.push_back(DecodeCell{method, dtype, batch, n, options.decode_heads,
-                                          options.decode_kv_heads, options.decode_d});
+                                          options.decode_kv_heads, options.decode_d,
+                                          options.decode_latent_dv});
       }
     }
   }

@@ -3,8 +3,11 @@
 // kernels (kernels/cuda/decode.cu) against the float64 reference (tests/reference.h) — odd page
 // sizes, GQA, causal with several query rows, a batch of different lengths, fp32/fp16/bf16 by
 // the project's rules (DESIGN.md, Numerics), small chunks that exercise the merge and the
-// backend's own choice; and Naive, Tiled and Trace over a cache against the same problem with
-// contiguous keys (the gather makes the same device layout, so they agree bit for bit).
+// backend's own choice, DeepSeek-V3's MLA shape (128 heads over one latent kv head, head_dim
+// 576, values the first 512 columns of each key) and other widths the wide (576) instance takes,
+// which widths Decode takes and which it refuses; and Naive, Tiled and Trace over a cache against
+// the same problem with contiguous keys (the gather makes the same device layout, so they agree
+// bit for bit).
 //
 // As in gpu_test.cc: without a CUDA device every test reports SKIPPED with the reason (fails
 // with ATTN_REQUIRE_GPU=1, tests/backend_suite.h's GpuRequired); outputs are poisoned with NaN;
@@ -27,6 +30,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/kv_store.h"
 #include "kernels/problem.h"
 #include "tests/backend_suite.h"
@@ -76,8 +80,23 @@ class CudaKvTest : public ::testing::Test {
   static inline absl::StatusOr<std::unique_ptr<Backend>>* plain_ = nullptr;
 };
 
-KvLayout LayoutOf(const HostProblem& host) {
-  return KvLayout{host.shape.kv_heads, host.shape.head_dim, host.shape.value_dim, host.dtype};
+KvLayout LayoutOf(const HostProblem& host, bool latent = false) {
+  return KvLayout{host.shape.kv_heads, host.shape.head_dim, host.shape.value_dim, host.dtype,
+                  latent};
+}
+
+// Makes the problem's values those of a latent cache (KvLayout::values_from_keys): each the first
+// value_dim columns of its key, in the dense values the reference reads.
+void MakeValuesFromKeys(HostProblem& host) {
+  const Shape& s = host.shape;
+  ASSERT_LE(s.value_dim, s.head_dim);
+  for (int64_t row = 0; row < s.batch * s.kv_heads * s.key_len; ++row) {
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      const float key = host.key[row * s.head_dim + c];
+      host.value[row * s.value_dim + c] = key;
+      StoreElement(host.value_bytes.data(), host.dtype, row * s.value_dim + c, key);
+    }
+  }
 }
 
 // Tokens [first, first + n) of a dense [kv_heads, len, width] tensor, dense [kv_heads, n, width]:
@@ -97,7 +116,8 @@ std::vector<uint8_t> Slice(const std::vector<float>& values, int64_t kv_heads, i
 }
 
 // Appends the host problem's keys and values in pieces of the given sizes (then the rest), the
-// pieces alternating between the store's dtype and fp32.
+// pieces alternating between the store's dtype and fp32. A latent store (values_from_keys) gets
+// NaN values, which it must ignore.
 void AppendAll(KvStore& store, const HostProblem& host, std::vector<int64_t> pieces) {
   const Shape& s = host.shape;
   int64_t done = 0;
@@ -109,7 +129,10 @@ void AppendAll(KvStore& store, const HostProblem& host, std::vector<int64_t> pie
     const std::vector<uint8_t> key =
         Slice(host.key, s.kv_heads, s.key_len, s.head_dim, done, n, dtype);
     const std::vector<uint8_t> value =
-        Slice(host.value, s.kv_heads, s.key_len, s.value_dim, done, n, dtype);
+        store.layout().values_from_keys
+            ? Slice(std::vector<float>(host.value.size(), NAN), s.kv_heads, s.key_len, s.value_dim,
+                    done, n, dtype)
+            : Slice(host.value, s.kv_heads, s.key_len, s.value_dim, done, n, dtype);
     const absl::Status status =
         store.Append(TensorView{key.data(), dtype}, TensorView{value.data(), dtype}, n);
     ASSERT_TRUE(status.ok()) << status;
@@ -251,6 +274,8 @@ struct DecodeCase {
   bool sinks = false;  // Sinks 0.5·h − 1 on every item (added in the merge kernel, by head).
   // A token tree on every item (DecodeItem.tree_parents; query_len entries); empty: none.
   std::vector<int32_t> tree = {};
+  // Latent caches (KvLayout::values_from_keys): each value the first value_dim columns of its key.
+  bool latent = false;
 };
 
 // 70 new tokens, chains of five off the prefix and off token 3: masks of two 64-bit words.
@@ -280,12 +305,14 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
       hosts.back().sinks.push_back(0.5f * static_cast<float>(h) - 1.f);
     }
     if (!c.tree.empty()) hosts.back().SetTree(c.tree);
+    if (c.latent) MakeValuesFromKeys(hosts.back());
   }
   std::vector<Problem> problems;
   std::vector<PoisonedOutputs> poisoned;
   poisoned.reserve(hosts.size());
   for (const HostProblem& host : hosts) {
-    absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore(LayoutOf(host));
+    absl::StatusOr<std::unique_ptr<KvStore>> store =
+        backend.CreateKvStore(LayoutOf(host, c.latent));
     ASSERT_TRUE(store.ok()) << store.status();
     AppendAll(**store, host, {3, 29, 1, 64});
     Problem problem = host.View();
@@ -303,6 +330,8 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
   double flops = 0;
   for (const Problem& p : problems) flops += p.Flops();
   EXPECT_EQ(stats->flops, flops);
+  // The first item's kernel: 32-key tiles up to kMaxHeadDim, 16-key tiles at 576.
+  EXPECT_EQ(stats->block_k, cuda::DecodeTileOf(cuda::PaddedDecodeDim(c.items[0])).keys);
   for (size_t i = 0; i < hosts.size(); ++i) {
     SCOPED_TRACE(::testing::Message() << "item " << i << " key_len " << hosts[i].shape.key_len);
     const Reference ref = ReferenceAttention(hosts[i]);
@@ -392,8 +421,103 @@ INSTANTIATE_TEST_SUITE_P(
                    true,
                    false,
                    false,
-                   LongTree()}),
+                   LongTree()},
+        // DeepSeek-V3's MLA decode: 128 query heads over one latent kv head, head_dim 576 (the
+        // wide instance: 8-row blocks, 16-key tiles), values the first 512 columns of each key.
+        DecodeCase{"MlaLatent128HeadsBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 128, 1, 1, 77, 576, 512)},
+                   false,
+                   false,
+                   false,
+                   {},
+                   true},
+        DecodeCase{"MlaLatent128HeadsTwoRowsCausalBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 128, 1, 2, 300, 576, 512)},
+                   true,
+                   false,
+                   false,
+                   {},
+                   true},
+        // fp32, held to 1e-5: a batch of the MLA shape (fewer heads) and a short cache, with sinks.
+        DecodeCase{"MlaLatentBatchSinksF32",
+                   DType::kFloat32,
+                   {MakeShape(1, 16, 1, 2, 131, 576, 512), MakeShape(1, 16, 1, 1, 5, 576, 512)},
+                   true,
+                   false,
+                   true,
+                   {},
+                   true},
+        // A draft tree at width 576 runs in the decode kernel (Tiled would refuse it).
+        DecodeCase{"MlaLatentTreeAlibiF16",
+                   DType::kFloat16,
+                   {MakeShape(1, 16, 1, 5, 90, 576, 512)},
+                   true,
+                   true,
+                   false,
+                   {-1, 0, 0, 1, -1},
+                   true},
+        // Not latent, odd widths padded to 576: GQA, causal, two rows.
+        DecodeCase{
+            "Wide320x300GqaBf16", DType::kBFloat16, {MakeShape(1, 12, 2, 2, 131, 320, 300)}, true},
+        DecodeCase{"Wide257x576F32", DType::kFloat32, {MakeShape(1, 3, 1, 1, 47, 257, 576)}}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
+
+// Which widths Decode takes: every head_dim and value_dim up to 576 in the decode kernel (a
+// token tree too: Tiled, which stops at 256, would refuse it), one tile size per instance; past
+// 576, a tree is refused (UNIMPLEMENTED, naming the limit) and an item without one goes to
+// Tiled, which refuses it (INVALID_ARGUMENT).
+TEST_F(CudaKvTest, DecodeTakesEveryWidthUpTo576AndRefusesTreesOnlyPastIt) {
+  struct Case {
+    int64_t head_dim, value_dim;
+    bool latent;
+  };
+  for (const Case& c :
+       {Case{256, 256, false}, Case{257, 64, false}, Case{64, 257, false}, Case{576, 576, true},
+        Case{576, 512, true}, Case{575, 1, true}, Case{100, 576, false}, Case{577, 64, false},
+        Case{64, 600, false}, Case{640, 512, true}}) {
+    for (bool tree : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << c.head_dim << " / " << c.value_dim
+                                        << (c.latent ? " latent" : "") << (tree ? " tree" : ""));
+      HostProblem host = RandomProblem(MakeShape(1, 4, 2, 2, 19, c.head_dim, c.value_dim),
+                                       DType::kBFloat16, true, 8, 31 + c.head_dim + c.value_dim);
+      if (tree) host.SetTree({-1, -1});
+      if (c.latent) MakeValuesFromKeys(host);
+      absl::StatusOr<std::unique_ptr<KvStore>> store =
+          odd().CreateKvStore(LayoutOf(host, c.latent));
+      ASSERT_TRUE(store.ok()) << store.status();
+      AppendAll(**store, host, {5});
+      Problem problem = host.View();
+      problem.key = {};
+      problem.value = {};
+      problem.pages = &(*store)->pages();
+      PoisonedOutputs poisoned(host);
+      const absl::StatusOr<Stats> stats = odd().Decode({problem}, {poisoned.outputs()});
+      const int pitch = cuda::PaddedDecodeDim(host.shape);
+      if (std::max(c.head_dim, c.value_dim) <= cuda::kMaxDecodeDim) {
+        ASSERT_TRUE(stats.ok()) << stats.status();
+        EXPECT_EQ(stats->block_k, pitch <= cuda::kMaxHeadDim ? 32 : 16);
+        KernelRun run;
+        run.output_bytes = poisoned.output_bytes;
+        run.output = poisoned.Output();
+        run.lse = poisoned.lse;
+        const Reference ref = ReferenceAttention(host);
+        EXPECT_LE(MaxAbsError(run.output, ref.output),
+                  2 * MaxAbsError(LowPrecisionBaseline(host, host.dtype), ref.output) +
+                      LowPrecisionAtol(host, ref));
+        ExpectLseMatches(run, ref, 1e-5);
+      } else if (tree) {
+        EXPECT_EQ(pitch, 0);
+        EXPECT_EQ(stats.status().code(), absl::StatusCode::kUnimplemented) << stats.status();
+        EXPECT_NE(stats.status().message().find("value_dim ≤ 576"), std::string::npos)
+            << stats.status();
+      } else {
+        EXPECT_EQ(stats.status().code(), absl::StatusCode::kInvalidArgument) << stats.status();
+      }
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Naive, Tiled and Trace over a cache: the same results as over the contiguous keys.

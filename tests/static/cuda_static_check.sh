@@ -18,10 +18,13 @@
 #          entry body) fails too, since no entry could be credited or blamed for it.
 #   smem   the dynamic shared memory tiled_shared_bytes reports (FusedSharedBytes) plus the
 #          static shared memory ptxas reports fits the architecture's opt-in maximum per block.
-#   decode decode.cu compiled the same way: DecodeKernel<T, P> (3 dtypes × 4 pitches, exactly
-#          12 entries) and MergeKernel (once): 0 bytes stack frame, 0 spill stores, 0 spill
-#          loads each, and no mma in either. (Their shared memory is held to the smallest
-#          opt-in limit by a static_assert in decode.cu.)
+#   decode decode.cu compiled the same way: DecodeKernel<T, P> (3 dtypes × 5 pitches, 32 … 256
+#          and the wide 576; exactly 15 entries, each one that `tiled_shared_bytes --decode`
+#          lists) and MergeKernel (once): 0 bytes stack frame, 0 spill stores, 0 spill loads
+#          each, and no mma in either; each DecodeKernel's dynamic shared memory
+#          (DecodeSharedBytes, from `tiled_shared_bytes --decode`) plus the static shared memory
+#          ptxas reports fits the architecture's opt-in maximum. (A static_assert in decode.cu
+#          holds them to the smallest, 99 KB, as well.)
 # One PASS/FAIL line per check, then `cuda-static: N passed, M failed`; exit status 1 on any
 # failure, 2 on bad arguments.
 set -euo pipefail
@@ -75,6 +78,7 @@ optin_limit() {
 }
 
 readonly kExpectedKernels=12  # 3 dtypes (f32, f16, bf16) × 4 pitches (32, 64, 128, 256).
+readonly kExpectedDecodeKernels=15  # 3 dtypes × 5 pitches (32, 64, 128, 256, 576).
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/cuda_static_check.XXXXXX")
 cleanup() {
@@ -146,6 +150,24 @@ else
   pass "tiled_shared_bytes: 12 kernels (f32, f16, bf16 × 32, 64, 128, 256)"
 fi
 
+# The decode kernel's footprint: `dtype pitch shared_bytes rows keys` per instance.
+decode_footprint_ok=1
+if ! "$footprint" --decode >"$work/decode_footprint.txt" 2>"$work/decode_footprint.err"; then
+  fail "tiled_shared_bytes --decode: exited with an error: $(tr '\n' ' ' <"$work/decode_footprint.err")"
+  decode_footprint_ok=0
+elif ! awk -v want="$kExpectedDecodeKernels" '
+            NF != 5 || $1 !~ /^(f32|f16|bf16)$/ || $2 !~ /^(32|64|128|256|576)$/ ||
+            $3 !~ /^[0-9]+$/ || $4 !~ /^[1-9][0-9]*$/ || $5 !~ /^[1-9][0-9]*$/ { bad = 1 }
+            { seen[$1 " " $2]++ }
+            END { exit bad || NR != want || length(seen) != want }' \
+    "$work/decode_footprint.txt"; then
+  fail "tiled_shared_bytes --decode: expected $kExpectedDecodeKernels distinct lines" \
+    "'dtype pitch shared_bytes rows keys', got: $(tr '\n' '|' <"$work/decode_footprint.txt")"
+  decode_footprint_ok=0
+else
+  pass "tiled_shared_bytes --decode: $kExpectedDecodeKernels kernels (f32, f16, bf16 × 32, 64, 128, 256, 576)"
+fi
+
 # The kernel a footprint line describes: a readable label, and a fragment of its mangled name
 # ("9MmaKernelI6__halfLi64EE" = MmaKernel<__half, 64>).
 kernel_label() {
@@ -160,6 +182,20 @@ kernel_fragment() {
     f32) echo "10Fp32KernelILi${2}EE" ;;
     f16) echo "9MmaKernelI6__halfLi${2}EE" ;;
     bf16) echo "9MmaKernelI13__nv_bfloat16Li${2}EE" ;;
+  esac
+}
+decode_label() {
+  case $1 in
+    f32) echo "DecodeKernel<float,$2>" ;;
+    f16) echo "DecodeKernel<__half,$2>" ;;
+    bf16) echo "DecodeKernel<__nv_bfloat16,$2>" ;;
+  esac
+}
+decode_fragment() {
+  case $1 in
+    f32) echo "12DecodeKernelIfLi${2}EE" ;;
+    f16) echo "12DecodeKernelI6__halfLi${2}EE" ;;
+    bf16) echo "12DecodeKernelI13__nv_bfloat16Li${2}EE" ;;
   esac
 }
 
@@ -228,7 +264,7 @@ parse_ptx() {
 }
 
 # decode.cu for one architecture: every DecodeKernel<T, P> and the MergeKernel without stack
-# frame, spills or mma.
+# frame, spills or mma; every DecodeKernel's shared memory within the opt-in limit.
 check_decode() {
   local arch=$1 dir=$work/sm_$1/decode tag="sm_$1"
   if ! wait "${decode_pid[$arch]}"; then
@@ -247,25 +283,66 @@ check_decode() {
   pass "$tag compile: kernels/cuda/decode.cu (ptxas -v, PTX for compute_$arch)"
   parse_ptxas "$dir/compile.log" >"$dir/ptxas.txt"
   parse_ptx "${ptx_files[0]}" >"$dir/ptx.txt"
-  local kernels=0 fragment label want entries line name stack spill_st spill_ld regs mma
+  local limit entries label fragment matches stack spill_st spill_ld regs static_smem report
+  local dtype pitch shared_bytes rows keys total sizes mma
+  limit=$(optin_limit "${arch%[a-z]}")
+
+  # ptxas reported every DecodeKernel instance, and no more than there are.
+  entries=$(awk 'index($1, "12DecodeKernel") { n++ } END { print n + 0 }' "$dir/ptxas.txt")
+  if [[ $entries -eq $kExpectedDecodeKernels ]]; then
+    pass "$tag ptxas: $entries DecodeKernel entry functions reported (expected $kExpectedDecodeKernels)"
+  else
+    fail "$tag ptxas: $entries DecodeKernel entry functions reported (expected" \
+      "$kExpectedDecodeKernels: DecodeKernel<float|__half|__nv_bfloat16, P>, P = 32, 64, 128, 256, 576)"
+  fi
+
+  # Each instance the footprint lists: no stack frame, no spills; shared memory within the limit.
+  if [[ $decode_footprint_ok -eq 1 ]]; then
+    while read -r dtype pitch shared_bytes rows keys; do
+      label=$(decode_label "$dtype" "$pitch")
+      fragment=$(decode_fragment "$dtype" "$pitch")
+      matches=$(awk -v f="$fragment" 'index($1, f) { n++ } END { print n + 0 }' "$dir/ptxas.txt")
+      if [[ $matches -ne 1 ]]; then
+        fail "$tag ptxas $label: reported $matches times (expected once)"
+        continue
+      fi
+      read -r _ stack spill_st spill_ld regs static_smem < <(
+        awk -v f="$fragment" 'index($1, f)' "$dir/ptxas.txt")
+      report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
+      if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
+        pass "$tag ptxas $label: $report ($regs registers; $rows rows × $keys keys)"
+      else
+        fail "$tag ptxas $label: $report ($regs registers); expected 0, 0, 0"
+      fi
+      total=$((shared_bytes + static_smem))
+      sizes="$shared_bytes dynamic + $static_smem static = $total bytes"
+      if [[ -z $limit ]]; then
+        fail "$tag smem $label: $sizes; no opt-in limit known for sm_$arch (add it to $0)"
+      elif [[ $total -le $limit ]]; then
+        pass "$tag smem $label: $sizes ≤ $limit (opt-in maximum per block)"
+      else
+        fail "$tag smem $label: $sizes > $limit (opt-in maximum per block)"
+      fi
+    done <"$work/decode_footprint.txt"
+  fi
+
+  # The merge kernel: no stack frame, no spills.
+  matches=$(awk 'index($1, "11MergeKernel") { n++ } END { print n + 0 }' "$dir/ptxas.txt")
+  if [[ $matches -ne 1 ]]; then
+    fail "$tag ptxas MergeKernel: reported $matches times (expected once)"
+  else
+    read -r _ stack spill_st spill_ld regs _ < <(awk 'index($1, "11MergeKernel")' "$dir/ptxas.txt")
+    report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
+    if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
+      pass "$tag ptxas MergeKernel: $report ($regs registers)"
+    else
+      fail "$tag ptxas MergeKernel: $report ($regs registers); expected 0, 0, 0"
+    fi
+  fi
+
+  # Neither uses tensor cores (fp32 FMA).
   for fragment in 12DecodeKernel 11MergeKernel; do
     label=${fragment#??}
-    [[ $fragment == 12DecodeKernel ]] && want=12 || want=1
-    entries=$(awk -v f="$fragment" 'index($1, f) { n++ } END { print n + 0 }' "$dir/ptxas.txt")
-    if [[ $entries -ne $want ]]; then
-      fail "$tag ptxas $label: reported $entries times (expected $want)"
-      continue
-    fi
-    while read -r name stack spill_st spill_ld regs _; do
-      report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
-      short=$(sed -E 's/.*(DecodeKernel|MergeKernel)/\1/; s/EEEvNS0_11DecodeBatchE$//; s/ENS0_11DecodeBatchE$//' <<<"$name")
-      if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
-        pass "$tag ptxas $short: $report ($regs registers)"
-      else
-        fail "$tag ptxas $short: $report ($regs registers); expected 0, 0, 0"
-      fi
-      kernels=$((kernels + 1))
-    done < <(awk -v f="$fragment" 'index($1, f)' "$dir/ptxas.txt")
     mma=$(awk -v f="$fragment" '$1 == "entry" && index($2, f) { n += $3 } END { print n + 0 }' \
       "$dir/ptx.txt")
     if [[ $mma -eq 0 ]]; then
