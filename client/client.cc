@@ -166,13 +166,14 @@ TokenShape ShapeOf(const v1::Tensor& tensor) {
   return {};
 }
 
-// The AppendCache of tokens (key, value) after the first expected_length.
+// The AppendCache of tokens (key, value) after the first expected_length; value null: a latent
+// cache's keys alone.
 v1::AppendCacheRequest AppendRequest(const std::string& cache_id, const v1::Tensor& key,
-                                     const v1::Tensor& value, int64_t expected_length) {
+                                     const v1::Tensor* value, int64_t expected_length) {
   v1::AppendCacheRequest request;
   request.set_cache_id(cache_id);
   *request.mutable_key() = key;
-  *request.mutable_value() = value;
+  if (value != nullptr) *request.mutable_value() = *value;
   request.set_expected_length(expected_length);
   return request;
 }
@@ -704,11 +705,13 @@ void Cache::Adopt(const v1::CacheInfo& info, const v1::Tensor* key, const v1::Te
     return;
   }
   const auto tail_end = [&] { return tail_.back()->start + tail_.back()->tokens; };
-  const int64_t sent = key != nullptr && value != nullptr ? ShapeOf(*key).tokens : 0;
+  // The server took the append: a value with the key, or the key alone (a latent cache).
+  const int64_t sent = key != nullptr ? ShapeOf(*key).tokens : 0;
   if (sent > 0 && info.length() == before + sent && info.length() > info.durable_length()) {
     // After a cut it was unsure of, the tail may end short of `before`: it would have a gap.
     if (!tail_.empty() && tail_end() != before) tail_.clear();
-    tail_.push_back(std::make_shared<const Sent>(Sent{before, sent, *key, *value}));
+    tail_.push_back(std::make_shared<const Sent>(
+        Sent{before, sent, *key, value != nullptr ? *value : v1::Tensor()}));
   }
   // Tokens this Cache has not seen (a length that moved), or a cut it was unsure of that the
   // server did not make: the tail would have a gap.
@@ -762,6 +765,7 @@ void Cache::CallFailed(const absl::Status& status, const v1::DecodeItem& item) {
 }
 
 v1::Tensor Cache::Gather(bool keys, int64_t begin, int64_t end) const {
+  if (!keys && values_from_keys()) return v1::Tensor();  // Its values are within its keys.
   // Every kept tensor of the cache has its heads, width and dtype: the server took them.
   const v1::Tensor& model = keys ? tail_.front()->key : tail_.front()->value;
   const TokenShape shape = ShapeOf(model);
@@ -783,11 +787,36 @@ v1::Tensor Cache::Gather(bool keys, int64_t begin, int64_t end) const {
   return gathered;
 }
 
+absl::Status Cache::CheckValue(bool has_value) const {
+  if (has_value && values_from_keys()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "value: cache ", id(),
+        " is latent (values_from_keys): each token's value is the first value_dim columns of "
+        "its key; send the key alone"));
+  }
+  if (!has_value && !values_from_keys()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "value: missing; cache ", id(),
+        " stores values (it is not latent, values_from_keys): send a value with each key"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::CacheInfo> Cache::Append(const v1::Tensor& key, const v1::Tensor& value) {
-  const v1::AppendCacheRequest request = AppendRequest(id(), key, value, length());
+  if (absl::Status checked = CheckValue(true); !checked.ok()) return checked;
+  const v1::AppendCacheRequest request = AppendRequest(id(), key, &value, length());
   absl::StatusOr<v1::CacheInfo> info =
       FollowingMoves([&](Client& client) { return client.AppendCache(request); });
   if (info.ok()) Adopt(*info, &key, &value);
+  return info;
+}
+
+absl::StatusOr<v1::CacheInfo> Cache::Append(const v1::Tensor& key) {
+  if (absl::Status checked = CheckValue(false); !checked.ok()) return checked;
+  const v1::AppendCacheRequest request = AppendRequest(id(), key, nullptr, length());
+  absl::StatusOr<v1::CacheInfo> info =
+      FollowingMoves([&](Client& client) { return client.AppendCache(request); });
+  if (info.ok()) Adopt(*info, &key, nullptr);
   return info;
 }
 
@@ -829,8 +858,9 @@ void Cache::Update(const v1::CacheInfo& info, const v1::DecodeItem& item) {
     return;
   }
   if (item.has_truncate_to()) Cut(item.truncate_to());
-  const bool appended = item.has_key() && item.has_value();
-  Adopt(info, appended ? &item.key() : nullptr, appended ? &item.value() : nullptr);
+  // The server took the item's tokens: a key with its value, or alone for a latent cache.
+  Adopt(info, item.has_key() ? &item.key() : nullptr,
+        item.has_key() && item.has_value() ? &item.value() : nullptr);
 }
 
 absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const v1::Tensor* key,
@@ -838,6 +868,9 @@ absl::StatusOr<v1::DecodeResponse> Cache::Decode(const v1::Tensor& query, const 
                                                  const v1::AttentionOptions& options,
                                                  std::optional<int64_t> truncate_to,
                                                  absl::Span<const int32_t> tree_parents) {
+  if (key != nullptr || value != nullptr) {
+    if (absl::Status checked = CheckValue(value != nullptr); !checked.ok()) return checked;
+  }
   v1::DecodeRequest request;
   *request.add_items() = Item(query, key, value, truncate_to, tree_parents);
   *request.mutable_options() = options;
@@ -885,8 +918,9 @@ absl::StatusOr<v1::CacheInfo> Cache::Refresh() {
       std::max<int64_t>(1, kReplayAppendBytes / std::max<int64_t>(1, token_bytes));
   for (int64_t begin = held; begin < target;) {
     const int64_t end = std::min(target, begin + per_append);
-    info = client_->AppendCache(
-        AppendRequest(id(), Gather(true, begin, end), Gather(false, begin, end), begin));
+    const v1::Tensor values = Gather(false, begin, end);  // Empty for a latent cache.
+    info = client_->AppendCache(AppendRequest(id(), Gather(true, begin, end),
+                                              values_from_keys() ? nullptr : &values, begin));
     if (!info.ok()) {
       return Annotated(info.status(),
                        absl::StrCat("cache ", id(), ": sending tokens [", begin, ", ", end,

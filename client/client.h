@@ -273,6 +273,12 @@ attention::v1::AttentionRequest CacheRequest(const std::string& cache_id,
 // retried call is refused (FAILED_PRECONDITION) rather than storing tokens twice; after such a
 // refusal, Refresh() re-reads the length.
 //
+// A latent cache (CreateCacheRequest.values_from_keys: MLA, as DeepSeek-V3 decodes) stores keys
+// only, each token's value being the first value_dim columns of its key: Append(key) and
+// Decode(query, &key) send the key alone, and a value given for one is refused before any RPC
+// (INVALID_ARGUMENT naming "value"); its replay tail keeps keys only. values_from_keys() says
+// which kind this Cache is (the server's CacheInfo).
+//
 // Recovery (the protocol the Python and Node clients follow too):
 // - Replay tail. Every token sent through Append, Decode or Update(info, item) is kept, as sent,
 //   until the server says it is durable: each answer drops the kept appends that end at or
@@ -317,6 +323,8 @@ class Cache {
   int64_t length() const { return info_.length(); }
   // The last CacheInfo the server sent for this cache.
   const attention::v1::CacheInfo& info() const { return info_; }
+  // A latent cache: values are the first value_dim columns of the keys (CacheInfo).
+  bool values_from_keys() const { return info_.values_from_keys(); }
   // The Client this Cache calls now (another than the first after following a moved_to).
   Client& client() const { return *client_; }
   // The first token of the kept tail: a Refresh can recover a server that holds at least this
@@ -324,8 +332,13 @@ class Cache {
   int64_t kept_from() const;
 
   // Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] at length().
+  // INVALID_ARGUMENT naming "value", before any RPC, for a latent cache (values_from_keys).
   absl::StatusOr<attention::v1::CacheInfo> Append(const attention::v1::Tensor& key,
                                                   const attention::v1::Tensor& value);
+  // A latent cache's append: key [kv_heads, n, head_dim] alone at length(), each token's value
+  // being the first value_dim columns of its key. INVALID_ARGUMENT naming "value", before any
+  // RPC, for a cache that stores values (not values_from_keys).
+  absl::StatusOr<attention::v1::CacheInfo> Append(const attention::v1::Tensor& key);
   // Cuts the cache to its first `length` tokens (TruncateCache, expected_length = length()): the
   // kept tail loses what lies past the cut, so a Refresh never sends cut tokens again. A failure
   // that is not a refusal (IsRefusal) cuts the tail too and bounds the next Refresh (above).
@@ -333,12 +346,13 @@ class Cache {
   // One Decode of this cache alone: cuts it to truncate_to first when given (speculative
   // decoding's rejected drafts; a failure that is not a refusal as for Truncate), appends
   // key/value when given (nullptr: none), then attends `query` [heads, nq, head_dim] over the
-  // whole cache. tree_parents (empty: none) makes the new tokens a token tree (EAGLE, Medusa;
-  // attention.proto, DecodeItem.tree_parents): entry i is new token i's parent among the new
-  // tokens (−1: a child of the cached prefix; else earlier, 0 ≤ parent < i); `query` then has one
-  // row per new token, and row i sees the cached prefix, token i's ancestors and itself. Sent as
-  // given: the server names items[0].tree_parents, items[0].tree_parents[j] or items[0].query
-  // (INVALID_ARGUMENT) when it does not fit.
+  // whole cache. A latent cache takes the key alone: a value given for it is INVALID_ARGUMENT
+  // naming "value", before any RPC. tree_parents (empty: none) makes the new tokens a token tree
+  // (EAGLE, Medusa; attention.proto, DecodeItem.tree_parents): entry i is new token i's parent
+  // among the new tokens (−1: a child of the cached prefix; else earlier, 0 ≤ parent < i);
+  // `query` then has one row per new token, and row i sees the cached prefix, token i's
+  // ancestors and itself. Sent as given: the server names items[0].tree_parents,
+  // items[0].tree_parents[j] or items[0].query (INVALID_ARGUMENT) when it does not fit.
   // E.g. t0 → {a, b}, a → {c}: Decode(query, &key, &value, options, std::nullopt, {-1, 0, 0, 1}).
   absl::StatusOr<attention::v1::DecodeResponse> Decode(
       const attention::v1::Tensor& query, const attention::v1::Tensor* key = nullptr,
@@ -347,9 +361,10 @@ class Cache {
       std::optional<int64_t> truncate_to = std::nullopt,
       absl::Span<const int32_t> tree_parents = {});
   // The DecodeItem for this cache in a batched Client::Decode, with expected_length = length(),
-  // truncate_to and tree_parents as for Decode. After the call succeeds, pass Update the
-  // response's caches[i] for this item and the item; after it fails, pass CallFailed the status
-  // and the item.
+  // truncate_to and tree_parents as for Decode, key and value as given (a value for a latent
+  // cache is the server's to refuse: INVALID_ARGUMENT naming items[i].value). After the call
+  // succeeds, pass Update the response's caches[i] for this item and the item; after it fails,
+  // pass CallFailed the status and the item.
   attention::v1::DecodeItem Item(const attention::v1::Tensor& query,
                                  const attention::v1::Tensor* key = nullptr,
                                  const attention::v1::Tensor* value = nullptr,
@@ -380,16 +395,16 @@ class Cache {
   void Rebind(Client& client);
 
  private:
-  // One append as sent: tokens [start, start + tokens).
+  // One append as sent: tokens [start, start + tokens); a latent cache's has no value.
   struct Sent {
     int64_t start;
     int64_t tokens;
     attention::v1::Tensor key;
     attention::v1::Tensor value;
   };
-  // Takes the server's answer `info` to a call that appended key and value (null: none) at
-  // length(): keeps them unless durable, keeps the tail contiguous up to the new length, and
-  // drops what info says is durable.
+  // Takes the server's answer `info` to a call that appended key and value (key null: none;
+  // value null: a latent cache's keys alone) at length(): keeps them unless durable, keeps the
+  // tail contiguous up to the new length, and drops what info says is durable.
   void Adopt(const attention::v1::CacheInfo& info, const attention::v1::Tensor* key,
              const attention::v1::Tensor* value);
   // A cut to `length` tokens that the server made: the kept tail loses what lies past it (the
@@ -399,8 +414,12 @@ class Cache {
   void CutTail(int64_t length);
   // A call cutting to `length` failed with `status` (see CallFailed).
   void CutFailed(int64_t length, const absl::Status& status);
-  // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor.
+  // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor;
+  // an empty Tensor for a latent cache's values (none kept).
   attention::v1::Tensor Gather(bool keys, int64_t begin, int64_t end) const;
+  // OK, or INVALID_ARGUMENT naming "value" when a value is given (`has_value`) for a latent
+  // cache or none for one that stores values.
+  absl::Status CheckValue(bool has_value) const;
   // call(client()), and once more on the moved_to server's Client when it fails naming one.
   template <typename Call>
   auto FollowingMoves(const Call& call) -> decltype(call(std::declval<Client&>()));

@@ -229,19 +229,46 @@ absl::Status ShardedCache::CheckNoPending() const {
                    ") is unknown after a failed call; call Refresh() first"));
 }
 
-absl::Status ShardedCache::Append(const v1::Tensor& key, const v1::Tensor& value) {
-  if (absl::Status pending = CheckNoPending(); !pending.ok()) return pending;
+absl::StatusOr<int64_t> ShardedCache::NewTokens(const v1::Tensor& key,
+                                                const v1::Tensor* value) const {
+  if (shape_.values_from_keys() && value != nullptr) {
+    return absl::InvalidArgumentError(
+        "value: this sharded cache is latent (values_from_keys): each token's value is the "
+        "first value_dim columns of its key; send the key alone");
+  }
+  if (!shape_.values_from_keys() && value == nullptr) {
+    return absl::InvalidArgumentError(
+        "value: missing; this sharded cache stores values (it is not latent, values_from_keys)");
+  }
   absl::StatusOr<int64_t> n = TokenCount(key, "key", shape_, shape_.head_dim());
-  if (!n.ok()) return n.status();
-  absl::StatusOr<int64_t> value_n = TokenCount(value, "value", shape_, shape_.value_dim());
+  if (!n.ok() || value == nullptr) return n;
+  absl::StatusOr<int64_t> value_n = TokenCount(*value, "value", shape_, shape_.value_dim());
   if (!value_n.ok()) return value_n.status();
   if (*value_n != *n) {
     return absl::InvalidArgumentError(
         absl::StrCat("key has ", *n, " tokens but value has ", *value_n));
   }
+  return n;
+}
+
+absl::Status ShardedCache::Append(const v1::Tensor& key, const v1::Tensor& value) {
+  if (absl::Status pending = CheckNoPending(); !pending.ok()) return pending;
+  absl::StatusOr<int64_t> n = NewTokens(key, &value);
+  if (!n.ok()) return n.status();
+  return AppendTokens(key, &value, *n);
+}
+
+absl::Status ShardedCache::Append(const v1::Tensor& key) {
+  if (absl::Status pending = CheckNoPending(); !pending.ok()) return pending;
+  absl::StatusOr<int64_t> n = NewTokens(key, nullptr);
+  if (!n.ok()) return n.status();
+  return AppendTokens(key, nullptr, *n);
+}
+
+absl::Status ShardedCache::AppendTokens(const v1::Tensor& key, const v1::Tensor* value, int64_t n) {
   std::vector<int64_t> lengths;
   for (const Part& part : parts_) lengths.push_back(part.info.length());
-  const std::vector<int64_t> shares = WaterFill(lengths, *n);
+  const std::vector<int64_t> shares = WaterFill(lengths, n);
   const int64_t start = length();
   int64_t done = 0;
   for (size_t i = 0; i < parts_.size(); ++i) {
@@ -250,7 +277,7 @@ absl::Status ShardedCache::Append(const v1::Tensor& key, const v1::Tensor& value
     v1::AppendCacheRequest request;
     request.set_cache_id(part.info.cache_id());
     *request.mutable_key() = Slice(key, done, done + shares[i]);
-    *request.mutable_value() = Slice(value, done, done + shares[i]);
+    if (value != nullptr) *request.mutable_value() = Slice(*value, done, done + shares[i]);
     request.set_expected_length(part.info.length());
     absl::StatusOr<v1::CacheInfo> info = part.client->AppendCache(request);
     if (!info.ok()) {
@@ -261,7 +288,7 @@ absl::Status ShardedCache::Append(const v1::Tensor& key, const v1::Tensor& value
       return absl::Status(
           info.status().code(),
           absl::StrCat("sharded cache: appending tokens [", done, ", ", done + shares[i], ") of ",
-                       *n, " to ", Name(i), ": ", info.status().message(), "; tokens [0, ", done,
+                       n, " to ", Name(i), ": ", info.status().message(), "; tokens [0, ", done,
                        ") of this append were kept (global [", start, ", ", start + done, "))",
                        unknown ? "; whether the failed part stored its chunk is unknown: call "
                                  "Refresh() before the next append"
@@ -283,19 +310,16 @@ absl::StatusOr<ShardedDecodeResult> ShardedCache::Decode(const v1::Tensor& query
         "sharded cache: options.key_position and query_position must be unset (the positions "
         "are the sequence's)");
   }
-  if ((key == nullptr) != (value == nullptr)) {
-    return absl::InvalidArgumentError("sharded cache: give both key and value, or neither");
+  if (key == nullptr && value != nullptr) {
+    return absl::InvalidArgumentError(
+        shape_.values_from_keys()
+            ? "value: this sharded cache is latent (values_from_keys): send the key alone"
+            : "sharded cache: give both key and value, or neither");
   }
   int64_t fresh = 0;  // New tokens of this step.
   if (key != nullptr) {
-    absl::StatusOr<int64_t> n = TokenCount(*key, "key", shape_, shape_.head_dim());
+    absl::StatusOr<int64_t> n = NewTokens(*key, value);
     if (!n.ok()) return n.status();
-    absl::StatusOr<int64_t> value_n = TokenCount(*value, "value", shape_, shape_.value_dim());
-    if (!value_n.ok()) return value_n.status();
-    if (*value_n != *n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("key has ", *n, " tokens but value has ", *value_n));
-    }
     fresh = *n;
   }
   const int rank = query.shape_size();
@@ -342,7 +366,7 @@ absl::StatusOr<ShardedDecodeResult> ShardedCache::Decode(const v1::Tensor& query
     *item.mutable_query() = query;
     if (receives) {
       *item.mutable_key() = *key;
-      *item.mutable_value() = *value;
+      if (value != nullptr) *item.mutable_value() = *value;
     }
     item.set_expected_length(parts_[i].info.length());
     if (options.causal() && after > 0) {
@@ -395,9 +419,10 @@ absl::StatusOr<ShardedDecodeResult> ShardedCache::Decode(const v1::Tensor& query
     if (ask.response.ok()) {
       if (receives) {
         Record(ask.part, before, fresh, ask.response->caches(0));
-        fresh_note = absl::StrCat("; the ", fresh, " new token", fresh == 1 ? " was" : "s were",
-                                  " kept on ", Name(ask.part), " as global [", before, ", ", total,
-                                  "): retry without key and value");
+        fresh_note =
+            absl::StrCat("; the ", fresh, " new token", fresh == 1 ? " was" : "s were", " kept on ",
+                         Name(ask.part), " as global [", before, ", ", total, "): retry without ",
+                         shape_.values_from_keys() ? "the key" : "key and value");
       } else {
         parts_[ask.part].info = ask.response->caches(0);
       }

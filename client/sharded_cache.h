@@ -28,6 +28,11 @@
 // key, which see nothing) both positions are shifted up by nq − G: only their difference
 // matters to the mask.
 //
+// Latent caches (CreateCacheRequest.values_from_keys: MLA, as DeepSeek-V3 decodes): the request
+// goes to every part as it is, so each part stores keys only, a token's value being the first
+// value_dim columns of its key. Append(key) and Decode(query, &key) then send keys alone; a value
+// given for such a cache is INVALID_ARGUMENT naming "value" before anything is sent.
+//
 // Errors. Every part is an ordinary cache with an expected_length, so a retried or duplicated
 // append is refused (FAILED_PRECONDITION) rather than stored twice, and the lengths this object
 // keeps are always the servers' answers. A failed call names the part ("part 2 of 3 (cache …
@@ -107,8 +112,9 @@ struct ShardedDecodeResult {
 
 class ShardedCache {
  public:
-  // One new, empty part on each endpoint (at least one). On a failure the parts already made
-  // are deleted and the error names the endpoint that refused.
+  // One new, empty part on each endpoint (at least one), each made by `request` as it is (a
+  // latent cache's values_from_keys included). On a failure the parts already made are deleted
+  // and the error names the endpoint that refused.
   static absl::StatusOr<ShardedCache> Create(std::vector<CacheEndpoint> endpoints,
                                              const attention::v1::CreateCacheRequest& request);
   // One part per endpoint of `client`, each made by its CreateCache (which places successive
@@ -124,7 +130,8 @@ class ShardedCache {
 
   int64_t length() const;
   int parts() const { return static_cast<int>(parts_.size()); }
-  // kv_heads, head_dim, value_dim, dtype of every part (the first part's CacheInfo, length 0).
+  // kv_heads, head_dim, value_dim, dtype and values_from_keys of every part (the first part's
+  // CacheInfo, length 0).
   const attention::v1::CacheInfo& shape() const { return shape_; }
   ShardedCacheInfo Info() const;
 
@@ -133,12 +140,17 @@ class ShardedCache {
   // order. INVALID_ARGUMENT for tensors that do not fit the cache (checked before anything is
   // sent); otherwise the first failing part's status, naming it and what was kept.
   absl::Status Append(const attention::v1::Tensor& key, const attention::v1::Tensor& value);
+  // A latent cache's append (values_from_keys): key [kv_heads, n, head_dim] alone, placed as
+  // above. INVALID_ARGUMENT naming "value", before anything is sent, for a cache that stores
+  // values.
+  absl::Status Append(const attention::v1::Tensor& key);
 
-  // Appends key/value [kv_heads, n, ·] when given (both or neither; nullptr: none) to the
-  // shortest part, then attends `query` [heads, nq, head_dim] (rank 2 or 3, heads a multiple of
-  // kv_heads) over the whole sequence, every part concurrently, and merges. `options` as for
-  // Client::Decode (scale, causal, output_dtype, return_lse; key_position and query_position
-  // must be unset: the positions are the sequence's). Errors as above.
+  // Appends key/value [kv_heads, n, ·] when given (both or neither, nullptr: none; for a latent
+  // cache the key alone, a value being INVALID_ARGUMENT naming "value") to the shortest part, then
+  // attends `query` [heads, nq, head_dim] (rank 2 or 3, heads a multiple of kv_heads) over the
+  // whole sequence, every part concurrently, and merges. `options` as for Client::Decode (scale,
+  // causal, output_dtype, return_lse; key_position and query_position must be unset: the positions
+  // are the sequence's). Errors as above.
   absl::StatusOr<ShardedDecodeResult> Decode(const attention::v1::Tensor& query,
                                              const attention::v1::Tensor* key = nullptr,
                                              const attention::v1::Tensor* value = nullptr,
@@ -175,6 +187,13 @@ class ShardedCache {
   // local length before `info` (the server's answer, which becomes the part's info).
   void Record(size_t part, int64_t global_start, int64_t n, const attention::v1::CacheInfo& info);
   absl::Status CheckNoPending() const;
+  // Checks key [kv_heads, n, head_dim] and, but for a latent cache, value (null: none given)
+  // [kv_heads, n, value_dim] → n; INVALID_ARGUMENT naming the tensor otherwise.
+  absl::StatusOr<int64_t> NewTokens(const attention::v1::Tensor& key,
+                                    const attention::v1::Tensor* value) const;
+  // Key and value (null: a latent cache's keys alone) of `n` tokens → the parts' appends.
+  absl::Status AppendTokens(const attention::v1::Tensor& key, const attention::v1::Tensor* value,
+                            int64_t n);
 
   std::vector<Part> parts_;
   attention::v1::CacheInfo shape_;

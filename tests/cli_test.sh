@@ -145,6 +145,30 @@ check cache-no-id 1 'usage: attn cache info CACHE_ID' -- "${cache[@]}" info
 check cache-round-robin 1 'a cache lives on one server' -- "${cache[@]}" list --lb round_robin
 check cache-bad-create 1 'INVALID_ARGUMENT' -- "${cache[@]}" create --head-dim 0
 
+# A latent cache (--values-from-keys: keys only, each value the first value_dim columns of its
+# key): info and list say so, appends send keys alone, its pages hold the keys alone (300 tokens
+# in pages of 256: 2 pages × 72 × 4 bytes = 144 KiB), and value_dim > head_dim is refused naming
+# it.
+created=$("${cache[@]}" create --kv-heads 1 --head-dim 72 --value-dim 40 --values-from-keys 2>&1) ||
+  true
+latent_id=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$created")
+check cache-latent-create 0 \
+  'kv_heads 1, head_dim 72, value_dim 40, DTYPE_FLOAT32, latent: values from keys' -- echo "$created"
+check cache-latent-append 0 'length 300 tokens, 144\.0 KiB in pages of 256 tokens' -- \
+  "${cache[@]}" append "$latent_id" --tokens 300
+check cache-latent-info 0 'DTYPE_FLOAT32, latent: values from keys' -- \
+  "${cache[@]}" info "$latent_id"
+check cache-latent-info-json 0 '"valuesFromKeys":true' -- "${cache[@]}" info "$latent_id" --json
+check cache-latent-list 0 "^$latent_id +1 +72 +40 +DTYPE_FLOAT32 +300 +144\.0 KiB +from keys\$" -- \
+  "${cache[@]}" list
+check cache-latent-tiled 0 'output \[1, 13, 2, 40\] DTYPE_FLOAT32' -- \
+  "$attn" "${target[@]}" tiled --cache "$latent_id" --random 1,13,2,72
+check cache-latent-delete 0 "^deleted cache $latent_id$" -- "${cache[@]}" delete "$latent_id"
+check cache-latent-value-dim 1 'INVALID_ARGUMENT: value_dim: is 73 but head_dim is 72' -- \
+  "${cache[@]}" create --kv-heads 1 --head-dim 72 --value-dim 73 --values-from-keys
+check cache-latent-elsewhere 1 '--values-from-keys applies to cache create and decode' -- \
+  "${cache[@]}" append 0123 --tokens 1 --values-from-keys
+
 decode_run() {  # decode_run DTYPE MAX_ERROR ARGS...: attn decode, its error at most MAX_ERROR
   local dtype=$1 max=$2
   shift 2
@@ -168,6 +192,14 @@ decode_run bf16 1e-2 --heads 4 --kv-heads 1 --head-dim 32 --tokens 300 --steps 3
 # The step's float64 reference takes the sinks, the softcap and the ALiBi bias too.
 decode_run f32 1e-5 --heads 4 --kv-heads 2 --head-dim 16 --tokens 300 --steps 3 --seed 7 \
   --sinks 3,-1,0.5,2 --softcap 5 --alibi standard
+# A latent cache: each step sends the key alone, and the reference takes each value from its key.
+decode_run f32 1e-5 --heads 13 --kv-heads 1 --head-dim 72 --value-dim 40 --tokens 300 --steps 3 \
+  --seed 11 --values-from-keys
+decode_run bf16 1e-2 --heads 9 --kv-heads 3 --head-dim 37 --value-dim 29 --tokens 300 --steps 3 \
+  --seed 13 --values-from-keys
+check decode-latent-banner 0 'value_dim 40, DTYPE_FLOAT32, latent \(values from keys\)$' -- \
+  "$attn" "${target[@]}" decode --heads 2 --kv-heads 1 --head-dim 72 --value-dim 40 --tokens 5 \
+  --steps 1 --values-from-keys
 check decode-leaves-no-cache 0 '^no caches$' -- "${cache[@]}" list
 check decode-bad-heads 1 '--kv-heads must divide --heads' -- \
   "$attn" "${target[@]}" decode --heads 4 --kv-heads 3
@@ -253,6 +285,11 @@ check shard-cache-unknown 1 'NOT_FOUND: cache "0{32}" is on none of the 2 endpoi
   "$attn" "${both[@]}" cache info 00000000000000000000000000000000
 check shard-decode 0 '^deleted cache [0-9a-f]{32}$' -- \
   "$attn" "${both[@]}" decode --heads 2 --head-dim 8 --tokens 40 --steps 2
+# A latent cache split over both servers (every part latent), checked against float64.
+check shard-decode-latent 0 \
+  'max \|decode - float64 reference\| / max \|reference\| = [0-9.]+(e-0[6-9]|e-[1-9][0-9])? over 2 steps' -- \
+  "$attn" "${both[@]}" decode --heads 13 --kv-heads 1 --head-dim 72 --value-dim 40 --tokens 41 \
+  --steps 2 --shard-keys --causal --values-from-keys
 
 # trace --shard-keys (client/cli/merge_trace.h): each server traces its slice of the keys, then
 # the merge one server at a time, ending at the seed's out[0]; the JSON lines in their documented

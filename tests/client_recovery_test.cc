@@ -16,7 +16,8 @@
 //   holds at least that many), a refusal leaves the Cache as it was, CallFailed does the same for
 //   a batched item, and a restarted server holding fewer tokens gets them only up to that cut;
 // - Cache::Decode's tree_parents: each row of a token tree equal to a plain causal Decode over
-//   the prefix and that row's branch, a count that does not fit refused naming the field.
+//   the prefix and that row's branch, a count that does not fit refused naming the field;
+// - a latent cache (values_from_keys): keys alone, through Refresh and a ShardedCache.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -37,6 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention/v1/attention.grpc.pb.h"
 #include "client/client.h"
+#include "client/sharded_cache.h"
 #include "common/crc32c.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -211,6 +213,100 @@ class ClientRecoveryTest : public ::testing::Test {
  private:
   std::vector<std::string> dirs_;
 };
+
+// A latent cache (values_from_keys) through client::Cache: a value refused before any RPC, keys
+// alone appended and decoded, the replay tail keeping keys only so that Refresh after a restart
+// from the disk gives bit-identical Tiled output; an ordinary cache refusing a key alone; a
+// ShardedCache over two servers passing the flag to every part and equal to one cache.
+TEST_F(ClientRecoveryTest, LatentCacheAppendsKeysAloneAndRefreshResendsThem) {
+  const std::string dir = TempDir(), copy = TempDir();
+  std::unique_ptr<Server> one = StartServer(dir);
+  const Sequence seq(1, 72, 72, 80, v1::DTYPE_BFLOAT16, 7);
+  v1::CreateCacheRequest create = seq.Create();
+  create.set_value_dim(40);
+  create.set_values_from_keys(true);
+  absl::StatusOr<client::Cache> created = client::Cache::Create(*one->client, create);
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::Cache& cache = *created;
+  EXPECT_TRUE(cache.values_from_keys());
+  // A value refused before any RPC.
+  const v1::Tensor k0 = seq.Keys(0, 10), v0 = seq.Values(0, 10);
+  absl::StatusOr<v1::CacheInfo> refused = cache.Append(k0, v0);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "value: ")) << refused.status();
+  const v1::Tensor q = Query(seq, 3);
+  const v1::Tensor k1 = seq.Keys(10, 11), v1v = seq.Values(10, 11);
+  absl::StatusOr<v1::DecodeResponse> refused_decode = cache.Decode(q, &k1, &v1v);
+  EXPECT_EQ(refused_decode.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.length(), 0);
+  for (const auto& [begin, end] : {std::pair{0, 10}, {10, 25}, {25, 40}}) {
+    ASSERT_TRUE(cache.Append(seq.Keys(begin, end)).ok());
+  }
+  EXPECT_EQ(cache.info().bytes(), cache.info().page_tokens() * 72 * 2);
+  ASSERT_TRUE(one->service->caches().Flush().ok());
+  std::filesystem::copy(
+      dir, copy,
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  ASSERT_TRUE(cache.Append(seq.Keys(40, 60)).ok());
+  ASSERT_TRUE(cache.Append(seq.Keys(60, 75)).ok());
+  const v1::Tensor decode_key = seq.Keys(75, 76);
+  absl::StatusOr<v1::DecodeResponse> step = cache.Decode(q, &decode_key);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->outputs(0).shape(2), 40);
+  const v1::Tensor item_key = seq.Keys(76, 79);
+  v1::DecodeRequest batch;
+  *batch.add_items() = cache.Item(q, &item_key);
+  const absl::StatusOr<v1::DecodeResponse> decoded = one->client->Decode(batch);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  cache.Update(decoded->caches(0), batch.items(0));
+  ASSERT_EQ(cache.length(), 79);
+  EXPECT_EQ(cache.kept_from(), 40);
+  // A cut inside the tail (slices the straddling append, keys alone).
+  ASSERT_TRUE(cache.Truncate(78).ok());
+  std::unique_ptr<Server> two = StartServer(copy);
+  ASSERT_EQ(LengthOn(*two->client, cache.id()), 40);
+  client::Cache recovered = cache;
+  recovered.Rebind(*two->client);
+  const absl::StatusOr<v1::CacheInfo> refreshed = recovered.Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 78);
+  EXPECT_TRUE(refreshed->values_from_keys());
+  EXPECT_EQ(TiledBytes(*two->client, cache.id(), seq), TiledBytes(*one->client, cache.id(), seq));
+  // Ordinary cache: Append(key) refused.
+  absl::StatusOr<client::Cache> ordinary = client::Cache::Create(*one->client, seq.Create());
+  ASSERT_TRUE(ordinary.ok());
+  EXPECT_EQ(ordinary->Append(k0).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Sharded latent over both servers.
+  std::vector<client::CacheEndpoint> endpoints = {{"one", one->client.get()},
+                                                  {"two", two->client.get()}};
+  absl::StatusOr<client::ShardedCache> sharded = client::ShardedCache::Create(endpoints, create);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  EXPECT_TRUE(sharded->shape().values_from_keys());
+  EXPECT_EQ(sharded->Append(seq.Keys(0, 10), seq.Values(0, 10)).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(sharded->Append(seq.Keys(0, 70)).ok());
+  const v1::Tensor sk = seq.Keys(70, 71), sv = seq.Values(70, 71);
+  EXPECT_EQ(sharded->Decode(q, &sk, &sv).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sharded->Decode(q, nullptr, &sv).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<client::ShardedDecodeResult> merged = sharded->Decode(q, &sk);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(sharded->length(), 71);
+  // Against one cache holding the same keys.
+  absl::StatusOr<client::Cache> whole = client::Cache::Create(*one->client, create);
+  ASSERT_TRUE(whole.ok());
+  ASSERT_TRUE(whole->Append(seq.Keys(0, 71)).ok());
+  v1::AttentionOptions options;
+  options.set_output_dtype(v1::DTYPE_FLOAT32);
+  absl::StatusOr<v1::DecodeResponse> direct = whole->Decode(q, nullptr, nullptr, options);
+  ASSERT_TRUE(direct.ok());
+  absl::StatusOr<client::Array> a = client::FromTensor(merged->output);
+  absl::StatusOr<client::Array> b = client::FromTensor(direct->outputs(0));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->values.size(), b->values.size());
+  for (size_t i = 0; i < a->values.size(); ++i) EXPECT_NEAR(a->values[i], b->values[i], 1e-3);
+  EXPECT_TRUE(sharded->Delete().ok());
+}
 
 TEST_F(ClientRecoveryTest, RefreshSendsAgainWhatARestartFromTheDiskLost) {
   const std::string dir = TempDir(), copy = TempDir();

@@ -9,7 +9,11 @@
 #     long call is 504; GET / and the viewer files are served as embedded, with their content
 #     types; no CORS header anywhere. The KV-cache routes (/v1/caches..., /v1/decode): create,
 #     append, info and list equal to gRPC's, decode and tiled/trace over a cache against a float64
-#     reference on the tokens sent, FAILED_PRECONDITION 400, NOT_FOUND 404 after delete.
+#     reference on the tokens sent, FAILED_PRECONDITION 400, NOT_FOUND 404 after delete; a
+#     latent cache (POST /v1/caches with "values_from_keys": true, and "valuesFromKeys") shown by
+#     info and list, keys appended alone, decode against float64 with values from the keys,
+#     its bytes those of its keys, a value 400 INVALID_ARGUMENT naming it, value_dim > head_dim
+#     400 naming value_dim.
 #  2. attnd with --http-cors-origin and --auth-token-file: a missing or wrong token is 401 with
 #     the message gRPC gives; the right token works (and the answer carries the origin); the
 #     OPTIONS preflight allows Authorization and Content-Type (and DELETE); the page loads
@@ -502,6 +506,85 @@ def cache_checks():
           "%d %s" % (status, body[:300]))
 
 
+def latent_cache_checks():
+    """A latent cache (values_from_keys: keys only, each value the first value_dim columns of
+    its key) through the gateway: the proto JSON mapping takes the field by either spelling."""
+    rng = np.random.default_rng()
+    status, _, body = http_call("POST", "/v1/caches", json.dumps(
+        {"kv_heads": 1, "head_dim": 72, "value_dim": 40, "dtype": "DTYPE_FLOAT32",
+         "values_from_keys": True}))
+    check("latent cache create (values_from_keys): 200", status == 200,
+          "%d %s" % (status, body[:300]))
+    if status != 200:
+        return
+    info = json_format.Parse(body, pb.CacheInfo())
+    cache_id = info.cache_id
+    check("latent cache create: valuesFromKeys in the answer, the shape asked",
+          json.loads(body).get("valuesFromKeys") is True and info.values_from_keys and
+          (info.kv_heads, info.head_dim, info.value_dim) == (1, 72, 40), body[:300])
+    status, _, body = http_call("GET", "/v1/caches/%s" % cache_id)
+    check("latent cache info: valuesFromKeys",
+          status == 200 and json.loads(body).get("valuesFromKeys") is True, body[:300])
+    status, _, body = http_call("GET", "/v1/caches")
+    listed = json_format.Parse(body, pb.ListCachesResponse()) if status == 200 else None
+    check("latent cache list: valuesFromKeys",
+          listed is not None and [c.values_from_keys for c in listed.caches
+                                  if c.cache_id == cache_id] == [True], body[:300])
+    keys = rng.standard_normal((1, 29, 72)).astype(np.float32)
+    status, _, body = post_message("/v1/caches/%s/append" % cache_id,
+                                   pb.AppendCacheRequest(key=fp32(keys), expected_length=0))
+    appended = json_format.Parse(body, pb.CacheInfo()) if status == 200 else None
+    check("latent cache append of keys alone: 200, length 29, the keys' pages alone",
+          appended is not None and appended.length == 29 and
+          appended.bytes == appended.page_tokens * 72 * 4, "%d %s" % (status, body[:300]))
+    append = pb.AppendCacheRequest(key=fp32(keys[:, :2]), value=fp32(keys[:, :2, :40]),
+                                   expected_length=29)
+    status, _, body = post_message("/v1/caches/%s/append" % cache_id, append)
+    error = error_of(body)
+    check("latent cache append with a value: 400 INVALID_ARGUMENT naming value",
+          status == 400 and error.get("code") == "INVALID_ARGUMENT" and
+          error.get("message", "").startswith("value"), "%d %s" % (status, body[:300]))
+    query = rng.standard_normal((13, 1, 72)).astype(np.float32)
+    new_key = rng.standard_normal((1, 1, 72)).astype(np.float32)
+    decode = pb.DecodeRequest(items=[pb.DecodeItem(
+        cache_id=cache_id, query=fp32(query), key=fp32(new_key), value=fp32(new_key[..., :40]),
+        expected_length=29)])
+    status, _, body = post_message("/v1/decode", decode)
+    error = error_of(body)
+    check("latent decode with a value: 400 INVALID_ARGUMENT naming items[0].value",
+          status == 400 and error.get("code") == "INVALID_ARGUMENT" and
+          error.get("message", "").startswith("items[0].value"), "%d %s" % (status, body[:300]))
+    decode.items[0].ClearField("value")
+    status, _, body = post_message("/v1/decode", decode)
+    keys = np.concatenate([keys, new_key], axis=1)
+    want = reference(query, keys, keys[..., :40])
+    if status == 200:
+        got = json_format.Parse(body, pb.DecodeResponse())
+        out = np.frombuffer(got.outputs[0].data, "<f4").reshape(tuple(got.outputs[0].shape))
+        check("latent decode of the key alone: the float64 reference, values from the keys",
+              close_to(out, want), "%s vs %s" % (out.ravel()[:4], want.ravel()[:4]))
+        check("latent decode: 30 tokens", [c.length for c in got.caches] == [30], str(got.caches))
+    else:
+        check("latent decode of the key alone: 200", False, "%d %s" % (status, body[:300]))
+    status, _, _ = http_call("DELETE", "/v1/caches/%s" % cache_id)
+    check("latent cache delete: 200", status == 200)
+    # The JSON name (valuesFromKeys) too; value_dim past head_dim is refused naming it.
+    status, _, body = http_call("POST", "/v1/caches", json.dumps(
+        {"kvHeads": 2, "headDim": 16, "valuesFromKeys": True, "dtype": "DTYPE_BFLOAT16"}))
+    made = json_format.Parse(body, pb.CacheInfo()) if status == 200 else None
+    check("latent cache create (valuesFromKeys): value_dim = head_dim",
+          made is not None and made.values_from_keys and made.value_dim == 16,
+          "%d %s" % (status, body[:300]))
+    if made is not None:
+        http_call("DELETE", "/v1/caches/%s" % made.cache_id)
+    status, _, body = http_call("POST", "/v1/caches", json.dumps(
+        {"kvHeads": 1, "headDim": 72, "valueDim": 73, "valuesFromKeys": True}))
+    error = error_of(body)
+    check("latent cache create, value_dim > head_dim: 400 INVALID_ARGUMENT naming value_dim",
+          status == 400 and error.get("code") == "INVALID_ARGUMENT" and
+          error.get("message", "").startswith("value_dim"), "%d %s" % (status, body[:300]))
+
+
 def auth_checks():
     origin = "https://viewer.example"
     no_token = grpc_metadata[:0]
@@ -789,6 +872,7 @@ if mode in ("drain", "limits", "mtls"):
 main_checks()
 if mode == "plain":
     cache_checks()
+    latent_cache_checks()
 if mode == "auth":
     auth_checks()
 print("%s: %d passed, %d failed" % (mode, passed, len(failures)))

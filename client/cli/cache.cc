@@ -64,8 +64,10 @@ void PrintInfo(std::FILE* out, const v1::CacheInfo& info, bool json) {
     return;
   }
   absl::FPrintF(out, "cache %s\n", info.cache_id());
-  absl::FPrintF(out, "  kv_heads %d, head_dim %d, value_dim %d, %s\n", info.kv_heads(),
-                info.head_dim(), info.value_dim(), v1::DType_Name(info.dtype()));
+  absl::FPrintF(
+      out, "  kv_heads %d, head_dim %d, value_dim %d, %s%s\n", info.kv_heads(), info.head_dim(),
+      info.value_dim(), v1::DType_Name(info.dtype()),
+      info.values_from_keys() ? ", latent: values from keys (the first value_dim columns)" : "");
   absl::FPrintF(out, "  length %d tokens, %s in pages of %d tokens\n", info.length(),
                 Bytes(info.bytes()), info.page_tokens());
   if (info.has_durable_length()) {
@@ -77,33 +79,54 @@ void PrintInfo(std::FILE* out, const v1::CacheInfo& info, bool json) {
 // Appends `count` random tokens [kv_heads, ·, head_dim | value_dim] in `dtype` through `append`
 // (which returns the length after its append), in appends of at most kFillChunkBytes;
 // `stored_keys` and `stored_values` (one vector per kv head, null = not kept) receive them as
-// stored.
+// stored. A latent cache (`shape.values_from_keys()`) gets keys alone (value null), and each
+// stored value is the first value_dim columns of its key.
 using AppendFunction =
-    std::function<absl::StatusOr<int64_t>(const v1::Tensor& key, const v1::Tensor& value)>;
+    std::function<absl::StatusOr<int64_t>(const v1::Tensor& key, const v1::Tensor* value)>;
 
-absl::Status Fill(const AppendFunction& append, int64_t kv_heads, int64_t head_dim,
-                  int64_t value_dim, v1::DType dtype, int64_t length, int64_t count,
-                  std::mt19937_64& rng, std::vector<std::vector<float>>* stored_keys,
+// The values a cache of `shape` holds for tokens `key` [kv_heads, n, head_dim] and `value`
+// [kv_heads, n, value_dim], as stored: a latent cache's are its keys' first value_dim columns.
+std::vector<float> StoredValues(const v1::CacheInfo& shape, const Tokens& key,
+                                const Tokens& value) {
+  if (!shape.values_from_keys()) return value.stored;
+  const int64_t rows = static_cast<int64_t>(key.stored.size()) / shape.head_dim();
+  std::vector<float> values;
+  values.reserve(rows * shape.value_dim());
+  for (int64_t row = 0; row < rows; ++row) {
+    const auto first = key.stored.begin() + row * shape.head_dim();
+    values.insert(values.end(), first, first + shape.value_dim());
+  }
+  return values;
+}
+
+absl::Status Fill(const AppendFunction& append, const v1::CacheInfo& shape, int64_t length,
+                  int64_t count, std::mt19937_64& rng, std::vector<std::vector<float>>* stored_keys,
                   std::vector<std::vector<float>>* stored_values, int* appends) {
-  const int64_t token_bytes = kv_heads * (head_dim + value_dim) * ElementBytes(dtype);
+  const int64_t kv_heads = shape.kv_heads(), head_dim = shape.head_dim(),
+                value_dim = shape.value_dim();
+  const bool latent = shape.values_from_keys();
+  const v1::DType dtype = shape.dtype();
+  const int64_t token_bytes =
+      kv_heads * (head_dim + (latent ? 0 : value_dim)) * ElementBytes(dtype);
   const int64_t chunk = std::max<int64_t>(1, kFillChunkBytes / std::max<int64_t>(1, token_bytes));
   for (int64_t done = 0; done < count;) {
     const int64_t n = std::min(chunk, count - done);
     Tokens key = RandomTokens(rng, {kv_heads, n, head_dim}, dtype);
-    Tokens value = RandomTokens(rng, {kv_heads, n, value_dim}, dtype);
-    const absl::StatusOr<int64_t> appended = append(key.tensor, value.tensor);
+    Tokens value = latent ? Tokens() : RandomTokens(rng, {kv_heads, n, value_dim}, dtype);
+    const absl::StatusOr<int64_t> appended = append(key.tensor, latent ? nullptr : &value.tensor);
     if (!appended.ok()) {
       return absl::Status(appended.status().code(),
                           absl::StrCat("appending tokens [", done, ", ", done + n, ") at length ",
                                        length, ": ", appended.status().message()));
     }
     length = *appended;
+    const std::vector<float> values =
+        stored_values != nullptr ? StoredValues(shape, key, value) : std::vector<float>();
     for (int64_t h = 0; stored_keys != nullptr && h < kv_heads; ++h) {
       (*stored_keys)[h].insert((*stored_keys)[h].end(), key.stored.begin() + h * n * head_dim,
                                key.stored.begin() + (h + 1) * n * head_dim);
-      (*stored_values)[h].insert((*stored_values)[h].end(),
-                                 value.stored.begin() + h * n * value_dim,
-                                 value.stored.begin() + (h + 1) * n * value_dim);
+      (*stored_values)[h].insert((*stored_values)[h].end(), values.begin() + h * n * value_dim,
+                                 values.begin() + (h + 1) * n * value_dim);
     }
     done += n;
     if (appends != nullptr) ++*appends;
@@ -113,8 +136,9 @@ absl::Status Fill(const AppendFunction& append, int64_t kv_heads, int64_t head_d
 
 // Appends to one cache, as Fill does.
 AppendFunction AppendTo(client::Cache& cache) {
-  return [&cache](const v1::Tensor& key, const v1::Tensor& value) -> absl::StatusOr<int64_t> {
-    absl::StatusOr<v1::CacheInfo> appended = cache.Append(key, value);
+  return [&cache](const v1::Tensor& key, const v1::Tensor* value) -> absl::StatusOr<int64_t> {
+    absl::StatusOr<v1::CacheInfo> appended =
+        value != nullptr ? cache.Append(key, *value) : cache.Append(key);
     if (!appended.ok()) return appended.status();
     return appended->length();
   };
@@ -124,9 +148,8 @@ AppendFunction AppendTo(client::Cache& cache) {
 absl::Status Fill(client::Cache& cache, int64_t count, std::mt19937_64& rng,
                   std::vector<std::vector<float>>* stored_keys,
                   std::vector<std::vector<float>>* stored_values, int* appends) {
-  const v1::CacheInfo& info = cache.info();
-  return Fill(AppendTo(cache), info.kv_heads(), info.head_dim(), info.value_dim(), info.dtype(),
-              cache.length(), count, rng, stored_keys, stored_values, appends);
+  return Fill(AppendTo(cache), cache.info(), cache.length(), count, rng, stored_keys, stored_values,
+              appends);
 }
 
 // The cache `id` on the server holding it; with expected_length ≥ 0 it is believed to hold that
@@ -147,7 +170,8 @@ int64_t FieldBytes(int64_t payload) {
 }
 
 // The size of the stateless AttentionRequest of one decode step: `query` and options, with the
-// whole cache (`length` tokens) inline as key [kv_heads, length, head_dim] and value.
+// whole cache (`length` tokens) inline as key [kv_heads, length, head_dim] and value (a latent
+// cache's too: a stateless call sends its values).
 int64_t StatelessRequestBytes(const v1::Tensor& query, const v1::AttentionOptions& options,
                               const v1::CacheInfo& info, int64_t length) {
   v1::AttentionRequest request;
@@ -217,6 +241,11 @@ double StepError(const std::vector<float>& query, const std::vector<float>& outp
   return largest > 0 ? worst / largest : worst;
 }
 
+// ", latent (values from keys)" for a latent cache's request, else "".
+const char* LatentNote(const v1::CreateCacheRequest& create) {
+  return create.values_from_keys() ? ", latent (values from keys)" : "";
+}
+
 int64_t Median(std::vector<int64_t> values) {
   std::sort(values.begin(), values.end());
   return values.empty() ? 0 : values[values.size() / 2];
@@ -242,15 +271,15 @@ std::string PartLengths(const client::ShardedCacheInfo& info) {
 // endpoint (client::ShardedCache) — as the demo's loop uses it.
 struct DemoCache {
   AppendFunction append;  // Fill's.
-  // One step: append the token (key, value), attend `query` over the cache. Sets the output,
-  // the step's stats and the bytes the step's request(s) took.
+  // One step: append the token (key, value; value null for a latent cache), attend `query`
+  // over the cache. Sets the output, the step's stats and the bytes the step's request(s) took.
   std::function<absl::Status(const v1::Tensor& query, const v1::Tensor& key,
-                             const v1::Tensor& value, v1::Tensor* output, v1::ExecutionStats* stats,
+                             const v1::Tensor* value, v1::Tensor* output, v1::ExecutionStats* stats,
                              int64_t* sent)>
       step;
   std::function<int64_t()> length;
   std::function<int64_t()> page_bytes;  // Memory the cache's pages take.
-  v1::CacheInfo shape;                  // kv_heads, head_dim, value_dim, dtype.
+  v1::CacheInfo shape;                  // kv_heads, head_dim, value_dim, dtype, values_from_keys.
   const char* compute_note = "";        // After the median compute: "" or " (slowest part)".
   const char* sent_note = "";           // After the bytes sent: "" or " (all parts)".
 };
@@ -265,8 +294,9 @@ absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t
   std::vector<std::vector<float>> keys(kv_heads), values(kv_heads);
   int appends = 0;
   const auto fill_start = std::chrono::steady_clock::now();
-  if (absl::Status filled = Fill(cache.append, kv_heads, head_dim, value_dim, flags.dtype,
-                                 cache.length(), flags.tokens, rng, &keys, &values, &appends);
+  const bool latent = cache.shape.values_from_keys();
+  if (absl::Status filled = Fill(cache.append, cache.shape, cache.length(), flags.tokens, rng,
+                                 &keys, &values, &appends);
       !filled.ok()) {
     return filled;
   }
@@ -286,13 +316,14 @@ absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t
   for (int64_t step = 1; step <= flags.steps; ++step) {
     const Tokens query = RandomTokens(rng, {heads, 1, head_dim}, flags.dtype);
     const Tokens key = RandomTokens(rng, {kv_heads, 1, head_dim}, flags.dtype);
-    const Tokens value = RandomTokens(rng, {kv_heads, 1, value_dim}, flags.dtype);
+    const Tokens value =
+        latent ? Tokens() : RandomTokens(rng, {kv_heads, 1, value_dim}, flags.dtype);
     v1::Tensor output_tensor;
     v1::ExecutionStats stats;
     int64_t sent = 0;
     const auto start = std::chrono::steady_clock::now();
-    const absl::Status stepped =
-        cache.step(query.tensor, key.tensor, value.tensor, &output_tensor, &stats, &sent);
+    const absl::Status stepped = cache.step(
+        query.tensor, key.tensor, latent ? nullptr : &value.tensor, &output_tensor, &stats, &sent);
     const int64_t wall_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                 std::chrono::steady_clock::now() - start)
                                 .count();
@@ -300,11 +331,12 @@ absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t
       return absl::Status(stepped.code(), absl::StrCat("decode step ", step, " at length ",
                                                        cache.length(), ": ", stepped.message()));
     }
+    const std::vector<float> stored_values = StoredValues(cache.shape, key, value);
     for (int64_t h = 0; h < kv_heads; ++h) {
       keys[h].insert(keys[h].end(), key.stored.begin() + h * head_dim,
                      key.stored.begin() + (h + 1) * head_dim);
-      values[h].insert(values[h].end(), value.stored.begin() + h * value_dim,
-                       value.stored.begin() + (h + 1) * value_dim);
+      values[h].insert(values[h].end(), stored_values.begin() + h * value_dim,
+                       stored_values.begin() + (h + 1) * value_dim);
     }
     absl::StatusOr<client::Array> output = client::FromTensor(output_tensor);
     if (!output.ok()) return output.status();
@@ -346,10 +378,10 @@ absl::Status ShardedDecodeDemo(client::MultiServerClient& client, const CacheFla
   if (!created.ok()) return created.status();
   client::ShardedCache& cache = *created;
   absl::FPrintF(out,
-                "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s; keys sharded "
+                "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s%s; keys sharded "
                 "over %d parts\n",
                 heads, create.kv_heads(), create.head_dim(), create.value_dim(),
-                v1::DType_Name(flags.dtype), cache.parts());
+                v1::DType_Name(flags.dtype), LatentNote(create), cache.parts());
   const client::ShardedCacheInfo parts = cache.Info();
   for (size_t i = 0; i < parts.parts.size(); ++i) {
     const client::ShardedCacheInfo::Part& part = parts.parts[i];
@@ -357,14 +389,17 @@ absl::Status ShardedDecodeDemo(client::MultiServerClient& client, const CacheFla
   }
   DemoCache demo;
   demo.append = [&cache](const v1::Tensor& key,
-                         const v1::Tensor& value) -> absl::StatusOr<int64_t> {
-    if (absl::Status appended = cache.Append(key, value); !appended.ok()) return appended;
+                         const v1::Tensor* value) -> absl::StatusOr<int64_t> {
+    if (absl::Status appended = value != nullptr ? cache.Append(key, *value) : cache.Append(key);
+        !appended.ok()) {
+      return appended;
+    }
     return cache.length();
   };
-  demo.step = [&](const v1::Tensor& query, const v1::Tensor& key, const v1::Tensor& value,
+  demo.step = [&](const v1::Tensor& query, const v1::Tensor& key, const v1::Tensor* value,
                   v1::Tensor* output, v1::ExecutionStats* stats, int64_t* sent) -> absl::Status {
     absl::StatusOr<client::ShardedDecodeResult> result =
-        cache.Decode(query, &key, &value, flags.options);
+        cache.Decode(query, &key, value, flags.options);
     if (!result.ok()) return result.status();
     *output = std::move(result->output);
     *stats = result->stats;
@@ -416,6 +451,7 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
     request.set_head_dim(flags.head_dim);
     request.set_value_dim(flags.value_dim > 0 ? flags.value_dim : flags.head_dim);
     request.set_dtype(flags.dtype);
+    request.set_values_from_keys(flags.values_from_keys);
     absl::StatusOr<v1::CacheInfo> info = client.CreateCache(request);
     if (!info.ok()) return info.status();
     PrintInfo(out, *info, flags.json);
@@ -463,12 +499,13 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
       absl::FPrintF(out, "no caches\n");
       return absl::OkStatus();
     }
-    absl::FPrintF(out, "%-32s  %8s  %8s  %9s  %-14s  %8s  %10s\n", "cache_id", "kv_heads",
-                  "head_dim", "value_dim", "dtype", "length", "bytes");
+    absl::FPrintF(out, "%-32s  %8s  %8s  %9s  %-14s  %8s  %10s  %s\n", "cache_id", "kv_heads",
+                  "head_dim", "value_dim", "dtype", "length", "bytes", "values");
     for (const v1::CacheInfo& info : list->caches()) {
-      absl::FPrintF(out, "%-32s  %8d  %8d  %9d  %-14s  %8d  %10s\n", info.cache_id(),
+      absl::FPrintF(out, "%-32s  %8d  %8d  %9d  %-14s  %8d  %10s  %s\n", info.cache_id(),
                     info.kv_heads(), info.head_dim(), info.value_dim(),
-                    v1::DType_Name(info.dtype()), info.length(), Bytes(info.bytes()));
+                    v1::DType_Name(info.dtype()), info.length(), Bytes(info.bytes()),
+                    info.values_from_keys() ? "from keys" : "stored");
     }
     return absl::OkStatus();
   }
@@ -556,6 +593,7 @@ absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& 
   create.set_head_dim(head_dim);
   create.set_value_dim(value_dim);
   create.set_dtype(flags.dtype);
+  create.set_values_from_keys(flags.values_from_keys);
   if (flags.shard_keys) return ShardedDecodeDemo(client, flags, create, heads, out);
   absl::StatusOr<v1::CacheInfo> created = client.CreateCache(create);
   if (!created.ok()) return created.status();
@@ -564,15 +602,15 @@ absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& 
   if (!owner.ok()) return owner.status();
   client::Cache cache(**owner, *created);
   absl::StatusOr<std::string> endpoint = client.EndpointOf(id);
-  absl::FPrintF(out, "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s\n", heads,
-                kv_heads, head_dim, value_dim, v1::DType_Name(flags.dtype));
+  absl::FPrintF(out, "decode: %d heads over %d kv heads, head_dim %d, value_dim %d, %s%s\n", heads,
+                kv_heads, head_dim, value_dim, v1::DType_Name(flags.dtype), LatentNote(create));
   absl::FPrintF(out, "cache %s on %s\n", id, endpoint.ok() ? *endpoint : "?");
   DemoCache demo;
   demo.append = AppendTo(cache);
-  demo.step = [&](const v1::Tensor& query, const v1::Tensor& key, const v1::Tensor& value,
+  demo.step = [&](const v1::Tensor& query, const v1::Tensor& key, const v1::Tensor* value,
                   v1::Tensor* output, v1::ExecutionStats* stats, int64_t* sent) -> absl::Status {
     v1::DecodeRequest request;
-    *request.add_items() = cache.Item(query, &key, &value);
+    *request.add_items() = cache.Item(query, &key, value);
     *request.mutable_options() = flags.options;
     *sent = static_cast<int64_t>(request.ByteSizeLong());
     absl::StatusOr<v1::DecodeResponse> response = (*owner)->Decode(request);

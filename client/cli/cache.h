@@ -2,6 +2,7 @@
 // KV caches from the command line.
 //
 //   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16]
+//                     [--values-from-keys]   a latent cache (MLA): keys only, V ≤ D
 //   attn cache append ID --tokens N [--expected-length L]   N random tokens (uniform in [-1, 1))
 //   attn cache info ID | attn cache list | attn cache delete ID
 //   attn cache export ID --to FILE          the cache's tokens, bit-exact, into an export file
@@ -9,7 +10,7 @@
 //   attn cache move ID --from A --to B [--new-id]   streamed from server A to B, checked, then
 //                                           deleted on A (client/client.h MoveCache)
 //   attn decode [--heads H --kv-heads K --head-dim D --value-dim V --dtype T] [--tokens N]
-//               [--steps M]
+//               [--steps M] [--values-from-keys]
 //
 // `attn decode` is the demo of why caches exist: it creates a cache, fills it with N random
 // tokens (appends of at most kFillChunkBytes each, well under any message limit), then decodes
@@ -18,6 +19,11 @@
 // (query plus the whole K and V) would have sent; then it deletes the cache. It keeps every token
 // it sent, as the server stores it, and checks each step's output against a float64 reference
 // over them (max |out − ref| / max |ref|, printed per step and at the end).
+//
+// With values_from_keys (`--values-from-keys`, cache create and decode) the cache is latent
+// (CreateCacheRequest.values_from_keys: MLA, as DeepSeek-V3 decodes): it stores keys only and a
+// token's value is the first value_dim columns of its key, so appends and decode steps send keys
+// alone, and the demo's float64 reference takes each value from its key the same way.
 //
 // With shard_keys (`attn decode --shard-keys`), the demo's cache is one ShardedCache
 // (client/sharded_cache.h) with a part on every endpoint of the target: the fill is water-filled
@@ -51,10 +57,11 @@ struct CacheFlags {
   int64_t head_dim = 64;  // Key width.
   int64_t value_dim = 0;  // 0 = head_dim.
   attention::v1::DType dtype = attention::v1::DTYPE_FLOAT32;
-  int64_t tokens = 4096;         // append: tokens to add; decode: tokens to fill the cache with.
-  int64_t steps = 16;            // decode: steps.
-  int64_t expected_length = -1;  // append, truncate: the length to send; −1 = the cache's.
-  int64_t keep = -1;             // truncate: the tokens to keep.
+  bool values_from_keys = false;  // create, decode: a latent cache (keys only).
+  int64_t tokens = 4096;          // append: tokens to add; decode: tokens to fill the cache with.
+  int64_t steps = 16;             // decode: steps.
+  int64_t expected_length = -1;   // append, truncate: the length to send; −1 = the cache's.
+  int64_t keep = -1;              // truncate: the tokens to keep.
   uint64_t seed = 1;
   bool json = false;        // create/append/info/list: protobuf JSON instead of text.
   bool shard_keys = false;  // decode: one cache split over every endpoint (ShardedCache).

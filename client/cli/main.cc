@@ -20,13 +20,16 @@
 //                     [--heads H --kv-heads K --head-dim D --value-dim V --dtype T]
 //                     (client/cli/decode_bench.h)
 //   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16] [--json]
+//                     [--values-from-keys]   a latent cache (MLA): keys only, values their first
+//                     V columns
 //   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
 //   attn cache truncate ID --keep N [--expected-length L]   (drops the tokens from N on)
 //   attn cache info ID | attn cache list | attn cache delete ID
 //   attn cache export ID --to FILE | attn cache import FILE [--new-id]
 //   attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]
 //   attn decode       [--heads H] [--kv-heads K] [--head-dim D] [--value-dim V] [--dtype ...]
-//                     [--tokens N] [--steps M] [--block-k K] [--shard-keys]   (client/cli/cache.h)
+//                     [--tokens N] [--steps M] [--block-k K] [--shard-keys] [--values-from-keys]
+//                     (client/cli/cache.h)
 #include <unistd.h>
 
 #include <chrono>
@@ -138,6 +141,11 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(int64_t, head_dim, 64, "cache create, decode, bench --decode: the key width.");
 ABSL_FLAG(int64_t, value_dim, 0,
           "cache create, decode, bench --decode: the value width (0 = --head-dim).");
+ABSL_FLAG(bool, values_from_keys, false,
+          "cache create, decode: a latent cache (MLA, as DeepSeek-V3 decodes; "
+          "CreateCacheRequest.values_from_keys): it stores keys only, a token's value being the "
+          "first --value-dim columns of its key (--value-dim ≤ --head-dim), so appends and decode "
+          "steps send keys alone.");
 ABSL_FLAG(int64_t, tokens, 4096,
           "cache append: random tokens to append; decode: random tokens to fill the cache with.");
 ABSL_FLAG(int64_t, steps, 16,
@@ -582,6 +590,7 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.head_dim = absl::GetFlag(FLAGS_head_dim);
   flags.value_dim = absl::GetFlag(FLAGS_value_dim);
   flags.dtype = *dtype;
+  flags.values_from_keys = absl::GetFlag(FLAGS_values_from_keys);
   flags.tokens = absl::GetFlag(FLAGS_tokens);
   flags.steps = absl::GetFlag(FLAGS_steps);
   flags.expected_length = absl::GetFlag(FLAGS_expected_length);
@@ -649,6 +658,8 @@ int main(int argc, char** argv) {
       "  attn bench --decode                  decode steps over server-resident caches vs "
       "stateless calls\n"
       "  attn cache create --kv-heads 8 --head-dim 128 --dtype bf16   a server-resident KV cache\n"
+      "  attn cache create --kv-heads 1 --head-dim 576 --value-dim 512 --dtype bf16 "
+      "--values-from-keys   a latent (MLA) cache: keys only\n"
       "  attn cache append ID --tokens 1000   1000 random tokens; also: cache info|delete ID, "
       "cache list\n"
       "  attn cache truncate ID --keep 900    drops the tokens from 900 on (rejected drafts)\n"
@@ -725,6 +736,12 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(
         "--seqlens applies to naive, tiled and trace over --random 1,H,N,D inputs (not --cache: "
         "a cache is one sequence)"));
+  }
+  if (absl::GetFlag(FLAGS_values_from_keys) && command != "decode" &&
+      !(command == "cache" && words.size() > 1 && words[1] == "create")) {
+    return Fail(absl::InvalidArgumentError(
+        "--values-from-keys applies to cache create and decode (a cache's other commands read "
+        "whether it is latent from the server)"));
   }
   if (command == "cache" || command == "decode") return RunCaches(words, options);
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);

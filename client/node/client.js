@@ -41,6 +41,21 @@
 //   await cache.delete();
 //   client.close();
 //
+// Latent caches (attention.proto, CreateCacheRequest.valuesFromKeys; MLA, as DeepSeek-V3/R1 and
+// Kimi K2 decode): createCache / openCache with valuesFromKeys: true make a cache that stores
+// keys only, a token's value being the first valueDim columns of its key (valueDim ≤ headDim;
+// 0 or absent: headDim), so it takes the memory of its keys alone. Appends and decode items then
+// send the key alone; a value given for a latent Cache is a TypeError naming it ('value',
+// 'items[i].value': append and decodeBatch reject with it, Cache.item throws it) before any
+// call, and so is none given with a key to a Cache that stores values. The server answers a
+// value sent anyway (client.appendCache, client.decode) with INVALID_ARGUMENT naming the field,
+// and valueDim > headDim with INVALID_ARGUMENT naming value_dim. cache.valuesFromKeys (and
+// CacheInfo.valuesFromKeys) says which kind a cache is; its replay tail and exports hold keys only.
+//   const mla = await client.openCache({kvHeads: 1, headDim: 576, valueDim: 512, dtype: 'bf16',
+//                                       valuesFromKeys: true});
+//   await mla.append(tensor(cKv, [1, n, 576], 'bf16'));          // the key alone
+//   const step = await mla.decode(tensor(q, [128, 1, 576]), {key: cKv1});   // output [128, 1, 512]
+//
 // Persistent caches (attnd --cache-dir; attention.proto, CacheInfo.durableLength): a Cache keeps
 // a replay tail, a copy of every token it sent (append, and decode / decodeBatch items with key
 // and value) past the last durableLength an answer reported, and drops the entries that end at
@@ -487,10 +502,33 @@ function joinTokens(pieces, what) {
   return {shape: rank2 ? [total, dim] : [heads, total, dim], dtype, data};
 }
 
-// A copy of a Tensor message (shape, dtype, data): what a replay tail keeps.
+// A copy of a Tensor message (shape, dtype, data): what a replay tail keeps (null stays null: a
+// latent cache's value).
 function copyTensor(t) {
+  if (t === undefined || t === null) return null;
   return {shape: Array.from(t.shape, Number), dtype: dtypeName(t.dtype),
           data: Buffer.from(bytesOf(t.data))};
+}
+
+const given = (x) => x !== undefined && x !== null;
+
+// New tokens' key and value for `cache`: throws a TypeError naming `${what}value` for a value
+// given to a latent cache (valuesFromKeys: its values are its keys' first valueDim columns), for
+// none given with a key to a cache that stores values, and for a value without a key.
+function checkValue(cache, key, value, what) {
+  if (!given(key)) {
+    if (given(value)) throw new TypeError(`${what}value is given without a key`);
+    return;
+  }
+  if (cache.valuesFromKeys && given(value)) {
+    throw new TypeError(`${what}value: cache ${cache.id} is latent (valuesFromKeys): each ` +
+                        "token's value is the first valueDim columns of its key; send the key " +
+                        'alone');
+  }
+  if (!cache.valuesFromKeys && !given(value)) {
+    throw new TypeError(`${what}value is missing: cache ${cache.id} stores values (it is not ` +
+                        'latent, valuesFromKeys); give key and value together');
+  }
 }
 
 // --- export streams and files ---------------------------------------------------------------------
@@ -520,17 +558,22 @@ class ExportCheck {
         throw dataLoss(`${at} starts at token ${chunk.start}; the chunks before it brought ` +
                        `${this.tokens}`);
       }
+      // A latent cache's chunks carry keys alone (its values are within them).
+      const keysOnly = !!this.info.valuesFromKeys;
       let n;
       try {
         n = tokenLayout(chunk.key, `${at} key`).n;
-        if (tokenLayout(chunk.value, `${at} value`).n !== n) {
-          throw new TypeError(`${at}: key and value hold different token counts`);
+        if (keysOnly ? !!chunk.value : tokenLayout(chunk.value, `${at} value`).n !== n) {
+          throw new TypeError(keysOnly ? `${at} carries a value, but the cache is latent ` +
+                                         '(valuesFromKeys): its chunks carry keys alone'
+                                       : `${at}: key and value hold different token counts`);
         }
       } catch (err) {
         throw dataLoss(err.message);
       }
       this.tokens += n;
-      this.crc = crc32c(chunk.value.data, crc32c(chunk.key.data, this.crc));
+      this.crc = crc32c(keysOnly ? Buffer.alloc(0) : chunk.value.data,
+                        crc32c(chunk.key.data, this.crc));
     }
     if (chunk.crc32c !== undefined && chunk.crc32c !== null) this.sentCrc = chunk.crc32c >>> 0;
     ++this.chunks;
@@ -845,13 +888,20 @@ class Client {
   }
 
   // --- KV caches (attention.proto documents each RPC's errors) ---
-  // CreateCacheRequest ({kvHeads, headDim, valueDim, dtype}) → CacheInfo.
+  // CreateCacheRequest ({kvHeads, headDim, valueDim, dtype, valuesFromKeys}) → CacheInfo.
+  // valuesFromKeys: true makes a latent cache (keys only; see the header). Rejects with a
+  // TypeError naming valuesFromKeys when it is given and not a boolean, before any call.
   createCache(request, options) {
+    if (given(request.valuesFromKeys) && typeof request.valuesFromKeys !== 'boolean') {
+      return Promise.reject(new TypeError(
+          `createCache: valuesFromKeys must be a boolean, not ${typeof request.valuesFromKeys}`));
+    }
     return this.unary_('CreateCache', {...request, dtype: dtypeName(request.dtype ?? 'float32')},
                        options);
   }
 
-  // AppendCacheRequest ({cacheId, key, value, expectedLength}) → CacheInfo.
+  // AppendCacheRequest ({cacheId, key, value, expectedLength}) → CacheInfo; a latent cache's
+  // append has no value.
   appendCache(request, options) { return this.unary_('AppendCache', request, options); }
 
   // TruncateCacheRequest ({cacheId, length, expectedLength}) → CacheInfo: the cache cut to its
@@ -884,9 +934,10 @@ class Client {
 
   // DecodeRequest ({items: [{cacheId, query, key?, value?, expectedLength, truncateTo?,
   // treeParents?}], options}) → DecodeResponse ({outputs, lse, stats, caches}), outputs[i] item
-  // i's [heads, nq, valueDim]. An item's truncateTo cuts its cache to that length before its
-  // key/value are appended (expectedLength is the length before the cut); its treeParents make
-  // its new tokens a token tree (see the header; sent unchecked here, Cache.item checks).
+  // i's [heads, nq, valueDim]; an item of a latent cache sends its key without a value. An
+  // item's truncateTo cuts its cache to that length before its key/value are appended
+  // (expectedLength is the length before the cut); its treeParents make its new tokens a token
+  // tree (see the header; sent unchecked here, Cache.item checks).
   // Atomic: if any item fails, every cache keeps the tokens it had. Cache.item() builds an item;
   // after the call resolves, Cache.update(response.caches[i]) takes its new length (decodeBatch
   // does both, and keeps the replay tail).
@@ -1102,15 +1153,19 @@ class Cache {
     this.info = info;
     this.tail_ = tail.map(({start, key, value}) => ({
       start: Number(start), end: Number(start) + tokenLayout(key, 'tail key').n,
-      key: copyTensor(key), value: copyTensor(value)}));
+      key: copyTensor(key), value: copyTensor(value)}));  // value null: a latent cache's.
     this.unsureCut_ = null;  // The lowest cut a failed call may have applied (cutFailed_).
     if (hasDurable(info)) this.prune_(Number(info.durableLength));
   }
 
   get id() { return this.info.cacheId; }
   get length() { return Number(this.info.length); }
+  // A latent cache (CacheInfo.valuesFromKeys): keys only, each value the first valueDim columns
+  // of its key.
+  get valuesFromKeys() { return !!this.info.valuesFromKeys; }
 
-  // The replay tail, oldest first: [{start, key, value}] (its Tensors; do not modify them).
+  // The replay tail, oldest first: [{start, key, value}] (its Tensors, value null for a latent
+  // cache; do not modify them).
   get tail() { return this.tail_.map(({start, key, value}) => ({start, key, value})); }
 
   // Takes a CacheInfo the server sent for this cache (and prunes the tail by it). After a raw
@@ -1132,7 +1187,7 @@ class Cache {
       const to = length - e.start;
       return {start: e.start, end: length,
               key: joinTokens([{tensor: e.key, from: 0, to}], 'tail key'),
-              value: joinTokens([{tensor: e.value, from: 0, to}], 'tail value')};
+              value: e.value && joinTokens([{tensor: e.value, from: 0, to}], 'tail value')};
     });
   }
 
@@ -1145,23 +1200,25 @@ class Cache {
     if (this.unsureCut_ === null || length < this.unsureCut_) this.unsureCut_ = length;
   }
 
-  // Before a call that appends key/value at `start` (length, or the item's truncateTo): the
-  // entry the tail will keep, copied now when the server is known to persist (null: no tokens,
-  // or tensors this client cannot read, which the server judges; a tail missing them restarts
-  // at the next entry). For decodeBatch.
+  // Before a call that appends key/value at `start` (length, or the item's truncateTo; value
+  // null for a latent cache): the entry the tail will keep, copied now when the server is known
+  // to persist (null: no tokens, or tensors this client cannot read, which the server judges; a
+  // tail missing them restarts at the next entry). For decodeBatch.
   sending_(key, value, start = this.length) {
-    if (key === undefined || key === null || value === undefined || value === null) return null;
+    const keysOnly = this.valuesFromKeys;
+    if (!given(key) || (!keysOnly && !given(value))) return null;
     let n;
     try {
       n = tokenLayout(key, 'key').n;
-      if (tokenLayout(value, 'value').n !== n) return null;
+      if (!keysOnly && tokenLayout(value, 'value').n !== n) return null;
     } catch {
       return null;
     }
     if (n === 0) return null;
     const persistent = hasDurable(this.info);
+    const kept = keysOnly ? null : value;
     return {start, end: start + n, key: persistent ? copyTensor(key) : key,
-            value: persistent ? copyTensor(value) : value, copied: persistent};
+            value: persistent ? copyTensor(kept) : kept, copied: persistent};
   }
 
   // After that call succeeded with info: cuts the tail at `cut` (the item's truncateTo, when
@@ -1192,12 +1249,17 @@ class Cache {
     }
   }
 
-  // Appends key [kvHeads, n, headDim] and value [kvHeads, n, valueDim] (Tensors) at length.
+  // Appends key [kvHeads, n, headDim] and value [kvHeads, n, valueDim] (Tensors) at length; a
+  // latent cache takes the key alone (cache.append(key), or value null). Rejects with a
+  // TypeError naming value, before any call, for a value given to a latent cache or none to one
+  // that stores values.
   append(key, value, options) {
     return this.followMove_(async () => {
+      checkValue(this, key, value, '');
       const entry = this.sending_(key, value);
-      const info = await this.client.appendCache(
-          {cacheId: this.id, key, value, expectedLength: this.length}, options);
+      const request = {cacheId: this.id, key, expectedLength: this.length};
+      if (given(value)) request.value = value;
+      const info = await this.client.appendCache(request, options);
       this.sent_(entry, info);
       return this.info;
     });
@@ -1235,8 +1297,11 @@ class Cache {
   // tokens as a token tree (see the header: one parent index per new token, −1 for a child of
   // the cached prefix; the query then has one row per new token); absent, null or empty: none.
   // Throws a TypeError / RangeError naming treeParents[j] (after `what`) for an entry that is not
-  // an integer, or not −1 or an earlier index.
+  // an integer, or not −1 or an earlier index. key, value: new tokens (both or neither; a latent
+  // cache's key alone): throws a TypeError naming value (after `what`) for a value given to a
+  // latent cache or none given with a key to a cache that stores values.
   item(query, key, value, {keyPosition, queryPosition, truncateTo, treeParents} = {}, what = '') {
+    checkValue(this, key, value, what);
     const item = {cacheId: this.id, query, expectedLength: this.length};
     if (key !== undefined && key !== null) item.key = key;
     if (value !== undefined && value !== null) item.value = value;
@@ -1252,7 +1317,8 @@ class Cache {
     return item;
   }
 
-  // One Decode of this cache alone → {output, lse, stats, cache}. keyPosition, queryPosition:
+  // One Decode of this cache alone → {output, lse, stats, cache}. key, value: new tokens (a
+  // latent cache's key alone; item()). keyPosition, queryPosition:
   // this item's positions (item()); truncateTo: cut the cache to that many tokens first (the
   // drafts the last step rejected), atomically with the append and the attention; treeParents:
   // the new tokens as a token tree, one query row each (item(); e.g. [-1, 0, 0, 1]: t0 → {t1,
@@ -1310,7 +1376,8 @@ class Cache {
     }
     const limit = await this.client.appendBytesLimit_();
     const tokenBytes = (e) => {
-      const key = tokenLayout(e.key, 'tail key'), value = tokenLayout(e.value, 'tail value');
+      const key = tokenLayout(e.key, 'tail key');
+      const value = e.value ? tokenLayout(e.value, 'tail value') : {heads: 0, rowBytes: 0};
       return key.heads * key.rowBytes + value.heads * value.rowBytes;
     };
     let at = from, info = null;
@@ -1334,10 +1401,12 @@ class Cache {
       }
       const key = joinTokens(pieces.map((p) => ({tensor: p.e.key, from: p.from, to: p.to})),
                              'tail key');
-      const value = joinTokens(pieces.map((p) => ({tensor: p.e.value, from: p.from, to: p.to})),
-                               'tail value');
-      info = await this.client.appendCache({cacheId: this.id, key, value, expectedLength: at},
-                                           options);
+      const request = {cacheId: this.id, key, expectedLength: at};
+      if (entries[0].value) {  // A latent cache's tail holds keys alone.
+        request.value = joinTokens(
+            pieces.map((p) => ({tensor: p.e.value, from: p.from, to: p.to})), 'tail value');
+      }
+      info = await this.client.appendCache(request, options);
       at = end;
     }
     return info;

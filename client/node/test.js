@@ -57,8 +57,14 @@
 // t0 → t1 in place, a cut and a tree in one call, and the branch t0 → t2 → t5 cut and sent again,
 // each bit-equal (outputs, lse, export) to caches built from the kept tokens; INVALID_ARGUMENT
 // naming items[i].tree_parents, items[i].tree_parents[j] and items[i].query, client-side TypeError
-// and RangeError naming items[i].treeParents[j], each leaving the cache as it was), and, when
-// given a TLS server with a token, TLS + bearer token.
+// and RangeError naming items[i].treeParents[j], each leaving the cache as it was), latent
+// caches (valuesFromKeys: fp32 and bf16 caches of odd shapes, keys appended alone, Cache.decode
+// and decodeBatch against float64 whose values are the keys' first valueDim columns, pages of
+// keys alone, half a cache storing both; keys-only exports imported bit-exact and still latent; a
+// value refused by the client before any call (TypeError naming value / items[i].value) and by the
+// server (INVALID_ARGUMENT naming value and items[0].value), valueDim > headDim naming value_dim;
+// with --cache-dir a restart keeping the cache latent and refresh() re-sending a SIGKILL's lost
+// tail as keys alone), and, when given a TLS server with a token, TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--attnd ATTND] [--secure-target HOST:PORT
 //                                         --tls-ca CA.pem --token-file FILE]
 // --attnd: the binary the persistent-cache tests start servers of (skipped without it).
@@ -1778,11 +1784,13 @@ async function exportAll(someClient, cacheId) {
   return chunks;
 }
 
-// An export's tokens as bytes: every chunk's key.data, then every value.data, and its crc32c.
+// An export's tokens as bytes: every chunk's key.data, then every value.data (none for a latent
+// cache), and its crc32c.
 function exportBytes(chunks) {
   const withTokens = chunks.filter((c) => c.key);
   return {key: Buffer.concat(withTokens.map((c) => c.key.data)),
-          value: Buffer.concat(withTokens.map((c) => c.value.data)), crc32c: chunks.at(-1).crc32c};
+          value: Buffer.concat(withTokens.map((c) => c.value?.data ?? Buffer.alloc(0))),
+          crc32c: chunks.at(-1).crc32c};
 }
 
 // Tokens [from, to) of a [kvHeads, n, dim] Tensor (written here apart from the client's own).
@@ -1821,7 +1829,7 @@ function countingClient(target) {
   const append = counting.appendCache.bind(counting);
   counting.appendCache = (request, options) => {
     counting.appends.push({expectedLength: request.expectedLength, keyShape: request.key.shape,
-                           valueShape: request.value.shape});
+                           valueShape: request.value?.shape});
     return append(request, options);
   };
   return counting;
@@ -2861,5 +2869,209 @@ test('recovery: after cuts refresh() never re-sends a cut token (SIGKILL, restar
   } finally {
     clientA.close();
     clientB?.close();
+  }
+});
+
+// --- latent caches (CreateCacheRequest.valuesFromKeys: MLA) ----------------------------------------
+// Keys [kvHeads, n, headDim] as stored (rounded to dtype) kept per kv head; each token's value is
+// its key's first valueDim columns.
+class LatentKeys {
+  constructor({kvHeads, headDim, valueDim, dtype = 'float32'}) {
+    Object.assign(this, {kvHeads, headDim, valueDim, dtype, keys: []});
+    for (let h = 0; h < kvHeads; ++h) this.keys.push([]);
+  }
+  // n random keys as a Tensor in dtype, added to the held copy as the server stores them.
+  tokens(n, random) {
+    const {kvHeads, headDim, dtype} = this;
+    const t = tensor(randomNormal(kvHeads * n * headDim, random), [kvHeads, n, headDim], dtype);
+    const stored = toFloat32Array(t);
+    for (let h = 0; h < kvHeads; ++h) {
+      this.keys[h].push(...stored.subarray(h * n * headDim, (h + 1) * n * headDim));
+    }
+    return t;
+  }
+  get length() { return this.keys[0].length / this.headDim; }
+  // The float64 reference for q [heads, nq, headDim] over every held key, values from the keys.
+  reference(q, heads, nq, causal) {
+    const {kvHeads, headDim, valueDim, length} = this;
+    const values = this.keys.map((k) => Array.from({length},
+        (_, j) => k.slice(j * headDim, j * headDim + valueDim)).flat());
+    const dims = {batch: 1, heads, kvHeads, queryLen: nq, keyLen: length, headDim, valueDim};
+    return referenceAttention({q, k: Float32Array.from(this.keys.flat()),
+                               v: Float32Array.from(values.flat()), dims},
+                              1 / Math.sqrt(headDim), causal);
+  }
+}
+
+const latentSeed = Number(process.env.ATTN_TEST_SEED ?? Math.floor(Math.random() * 2 ** 31));
+
+test('latent caches: keys alone, decode against float64 with values from the keys; bytes',
+     async (t) => {
+  t.diagnostic(`seed ${latentSeed} (ATTN_TEST_SEED)`);
+  const random = mulberry32(latentSeed);
+  const page = Number((await client.info()).cachePageTokens);
+  for (const layout of [{kvHeads: 1, headDim: 72, valueDim: 40, heads: 13, dtype: 'float32'},
+                        {kvHeads: 3, headDim: 37, valueDim: 29, heads: 9, dtype: 'bf16'}]) {
+    const {kvHeads, headDim, valueDim, heads, dtype} = layout;
+    const what = `${dtype} [${kvHeads}, n, ${headDim}] → ${valueDim}`;
+    const cache = await client.openCache({kvHeads, headDim, valueDim, dtype,
+                                          valuesFromKeys: true});
+    assert.equal(cache.valuesFromKeys, true, what);
+    assert.equal(cache.info.valuesFromKeys, true);
+    assert.equal(Number(cache.info.valueDim), valueDim);
+    const held = new LatentKeys(layout);
+    await cache.append(held.tokens(page + 5, random));
+    await cache.append(held.tokens(6, random), null);  // A null value is none.
+    assert.equal(cache.length, page + 11);
+    // Pages of keys alone.
+    const element = dtype === 'bf16' ? 2 : 4;
+    assert.equal(Number(cache.info.bytes), 2 * page * kvHeads * headDim * element, what);
+    // One step through Cache.decode: the key alone.
+    const q = randomNormal(heads * headDim, random);
+    const step = await cache.decode(tensor(q, [heads, 1, headDim]),
+                                    {key: held.tokens(1, random), options: {returnLse: true}});
+    assert.equal(step.cache.length, page + 12);
+    assert.deepEqual(step.output.shape, [heads, 1, valueDim]);
+    const ref = held.reference(q, heads, 1, false);
+    assertClose(toFloat32Array(step.output), ref.out, 1e-5, `${what}: Cache.decode`);
+    assertClose(toFloat32Array(step.lse), ref.lse, 1e-5, `${what}: Cache.decode lse`);
+    // A batch: three causal rows over three new keys.
+    const q3 = randomNormal(heads * 3 * headDim, random);
+    const response = await client.decodeBatch(
+        [{cache, query: tensor(q3, [heads, 3, headDim]), key: held.tokens(3, random)}],
+        {causal: true});
+    assert.equal(cache.length, page + 15);
+    assertClose(toFloat32Array(response.outputs[0]), held.reference(q3, heads, 3, true).out,
+                1e-5, `${what}: decodeBatch`);
+    // Exports carry keys alone; an import keeps the cache latent, every byte the same.
+    const chunks = await exportAll(client, cache.id);
+    assert.equal(chunks[0].info.valuesFromKeys, true);
+    assert.ok(chunks.every((c) => !c.value), 'no chunk carries a value');
+    const copy = await client.importCache(chunks, {newIdIfTaken: true});
+    assert.notEqual(copy.id, cache.id);
+    assert.equal(copy.valuesFromKeys, true);
+    assert.deepEqual(exportBytes(await exportAll(client, copy.id)), exportBytes(chunks));
+    const query = tensor(q, [heads, 1, headDim]);
+    const [a, b] = [await cache.decode(query), await copy.decode(query)];
+    assert.deepEqual(b.output.data, a.output.data, `${what}: the copy decodes the same bits`);
+    await copy.delete();
+    await cache.delete();
+  }
+
+  // With valueDim = headDim a latent cache takes half the memory of one storing both.
+  const layout = {kvHeads: 2, headDim: 24, valueDim: 24, dtype: 'bf16'};
+  const latent = await client.openCache({...layout, valuesFromKeys: true});
+  const both = await client.openCache(layout);
+  const keys = new LatentKeys(layout).tokens(2 * page + 3, random);
+  await latent.append(keys);
+  await both.append(keys, keys);
+  assert.equal(2 * Number(latent.info.bytes), Number(both.info.bytes));
+  await latent.delete();
+  await both.delete();
+});
+
+test('latent caches: a value is refused by the client before any call and by the server; ' +
+     'valueDim > headDim is INVALID_ARGUMENT naming value_dim', async () => {
+  const random = mulberry32(latentSeed ^ 0x5bd1e995);
+  const layout = {kvHeads: 1, headDim: 72, valueDim: 40};
+  const cache = await client.openCache({...layout, valuesFromKeys: true});
+  const held = new LatentKeys(layout);
+  await cache.append(held.tokens(9, random));
+  const key = held.tokens(2, random);
+  const value = tensor(randomNormal(2 * 40, random), [1, 2, 40]);
+  const query = tensor(randomNormal(13 * 72, random), [13, 1, 72]);
+  // A Cache on a client that reaches no server: a TypeError, not UNAVAILABLE, so no call.
+  const nowhere = new Client('127.0.0.1:1', {deadlineMs: 2000});
+  try {
+    const offline = new Cache(nowhere, cache.info);
+    const latent = (name) => (err) => err instanceof TypeError &&
+        new RegExp(`^${name.replace(/[[\].]/g, '\\$&')}: .*latent`).test(err.message);
+    await assert.rejects(offline.append(key, value), latent('value'));
+    await assert.rejects(offline.decode(query, {key, value}), latent('items[0].value'));
+    await assert.rejects(nowhere.decodeBatch([{cache: offline, query, key, value}]),
+                         latent('items[0].value'));
+    assert.throws(() => offline.item(query, key, value, {}, 'items[3].'), latent('items[3].value'));
+    // A cache storing values needs one with each key.
+    const ordinary = new Cache(nowhere, {...cache.info, valuesFromKeys: false});
+    await assert.rejects(ordinary.append(key), (err) => err instanceof TypeError &&
+                         /^value is missing/.test(err.message));
+    assert.throws(() => ordinary.item(query, key), /^TypeError: value is missing/);
+  } finally {
+    nowhere.close();
+  }
+  // The server refuses one sent anyway, naming the field; the cache keeps its 9 tokens.
+  await assert.rejects(
+      client.appendCache({cacheId: cache.id, key, value, expectedLength: 9}),
+      (err) => err.code === status.INVALID_ARGUMENT && /^value\b.*latent/.test(err.details));
+  await assert.rejects(
+      client.decode({items: [{cacheId: cache.id, query, key, value, expectedLength: 9}]}),
+      (err) => err.code === status.INVALID_ARGUMENT &&
+               /^items\[0\]\.value\b.*latent/.test(err.details));
+  assert.equal((await cache.refresh()).length, 9);
+  assert.equal((await cache.append(key)).length, 11);
+  await cache.delete();
+  // value_dim past head_dim.
+  await assert.rejects(
+      client.createCache({kvHeads: 1, headDim: 72, valueDim: 73, valuesFromKeys: true}),
+      (err) => err.code === status.INVALID_ARGUMENT && /^value_dim\b.*73/.test(err.details));
+  await assert.rejects(client.createCache({kvHeads: 1, headDim: 8, valuesFromKeys: 1}),
+                       TypeError);
+});
+
+test('latent caches: a restart keeps them latent; refresh() re-sends the lost tail as keys alone',
+     {skip: noAttnd}, async () => {
+  const dir = path.join(scratch, 'cache-dir-latent');
+  // No write-behind pass runs during the test: a SIGTERM's flush makes tokens durable.
+  const flags = ['--cache-dir', dir, '--cache-sync-seconds', '86400'];
+  const random = mulberry32(latentSeed ^ 0x1b873593);
+  const layout = {kvHeads: 1, headDim: 72, valueDim: 40, dtype: 'fp16'};
+  const held = new LatentKeys(layout);
+  const a = await startAttnd('latent-a', flags);
+  let clientA = new Client(a.target, {deadlineMs: 60000});
+  const cache = await clientA.openCache({...layout, valuesFromKeys: true});
+  const first = held.tokens(20, random);
+  await cache.append(first);
+  clientA.close();
+  await a.stop();  // SIGTERM: the 20 tokens flushed.
+
+  const b = await startAttnd('latent-b', flags);
+  const clientB = new Client(b.target, {deadlineMs: 60000});
+  let clientC = null;
+  try {
+    const reopened = await clientB.openCache(cache.id);
+    assert.equal(reopened.valuesFromKeys, true);
+    assert.deepEqual([reopened.length, Number(reopened.info.durableLength),
+                      Number(reopened.info.valueDim)], [20, 20, 40]);
+    // Tokens a SIGKILL loses, kept in the tail as keys alone.
+    const more = held.tokens(9, random), step = held.tokens(2, random);
+    await reopened.append(more);
+    await reopened.decode(tensor(randomNormal(5 * 72, random), [5, 1, 72]), {key: step});
+    assert.deepEqual(tailRanges(reopened), [[20, 9], [29, 2]]);
+    assert.ok(reopened.tail.every((e) => e.value === null), 'the tail keeps keys alone');
+    b.kill();
+    await b.stop();
+
+    const c = await startAttnd('latent-c', flags);
+    clientC = countingClient(c.target);
+    const restored = await clientC.getCacheInfo(cache.id);
+    assert.equal(restored.valuesFromKeys, true);
+    const lost = Number(restored.length);
+    assert.ok(lost >= 20 && lost < 31, `the restart holds ${lost} tokens`);
+    const moved = new Cache(clientC, reopened.info, {tail: reopened.tail});
+    assert.equal((await moved.refresh()).length, 31);
+    assert.ok(clientC.appends.length > 0);
+    assert.ok(clientC.appends.every((append) => append.valueShape === undefined));
+    assert.equal(clientC.appends.reduce((n, append) => n + append.keyShape[1], 0), 31 - lost);
+    const {key, value} = exportBytes(await exportAll(clientC, cache.id));
+    assert.deepEqual(key, concatTokens(first, more, step).data);
+    assert.equal(value.length, 0);
+    const q = randomNormal(5 * 72, random);
+    const out = await moved.decode(tensor(q, [5, 1, 72]));
+    assertClose(toFloat32Array(out.output), held.reference(q, 5, 1, false).out, 1e-5,
+                'decode after refresh');
+    await moved.delete();
+  } finally {
+    clientB.close();
+    clientC?.close();
   }
 });

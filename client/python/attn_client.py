@@ -67,8 +67,25 @@ append, decode and truncate (a retried call is then refused with FAILED_PRECONDI
 storing tokens twice; `refresh()` re-reads the length). Cache ids (str) work everywhere a Cache
 does, with expected_length passed explicitly. Keys and values for a Cache are sent in its dtype
 unless `dtype=` says otherwise. Cache infos are dicts of CacheInfo's fields (cache_id, kv_heads,
-head_dim, value_dim, dtype as a name, length, bytes, page_tokens, durable_length, crc32c; the
-last two None when the server did not send them).
+head_dim, value_dim, dtype as a name, length, bytes, page_tokens, durable_length, crc32c,
+values_from_keys; durable_length and crc32c None when the server did not send them).
+
+Latent caches (MLA, as DeepSeek-V3/R1 and Kimi K2 decode): create_cache(...,
+values_from_keys=True) makes a cache that stores keys only; a token's value is the first
+value_dim columns of its key (value_dim ≤ head_dim; None: head_dim), so the cache takes the
+memory of its keys alone. Appends and decode steps then send the key alone:
+
+    cache = client.create_cache(kv_heads=1, head_dim=576, value_dim=512, dtype="bf16",
+                                values_from_keys=True)
+    cache.append(c_kv)                     # [1, n, 576]: the compressed latent and rope key
+    step = cache.decode(q, c_kv1)          # q [128, 1, 576] → output [128, 1, 512]
+    client.decode([(cache, q, c_kv1)])     # a batch item: (cache, query, key)
+
+A value given for a latent Cache is a ValueError naming it ("value", "items[i].value") before
+any RPC (the server's answer for one sent anyway, e.g. with a cache id, is INVALID_ARGUMENT
+naming the field); value_dim > head_dim is INVALID_ARGUMENT naming value_dim.
+`cache.values_from_keys` (and the info dict's "values_from_keys") says which kind a cache is;
+its replay tail keeps keys only, and its exports carry keys only.
 
 Persistence and recovery: without attnd --cache-dir caches live in the server's memory only
 (NOT_FOUND after a restart, a delete, or --cache-idle-seconds unused). With it they are written
@@ -718,7 +735,7 @@ def _join_tokens(tensors, ranges):
 
 class _Sent:
     """One entry of a Cache's replay tail: tokens [start, start + n) as key and value Tensors,
-    exactly as they were sent."""
+    exactly as they were sent (value None: a latent cache's keys alone)."""
 
     __slots__ = ("start", "n", "key", "value")
 
@@ -731,12 +748,19 @@ class _Sent:
 
     def kind(self):
         """What tokens joined into one append must share: dtype and ranks."""
+        if self.value is None:
+            return (self.key.dtype, None, len(self.key.shape), None)
         return (self.key.dtype, self.value.dtype, len(self.key.shape), len(self.value.shape))
+
+    def bytes(self):
+        """Bytes of key and value data it holds."""
+        return len(self.key.data) + (len(self.value.data) if self.value is not None else 0)
 
     def head(self, end):
         """This entry cut back to the tokens before `end` (start < end < self.end)."""
-        return _Sent(self.start, _join_tokens([self.key], [(0, end - self.start)]),
-                     _join_tokens([self.value], [(0, end - self.start)]))
+        cut = [(0, end - self.start)]
+        return _Sent(self.start, _join_tokens([self.key], cut),
+                     _join_tokens([self.value], cut) if self.value is not None else None)
 
 
 def _moved_to(error):
@@ -753,7 +777,8 @@ class Cache:
     Client.open_cache for an existing id, or Client.import_cache). Not thread-safe: one
     sequence, one writer.
 
-    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), durable_length
+    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), values_from_keys
+    (a latent cache: keys only, each value the first value_dim columns of its key), durable_length
     (tokens on the server's disk, None when it does not persist), info (the last CacheInfo dict
     the server sent). `length` is what append(), decode() and truncate() send as
     expected_length; each successful call sets it from the server's answer. replay_tail:
@@ -826,13 +851,16 @@ class Cache:
     head_dim = property(lambda self: self.info["head_dim"])
     value_dim = property(lambda self: self.info["value_dim"])
     dtype = property(lambda self: self.info["dtype"])
+    values_from_keys = property(lambda self: bool(self.info.get("values_from_keys", False)))
     durable_length = property(lambda self: self.info.get("durable_length"))
     replay_tail = property(lambda self: [(sent.start, sent.n) for sent in self._tail])
 
-    def append(self, key, value, *, dtype=None):
+    def append(self, key, value=None, *, dtype=None):
         """Appends key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] (rank 2 when
-        kv_heads is 1) at `length` → the new CacheInfo dict. dtype None: the cache's. Follows a
-        moved_to once (see the module docstring)."""
+        kv_heads is 1) at `length` → the new CacheInfo dict; a latent cache (values_from_keys)
+        takes the key alone: cache.append(key). ValueError naming value, before any RPC, for a
+        value given to a latent cache or none to one that stores values. dtype None: the
+        cache's. Follows a moved_to once (see the module docstring)."""
         return self._follow(lambda: self.client.append(self, key, value, dtype=dtype))
 
     def truncate(self, length, *, expected_length=None):
@@ -849,7 +877,8 @@ class Cache:
                truncate_to=None, tree_parents=None, **options):
         """One decode step of this cache alone: cuts the cache to its first truncate_to tokens
         when given (speculative decoding: the drafts the last step rejected), appends key/value
-        when given, then attends query [heads, nq, head_dim] over the whole cache → Result
+        when given (a latent cache: the key alone, a value being a ValueError naming it before
+        any RPC), then attends query [heads, nq, head_dim] over the whole cache → Result
         (output [heads, nq, value_dim]). The cut, the append and the attention are one atomic
         step; expected_length (this Cache's `length`) is the length before the cut.
         tree_parents: the new tokens as a token tree (EAGLE-style drafts; see the module
@@ -869,8 +898,10 @@ class Cache:
             item["truncate_to"] = _token_length("truncate_to", truncate_to)
         if tree_parents is not None:
             item["tree_parents"] = _tree_parents("tree_parents", tree_parents)
-        if key is not None or value is not None:
-            item.update(key=key, value=value)
+        if key is not None:
+            item["key"] = key
+        if value is not None:
+            item["value"] = value
         result = self._follow(lambda: self.client.decode([item], **options))
         return _ItemResult(result)
 
@@ -896,14 +927,16 @@ class Cache:
             self._set(info)
             return self.info
         for key, value, start in self._replay(held, length):
-            request = pb.AppendCacheRequest(cache_id=self.id, key=key, value=value,
-                                            expected_length=start)
+            request = pb.AppendCacheRequest(cache_id=self.id, key=key, expected_length=start)
+            if value is not None:  # None: a latent cache's keys alone.
+                request.value.CopyFrom(value)
             self._set(client._call("AppendCache", client._stub.AppendCache, request))
         return self.info
 
     def _replay(self, held, length):
         """The appends that re-send tokens [held, length) from the tail → [(key, value,
-        start)]; AttnError DATA_LOSS when the tail does not cover them."""
+        start)], value None for a latent cache; AttnError DATA_LOSS when the tail does not
+        cover them."""
         pieces, position = [], held  # (sent, a, b): tokens [a, b) of `sent`, relative.
         for sent in self._tail:
             if sent.end <= position:
@@ -928,7 +961,7 @@ class Cache:
                             "prefilled again" % (self.id, held, length, kept, held, length))
         appends, group, group_bytes, start = [], [], 0, held
         for sent, a, b in pieces:
-            size = (len(sent.key.data) + len(sent.value.data)) * (b - a) // max(sent.n, 1)
+            size = sent.bytes() * (b - a) // max(sent.n, 1)
             if group and (group[0][0].kind() != sent.kind()
                           or group_bytes + size > _REPLAY_APPEND_BYTES):
                 appends.append(group)
@@ -940,8 +973,11 @@ class Cache:
         result = []
         for group in appends:
             ranges = [(a, b) for _, a, b in group]
-            result.append((_join_tokens([sent.key for sent, _, _ in group], ranges),
-                           _join_tokens([sent.value for sent, _, _ in group], ranges), start))
+            values = None
+            if group[0][0].value is not None:
+                values = _join_tokens([sent.value for sent, _, _ in group], ranges)
+            result.append((_join_tokens([sent.key for sent, _, _ in group], ranges), values,
+                           start))
             start += sum(b - a for a, b in ranges)
         return result
 
@@ -950,8 +986,9 @@ class Cache:
         self.client.delete_cache(self)
 
     def __repr__(self):
-        return "Cache(%s, length=%d, kv_heads=%d, head_dim=%d, value_dim=%d, %s)" % (
-            self.id, self.length, self.kv_heads, self.head_dim, self.value_dim, self.dtype)
+        return "Cache(%s, length=%d, kv_heads=%d, head_dim=%d, value_dim=%d, %s%s)" % (
+            self.id, self.length, self.kv_heads, self.head_dim, self.value_dim, self.dtype,
+            ", values_from_keys" if self.values_from_keys else "")
 
 
 class _ItemResult(Result):
@@ -1271,42 +1308,55 @@ class Client:
 
     # KV caches.
 
-    def create_cache(self, kv_heads, head_dim, value_dim=None, dtype="fp32"):
+    def create_cache(self, kv_heads, head_dim, value_dim=None, dtype="fp32", *,
+                     values_from_keys=False):
         """CreateCache → a new, empty Cache. value_dim None: head_dim. dtype: the storage type
         of its keys and values ("fp32", "fp16", "bf16"); appended tokens are converted to it.
-        RESOURCE_EXHAUSTED when the server's --cache-bytes cannot hold its first page."""
+        values_from_keys=True: a latent cache (MLA, as DeepSeek-V3 decodes) that stores keys
+        only, a token's value being the first value_dim columns of its key (value_dim ≤
+        head_dim: INVALID_ARGUMENT naming value_dim otherwise); its appends and decode items
+        send the key alone (see the module docstring). RESOURCE_EXHAUSTED when the server's
+        --cache-bytes cannot hold its first page."""
         for name, number in (("kv_heads", kv_heads), ("head_dim", head_dim),
                              ("value_dim", head_dim if value_dim is None else value_dim)):
             if isinstance(number, bool) or not isinstance(number, numbers.Integral):
                 raise TypeError("%s must be an int, not %s" % (name, type(number).__name__))
+        if not isinstance(values_from_keys, (bool, np.bool_)):
+            raise TypeError("values_from_keys must be a bool, not %s"
+                            % type(values_from_keys).__name__)
         request = pb.CreateCacheRequest(
             kv_heads=int(kv_heads), head_dim=int(head_dim),
             value_dim=int(head_dim if value_dim is None else value_dim),
-            dtype=_dtype_enum(dtype, "dtype"))
+            dtype=_dtype_enum(dtype, "dtype"), values_from_keys=bool(values_from_keys))
         return Cache(self, self._call("CreateCache", self._stub.CreateCache, request))
 
     def open_cache(self, cache_id):
         """A Cache for an existing cache id (GetCacheInfo: its length is read now)."""
         return Cache(self, self._cache_info(_cache_id(cache_id)))
 
-    def append(self, cache, key, value, *, expected_length=None, dtype=None):
+    def append(self, cache, key, value=None, *, expected_length=None, dtype=None):
         """AppendCache: key [kv_heads, n, head_dim] and value [kv_heads, n, value_dim] at the end
-        of `cache` (a Cache, or an id with expected_length) → the new CacheInfo dict.
-        expected_length: the length the cache has before these tokens; None: a Cache's
-        `length` (an id needs it given). FAILED_PRECONDITION, naming the actual length, when it
-        is wrong; the cache is then unchanged. dtype None: a Cache's dtype (an id's arrays are
-        sent as they are, see the module docstring)."""
+        of `cache` (a Cache, or an id with expected_length) → the new CacheInfo dict; a latent
+        cache (values_from_keys) takes the key alone (value None), and a value given for a
+        latent Cache is a ValueError naming value (none given for a Cache that stores values,
+        too), before any RPC. expected_length: the length the cache has before these tokens;
+        None: a Cache's `length` (an id needs it given). FAILED_PRECONDITION, naming the actual
+        length, when it is wrong; the cache is then unchanged. dtype None: a Cache's dtype (an
+        id's arrays are sent as they are, see the module docstring)."""
         cache_id = _cache_id(cache)
+        _check_value(cache, "", key, value)
         expected = _expected_length(cache, expected_length)
         input_dtype = _dtype_enum(dtype if dtype is not None or not isinstance(cache, Cache)
                                   else cache.dtype, "dtype")
         request = pb.AppendCacheRequest(cache_id=cache_id, key=_encode_tokens("key", key,
                                                                             input_dtype),
-                                        value=_encode_tokens("value", value, input_dtype),
                                         expected_length=expected)
+        if value is not None:
+            request.value.CopyFrom(_encode_tokens("value", value, input_dtype))
         info = _cache_dict(self._call("AppendCache", self._stub.AppendCache, request))
         if isinstance(cache, Cache):
-            cache._record(expected, request.key, request.value)
+            cache._record(expected, request.key,
+                          request.value if request.HasField("value") else None)
             cache._set(info)
         return info
 
@@ -1479,11 +1529,13 @@ class Client:
         """Decode: one step of a batch of sequences in one call → DecodeResult.
 
         items: a list, one per sequence (at most one per cache), each a tuple
-        (cache, query) or (cache, query, key, value), or a dict with "cache", "query" and
-        optionally "key", "value", "expected_length", "key_position", "query_position",
-        "truncate_to" and "tree_parents". cache: a Cache or an id; query [heads, nq,
-        head_dim] with heads a multiple of the cache's kv_heads; key/value (both or neither)
-        new tokens appended first, as for append(); expected_length as for append().
+        (cache, query), (cache, query, key, value) or, for a latent cache, (cache, query, key),
+        or a dict with "cache", "query" and optionally "key", "value", "expected_length",
+        "key_position", "query_position", "truncate_to" and "tree_parents". cache: a Cache or
+        an id; query [heads, nq, head_dim] with heads a multiple of the cache's kv_heads;
+        key/value (both or neither; a latent cache's key alone, a value for a latent Cache being
+        a ValueError naming items[i].value before any RPC) new tokens appended first, as for
+        append(); expected_length as for append().
         "truncate_to" (None: no cut):
         the cache is first cut to its first truncate_to tokens, as by truncate_cache(), then
         the item's key/value appended (speculative decoding: drop the drafts the last step
@@ -1552,16 +1604,17 @@ class Client:
                 item_query_position = item.get("query_position")
                 truncate_to = item.get("truncate_to")
                 tree_parents = item.get("tree_parents")
-            elif isinstance(item, (tuple, list)) and len(item) in (2, 4):
+            elif isinstance(item, (tuple, list)) and len(item) in (2, 3, 4):
                 cache, query = item[0], item[1]
-                key, value = (item[2], item[3]) if len(item) == 4 else (None, None)
+                key = item[2] if len(item) > 2 else None
+                value = item[3] if len(item) > 3 else None
                 expected = truncate_to = tree_parents = None
             else:
-                raise TypeError("items[%d] must be (cache, query), (cache, query, key, value) or "
-                                "a dict, not %r" % (index, type(item).__name__))
-            if (key is None) != (value is None):
-                raise ValueError("items[%d]: give key and value together, or neither" % index)
+                raise TypeError("items[%d] must be (cache, query), (cache, query, key, value), "
+                                "(cache, query, key) for a latent cache, or a dict, not %r"
+                                % (index, type(item).__name__))
             name = "items[%d]." % index
+            _check_value(cache, name, key, value)
             message = request.items.add(cache_id=_cache_id(cache),
                                         expected_length=_expected_length(cache, expected),
                                         query=_encode(name + "query", query, input_dtype))
@@ -1577,6 +1630,7 @@ class Client:
                 if token_dtype is None and isinstance(cache, Cache):
                     token_dtype = _dtype_enum(cache.dtype, "dtype")
                 message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype))
+            if value is not None:
                 message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype))
             caches.append(cache)
             sent.append(message)
@@ -1598,7 +1652,8 @@ class Client:
                     cache._cut(message.truncate_to)
                     start = message.truncate_to
                 if message.HasField("key"):
-                    cache._record(start, message.key, message.value)
+                    cache._record(start, message.key,
+                                  message.value if message.HasField("value") else None)
                 cache._set(info)
         return result
 
@@ -1921,6 +1976,27 @@ def _tree_parents(name, parents):
                              % (name, j, parent, earlier))
         result.append(int(parent))
     return result
+
+
+def _check_value(cache, prefix, key, value):
+    """New tokens' key and value for `cache` (a Cache or an id): ValueError naming
+    prefix + "value" for a value given to a latent Cache (values_from_keys: its values are its
+    keys' first value_dim columns) or none given with a key to a Cache that stores values, and
+    for a value without a key. With an id the server judges a key alone."""
+    if key is None:
+        if value is not None:
+            raise ValueError("%svalue is given without a key: new tokens need their key"
+                             % prefix)
+        return
+    if not isinstance(cache, Cache):
+        return
+    if cache.values_from_keys and value is not None:
+        raise ValueError("%svalue: cache %s is latent (values_from_keys): each token's value is "
+                         "the first value_dim columns of its key; send the key alone"
+                         % (prefix, cache.id))
+    if not cache.values_from_keys and value is None:
+        raise ValueError("%svalue is missing: cache %s stores values (it is not latent, "
+                         "values_from_keys); give key and value together" % (prefix, cache.id))
 
 
 def _expected_length(cache, expected_length):

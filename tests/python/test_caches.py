@@ -41,12 +41,26 @@ a float64 reference over exactly those keys and values:
     the branch t0 → t2 → t5 cut and sent again, each bit-equal (outputs, lse, export) to caches
     built from the kept tokens; INVALID_ARGUMENT naming items[i].tree_parents (count, > 1024, no
     new tokens), items[i].query (rows) and items[i].tree_parents[j] (not earlier), client-side
-    TypeError / ValueError naming (items[i].)tree_parents[j], each leaving the cache as it was.
+    TypeError / ValueError naming (items[i].)tree_parents[j], each leaving the cache as it was;
+  - latent caches (CreateCacheRequest.values_from_keys, MLA): fp32 / bf16 / fp16 caches of odd
+    shapes (kv_heads 1, head_dim 72, value_dim 40 under 13 query heads; GQA; value_dim None =
+    head_dim) filled with keys alone, decoded (Cache.decode, a batch beside an ordinary cache,
+    causal rows, tiled over the cache) against a float64 reference whose values are
+    keys[..., :value_dim]; CacheInfo.bytes exactly the keys' pages (half those of a cache storing
+    both when value_dim = head_dim); a value refused by the client before any RPC (ValueError
+    naming value / items[i].value) and by the server (INVALID_ARGUMENT naming value and
+    items[0].value, through the raw stub and through an id), value_dim > head_dim
+    INVALID_ARGUMENT naming value_dim; export (keys-only chunks, CRC32C) and import (chunks and a
+    file) bit-exact and still latent, a chunk carrying a value refused naming it; with
+    --cache-dir a restart keeps the cache latent, and after a SIGKILL refresh() re-sends the lost
+    tail as keys alone.
 
 Run by CTest as
   /usr/bin/python3 tests/python/test_caches.py --attnd <attnd> --stubs <stubs dir>
 """
 
+import os
+import re
 import shutil
 import signal
 import sys
@@ -65,6 +79,7 @@ import attn_client  # noqa: E402
 from attn_client import AttnError, Cache, Client  # noqa: E402
 from attnd_harness import DTYPE_NUMBER  # noqa: E402
 from attention.v1 import attention_pb2 as pb  # noqa: E402
+from attention.v1 import attention_pb2_grpc as pb_grpc  # noqa: E402
 
 RPC_TIMEOUT_S = 60.0
 
@@ -985,11 +1000,248 @@ class TreeTest(TokenCase):
         self.assertEqual(cache.length, 23)
 
 
-class TruncatePersistenceTest(unittest.TestCase):
-    """Cuts with attnd --cache-dir: each test starts its own attnd processes on one directory
-    with --cache-sync-seconds 86400, so no write-behind pass runs during a test: tokens are
-    durable only where a SIGTERM's flush or a cut (fsynced before its answer) made them so, and a
-    SIGKILL loses the rest."""
+class LatentTest(TokenCase):
+    """Latent caches (CreateCacheRequest.values_from_keys: MLA, as DeepSeek-V3 decodes): keys
+    only, each token's value the first value_dim columns of its key."""
+
+    # dtype, kv_heads, head_dim, value_dim (None: head_dim), query heads.
+    LAYOUTS = (("fp32", 1, 72, 40, 13), ("bf16", 3, 37, 29, 9), ("fp16", 2, 24, None, 6))
+
+    def latent(self, layout, keys=None):
+        """A new latent Cache of `layout` holding `keys` (none when None); deleted after the
+        test."""
+        dtype, kv_heads, head_dim, value_dim, _ = layout
+        cache = self.client.create_cache(kv_heads, head_dim, value_dim, dtype=dtype,
+                                         values_from_keys=True)
+        self.addCleanup(self.delete_quietly, cache.id)
+        if keys is not None:
+            cache.append(keys)
+        return cache
+
+    def keys(self, layout, n):
+        dtype, kv_heads, head_dim, _, _ = layout
+        return stored_tokens(self.rng, kv_heads, n, head_dim, dtype)
+
+    def reference(self, layout, q, keys, causal=False):
+        """float64 attention of query q (float32) over stored `keys`, each value its key's first
+        value_dim columns → (out, lse, score_max)."""
+        dtype, _, head_dim, value_dim, _ = layout
+        seen = widened(keys, dtype)
+        out, lse, score_max = harness.reference_attention(
+            q.astype(np.float64)[None], seen[None], seen[None, ..., :value_dim or head_dim],
+            causal=causal)
+        return out[0], lse[0], score_max
+
+    def test_create_append_decode_against_float64(self):
+        page = self.client.info()["cache_page_tokens"]
+        for layout in self.LAYOUTS:
+            dtype, kv_heads, head_dim, value_dim, heads = layout
+            with self.subTest(dtype=dtype, kv_heads=kv_heads, head_dim=head_dim):
+                cache = self.latent(layout)
+                self.assertTrue(cache.values_from_keys)
+                self.assertEqual((cache.kv_heads, cache.head_dim, cache.value_dim, cache.dtype),
+                                 (kv_heads, head_dim, value_dim or head_dim, dtype))
+                self.assertTrue(self.client.cache_info(cache.id)["values_from_keys"])
+                self.assertIn("values_from_keys", repr(cache))
+                # Fill past a page boundary in two appends of keys alone.
+                keys = [self.keys(layout, page + 5), self.keys(layout, 7)]
+                for k in keys:
+                    cache.append(k)
+                self.assertEqual(cache.length, page + 12)
+                # One step through Cache.decode: one new key, one query row.
+                keys.append(self.keys(layout, 1))
+                q = self.query(layout, 1)
+                step = cache.decode(q, keys[-1], return_lse=True, output_dtype="fp32")
+                self.assertEqual(step.cache["length"], page + 13)
+                self.assertTrue(step.cache["values_from_keys"])
+                held = joined(*keys)
+                ref, ref_lse, score_max = self.reference(layout, q, held)
+                self.assertEqual(step.output.shape, (heads, 1, value_dim or head_dim))
+                self.assertMatches(step.output, ref, "fp32", score_max, "Cache.decode")
+                self.assertEqual(harness.lse_error(step.lse.astype(np.float64), ref_lse), "")
+                # A batch: three causal rows over three new keys, beside an ordinary cache.
+                other = self.cache(("fp32", 1, 8, 5, 2), *self.kv(("fp32", 1, 8, 5, 2), 11))
+                keys.append(self.keys(layout, 3))
+                q3 = self.query(layout, 3)
+                batch = self.client.decode(
+                    [(cache, q3, keys[-1]), (other, self.query(("fp32", 1, 8, 5, 2), 1))],
+                    causal=True, output_dtype=dtype)
+                self.assertEqual([c["length"] for c in batch.caches], [page + 16, 11])
+                held = joined(*keys)
+                ref, _, score_max = self.reference(layout, q3, held, causal=True)
+                self.assertMatches(batch.outputs_float32()[0], ref, dtype, score_max,
+                                   "batched causal decode")
+                # Tiled over the cache reads the same values.
+                tiled = self.client.tiled(q3, cache=cache, block_k=17, output_dtype="fp32")
+                ref, _, score_max = self.reference(layout, q3, held)
+                self.assertMatches(tiled.output, ref, "fp32", score_max, "tiled over the cache")
+                # What the server holds: the keys sent, bit for bit, and no values.
+                length, got_keys, got_values = exported(self.client, cache)
+                self.assertEqual(length, page + 16)
+                self.assertTrue(same_bytes(got_keys, held))
+                self.assertEqual(got_values.shape[1], 0)
+
+    def test_bytes_are_the_keys_alone(self):
+        page = self.client.info()["cache_page_tokens"]
+        n = 2 * page + 3  # Three pages.
+        for dtype, element in (("fp32", 4), ("bf16", 2)):
+            for kv_heads, head_dim, value_dim in ((1, 72, 72), (3, 72, 40)):
+                with self.subTest(dtype=dtype, kv_heads=kv_heads, value_dim=value_dim):
+                    layout = (dtype, kv_heads, head_dim, value_dim, kv_heads)
+                    keys = self.keys(layout, n)
+                    latent = self.latent(layout, keys)
+                    both = self.cache(layout, keys, keys[..., :value_dim])
+                    latent_bytes = self.client.cache_info(latent.id)["bytes"]
+                    both_bytes = self.client.cache_info(both.id)["bytes"]
+                    self.assertEqual(latent_bytes, 3 * page * kv_heads * head_dim * element)
+                    self.assertEqual(both_bytes,
+                                     3 * page * kv_heads * (head_dim + value_dim) * element)
+                    if value_dim == head_dim:
+                        self.assertEqual(2 * latent_bytes, both_bytes)
+                    # The same keys and values: the same answers, within the dtype's rule.
+                    q = self.query(layout, 2)
+                    ref, _, score_max = self.reference(layout, q, keys)
+                    for cache in (latent, both):
+                        out = cache.decode(q, output_dtype="fp32").output
+                        self.assertMatches(out, ref, "fp32", score_max,
+                                           "latent" if cache is latent else "both")
+
+    def test_a_value_is_refused_by_the_client_and_by_the_server(self):
+        layout = ("fp32", 1, 72, 40, 13)
+        keys = self.keys(layout, 9)
+        cache = self.latent(layout, keys)
+        k = self.keys(layout, 2)
+        v = k[..., :40]
+        q = self.query(layout, 1)
+        # The client refuses before any RPC (a Client that fails every call would say so).
+        refusing = RefusingClient(self.server.address, timeout=RPC_TIMEOUT_S)
+        self.addCleanup(refusing.close)
+        offline = Cache(refusing, cache.info)
+        for call, named in ((lambda: offline.append(k, v), "value"),
+                            (lambda: offline.decode(q, k, v), "items[0].value"),
+                            (lambda: refusing.append(offline, k, v), "value"),
+                            (lambda: refusing.decode([(offline, q, k, v)]), "items[0].value"),
+                            (lambda: refusing.decode([{"cache": offline, "query": q, "key": k,
+                                                       "value": v}]), "items[0].value")):
+            with self.subTest(named=named):
+                with self.assertRaises(ValueError) as raised:
+                    call()
+                self.assertRegex(str(raised.exception), r"^%s\b.*latent" % re.escape(named))
+        self.assertEqual(refusing.calls, [])
+        # An ordinary cache's key needs its value (the client says so too).
+        ordinary = Cache(refusing, dict(cache.info, values_from_keys=False))
+        for call in (lambda: ordinary.append(k), lambda: ordinary.decode(q, k)):
+            self.assertRaisesRegex(ValueError, r"^(items\[0\]\.)?value is missing", call)
+        self.assertEqual(refusing.calls, [])
+        # The server refuses one sent anyway, naming the field, and keeps the cache as it was.
+        before = self.snapshot(cache, q)
+        stub = pb_grpc.AttentionServiceStub(self.channel())
+        encode = lambda x: attn_client._encode("x", x, pb.DTYPE_FLOAT32)  # noqa: E731
+        with self.assertRaises(grpc.RpcError) as raised:
+            stub.AppendCache(pb.AppendCacheRequest(cache_id=cache.id, key=encode(k),
+                                                   value=encode(v), expected_length=9),
+                             timeout=RPC_TIMEOUT_S)
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertRegex(raised.exception.details(), r"^value\b.*latent")
+        with self.assertRaises(grpc.RpcError) as raised:
+            stub.Decode(pb.DecodeRequest(items=[pb.DecodeItem(
+                cache_id=cache.id, query=encode(q), key=encode(k), value=encode(v),
+                expected_length=9)]), timeout=RPC_TIMEOUT_S)
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertRegex(raised.exception.details(), r"^items\[0\]\.value\b.*latent")
+        # Through the client with an id (it cannot know the cache is latent).
+        message = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.decode,
+                                  [{"cache": cache.id, "query": q, "key": k, "value": v,
+                                    "expected_length": 9}])
+        self.assertRegex(message, r"^items\[0\]\.value\b")
+        message = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.append,
+                                  cache.id, k, v, expected_length=9)
+        self.assertRegex(message, r"^value\b")
+        self.assertEqual(self.snapshot(cache, q), before)
+        # The key alone through an id is what a latent cache takes.
+        self.assertEqual(self.client.append(cache.id, k, expected_length=9)["length"], 11)
+
+    def test_value_dim_past_head_dim_is_invalid_argument_naming_it(self):
+        message = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.create_cache,
+                                  1, 72, 73, values_from_keys=True)
+        self.assertRegex(message, r"^value_dim\b.*73.*72")
+        stub = pb_grpc.AttentionServiceStub(self.channel())
+        with self.assertRaises(grpc.RpcError) as raised:
+            stub.CreateCache(pb.CreateCacheRequest(kv_heads=2, head_dim=40, value_dim=41,
+                                                   dtype=pb.DTYPE_BFLOAT16,
+                                                   values_from_keys=True),
+                             timeout=RPC_TIMEOUT_S)
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertRegex(raised.exception.details(), r"^value_dim\b")
+        # value_dim 0 is head_dim, and value_dim = head_dim is allowed.
+        info = stub.CreateCache(pb.CreateCacheRequest(kv_heads=1, head_dim=40,
+                                                      dtype=pb.DTYPE_FLOAT32,
+                                                      values_from_keys=True),
+                                timeout=RPC_TIMEOUT_S)
+        self.addCleanup(self.delete_quietly, info.cache_id)
+        self.assertEqual((info.value_dim, info.values_from_keys), (40, True))
+        self.assertEqual(self.latent(("fp16", 1, 40, 40, 1)).value_dim, 40)
+        self.assertRaises(TypeError, self.client.create_cache, 1, 8, values_from_keys=1)
+
+    def test_export_import_round_trip_keeps_it_latent(self):
+        # bf16 [1, n, 576] keys (DeepSeek's latent and rope key): more than one 4 MiB chunk.
+        layout = ("bf16", 1, 576, 512, 16)
+        keys = self.keys(layout, 4001)
+        cache = self.latent(layout, keys)
+        chunks = self.client.export_cache(cache, verify=True)
+        self.assertGreater(len([c for c in chunks if c.HasField("key")]), 1)
+        self.assertTrue(chunks[0].info.values_from_keys)
+        self.assertFalse(any(c.HasField("value") for c in chunks))
+        copies = [self.client.import_cache(chunks, new_id_if_taken=True)]
+        path = tempfile.mktemp(prefix="attn-latent-", suffix=".attnexp")
+        self.addCleanup(lambda: os.path.exists(path) and os.unlink(path))
+        self.assertEqual(self.client.export_cache(cache, path, verify=True)["length"], 4001)
+        copies.append(self.client.import_cache(path, new_id_if_taken=True))
+        q = self.query(layout, 1)
+        want = decode_bits(cache.decode(q, return_lse=True))
+        for copy in copies:
+            self.addCleanup(self.delete_quietly, copy.id)
+            self.assertNotEqual(copy.id, cache.id)
+            self.assertTrue(copy.values_from_keys)
+            self.assertSameCache(copy, cache, "imported copy")
+            self.assertEqual(decode_bits(copy.decode(q, return_lse=True)), want)
+            # It goes on as a latent cache: keys alone.
+            self.assertEqual(copy.append(self.keys(layout, 3))["length"], 4004)
+        # A chunk of a latent export carrying a value is refused, naming it; nothing imported.
+        damaged = list(chunks)
+        damaged[1] = pb.CacheChunk()
+        damaged[1].CopyFrom(chunks[1])
+        damaged[1].value.CopyFrom(chunks[1].key)
+        before = len(self.client.list_caches())
+        message = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.import_cache,
+                                  damaged, new_id_if_taken=True)
+        self.assertRegex(message, r"^chunk 1: value\b")
+        self.assertEqual(len(self.client.list_caches()), before)
+
+    def channel(self):
+        channel = harness.open_channel(self.server.address)
+        self.addCleanup(channel.close)
+        return channel
+
+
+class RefusingClient(Client):
+    """A Client that records and refuses every RPC (UNAVAILABLE): what the client checks before
+    any RPC raises first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def _call(self, name, method, request):
+        self.calls.append(name)
+        raise AttnError(name, grpc.StatusCode.UNAVAILABLE, "refused (a test)")
+
+
+class PersistenceCase(unittest.TestCase):
+    """Helpers for tests with attnd --cache-dir (no tests of its own): each test starts its own
+    attnd processes on one directory with --cache-sync-seconds 86400, so no write-behind pass
+    runs during a test: tokens are durable only where a SIGTERM's flush or a cut (fsynced before
+    its answer) made them so, and a SIGKILL loses the rest."""
 
     def setUp(self):
         self.rng = np.random.default_rng()
@@ -1054,6 +1306,16 @@ class TruncatePersistenceTest(unittest.TestCase):
         self.assertTrue(same_bytes(got_keys, keys), "%s: keys differ" % what)
         self.assertTrue(same_bytes(got_values, values), "%s: values differ" % what)
         return length
+
+    def assertCode(self, code, call, *args, **kwargs):
+        with self.assertRaises(AttnError) as raised:
+            call(*args, **kwargs)
+        self.assertEqual(raised.exception.code, code, raised.exception.message)
+        return raised.exception.message
+
+
+class TruncatePersistenceTest(PersistenceCase):
+    """Cuts with attnd --cache-dir (PersistenceCase)."""
 
     def test_sigkill_after_cuts_then_refresh_never_brings_cut_tokens_back(self):
         server, client = self.start()
@@ -1193,11 +1455,62 @@ class TruncatePersistenceTest(unittest.TestCase):
         self.assertEqual(cache.refresh()["length"], 7)
         self.assertHolds(client, cache, *want, "refreshed after the kill")
 
-    def assertCode(self, code, call, *args, **kwargs):
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
+
+class LatentPersistenceTest(PersistenceCase):
+    """A latent cache with --cache-dir (PersistenceCase): a restart keeps it latent, and its
+    replay tail holds keys alone."""
+
+    def test_restart_keeps_it_latent_and_refresh_resends_keys_alone(self):
+        server, client = self.start()
+        cache = client.create_cache(1, 72, 40, dtype="fp16", values_from_keys=True)
+        keys = lambda n: stored_tokens(self.rng, 1, n, 72, "fp16")  # noqa: E731
+        a = keys(20)
+        cache.append(a)
+        self.terminate(server, client)  # Flushed: 20 tokens durable.
+
+        server, client = self.start()
+        reopened = client.open_cache(cache.id)
+        self.assertTrue(reopened.values_from_keys)
+        self.assertEqual((reopened.length, reopened.durable_length, reopened.value_dim),
+                         (20, 20, 40))
+        self.assertEqual(reopened.info["bytes"], cache.info["bytes"])
+        self.assertHolds(client, cache.id, a, a[:, :0, :40], "after the restart")
+        # Tokens the next SIGKILL loses: an append and a decode's new keys, kept as keys alone.
+        b, c = keys(9), keys(2)
+        reopened.append(b)
+        q = self.rng.uniform(-1, 1, (5, 1, 72)).astype(np.float32)
+        reopened.decode(q, c)
+        self.assertEqual(reopened.replay_tail, [(20, 9), (29, 2)])
+        self.assertTrue(all(sent.value is None for sent in reopened._tail))
+        self.kill(server)
+
+        server, client = self.start()
+        held = self.assertHolds(client, cache.id, joined(a, b, c), a[:, :0, :40], "restored",
+                                prefix=True)
+        self.assertGreaterEqual(held, 20)
+        self.assertLess(held, 31, "no write-behind pass ran: the kill lost the last tokens")
+        reopened.client = client
+        appends = []
+        original = client._call
+
+        def counting(name, method, request):
+            if name == "AppendCache":
+                appends.append(request)
+            return original(name, method, request)
+
+        client._call = counting
+        info = reopened.refresh()
+        self.assertEqual(info["length"], 31)
+        self.assertTrue(info["values_from_keys"])
+        self.assertEqual(sum(attn_client._token_count(r.key) for r in appends), 31 - held)
+        self.assertTrue(all(not r.HasField("value") for r in appends))
+        self.assertHolds(client, cache.id, joined(a, b, c), a[:, :0, :40], "refreshed")
+        # It decodes as a latent cache: values from the keys.
+        seen = widened(joined(a, b, c), "fp16")
+        ref, _, score_max = harness.reference_attention(q.astype(np.float64)[None], seen[None],
+                                                        seen[None, ..., :40])
+        out = reopened.decode(q, output_dtype="fp32").output
+        self.assertEqual(harness.output_error(out.astype(np.float64), ref[0], 1, score_max), "")
 
 
 class LosingClient(Client):
