@@ -1,18 +1,27 @@
 // attention_fuzz: a libFuzzer target over the server's request validation and the CPU kernels.
 //
-// Input: one byte choosing the message (even: AttentionRequest, odd: TraceRequest), then that
-// message in protobuf's binary format. Each input goes the way attnd's handlers take it
-// (server/service.cc), and the target aborts, which libFuzzer reports as a crash and saves, when
-//   - validation (server/request.h) refuses with anything but INVALID_ARGUMENT naming a field,
-//     or accepts a Problem that breaks kernels/problem.h's invariants;
+// Input (fuzz_input.h): one byte choosing the message (odd: TraceRequest; 0 mod 4:
+// AttentionRequest; 2 mod 4: a cache step, a CreateCacheRequest and a DecodeRequest), then the
+// message(s) in protobuf's binary format. Each input goes the way attnd's handlers take it
+// (server/service.cc, service_caches.cc), and the target aborts, which libFuzzer reports as a
+// crash and saves, when
+//   - validation (server/request.h) refuses with anything but INVALID_ARGUMENT naming a field
+//     (or, for a cache step, the few other refusals Decode's contract names), or accepts a
+//     Problem that breaks kernels/problem.h's invariants;
 //   - the answer's size is not refused exactly when it passes the reply limit (CheckReplyBytes,
 //     before anything is allocated, so shapes asking for gigabytes are safe to fuzz);
 //   - an accepted problem that is small (kMaxWork) fails on the CPU backend, except Naive's one
 //     documented refusal: RESOURCE_EXHAUSTED exactly when its matrices pass its budget;
-//   - an output row of Naive, Tiled or Trace is farther from a float64 reference than the error
-//     bound below allows (so Naive and Tiled agree with each other within twice that bound), a
-//     row that sees no key is not exactly 0 with lse −inf, or a trace's events do not follow the
-//     contract (attention.proto: one TileStep per visited tile, then a RowDone, per row).
+//   - an output row of Naive, Tiled, Trace or Decode is farther from a float64 reference than
+//     the error bound below allows (so Naive and Tiled agree with each other within twice that
+//     bound), a row that sees no key is not exactly 0 with lse −inf, or a trace's events do not
+//     follow the contract (attention.proto: one TileStep per visited tile, then a RowDone, per
+//     row).
+// A cache step (FuzzCacheStep) creates the cache, fills it with the Decode item's new tokens
+// once (as an AppendCache of them would), then runs the item as Decode does: its cut
+// (truncate_to), the tokens appended again, the query attending over the cache, token tree
+// included. Its reference reads the tokens as sent (a latent cache's values: the first
+// value_dim columns of each key), not the cache's pages.
 // The "fuzz" preset builds it with ASan and UBSan, which catch memory errors and undefined
 // behavior on the way, and structure_mutator.cc's mutations keep shapes and data in step.
 // tests/run.sh runs it on a copy of corpus/; see tests/fuzz/CMakeLists.txt.
@@ -32,6 +41,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/types/span.h"
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -39,6 +49,7 @@
 #include "kernels/problem.h"
 #include "server/request.h"
 #include "server/response.h"
+#include "tests/fuzz/fuzz_input.h"
 
 namespace attn {
 namespace {
@@ -107,8 +118,8 @@ void ExpectInvariants(const Problem& p) {
       s.batch >= 1 && s.heads >= 1 && s.kv_heads >= 1 && s.query_len >= 1 && s.key_len >= 1 &&
       s.head_dim >= 1 && s.value_dim >= 1 && s.heads % s.kv_heads == 0 && p.block_k >= 1 &&
       p.block_k <= s.key_len && std::isfinite(p.scale) && p.query.data != nullptr &&
-      p.key.data != nullptr && p.value.data != nullptr && std::isfinite(p.softcap) &&
-      p.softcap >= 0.f &&
+      (p.pages != nullptr || (p.key.data != nullptr && p.value.data != nullptr)) &&
+      std::isfinite(p.softcap) && p.softcap >= 0.f &&
       (p.alibi_slopes == nullptr ||
        std::all_of(p.alibi_slopes, p.alibi_slopes + s.heads,
                    [](float slope) { return std::isfinite(slope); })) &&
@@ -146,7 +157,8 @@ double Work(const Problem& p, double rows) {
 //                                                                         at most ε)
 // each doubled for slack. A kernel that mishandles a tile, a mask or a head is off by O(V).
 struct RowReference {
-  KeyRange visible;             // Keys the row sees.
+  KeyRange visible;             // The range of keys the row sees (Problem::Visible).
+  int64_t seen = 0;             // Keys in it the row sees: all but a token tree's hidden ones.
   std::vector<double> output;   // value_dim values.
   double lse = -INFINITY;       // −inf when the row sees no key.
   bool tame = false;            // Whether the bounds apply (nothing can overflow in fp32).
@@ -155,15 +167,31 @@ struct RowReference {
   double lse_tolerance = 0;
 };
 
-RowReference ReferenceRow(const Problem& p, const RowRef& row) {
+// tree_parents: a Decode item's token tree (attention.proto's DecodeItem.tree_parents), whose
+// new tokens end the keys and are the query rows: of them, row i sees only token i and its
+// ancestors. Empty: no tree. The problem's own tree (tree_ancestors) is not read.
+RowReference ReferenceRow(const Problem& p, const RowRef& row,
+                          absl::Span<const int32_t> tree_parents = {}) {
   const Shape& s = p.shape;
   RowReference ref;
   ref.visible = p.Visible(row.row);
   ref.output.assign(s.value_dim, 0.0);
+  const int64_t tree_first = s.key_len - static_cast<int64_t>(tree_parents.size());
+  std::vector<char> in_tree(tree_parents.size(), 0);  // The row's ancestors, and itself.
+  for (int64_t t = tree_parents.empty() ? -1 : row.row; t >= 0; t = tree_parents[t]) {
+    if (t >= static_cast<int64_t>(tree_parents.size()) || tree_parents[t] >= t) {
+      Fail(absl::StrCat("validation accepted a token tree with token ", t, "'s parent ",
+                        t < static_cast<int64_t>(tree_parents.size()) ? tree_parents[t] : -2,
+                        " for ", Describe(p)));
+    }
+    in_tree[t] = 1;
+  }
+  auto sees = [&](int64_t j) { return j < tree_first || in_tree[j - tree_first] != 0; };
+  for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) ref.seen += sees(j);
   // The sink: one more logit of the row, e^sink in its sum and no value.
   const bool has_sink = p.sinks != nullptr;
   const double sink = has_sink ? double{p.sinks[row.head]} : -INFINITY;
-  if (ref.visible.size() == 0) {
+  if (ref.seen == 0) {
     ref.lse = sink;  // −inf without a sink.
     ref.tame = true;
     return ref;
@@ -179,6 +207,7 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   const double slope = p.alibi_slopes != nullptr ? double{p.alibi_slopes[row.head]} : 0.0;
   const Geometry geometry = p.geometry();
   for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) {
+    if (!sees(j)) continue;
     const int64_t k0 = p.KeyOffset(row.batch, kv_head, j);
     double dot = 0, abs_dot = 0;
     for (int64_t c = 0; c < s.head_dim; ++c) {
@@ -198,6 +227,7 @@ RowReference ReferenceRow(const Problem& p, const RowRef& row) {
   max_score = std::max(max_score, sink);
   double denominator = has_sink ? std::exp(sink - max_score) : 0.0;
   for (int64_t j = ref.visible.begin; j < ref.visible.end; ++j) {
+    if (!sees(j)) continue;
     const double weight = std::exp(scores[j] - max_score);
     denominator += weight;
     const int64_t v0 = p.ValueOffset(row.batch, kv_head, j);
@@ -244,10 +274,10 @@ void ExpectRowMatches(absl::string_view where, const Problem& p, const RowRef& r
                       const RowReference& ref, DType dtype, Output output, const float* lse) {
   auto fail = [&](const std::string& what) {
     Fail(absl::StrFormat("%s: row (batch %d, head %d, row %d) of %s, %d of %d keys visible: %s",
-                         where, row.batch, row.head, row.row, Describe(p), ref.visible.size(),
+                         where, row.batch, row.head, row.row, Describe(p), ref.seen,
                          p.shape.key_len, what));
   };
-  if (ref.visible.size() == 0) {  // Zeros and −inf (the sink with one), whatever the inputs.
+  if (ref.seen == 0) {  // Zeros and −inf (the sink with one), whatever the inputs.
     for (int64_t c = 0; c < p.shape.value_dim; ++c) {
       if (output(c) != 0.f) fail(absl::StrCat("out[", c, "] = ", output(c), "; expected 0"));
     }
@@ -364,19 +394,26 @@ void RunAndCheck(bool naive, const Problem& p, const v1::AttentionRequest& reque
   }
 }
 
-// The same problem with its keys and values in a KV cache of the backend's (pages of 7 tokens,
-// so most problems span several and end inside one): Naive and Tiled over the pages must give
-// the same rows. A cache holds one sequence in one dtype, so only such problems qualify.
+// The backend of the KV cache checks: pages of 7 tokens, so most caches span several and end
+// inside one.
+CpuBackend& PagedCpu() {
+  static CpuBackend* const backend =
+      new CpuBackend(kThreads, kMaxNaiveBytes, CpuBackend::kDefaultMaxPackedHeadBytes,
+                     /*kv_page_tokens=*/7);  // Lives as long as the process.
+  return *backend;
+}
+
+// The same problem with its keys and values in a KV cache: Naive and Tiled over the pages must
+// give the same rows. A cache holds one sequence in one dtype, so only such problems qualify.
 void FuzzOverCache(const Problem& p, const v1::AttentionRequest& request,
                    const std::vector<RowReference>& refs) {
   const Shape& s = p.shape;
   if (s.batch != 1 || p.key.dtype != p.value.dtype) return;
-  static CpuBackend backend(kThreads, kMaxNaiveBytes, CpuBackend::kDefaultMaxPackedHeadBytes,
-                            /*kv_page_tokens=*/7);
-  absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore({.kv_heads = s.kv_heads,
-                                                                          .head_dim = s.head_dim,
-                                                                          .value_dim = s.value_dim,
-                                                                          .dtype = p.key.dtype});
+  absl::StatusOr<std::unique_ptr<KvStore>> store =
+      PagedCpu().CreateKvStore({.kv_heads = s.kv_heads,
+                                .head_dim = s.head_dim,
+                                .value_dim = s.value_dim,
+                                .dtype = p.key.dtype});
   if (!store.ok()) Fail(absl::StrCat("CreateKvStore: ", store.status().ToString()));
   if (absl::Status appended = (*store)->Append(p.key, p.value, s.key_len); !appended.ok()) {
     Fail(absl::StrCat("KvStore::Append: ", appended.ToString(), " for ", Describe(p)));
@@ -405,6 +442,172 @@ void FuzzAttention(const v1::AttentionRequest& request) {
   RunAndCheck(/*naive=*/true, *problem, request, refs);
   RunAndCheck(/*naive=*/false, *problem, request, refs);
   FuzzOverCache(*problem, request, refs);
+}
+
+// A refusal on a cache step's way: INVALID_ARGUMENT naming a field, or `code` naming `field`
+// (the one other refusal the contract names at that point; kOk: none).
+void ExpectCacheRefusal(absl::string_view where, const absl::Status& status,
+                        absl::StatusCode code = absl::StatusCode::kOk,
+                        absl::string_view field = "") {
+  if (code != absl::StatusCode::kOk && status.code() == code &&
+      absl::StrContains(status.message(), field)) {
+    return;
+  }
+  ExpectRefusal(where, status);
+}
+
+// A cache step (the top of this file): CreateCache, then one Decode item over the cache holding
+// the item's new tokens once. The work is bounded before the store or the reference is filled.
+void FuzzCacheStep(const v1::CreateCacheRequest& create, const v1::DecodeRequest& decode) {
+  const absl::StatusOr<KvLayout> layout = ParseCreateCache(create);
+  if (!layout.ok()) {
+    ExpectRefusal("ParseCreateCache", layout.status());
+    return;
+  }
+  const int64_t value_dim = create.value_dim() > 0 ? create.value_dim() : create.head_dim();
+  if (layout->kv_heads != create.kv_heads() || layout->head_dim != create.head_dim() ||
+      layout->value_dim != value_dim || layout->values_from_keys != create.values_from_keys() ||
+      (layout->values_from_keys && layout->value_dim > layout->head_dim)) {
+    Fail(absl::StrCat("ParseCreateCache accepted ", create.ShortDebugString(), " as kv_heads ",
+                      layout->kv_heads, ", head_dim ", layout->head_dim, ", value_dim ",
+                      layout->value_dim, layout->values_from_keys ? ", latent" : ""));
+  }
+  if (absl::Status count = CheckDecodeItemCount(decode); !count.ok()) {
+    ExpectRefusal("CheckDecodeItemCount", count);
+    return;
+  }
+  // Every named cache has this layout (several items name several caches, so only one item runs).
+  absl::StatusOr<DecodeBatch> batch = ParseDecodeRequest(
+      decode,
+      [&](const std::string&, const std::string&) -> absl::StatusOr<KvLayout> { return *layout; },
+      PagedCpu().default_block_k(), kMaxMessageBytes);
+  if (!batch.ok()) {  // The reply check's refusal, as for Naive and Tiled (ReplyFits).
+    ExpectCacheRefusal("ParseDecodeRequest", batch.status(), absl::StatusCode::kResourceExhausted,
+                       "--max-message-bytes");
+    return;
+  }
+  if (batch->items.size() != 1) return;
+  DecodeItemProblem& item = batch->items[0];
+  const v1::DecodeItem& sent = decode.items(0);
+  const NewTokens& tokens = item.tokens;
+  const KvLayout& l = item.layout;
+  double max_abs_key, max_abs_value;
+  if (absl::Status values =
+          CheckNewTokenValues(item.prefix, tokens, l, &max_abs_key, &max_abs_value);
+      !values.ok()) {
+    ExpectRefusal("CheckNewTokenValues", values);
+    return;
+  }
+  // The cut, against the cache's n tokens; past them is OUT_OF_RANGE.
+  const int64_t n = tokens.n;
+  int64_t kept = n;
+  if (item.truncate_to) {
+    const absl::Status cut = CheckDecodeCut(item.prefix, *item.truncate_to, n, l);
+    if (!cut.ok()) {
+      ExpectCacheRefusal(
+          "CheckDecodeCut", cut,
+          *item.truncate_to > n ? absl::StatusCode::kOutOfRange : absl::StatusCode::kOk,
+          "truncate_to");
+      return;
+    }
+    if (*item.truncate_to < 0 || *item.truncate_to > n) {
+      Fail(absl::StrCat("CheckDecodeCut accepted truncate_to ", *item.truncate_to, " of ", n,
+                        " tokens"));
+    }
+    kept = *item.truncate_to;
+  }
+  const int64_t length = kept + n;
+  Problem& p = item.problem;
+  const Shape& s = p.shape;
+  // Work(p) with the cache's length as key_len; it also bounds the store and the reference's
+  // copies of the tokens (kv_heads ≤ heads, query_len ≥ 1).
+  if (static_cast<double>(s.heads) * static_cast<double>(s.query_len) *
+          static_cast<double>(length) * static_cast<double>(s.head_dim + s.value_dim) >
+      kMaxWork) {
+    return;
+  }
+
+  absl::StatusOr<std::unique_ptr<KvStore>> store = PagedCpu().CreateKvStore(l);
+  if (!store.ok()) Fail(absl::StrCat("CreateKvStore: ", store.status().ToString()));
+  for (int pass = 0; pass < 2 && n > 0; ++pass) {  // The tokens once, then the item's append.
+    if (pass == 1) (*store)->Truncate(kept);
+    if (absl::Status appended = (*store)->Append(tokens.key, tokens.value, n); !appended.ok()) {
+      Fail(absl::StrCat("KvStore::Append: ", appended.ToString(), " for ", n, " tokens of ",
+                        create.ShortDebugString()));
+    }
+  }
+  if ((*store)->length() != length) {
+    Fail(absl::StrCat("the cache holds ", (*store)->length(), " tokens; expected ", length));
+  }
+  if (absl::Status bound =
+          BindCache(item.prefix, (*store)->pages(), length, max_abs_key, max_abs_value, &p);
+      !bound.ok()) {
+    ExpectCacheRefusal("BindCache", bound,
+                       length == 0 ? absl::StatusCode::kFailedPrecondition : absl::StatusCode::kOk,
+                       "cache_id");
+    return;
+  }
+  if (length == 0) Fail("BindCache accepted an empty cache");
+  if (!item.tree.empty()) p.tree_ancestors = item.tree.data();
+  ExpectInvariants(p);
+  if (s.key_len != length || p.tree_count != sent.tree_parents_size() ||
+      (p.tree_count > 0 && (p.tree_first != kept || s.query_len != n))) {
+    Fail(absl::StrCat("BindCache made ", Describe(p), " with tree_count ", p.tree_count,
+                      ", tree_first ", p.tree_first, " of a cache of ", length, " tokens (", kept,
+                      " kept, ", n, " new) and ", sent.tree_parents_size(), " tree_parents"));
+  }
+
+  // The reference's keys and values: the tokens as sent, dense [kv_heads, length, ·] in fp32
+  // (exact), the kept ones then the new ones; a latent cache's value is its key's first
+  // value_dim columns.
+  const int64_t d = l.head_dim, dv = l.value_dim;
+  std::vector<float> keys(l.kv_heads * length * d), values(l.kv_heads * length * dv);
+  for (int64_t h = 0; h < l.kv_heads; ++h) {
+    for (int64_t j = 0; j < length; ++j) {
+      const int64_t token = h * n + (j < kept ? j : j - kept);
+      const int64_t at = h * length + j;
+      for (int64_t c = 0; c < d; ++c) keys[at * d + c] = tokens.key[token * d + c];
+      for (int64_t c = 0; c < dv; ++c) {
+        values[at * dv + c] =
+            l.values_from_keys ? tokens.key[token * d + c] : tokens.value[token * dv + c];
+      }
+    }
+  }
+  Problem dense = p;
+  dense.pages = nullptr;
+  dense.key = TensorView{keys.data(), DType::kFloat32};
+  dense.value = TensorView{values.data(), DType::kFloat32};
+  dense.tree_first = dense.tree_count = 0;
+  dense.tree_ancestors = nullptr;
+  const absl::Span<const int32_t> parents(sent.tree_parents().data(), sent.tree_parents_size());
+  const std::vector<RowRef> rows = AllRows(s);
+  std::vector<RowReference> refs;
+  for (const RowRef& row : rows) refs.push_back(ReferenceRow(dense, row, parents));
+
+  // Decode, and Tiled on the same problem: what Decode runs past kDecodeGemmMaxRows rows.
+  for (const bool decode_kernel : {true, false}) {
+    const std::string where =
+        absl::StrFormat("%s over a %scache of %d tokens (%d kept, %d new)%s",
+                        decode_kernel ? "Decode" : "Tiled", l.values_from_keys ? "latent " : "",
+                        length, kept, n, p.tree_count > 0 ? " with a token tree" : "");
+    v1::Tensor output, lse;
+    const Outputs outputs = PrepareOutputs(p, sent.query(), &output, p.return_lse ? &lse : nullptr);
+    // All-ones bytes are NaN in every dtype, so an element left unwritten fails its row's check.
+    std::memset(output.mutable_data()->data(), 0xff, output.data().size());
+    if (p.return_lse) std::memset(lse.mutable_data()->data(), 0xff, lse.data().size());
+    const absl::StatusOr<Stats> stats =
+        decode_kernel ? PagedCpu().Decode({p}, {outputs}) : PagedCpu().Tiled(p, outputs);
+    if (!stats.ok()) {
+      Fail(absl::StrCat(where, " failed with ", stats.status().ToString(), " on ", Describe(p)));
+    }
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int64_t offset = p.OutputOffset(rows[r].batch, rows[r].head, rows[r].row);
+      ExpectRowMatches(
+          where, dense, rows[r], refs[r], p.output_dtype,
+          [&](int64_t c) { return LoadElement(output.data().data(), p.output_dtype, offset + c); },
+          p.return_lse ? outputs.lse + r : nullptr);
+    }
+  }
 }
 
 // Checks one TileStep of a row against the contract in attention.proto.
@@ -555,12 +758,27 @@ void FuzzTrace(const v1::TraceRequest& request) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  if (data[0] % 2 == 0) {
-    attention::v1::AttentionRequest request;
-    if (request.ParseFromArray(data + 1, static_cast<int>(size - 1))) attn::FuzzAttention(request);
-  } else {
-    attention::v1::TraceRequest request;
-    if (request.ParseFromArray(data + 1, static_cast<int>(size - 1))) attn::FuzzTrace(request);
+  switch (attn::KindOf(data[0])) {
+    case attn::InputKind::kAttention: {
+      attention::v1::AttentionRequest request;
+      if (request.ParseFromArray(data + 1, static_cast<int>(size - 1))) {
+        attn::FuzzAttention(request);
+      }
+      break;
+    }
+    case attn::InputKind::kTrace: {
+      attention::v1::TraceRequest request;
+      if (request.ParseFromArray(data + 1, static_cast<int>(size - 1))) attn::FuzzTrace(request);
+      break;
+    }
+    case attn::InputKind::kCacheStep: {
+      attention::v1::CreateCacheRequest create;
+      attention::v1::DecodeRequest decode;
+      if (attn::ParseCacheStep(data + 1, size - 1, &create, &decode)) {
+        attn::FuzzCacheStep(create, decode);
+      }
+      break;
+    }
   }
   return 0;
 }

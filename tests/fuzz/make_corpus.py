@@ -1,8 +1,9 @@
 #!/usr/bin/python3
-"""Writes the fuzz target's seed corpus (tests/fuzz/corpus/): small valid requests, each file one
-byte choosing the message (0: AttentionRequest, 1: TraceRequest) and then the message in
-protobuf's binary format, as attention_fuzz.cc reads them. Deterministic; rerun it after changing
-the proto and commit the result:
+"""Writes the fuzz target's seed corpus (tests/fuzz/corpus/): small requests, each file one byte
+choosing the message (0: AttentionRequest, 1: TraceRequest, 2: a cache step) and then the message
+in protobuf's binary format; a cache step is the CreateCacheRequest's length as a varint, that
+CreateCacheRequest and a DecodeRequest (tests/fuzz/fuzz_input.h). Deterministic; rerun it after
+changing the proto and commit the result:
 
   /usr/bin/python3 tests/fuzz/make_corpus.py --stubs build/release/python
 
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.abspath(args.stubs))
 import numpy as np  # noqa: E402
 from attention.v1 import attention_pb2 as pb  # noqa: E402
 
-ATTENTION, TRACE = b"\x00", b"\x01"
+ATTENTION, TRACE, CACHE_STEP = b"\x00", b"\x01", b"\x02"
 
 
 def tensor(values, dtype):
@@ -69,6 +70,38 @@ def ragged(request, cu_seqlens_q, cu_seqlens_k):
     request.cu_seqlens_q.extend(cu_seqlens_q)
     request.cu_seqlens_k.extend(cu_seqlens_k)
     return request
+
+
+def varint(n):
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n >= 0x80 else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def cache_step(seed, kv_heads, head_dim, value_dim, dtype, heads, query_len, new_tokens,
+               latent=False, send_value=None, item=None, **options):
+    """CreateCache, then a Decode of one item over it (attention_fuzz.cc's FuzzCacheStep): the
+    item's new_tokens (key, and value unless latent or send_value is False) and its query of
+    `heads` heads, in the cache's dtype; `item` sets more DecodeItem fields."""
+    rng = np.random.default_rng(seed)
+    create = pb.CreateCacheRequest(kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
+                                   dtype=dtype, values_from_keys=latent)
+    width = value_dim or head_dim
+    decode_item = pb.DecodeItem(
+        cache_id="c", query=tensor(rng.uniform(-1, 1, [heads, query_len, head_dim]), dtype),
+        **(item or {}))
+    if new_tokens:
+        decode_item.key.CopyFrom(tensor(rng.uniform(-1, 1, [kv_heads, new_tokens, head_dim]),
+                                        dtype))
+        if send_value if send_value is not None else not latent:
+            decode_item.value.CopyFrom(tensor(rng.uniform(-1, 1, [kv_heads, new_tokens, width]),
+                                              dtype))
+    decode = pb.DecodeRequest(items=[decode_item], options=pb.AttentionOptions(**options))
+    create_bytes = create.SerializeToString()
+    return CACHE_STEP + varint(len(create_bytes)) + create_bytes + decode.SerializeToString()
 
 
 def rows(*refs):
@@ -163,6 +196,30 @@ seeds = {
         attention=random_request(7, [2], 1, 6, 4, 4, 4, (BF16, BF16, BF16), causal=True,
                                  block_k=3),
         rows=rows((0, 1, 0), (0, 0, 5))).SerializeToString(),
+    # KV caches (CreateCache, then one Decode item over the cache holding the item's new tokens
+    # once). Latent (MLA-like: 8 heads over one kv head, the values the keys' first 16 of 24
+    # columns), bf16, with a cut; a GQA cache with sinks; a token tree over a cached prefix.
+    "cache-latent-mla-bf16": cache_step(
+        30, 1, 24, 16, BF16, 8, 2, 9, latent=True, item={"truncate_to": 4}, causal=True,
+        return_lse=True),
+    "cache-gqa-sinks": cache_step(
+        31, 2, 8, 6, F16, 4, 3, 4, item={"truncate_to": 2}, causal=True, return_lse=True,
+        sinks=[0.5, -1.0, 2.0, 0.0]),
+    "cache-tree": cache_step(
+        32, 1, 8, 0, F32, 2, 5, 5, item={"tree_parents": [-1, 0, 0, 1, -1]}, causal=True,
+        return_lse=True),
+    "cache-latent-tree-window": cache_step(
+        33, 2, 12, 5, F32, 4, 4, 4, latent=True, item={"tree_parents": [-1, 0, 1, 0]},
+        causal=True, window_left=5, return_lse=True),
+    # Refused: a value sent to a latent cache; a latent cache with value_dim > head_dim; a cut
+    # past the cache's length (OUT_OF_RANGE); a query over an empty cache (FAILED_PRECONDITION).
+    "cache-latent-value-refused": cache_step(
+        34, 1, 8, 4, BF16, 2, 1, 3, latent=True, send_value=True),
+    "cache-latent-value-dim-refused": cache_step(
+        35, 1, 24, 32, BF16, 8, 1, 2, latent=True),
+    "cache-cut-past-length": cache_step(
+        36, 1, 4, 0, F32, 1, 1, 2, item={"truncate_to": 3}),
+    "cache-empty": cache_step(37, 1, 4, 0, F32, 1, 1, 0),
 }
 
 os.makedirs(args.out, exist_ok=True)

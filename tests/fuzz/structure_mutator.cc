@@ -5,8 +5,10 @@
 // shapes. Half of the time this mutator instead parses the input, changes one thing the way a
 // client could — a dimension of the problem, consistently in every tensor that has it (data
 // resized, new elements fresh finite values), a tensor's dtype or magnitude, an option, a traced
-// row — and serializes it again. The other half, and whenever the input does not parse or the
-// result would not fit, libFuzzer's own mutations run, which keep validation under fire.
+// row; for a cache step the cache's layout in step with the Decode item's query and new tokens,
+// the item's token tree, cut or positions — and serializes it again. The other half, and whenever
+// the input does not parse or the result would not fit, libFuzzer's own mutations run, which keep
+// validation under fire.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +22,7 @@
 #include "attention/v1/attention.pb.h"
 #include "kernels/dtype.h"
 #include "proto/dtype_mapping.h"
+#include "tests/fuzz/fuzz_input.h"
 
 extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
 
@@ -96,6 +99,85 @@ DType AnyDType(Random& rng) {
   return kDTypes[Pick(rng, 3)];
 }
 
+// One change to the options, for a query of `heads` heads.
+void MutateOptions(v1::AttentionOptions* options, int64_t heads, Random& rng) {
+  switch (Pick(rng, 11)) {
+    case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
+      const int64_t choice = Pick(rng, 4);
+      options->set_key_position(choice == 0   ? 0
+                                : choice == 3 ? (int64_t{1} << 62) - 2 + Pick(rng, 4)
+                                              : Pick(rng, 40));
+      break;
+    }
+    case 5:  // query_position: unset (bottom-right), small, or negative
+      if (Pick(rng, 3) == 0) {
+        options->clear_query_position();
+      } else {
+        options->set_query_position(static_cast<int64_t>(Pick(rng, 50)) - 2);
+      }
+      break;
+    case 6:    // window_left: unset, 0, small, or negative (refused)
+    case 7: {  // window_right: the same
+      const int64_t choice = Pick(rng, 4);
+      const int64_t value = choice == 1   ? 0
+                            : choice == 2 ? static_cast<int64_t>(Pick(rng, 20))
+                                          : static_cast<int64_t>(Pick(rng, 3)) - 3;
+      const bool left = Pick(rng, 2) == 0;
+      if (choice == 0) {
+        left ? options->clear_window_left() : options->clear_window_right();
+      } else if (left) {
+        options->set_window_left(value);
+      } else {
+        options->set_window_right(value);
+      }
+      break;
+    }
+    case 8: {  // softcap: off, small, large, or refused (negative, infinite)
+      const float choices[] = {0.f, 0.5f, 5.f, 50.f, -1.f, INFINITY};
+      options->set_softcap(choices[Pick(rng, 6)]);
+      break;
+    }
+    case 9: {  // ALiBi: none, one slope per query head (geometric, or negative), one too
+               // many, or a refused (non-finite) one
+      const int64_t choice = Pick(rng, 5);
+      options->clear_alibi_slopes();
+      if (choice == 0 || heads < 1 || heads > 64) break;
+      for (int64_t h = 0; h < heads + (choice == 3); ++h) {
+        options->add_alibi_slopes((choice == 2 ? -1.f : 1.f) *
+                                  std::ldexp(1.f, -static_cast<int>(h % 8) - 1));
+      }
+      if (choice == 4) options->set_alibi_slopes(Pick(rng, heads), NAN);
+      break;
+    }
+    case 10: {  // Sinks: none, one per query head (small, or far above every score), one
+                // too many, or a refused (non-finite) one
+      const int64_t choice = Pick(rng, 5);
+      options->clear_sinks();
+      if (choice == 0 || heads < 1 || heads > 64) break;
+      for (int64_t h = 0; h < heads + (choice == 3); ++h) {
+        options->add_sinks(choice == 2 ? 1e4f : 0.5f * static_cast<float>(h % 5) - 1.f);
+      }
+      if (choice == 4) options->set_sinks(Pick(rng, heads), Pick(rng, 2) ? NAN : -INFINITY);
+      break;
+    }
+    case 0:
+      options->set_causal(!options->causal());
+      break;
+    case 1:
+      options->set_return_lse(!options->return_lse());
+      break;
+    case 2:
+      options->set_output_dtype(static_cast<v1::DType>(Pick(rng, 4)));
+      break;
+    default:
+      if (options->has_scale()) {
+        options->clear_scale();
+      } else {
+        options->set_scale(std::uniform_real_distribution<float>(-3.f, 3.f)(rng));
+      }
+  }
+}
+
 // One structural change to the request; false when it did not apply.
 bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
   v1::Tensor* q = request->mutable_query();
@@ -166,87 +248,11 @@ bool MutateAttention(v1::AttentionRequest* request, Random& rng) {
     case 9:  // block_k: the server's default, small, or past key_len
       options->set_block_k(Pick(rng, 3) == 0 ? 0 : 1 + Pick(rng, Pick(rng, 2) ? 8 : 300));
       return true;
-    case 10:
-      switch (Pick(rng, 11)) {
-        case 4: {  // key_position: 0, small, or near (and past) the 2^62 limit
-          const int64_t choice = Pick(rng, 4);
-          options->set_key_position(choice == 0   ? 0
-                                    : choice == 3 ? (int64_t{1} << 62) - 2 + Pick(rng, 4)
-                                                  : Pick(rng, 40));
-          break;
-        }
-        case 5:  // query_position: unset (bottom-right), small, or negative
-          if (Pick(rng, 3) == 0) {
-            options->clear_query_position();
-          } else {
-            options->set_query_position(static_cast<int64_t>(Pick(rng, 50)) - 2);
-          }
-          break;
-        case 6:    // window_left: unset, 0, small, or negative (refused)
-        case 7: {  // window_right: the same
-          const int64_t choice = Pick(rng, 4);
-          const int64_t value = choice == 1   ? 0
-                                : choice == 2 ? static_cast<int64_t>(Pick(rng, 20))
-                                              : static_cast<int64_t>(Pick(rng, 3)) - 3;
-          const bool left = Pick(rng, 2) == 0;
-          if (choice == 0) {
-            left ? options->clear_window_left() : options->clear_window_right();
-          } else if (left) {
-            options->set_window_left(value);
-          } else {
-            options->set_window_right(value);
-          }
-          break;
-        }
-        case 8: {  // softcap: off, small, large, or refused (negative, infinite)
-          const float choices[] = {0.f, 0.5f, 5.f, 50.f, -1.f, INFINITY};
-          options->set_softcap(choices[Pick(rng, 6)]);
-          break;
-        }
-        case 9: {  // ALiBi: none, one slope per query head (geometric, or negative), one too
-                   // many, or a refused (non-finite) one
-          const int rank = q->shape_size();
-          const int64_t heads = rank >= 3 ? q->shape(rank - 3) : 1;
-          const int64_t choice = Pick(rng, 5);
-          options->clear_alibi_slopes();
-          if (choice == 0 || heads < 1 || heads > 64) break;
-          for (int64_t h = 0; h < heads + (choice == 3); ++h) {
-            options->add_alibi_slopes((choice == 2 ? -1.f : 1.f) *
-                                      std::ldexp(1.f, -static_cast<int>(h % 8) - 1));
-          }
-          if (choice == 4) options->set_alibi_slopes(Pick(rng, heads), NAN);
-          break;
-        }
-        case 10: {  // Sinks: none, one per query head (small, or far above every score), one
-                    // too many, or a refused (non-finite) one
-          const int rank = q->shape_size();
-          const int64_t heads = rank >= 3 ? q->shape(rank - 3) : 1;
-          const int64_t choice = Pick(rng, 5);
-          options->clear_sinks();
-          if (choice == 0 || heads < 1 || heads > 64) break;
-          for (int64_t h = 0; h < heads + (choice == 3); ++h) {
-            options->add_sinks(choice == 2 ? 1e4f : 0.5f * static_cast<float>(h % 5) - 1.f);
-          }
-          if (choice == 4) options->set_sinks(Pick(rng, heads), Pick(rng, 2) ? NAN : -INFINITY);
-          break;
-        }
-        case 0:
-          options->set_causal(!options->causal());
-          break;
-        case 1:
-          options->set_return_lse(!options->return_lse());
-          break;
-        case 2:
-          options->set_output_dtype(static_cast<v1::DType>(Pick(rng, 4)));
-          break;
-        default:
-          if (options->has_scale()) {
-            options->clear_scale();
-          } else {
-            options->set_scale(std::uniform_real_distribution<float>(-3.f, 3.f)(rng));
-          }
-      }
+    case 10: {
+      const int rank = q->shape_size();
+      MutateOptions(options, rank >= 3 ? q->shape(rank - 3) : 1, rng);
       return true;
+    }
     case 11: {  // a ragged batch: none, the lengths cut in S pieces (some empty), or refused
                 // (decreasing, not at the packed length, counts that differ, one side only)
       request->clear_cu_seqlens_q();
@@ -325,6 +331,147 @@ bool MutateTrace(v1::TraceRequest* request, Random& rng) {
   }
 }
 
+// The last `from_end` dimensions' size, or 1 when the tensor has fewer.
+int64_t DimOf(const v1::Tensor& tensor, int from_end) {
+  return tensor.shape_size() >= from_end ? tensor.shape(tensor.shape_size() - from_end) : 1;
+}
+
+// [heads, len, width] in `dtype`, values kept where they fit; false when not small.
+bool Reshape(v1::Tensor* tensor, int64_t heads, int64_t len, int64_t width, DType dtype,
+             Random& rng) {
+  const std::optional<DType> old = FromProtoDType(tensor->dtype());
+  const std::vector<float> values = old ? Values(*tensor, *old) : std::vector<float>();
+  tensor->clear_shape();
+  for (int64_t dim : {heads, len, width}) tensor->add_shape(dim);
+  return SetData(tensor, dtype, values, rng);
+}
+
+// A token tree of n new tokens: each parent −1 or earlier, and now and then one refused entry.
+void SetTree(v1::DecodeItem* item, int64_t n, Random& rng) {
+  item->clear_tree_parents();
+  for (int64_t i = 0; i < n; ++i) {
+    item->add_tree_parents(static_cast<int32_t>(Pick(rng, i + 1)) - 1);
+  }
+  if (n > 0 && Pick(rng, 8) == 0) {
+    const int64_t i = Pick(rng, n);
+    item->set_tree_parents(i, Pick(rng, 2) ? static_cast<int32_t>(i) : -2);
+  }
+}
+
+// One change to a cache step: the CreateCacheRequest's layout, kept in step with the (first)
+// Decode item's query, key and value, or the item's new tokens, rows, tree, cut, positions or
+// options. The item's tensors are then [heads, len, width] in the cache's dtype (the query keeps
+// its own). False when it did not apply.
+bool MutateCacheStep(v1::CreateCacheRequest* create, v1::DecodeRequest* decode, Random& rng) {
+  if (decode->items_size() == 0) decode->add_items()->set_cache_id("c");
+  v1::DecodeItem* item = decode->mutable_items(0);
+  const std::optional<DType> query_dtype = FromProtoDType(item->query().dtype());
+  std::optional<DType> dtype = FromProtoDType(create->dtype());
+  if (!dtype) dtype = DType::kFloat32;
+  int64_t kv_heads = std::max<int64_t>(1, create->kv_heads());
+  int64_t group = std::max<int64_t>(1, DimOf(item->query(), 3) / kv_heads);
+  int64_t head_dim = std::max<int64_t>(1, create->head_dim());
+  int64_t query_len = DimOf(item->query(), 2);
+  int64_t n = item->has_key() ? DimOf(item->key(), 2) : 0;
+  bool send_value = item->has_value();
+  switch (Pick(rng, 12)) {
+    case 0:  // kv_heads, and the query heads over them
+      kv_heads = 1 + Pick(rng, 4);
+      group = Pick(rng, 2) == 0 ? 1 : 1 + Pick(rng, 8);
+      create->set_kv_heads(kv_heads);
+      break;
+    case 1:  // head_dim
+      head_dim = NewDim(rng, head_dim) % 80 + 1;
+      create->set_head_dim(head_dim);
+      break;
+    case 2: {  // value_dim: head_dim (0), smaller, or past head_dim (refused when latent)
+      const int64_t choice = Pick(rng, 3);
+      create->set_value_dim(choice == 0   ? 0
+                            : choice == 1 ? 1 + Pick(rng, head_dim)
+                                          : head_dim + 1 + Pick(rng, 8));
+      break;
+    }
+    case 3:  // latent or not, the value sent accordingly (now and then not: refused)
+      create->set_values_from_keys(!create->values_from_keys());
+      send_value = !create->values_from_keys();
+      if (create->values_from_keys() && create->value_dim() > head_dim) {
+        create->set_value_dim(1 + Pick(rng, head_dim));
+      }
+      if (Pick(rng, 8) == 0) send_value = !send_value;
+      break;
+    case 4:  // the cache's dtype, the tokens' with it
+      dtype = AnyDType(rng);
+      create->set_dtype(ToProtoDType(*dtype));
+      break;
+    case 5:  // new tokens: none, or a new count (a tree keeps one per token, one row each)
+      n = Pick(rng, 6) == 0 ? 0 : NewDim(rng, std::max<int64_t>(n, 1)) % 300;
+      if (item->tree_parents_size() > 0) {
+        SetTree(item, n, rng);
+        query_len = std::max<int64_t>(n, 1);
+      }
+      if (n > 0) send_value = !create->values_from_keys();
+      break;
+    case 6:  // query rows
+      query_len = NewDim(rng, query_len);
+      break;
+    case 7:  // a token tree over the new tokens (one query row each), or none
+      if (Pick(rng, 3) == 0 || n == 0) {
+        item->clear_tree_parents();
+      } else {
+        SetTree(item, n, rng);
+        query_len = n;
+      }
+      break;
+    case 8: {  // the cut: none, within the cache, or past it (refused)
+      const int64_t choice = Pick(rng, 4);
+      if (choice == 0) {
+        item->clear_truncate_to();
+      } else {
+        item->set_truncate_to(choice == 3 ? n + 1 + Pick(rng, 3) : Pick(rng, n + 1));
+      }
+      return true;
+    }
+    case 9:  // positions of the item's keys and query rows
+      if (Pick(rng, 2) == 0) {
+        item->set_key_position(Pick(rng, 40));
+      } else if (Pick(rng, 3) == 0) {
+        item->clear_query_position();
+      } else {
+        item->set_query_position(static_cast<int64_t>(Pick(rng, 50)) - 2);
+      }
+      return true;
+    case 10:
+      MutateOptions(decode->mutable_options(), kv_heads * group, rng);
+      return true;
+    default: {  // fresh values, or a magnitude × 2^e, for the query or the new tokens
+      v1::Tensor* t = Pick(rng, 2) == 0 ? item->mutable_query() : item->mutable_key();
+      const std::optional<DType> old = FromProtoDType(t->dtype());
+      if (!old) return false;
+      std::vector<float> values = Values(*t, *old);
+      const float factor = std::ldexp(1.f, static_cast<int>(Pick(rng, 121)) - 60);
+      for (float& value : values) value = Pick(rng, 2) == 0 ? 0.f : value * factor;
+      return SetData(t, *old, Pick(rng, 2) == 0 ? std::vector<float>() : values, rng);
+    }
+  }
+  // Every tensor of the item in step with the layout.
+  const int64_t value_dim = create->value_dim() > 0 ? create->value_dim() : head_dim;
+  if (!Reshape(item->mutable_query(), kv_heads * group, query_len, head_dim,
+               query_dtype.value_or(*dtype), rng)) {
+    return false;
+  }
+  if (n == 0) {
+    item->clear_key();
+    item->clear_value();
+    return true;
+  }
+  if (!Reshape(item->mutable_key(), kv_heads, n, head_dim, *dtype, rng)) return false;
+  if (!send_value) {
+    item->clear_value();
+    return true;
+  }
+  return Reshape(item->mutable_value(), kv_heads, n, value_dim, *dtype, rng);
+}
+
 }  // namespace
 }  // namespace attn
 
@@ -333,16 +480,28 @@ extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max
   attn::Random rng(seed);
   if (size < 1 || attn::Pick(rng, 2) == 0) return LLVMFuzzerMutate(data, size, max_size);
   std::string bytes;
-  const bool trace = data[0] % 2 == 1;
-  bool mutated;
-  if (trace) {
-    attention::v1::TraceRequest request;
-    mutated = request.ParseFromArray(data + 1, static_cast<int>(size - 1)) &&
-              attn::MutateTrace(&request, rng) && request.SerializeToString(&bytes);
-  } else {
-    attention::v1::AttentionRequest request;
-    mutated = request.ParseFromArray(data + 1, static_cast<int>(size - 1)) &&
-              attn::MutateAttention(&request, rng) && request.SerializeToString(&bytes);
+  bool mutated = false;
+  switch (attn::KindOf(data[0])) {
+    case attn::InputKind::kTrace: {
+      attention::v1::TraceRequest request;
+      mutated = request.ParseFromArray(data + 1, static_cast<int>(size - 1)) &&
+                attn::MutateTrace(&request, rng) && request.SerializeToString(&bytes);
+      break;
+    }
+    case attn::InputKind::kAttention: {
+      attention::v1::AttentionRequest request;
+      mutated = request.ParseFromArray(data + 1, static_cast<int>(size - 1)) &&
+                attn::MutateAttention(&request, rng) && request.SerializeToString(&bytes);
+      break;
+    }
+    case attn::InputKind::kCacheStep: {
+      attention::v1::CreateCacheRequest create;
+      attention::v1::DecodeRequest decode;
+      mutated = attn::ParseCacheStep(data + 1, size - 1, &create, &decode) &&
+                attn::MutateCacheStep(&create, &decode, rng);
+      if (mutated) bytes = attn::SerializeCacheStep(create, decode);
+      break;
+    }
   }
   if (!mutated || bytes.size() + 1 > max_size) return LLVMFuzzerMutate(data, size, max_size);
   std::memcpy(data + 1, bytes.data(), bytes.size());
