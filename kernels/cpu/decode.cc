@@ -20,6 +20,9 @@
 namespace attn {
 namespace {
 
+// Rows of one merge task (the second pass).
+constexpr int64_t kMergeRows = 16;
+
 // One row of a task's GQA group: the keys it sees, its head's score transform, its distance
 // p − t to key 0 (Geometry::Distance), and its query row (for a token tree's mask).
 struct DecodeRow {
@@ -211,7 +214,8 @@ struct Item {
   int64_t rows = 0, chunks = 0, heads = 0;  // heads: batch · kv_heads; chunks: per head.
   int64_t chunk_tokens = kDecodeChunkTokens;
   int64_t runs = 0;  // Tasks per head.
-  int64_t first_task = 0, first_head = 0, partial_offset = 0;
+  int64_t first_task = 0, first_merge = 0, partial_offset = 0;
+  int64_t merge_blocks = 0;  // Per head: its rows in blocks of kMergeRows.
 };
 
 }  // namespace
@@ -220,7 +224,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
                                       const std::vector<const Outputs*>& outputs,
                                       ThreadPool& pool) {
   std::vector<Item> items;
-  int64_t tasks = 0, heads = 0, partial_floats = 0;
+  int64_t tasks = 0, merges = 0, partial_floats = 0;
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& p = *problems[i];
     Item item;
@@ -231,9 +235,10 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     item.chunks =
         std::max<int64_t>(1, (p.shape.key_len + item.chunk_tokens - 1) / item.chunk_tokens);
     item.heads = p.shape.batch * p.shape.kv_heads;
-    item.first_head = heads;
+    item.merge_blocks = (item.rows + kMergeRows - 1) / kMergeRows;
+    item.first_merge = merges;
     item.partial_offset = partial_floats;
-    heads += item.heads;
+    merges += item.heads * item.merge_blocks;
     partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
     items.push_back(item);
   }
@@ -262,7 +267,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   const std::function<absl::Status()> interrupt_fn =
       any_interrupt ? std::function<absl::Status()>(interrupt) : nullptr;
 
-  // The item holding task (or head) `index`: the last whose first one is ≤ index.
+  // The item holding task (or merge task) `index`: the last whose first one is ≤ index.
   auto item_of = [&](int64_t index, int64_t Item::*first) -> const Item& {
     const auto it =
         std::upper_bound(items.begin(), items.end(), index,
@@ -328,21 +333,25 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   if (!status.ok()) return status;
 
   // Each row's chunk states merged in chunk order, its head's sink added, normalized and stored as
-  // Tiled stores them.
-  std::vector<std::vector<float>> merged(pool.WorkersFor(heads));
-  status = RunInterruptible(pool, heads, interrupt_fn, [&](int64_t index, int worker) {
-    const Item& item = item_of(index, &Item::first_head);
+  // Tiled stores them: a task per block of kMergeRows rows of a head (a GEMM group's many rows
+  // merge in parallel).
+  std::vector<std::vector<float>> merged(pool.WorkersFor(merges));
+  status = RunInterruptible(pool, merges, interrupt_fn, [&](int64_t index, int worker) {
+    const Item& item = item_of(index, &Item::first_merge);
     const Problem& p = *item.problem;
     const Shape& s = p.shape;
-    const int64_t head = index - item.first_head;
+    const int64_t head = (index - item.first_merge) / item.merge_blocks;
+    const int64_t row_begin = (index - item.first_merge) % item.merge_blocks * kMergeRows;
+    const int64_t rows = std::min(kMergeRows, item.rows - row_begin);
     const int64_t batch = head / s.kv_heads, kv_head = head % s.kv_heads;
     const int64_t dv = s.value_dim, stride = item.rows * (dv + 2);
     const float* first = partials.data() + item.partial_offset + head * item.chunks * stride;
     std::vector<float>& out = merged[worker];
-    out.resize(item.rows * dv + item.rows);
-    float* lse = out.data() + item.rows * dv;
-    for (int64_t r = 0; r < item.rows; ++r) {
-      float* acc = out.data() + r * dv;
+    out.resize(rows * dv + rows);
+    float* lse = out.data() + rows * dv;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = row_begin + i;
+      float* acc = out.data() + i * dv;
       const float* own = first + r * (dv + 2);
       OnlineSoftmaxRow state;
       state.max = own[0];
@@ -357,14 +366,16 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
       }
       const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
       const float factor = state.AddSink(p.transforms().Sink(kv_head * group + r / s.query_len));
-      for (int64_t i = 0; i < dv; ++i) acc[i] = state.Normalize(acc[i] * factor);
-      lse[r] = state.LogSumExp();
+      for (int64_t c = 0; c < dv; ++c) acc[c] = state.Normalize(acc[c] * factor);
+      lse[i] = state.LogSumExp();
     }
+    // The group's rows are consecutive in the output and lse, from its first head's row 0.
     const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
-    StoreFloats(out.data(), item.rows * dv, item.outputs->output,
-                p.OutputOffset(batch, kv_head * group, 0));
+    StoreFloats(out.data(), rows * dv, item.outputs->output,
+                p.OutputOffset(batch, kv_head * group, 0) + row_begin * dv);
     if (item.outputs->lse != nullptr) {
-      std::copy(lse, lse + item.rows, item.outputs->lse + p.LseOffset(batch, kv_head * group, 0));
+      std::copy(lse, lse + rows,
+                item.outputs->lse + p.LseOffset(batch, kv_head * group, 0) + row_begin);
     }
   });
   if (!status.ok()) return status;

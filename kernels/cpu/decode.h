@@ -56,7 +56,7 @@ inline constexpr int kDecodePrefetchTiles = 2;
 // CpuBackend::Decode gives larger groups to Tiled.
 inline constexpr int64_t kDecodeMaxRows = 64;
 inline constexpr int64_t kDecodeGemmMaxRows = 256;
-inline constexpr int kDecodeGemmTile = 64;
+inline constexpr int kDecodeGemmTile = 128;
 // A GEMM group's chunks are longer (each holds rows · (value_dim + 2) floats of partial state):
 // key_len / kDecodeGemmChunks keys, within [kDecodeChunkTokens, 8 · kDecodeChunkTokens].
 inline constexpr int64_t kDecodeGemmChunks = 64;

@@ -76,7 +76,8 @@ constexpr int kBlockPanels = 2;
 }  // namespace
 
 void KvTile::Load(const float* keys, const float* values, int n, int head_dim, int value_dim,
-                  float scale) {
+                  float scale, int value_stride) {
+  if (value_stride <= 0) value_stride = value_dim;
   n_ = n;
   head_dim_ = head_dim;
   stride_ = AccStride(value_dim);
@@ -85,17 +86,17 @@ void KvTile::Load(const float* keys, const float* values, int n, int head_dim, i
 #if defined(ATTN_KV_TILE_X86)
   if (CpuHasAvx512()) {
     avx512::PackKeys(keys, n, head_dim, scale, keys_.data());
-    avx512::PackValues(values, n, value_dim, values_.data());
+    avx512::PackValues(values, n, value_dim, value_stride, values_.data());
     return;
   }
   if (CpuHasAvx2Fma()) {
     avx2::PackKeys(keys, n, head_dim, scale, keys_.data());
-    avx2::PackValues(values, n, value_dim, values_.data());
+    avx2::PackValues(values, n, value_dim, value_stride, values_.data());
     return;
   }
 #endif
   portable::PackKeys(keys, n, head_dim, scale, keys_.data());
-  portable::PackValues(values, n, value_dim, values_.data());
+  portable::PackValues(values, n, value_dim, value_stride, values_.data());
 }
 
 void KvTile::Scores(const float* queries, int m, float* scores) const {

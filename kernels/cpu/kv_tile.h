@@ -33,11 +33,12 @@ inline int AccStride(int value_dim) {
 // tiles for all the head's row blocks a worker runs (tiled.cc).
 class KvTile {
  public:
-  // Packs the tile's n keys [n, head_dim] and values [n, value_dim], fp32 rows, with the softmax
-  // scale folded into the keys (exact for a power of two such as 1/√64). Copies both: the
-  // inputs may be freed or reused afterwards.
-  void Load(const float* keys, const float* values, int n, int head_dim, int value_dim,
-            float scale);
+  // Packs the tile's n keys [n, head_dim] and values [n, value_dim] (rows value_stride apart;
+  // ≤ 0: value_dim), fp32 rows, with the softmax scale folded into the keys (exact for a power
+  // of two such as 1/√64). Copies both: the inputs may be freed or reused afterwards. A latent
+  // cache's values are its keys' first columns: values = keys, value_stride = head_dim.
+  void Load(const float* keys, const float* values, int n, int head_dim, int value_dim, float scale,
+            int value_stride = 0);
 
   // scores [m, n] (row stride n) = queries [m, head_dim] · (scale · keys)ᵀ.
   void Scores(const float* queries, int m, float* scores) const;
