@@ -265,6 +265,25 @@ parse_ptx() {
 
 # decode.cu for one architecture: every DecodeKernel<T, P> and the MergeKernel without stack
 # frame, spills or mma; every DecodeKernel's shared memory within the opt-in limit.
+# The kernel whose mangled name holds FRAGMENT, reported once in the ptxas table FILE: no stack
+# frame, no spills (a pass or a fail under LABEL). Returns 1 when it was not reported exactly once.
+expect_one_without_spills() {
+  local tag=$1 label=$2 fragment=$3 file=$4
+  local matches stack spill_st spill_ld regs report
+  matches=$(awk -v f="$fragment" 'index($1, f) { n++ } END { print n + 0 }' "$file")
+  if [[ $matches -ne 1 ]]; then
+    fail "$tag ptxas $label: reported $matches times (expected once)"
+    return 1
+  fi
+  read -r _ stack spill_st spill_ld regs _ < <(awk -v f="$fragment" 'index($1, f)' "$file")
+  report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
+  if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
+    pass "$tag ptxas $label: $report ($regs registers)"
+  else
+    fail "$tag ptxas $label: $report ($regs registers); expected 0, 0, 0"
+  fi
+}
+
 check_decode() {
   local arch=$1 dir=$work/sm_$1/decode tag="sm_$1"
   if ! wait "${decode_pid[$arch]}"; then
@@ -327,18 +346,7 @@ check_decode() {
   fi
 
   # The merge kernel: no stack frame, no spills.
-  matches=$(awk 'index($1, "11MergeKernel") { n++ } END { print n + 0 }' "$dir/ptxas.txt")
-  if [[ $matches -ne 1 ]]; then
-    fail "$tag ptxas MergeKernel: reported $matches times (expected once)"
-  else
-    read -r _ stack spill_st spill_ld regs _ < <(awk 'index($1, "11MergeKernel")' "$dir/ptxas.txt")
-    report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
-    if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
-      pass "$tag ptxas MergeKernel: $report ($regs registers)"
-    else
-      fail "$tag ptxas MergeKernel: $report ($regs registers); expected 0, 0, 0"
-    fi
-  fi
+  expect_one_without_spills "$tag" MergeKernel 11MergeKernel "$dir/ptxas.txt"
 
   # Neither uses tensor cores (fp32 FMA).
   for fragment in 12DecodeKernel 11MergeKernel; do
@@ -393,17 +401,7 @@ for arch in "${archs[@]}"; do
 
   # The row kernel (Tiled at any block_k, or where a fused kernel's shared memory does not fit
   # the device): no stack frame and no spills either, and no mma.
-  row_entries=$(awk 'index($1, "9RowKernel") { n++ } END { print n + 0 }' "$dir/ptxas.txt")
-  if [[ $row_entries -ne 1 ]]; then
-    fail "$tag ptxas RowKernel: reported $row_entries times (expected once)"
-  else
-    read -r _ stack spill_st spill_ld regs _ < <(awk 'index($1, "9RowKernel")' "$dir/ptxas.txt")
-    report="$stack bytes stack frame, $spill_st bytes spill stores, $spill_ld bytes spill loads"
-    if [[ $stack == 0 && $spill_st == 0 && $spill_ld == 0 ]]; then
-      pass "$tag ptxas RowKernel: $report ($regs registers)"
-    else
-      fail "$tag ptxas RowKernel: $report ($regs registers); expected 0, 0, 0"
-    fi
+  if expect_one_without_spills "$tag" RowKernel 9RowKernel "$dir/ptxas.txt"; then
     row_mma=$(awk '$1 == "entry" && index($2, "9RowKernel") { print $3 }' "$dir/ptx.txt")
     if [[ $row_mma == 0 ]]; then
       pass "$tag ptx RowKernel: no mma"
