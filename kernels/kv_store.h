@@ -11,8 +11,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/dtype.h"
 #include "kernels/problem.h"
 
@@ -57,6 +60,22 @@ class KvStore {
 
   // The pages as kernels read them, valid until the next Append or Truncate.
   virtual const PagedKv& pages() const = 0;
+
+  // Forks (ForkCache): a new store whose first `length` tokens (≤ length()) are this store's,
+  // sharing its pages (nothing copied). A page is freed when the last store holding it lets go
+  // of it; a store never writes into a page another holds (copy on write: an append into a
+  // shared partly filled page copies that page first). Default: UNIMPLEMENTED.
+  virtual absl::StatusOr<std::unique_ptr<KvStore>> Fork(int64_t length) const {
+    return absl::UnimplementedError("this backend's KV caches cannot be forked");
+  }
+  // Bytes of its pages that another store holds too.
+  virtual int64_t shared_bytes() const { return 0; }
+  // Bytes of new pages an Append of n tokens allocates: the pages past its last one, and a
+  // copy of its last page when that page is shared and the append writes into it.
+  virtual int64_t BytesToAppend(int64_t n) const { return BytesFor(length() + n) - bytes(); }
+  // Called with a page's bytes each time one of this store's pages is freed (the last holder
+  // let go), whichever store frees it; forks inherit it. Default: not called (no sharing).
+  virtual void OnPageFreed(std::function<void(int64_t bytes)> freed) {}
 
   // Copies tokens [begin, end) out to dense host tensors in the store's dtype, key
   // [kv_heads, end − begin, head_dim] and value [kv_heads, end − begin, value_dim]

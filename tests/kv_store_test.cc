@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -50,19 +52,21 @@ float StoredElement(const KvStore& store, bool key, int64_t head, int64_t token,
 }
 
 // The stored tokens [begin, begin + n) equal the appended ones, rounded to the store's dtype.
+// The tensors hold `total` tokens (0: n), of which the first n are checked.
 void ExpectHolds(const KvStore& store, const Tensor& key, const Tensor& value, int64_t begin,
-                 int64_t n) {
+                 int64_t n, int64_t total = 0) {
   const KvLayout& layout = store.layout();
+  if (total == 0) total = n;
   for (int64_t h = 0; h < layout.kv_heads; ++h) {
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t c = 0; c < layout.head_dim; ++c) {
         ASSERT_EQ(StoredElement(store, true, h, begin + t, c),
-                  RoundTo(key.values[(h * n + t) * layout.head_dim + c], layout.dtype))
+                  RoundTo(key.values[(h * total + t) * layout.head_dim + c], layout.dtype))
             << "key h=" << h << " token " << begin + t << " c=" << c;
       }
       for (int64_t c = 0; c < layout.value_dim; ++c) {
         ASSERT_EQ(StoredElement(store, false, h, begin + t, c),
-                  RoundTo(value.values[(h * n + t) * layout.value_dim + c], layout.dtype))
+                  RoundTo(value.values[(h * total + t) * layout.value_dim + c], layout.dtype))
             << "value h=" << h << " token " << begin + t << " c=" << c;
       }
     }
@@ -211,6 +215,107 @@ TEST(KvStoreTest, CpuBackendCreatesStoresWithItsPageSize) {
   EXPECT_EQ((*store)->length(), 0);
   EXPECT_EQ((*store)->layout().value_dim, 7);
   EXPECT_EQ(CpuBackend(1, 0).kv_page_tokens(), CpuBackend::kDefaultKvPageTokens);
+}
+
+// Forks (KvStore::Fork): a fork holds its source's pages, nothing copied; an append into a shared
+// partly filled page copies that page first (in either store), so neither ever sees the other's
+// new tokens; a cut fork, a deleted source and a latent store keep every token; every page is
+// freed once, when its last holder lets go, and reported to OnPageFreed with its bytes.
+int64_t g_freed_bytes = 0;
+
+TEST(KvStoreTest, AForkSharesPagesAndCopiesAPartlyFilledOneBeforeWritingIntoIt) {
+  for (bool latent : {false, true}) {
+    SCOPED_TRACE(latent ? "latent" : "keys and values");
+    KvLayout layout = kLayout;
+    if (latent) {
+      layout.value_dim = 4;
+      layout.values_from_keys = true;
+    }
+    g_outstanding = 0;
+    g_blocks_left = 1000;
+    g_freed_bytes = 0;
+    int64_t page_bytes = 0;
+    {
+      auto source =
+          std::make_unique<CpuKvStore>(layout, 4, PageAllocator{&FailingAllocate, &CountingFree});
+      source->OnPageFreed([](int64_t bytes) { g_freed_bytes += bytes; });
+      const int64_t width_v = layout.values_from_keys ? layout.head_dim : layout.value_dim;
+      auto tokens = [&](int64_t n, uint64_t seed) {
+        return std::pair{RandomTensor(3 * n * 5, DType::kFloat32, seed),
+                         RandomTensor(3 * n * width_v, DType::kFloat32, seed + 1)};
+      };
+      // A latent store's value: the first value_dim columns of the key.
+      auto values_of = [&](const std::pair<Tensor, Tensor>& t, int64_t n) {
+        if (!layout.values_from_keys) return t.second;
+        Tensor v{std::vector<float>(3 * n * layout.value_dim), {}, DType::kFloat32};
+        for (int64_t row = 0; row < 3 * n; ++row) {
+          for (int64_t c = 0; c < layout.value_dim; ++c) {
+            v.values[row * layout.value_dim + c] = t.first.values[row * 5 + c];
+          }
+        }
+        return v;
+      };
+      const auto prompt = tokens(10, 60);  // Pages of 4, 4 and 2 tokens.
+      ASSERT_TRUE(source->Append(prompt.first.view(), prompt.second.view(), 10).ok());
+      page_bytes = source->bytes() / 3;
+      EXPECT_EQ(source->shared_bytes(), 0);
+
+      // A fork of all ten: the same three pages.
+      absl::StatusOr<std::unique_ptr<KvStore>> whole = source->Fork(10);
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      KvStore& fork = **whole;
+      EXPECT_EQ(fork.length(), 10);
+      for (int p = 0; p < 3; ++p)
+        EXPECT_EQ(fork.pages().key_pages[p], source->pages().key_pages[p]);
+      EXPECT_EQ(source->shared_bytes(), 3 * page_bytes);
+      EXPECT_EQ(fork.shared_bytes(), 3 * page_bytes);
+      EXPECT_EQ(g_outstanding, latent ? 3 : 6);  // Nothing allocated.
+      ExpectHolds(fork, prompt.first, values_of(prompt, 10), 0, 10);
+
+      // The fork's append writes into the shared third page: it copies it first.
+      EXPECT_EQ(fork.BytesToAppend(1), page_bytes);
+      EXPECT_EQ(fork.BytesToAppend(3), page_bytes + page_bytes);
+      const auto own = tokens(3, 70);
+      ASSERT_TRUE(fork.Append(own.first.view(), own.second.view(), 3).ok());
+      EXPECT_NE(fork.pages().key_pages[2], source->pages().key_pages[2]);
+      EXPECT_EQ(fork.pages().key_pages[1], source->pages().key_pages[1]);
+      EXPECT_EQ(source->shared_bytes(), 2 * page_bytes);
+      ExpectHolds(fork, prompt.first, values_of(prompt, 10), 0, 10);
+      ExpectHolds(fork, own.first, values_of(own, 3), 10, 3);
+      // The source's third page is its own again: its append writes in place.
+      EXPECT_EQ(source->BytesToAppend(1), 0);
+      const auto next = tokens(1, 80);
+      ASSERT_TRUE(source->Append(next.first.view(), next.second.view(), 1).ok());
+      ExpectHolds(*source, prompt.first, values_of(prompt, 10), 0, 10);
+      ExpectHolds(*source, next.first, values_of(next, 1), 10, 1);
+      ExpectHolds(fork, own.first, values_of(own, 3), 10, 3);
+
+      // A fork of six (inside the second page), cut to five, then appended: the shared second
+      // page is copied, the source's tokens 5 … 7 stay.
+      absl::StatusOr<std::unique_ptr<KvStore>> part = source->Fork(6);
+      ASSERT_TRUE(part.ok());
+      (*part)->Truncate(5);
+      EXPECT_EQ((*part)->BytesToAppend(1), page_bytes);
+      const auto branch = tokens(2, 90);
+      ASSERT_TRUE((*part)->Append(branch.first.view(), branch.second.view(), 2).ok());
+      ExpectHolds(**part, prompt.first, values_of(prompt, 10), 0, 5, 10);
+      ExpectHolds(**part, branch.first, values_of(branch, 2), 5, 2);
+      ExpectHolds(*source, prompt.first, values_of(prompt, 10), 0, 10);
+      EXPECT_EQ(source->Fork(12).status().code(), absl::StatusCode::kInvalidArgument);
+
+      // The source deleted: its forks keep every page they hold (ASan sees any use after free).
+      const int64_t freed_before = g_freed_bytes;
+      source.reset();
+      EXPECT_EQ(g_freed_bytes - freed_before, page_bytes);  // Only its own third page.
+      ExpectHolds(fork, prompt.first, values_of(prompt, 10), 0, 10);
+      ExpectHolds(**part, prompt.first, values_of(prompt, 10), 0, 5, 10);
+      EXPECT_EQ(fork.shared_bytes(), page_bytes);  // The first page, still shared with `part`.
+    }
+    // Every block freed, every page reported once: the source's 3, the fork's copy of the
+    // third and its fourth, `part`'s copy of the second.
+    EXPECT_EQ(g_outstanding, 0);
+    EXPECT_EQ(g_freed_bytes, 6 * page_bytes);
+  }
 }
 
 }  // namespace

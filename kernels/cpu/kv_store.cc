@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <new>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/fp32_rows.h"
@@ -40,7 +41,10 @@ void ConvertRows(const void* src, DType from, int64_t count, void* dst, DType to
 PageAllocator PageAllocator::Host() { return PageAllocator{&AllocateAligned, &FreeAligned}; }
 
 CpuKvStore::CpuKvStore(const KvLayout& layout, int64_t page_tokens, PageAllocator allocator)
-    : layout_(layout), page_tokens_(std::max<int64_t>(page_tokens, 1)), allocator_(allocator) {
+    : CpuKvStore(layout, page_tokens, std::make_shared<Pool>(Pool{allocator, nullptr})) {}
+
+CpuKvStore::CpuKvStore(const KvLayout& layout, int64_t page_tokens, std::shared_ptr<Pool> pool)
+    : layout_(layout), page_tokens_(std::max<int64_t>(page_tokens, 1)), pool_(std::move(pool)) {
   RefreshTables();
 }
 
@@ -56,7 +60,7 @@ int64_t CpuKvStore::ValueBlockBytes() const {
 
 int64_t CpuKvStore::BytesFor(int64_t length) const {
   const int64_t pages = PagesFor(length, page_tokens_);
-  const int64_t per_page = KeyBlockBytes() + ValueBlockBytes();
+  const int64_t per_page = PageBytes();
   if (pages > std::numeric_limits<int64_t>::max() / per_page) {
     return std::numeric_limits<int64_t>::max();
   }
@@ -65,68 +69,155 @@ int64_t CpuKvStore::BytesFor(int64_t length) const {
 
 void CpuKvStore::RefreshTables() {
   const bool latent = layout_.values_from_keys;
-  pages_.key_pages = key_pages_.data();
-  pages_.value_pages = latent ? key_pages_.data() : value_pages_.data();
-  pages_.page_tokens = page_tokens_;
-  pages_.key_width = layout_.head_dim;
-  pages_.value_width = latent ? layout_.head_dim : layout_.value_dim;
-  pages_.dtype = layout_.dtype;
+  key_pages_.resize(pages_.size());
+  value_pages_.resize(latent ? 0 : pages_.size());
+  for (size_t p = 0; p < pages_.size(); ++p) {
+    key_pages_[p] = pages_[p]->key;
+    if (!latent) value_pages_[p] = pages_[p]->value;
+  }
+  paged_.key_pages = key_pages_.data();
+  paged_.value_pages = latent ? key_pages_.data() : value_pages_.data();
+  paged_.page_tokens = page_tokens_;
+  paged_.key_width = layout_.head_dim;
+  paged_.value_width = latent ? layout_.head_dim : layout_.value_dim;
+  paged_.dtype = layout_.dtype;
+}
+
+CpuKvStore::Page* CpuKvStore::NewPage() const {
+  const PageAllocator& allocator = pool_->allocator;
+  void* key = allocator.allocate(static_cast<size_t>(KeyBlockBytes()));
+  if (key == nullptr) return nullptr;
+  void* value = nullptr;
+  if (!layout_.values_from_keys) {
+    value = allocator.allocate(static_cast<size_t>(ValueBlockBytes()));
+    if (value == nullptr) {
+      allocator.free(key);
+      return nullptr;
+    }
+  }
+  Page* page = new (std::nothrow) Page;
+  if (page == nullptr) {
+    allocator.free(key);
+    if (value != nullptr) allocator.free(value);
+    return nullptr;
+  }
+  page->key = key;
+  page->value = value;
+  return page;
+}
+
+void CpuKvStore::Unhold(Page* page) const {
+  // acq_rel: every use of the page by a store letting go happens before its free.
+  if (page->holders.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  pool_->allocator.free(page->key);
+  if (page->value != nullptr) pool_->allocator.free(page->value);
+  delete page;
+  if (pool_->freed) pool_->freed(PageBytes());
+}
+
+bool CpuKvStore::LastPageShared() const {
+  return length_ % page_tokens_ != 0 && pages_.back()->holders.load(std::memory_order_acquire) > 1;
+}
+
+int64_t CpuKvStore::shared_bytes() const {
+  int64_t shared = 0;
+  for (const Page* page : pages_) {
+    shared += page->holders.load(std::memory_order_acquire) > 1 ? PageBytes() : 0;
+  }
+  return shared;
+}
+
+int64_t CpuKvStore::BytesToAppend(int64_t n) const {
+  if (n <= 0) return 0;
+  const int64_t grow = BytesFor(length_ + n);
+  if (grow == std::numeric_limits<int64_t>::max()) return grow;
+  return grow - bytes() + (LastPageShared() ? PageBytes() : 0);
+}
+
+void CpuKvStore::OnPageFreed(std::function<void(int64_t bytes)> freed) {
+  pool_->freed = std::move(freed);
+}
+
+absl::StatusOr<std::unique_ptr<KvStore>> CpuKvStore::Fork(int64_t length) const {
+  if (length < 0 || length > length_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a fork keeps 0 … ", length_, " tokens, not ", length));
+  }
+  std::unique_ptr<CpuKvStore> fork(new (std::nothrow) CpuKvStore(layout_, page_tokens_, pool_));
+  if (fork == nullptr) return absl::ResourceExhaustedError("out of host memory for a fork");
+  const int64_t pages = PagesFor(length, page_tokens_);
+  try {
+    fork->pages_.reserve(pages);
+    fork->key_pages_.reserve(pages);
+    fork->value_pages_.reserve(pages);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of host memory for a fork's page tables");
+  }
+  for (int64_t p = 0; p < pages; ++p) {
+    pages_[p]->holders.fetch_add(1, std::memory_order_relaxed);
+    fork->pages_.push_back(pages_[p]);
+  }
+  fork->length_ = length;
+  fork->RefreshTables();
+  return std::unique_ptr<KvStore>(std::move(fork));
 }
 
 absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, int64_t n) {
   if (n <= 0) return absl::OkStatus();
   const int64_t new_length = length_ + n;
-  const int64_t have = static_cast<int64_t>(key_pages_.size());
+  const int64_t have = static_cast<int64_t>(pages_.size());
   const int64_t need = PagesFor(new_length, page_tokens_);
   auto exhausted = [&] {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "could not allocate ", BytesFor(new_length) - bytes(), " bytes of host memory for ", n,
-        " more tokens of a KV cache of ", length_, " tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("could not allocate ", BytesToAppend(n), " bytes of host memory for ", n,
+                     " more tokens of a KV cache of ", length_, " tokens"));
   };
   if (new_length < length_ || BytesFor(new_length) == std::numeric_limits<int64_t>::max()) {
     return exhausted();
   }
-  // Every allocation first (the page blocks and the tables' room), so that a failure leaves the
-  // store exactly as it was.
-  const bool latent = layout_.values_from_keys;  // No value blocks.
-  std::vector<const void*> new_keys, new_values;
+  // Every allocation first (the new pages, the copy of a shared last page, the tables' room),
+  // so that a failure leaves the store exactly as it was.
+  const bool copy_last = LastPageShared();
+  std::vector<Page*> added;
+  bool failed = false;
   try {
+    pages_.reserve(need);
     key_pages_.reserve(need);
-    if (!latent) value_pages_.reserve(need);
-    new_keys.reserve(need - have);
-    new_values.reserve(need - have);
+    value_pages_.reserve(need);
+    added.reserve(need - have + (copy_last ? 1 : 0));
   } catch (const std::bad_alloc&) {
     return exhausted();
   }
   RefreshTables();  // reserve may have moved the tables.
-  bool failed = false;
-  for (int64_t p = have; p < need && !failed; ++p) {
-    const void* k = allocator_.allocate(static_cast<size_t>(KeyBlockBytes()));
-    const void* v = k != nullptr && !latent
-                        ? allocator_.allocate(static_cast<size_t>(ValueBlockBytes()))
-                        : nullptr;
-    if (k == nullptr || (v == nullptr && !latent)) {
-      if (k != nullptr) allocator_.free(const_cast<void*>(k));
-      failed = true;
-      break;
-    }
-    new_keys.push_back(k);
-    if (!latent) new_values.push_back(v);
+  for (int64_t p = have - (copy_last ? 1 : 0); p < need && !failed; ++p) {
+    Page* page = NewPage();
+    if (page == nullptr) failed = true;
+    if (page != nullptr) added.push_back(page);
   }
   if (failed) {
-    for (const void* block : new_keys) allocator_.free(const_cast<void*>(block));
-    for (const void* block : new_values) allocator_.free(const_cast<void*>(block));
+    for (Page* page : added) Unhold(page);  // Never shared: freed (and reported) at once.
     return exhausted();
   }
-  key_pages_.insert(key_pages_.end(), new_keys.begin(), new_keys.end());  // Within capacity.
-  value_pages_.insert(value_pages_.end(), new_values.begin(), new_values.end());
+  size_t next = 0;
+  if (copy_last) {
+    // Copy on write: the rows already in the shared last page (every kv head's) into this
+    // store's own copy, which replaces it here; the other holders keep the original.
+    Page* copy = added[next++];
+    std::memcpy(copy->key, pages_.back()->key, static_cast<size_t>(KeyBlockBytes()));
+    if (copy->value != nullptr) {
+      std::memcpy(copy->value, pages_.back()->value, static_cast<size_t>(ValueBlockBytes()));
+    }
+    Unhold(pages_.back());
+    pages_.back() = copy;
+  }
+  for (; next < added.size(); ++next) pages_.push_back(added[next]);  // Within capacity.
   RefreshTables();
 
   // The new tokens, a page segment of one kv head at a time.
   std::vector<float> scratch;
-  auto copy = [&](const TensorView& source, const std::vector<const void*>& table, int64_t width) {
-    // Rows of `width` elements: the blocks of `table` hold nothing else (a latent store has no
-    // value table, so its rows are always whole keys).
+  auto copy = [&](const TensorView& source, bool keys, int64_t width) {
+    // Rows of `width` elements: the blocks hold nothing else (a latent store has no value
+    // blocks, so its rows are always whole keys).
     const int64_t source_element = ElementSize(source.dtype);
     const int64_t element = ElementSize(layout_.dtype);
     for (int64_t head = 0; head < layout_.kv_heads; ++head) {
@@ -135,15 +226,16 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
         const int64_t rows = std::min(page_tokens_ - token % page_tokens_, n - t);
         const char* src =
             static_cast<const char*>(source.data) + (head * n + t) * width * source_element;
-        char* dst = static_cast<char*>(const_cast<void*>(table[token / page_tokens_])) +
+        Page* page = pages_[token / page_tokens_];
+        char* dst = static_cast<char*>(keys ? page->key : page->value) +
                     (head * page_tokens_ + token % page_tokens_) * width * element;
         ConvertRows(src, source.dtype, rows * width, dst, layout_.dtype, scratch);
         t += rows;
       }
     }
   };
-  copy(key, key_pages_, layout_.head_dim);
-  if (!latent) copy(value, value_pages_, layout_.value_dim);
+  copy(key, /*keys=*/true, layout_.head_dim);
+  if (!layout_.values_from_keys) copy(value, /*keys=*/false, layout_.value_dim);
   length_ = new_length;
   return absl::OkStatus();
 }
@@ -151,12 +243,9 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
 void CpuKvStore::Truncate(int64_t length) {
   length = std::clamp<int64_t>(length, 0, length_);
   const int64_t keep = PagesFor(length, page_tokens_);
-  while (static_cast<int64_t>(key_pages_.size()) > keep) {
-    allocator_.free(const_cast<void*>(key_pages_.back()));
-    key_pages_.pop_back();
-    if (layout_.values_from_keys) continue;
-    allocator_.free(const_cast<void*>(value_pages_.back()));
-    value_pages_.pop_back();
+  while (static_cast<int64_t>(pages_.size()) > keep) {
+    Unhold(pages_.back());
+    pages_.pop_back();
   }
   length_ = length;
   RefreshTables();
