@@ -80,23 +80,10 @@ class CudaKvTest : public ::testing::Test {
   static inline absl::StatusOr<std::unique_ptr<Backend>>* plain_ = nullptr;
 };
 
-KvLayout LayoutOf(const HostProblem& host, bool latent = false) {
+// A store's layout for the problem's keys and values (a latent one after SetValuesFromKeys).
+KvLayout LayoutOf(const HostProblem& host) {
   return KvLayout{host.shape.kv_heads, host.shape.head_dim, host.shape.value_dim, host.dtype,
-                  latent};
-}
-
-// Makes the problem's values those of a latent cache (KvLayout::values_from_keys): each the first
-// value_dim columns of its key, in the dense values the reference reads.
-void MakeValuesFromKeys(HostProblem& host) {
-  const Shape& s = host.shape;
-  ASSERT_LE(s.value_dim, s.head_dim);
-  for (int64_t row = 0; row < s.batch * s.kv_heads * s.key_len; ++row) {
-    for (int64_t c = 0; c < s.value_dim; ++c) {
-      const float key = host.key[row * s.head_dim + c];
-      host.value[row * s.value_dim + c] = key;
-      StoreElement(host.value_bytes.data(), host.dtype, row * s.value_dim + c, key);
-    }
-  }
+                  host.values_from_keys};
 }
 
 // Tokens [first, first + n) of a dense [kv_heads, len, width] tensor, dense [kv_heads, n, width]:
@@ -305,14 +292,13 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
       hosts.back().sinks.push_back(0.5f * static_cast<float>(h) - 1.f);
     }
     if (!c.tree.empty()) hosts.back().SetTree(c.tree);
-    if (c.latent) MakeValuesFromKeys(hosts.back());
+    if (c.latent) hosts.back().SetValuesFromKeys();
   }
   std::vector<Problem> problems;
   std::vector<PoisonedOutputs> poisoned;
   poisoned.reserve(hosts.size());
   for (const HostProblem& host : hosts) {
-    absl::StatusOr<std::unique_ptr<KvStore>> store =
-        backend.CreateKvStore(LayoutOf(host, c.latent));
+    absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore(LayoutOf(host));
     ASSERT_TRUE(store.ok()) << store.status();
     AppendAll(**store, host, {3, 29, 1, 64});
     Problem problem = host.View();
@@ -483,9 +469,8 @@ TEST_F(CudaKvTest, DecodeTakesEveryWidthUpTo576AndRefusesTreesOnlyPastIt) {
       HostProblem host = RandomProblem(MakeShape(1, 4, 2, 2, 19, c.head_dim, c.value_dim),
                                        DType::kBFloat16, true, 8, 31 + c.head_dim + c.value_dim);
       if (tree) host.SetTree({-1, -1});
-      if (c.latent) MakeValuesFromKeys(host);
-      absl::StatusOr<std::unique_ptr<KvStore>> store =
-          odd().CreateKvStore(LayoutOf(host, c.latent));
+      if (c.latent) host.SetValuesFromKeys();
+      absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(LayoutOf(host));
       ASSERT_TRUE(store.ok()) << store.status();
       AppendAll(**store, host, {5});
       Problem problem = host.View();
@@ -520,7 +505,8 @@ TEST_F(CudaKvTest, DecodeTakesEveryWidthUpTo576AndRefusesTreesOnlyPastIt) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Naive, Tiled and Trace over a cache: the same results as over the contiguous keys.
+// Naive, Tiled and Trace over a cache (a latent one too): the same results as over the contiguous
+// keys.
 
 TEST_F(CudaKvTest, NaiveTiledAndTraceOverPagesEqualContiguous) {
   struct Case {
@@ -528,12 +514,16 @@ TEST_F(CudaKvTest, NaiveTiledAndTraceOverPagesEqualContiguous) {
     Shape shape;
     bool causal;
     int block_k;
+    bool latent = false;  // A latent cache: values read from the keys' rows.
   };
-  for (const Case& c : {Case{DType::kFloat32, MakeShape(1, 4, 2, 5, 61, 17, 13), true, 7},
-                        Case{DType::kBFloat16, MakeShape(1, 6, 3, 33, 100, 64, 64), false, 32},
-                        Case{DType::kFloat16, MakeShape(1, 2, 1, 3, 45, 100, 72), true, 32}}) {
-    SCOPED_TRACE(DTypeName(c.dtype));
-    const HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, 77);
+  for (const Case& c :
+       {Case{DType::kFloat32, MakeShape(1, 4, 2, 5, 61, 17, 13), true, 7},
+        Case{DType::kBFloat16, MakeShape(1, 6, 3, 33, 100, 64, 64), false, 32},
+        Case{DType::kFloat16, MakeShape(1, 2, 1, 3, 45, 100, 72), true, 32},
+        Case{DType::kBFloat16, MakeShape(1, 8, 2, 4, 70, 48, 30), true, 32, true}}) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << (c.latent ? " latent" : ""));
+    HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, 77);
+    if (c.latent) host.SetValuesFromKeys();
     absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(LayoutOf(host));
     ASSERT_TRUE(store.ok()) << store.status();
     AppendAll(**store, host, {10, 3});
