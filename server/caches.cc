@@ -107,6 +107,11 @@ absl::Status CacheRegistry::Reserve(int64_t bytes) {
   return absl::OkStatus();
 }
 
+void CacheRegistry::Hold(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reserved_bytes_ += bytes;
+}
+
 void CacheRegistry::Release(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   reserved_bytes_ -= bytes;
@@ -344,28 +349,18 @@ absl::Status CacheRegistry::Lease::Append(const TensorView& key, const TensorVie
   if (absl::Status disk = registry_->ReserveDisk(entry, store.length() + n); !disk.ok()) {
     return disk;
   }
-  const int64_t needed = store.BytesFor(store.length() + n);
-  const int64_t more = needed - entry.reserved_bytes;
-  if (more > 0) {
-    if (absl::Status reserved = registry_->Reserve(more); !reserved.ok()) return reserved;
-  }
+  // The pages it allocates (a copy of a shared last page included): theirs from now on, given
+  // back when they are freed.
+  const int64_t more = store.BytesToAppend(n);
+  if (absl::Status reserved = registry_->Reserve(more); !reserved.ok()) return reserved;
   if (absl::Status appended = store.Append(key, value, n); !appended.ok()) {
-    if (more > 0) registry_->Release(more);
+    registry_->Release(more);
     return appended;
   }
-  if (more > 0) entry.reserved_bytes = needed;
   entry.max_abs_key = std::max(entry.max_abs_key, max_abs_key);
   entry.max_abs_value = std::max(entry.max_abs_value, max_abs_value);
   appended_ = true;
   return absl::OkStatus();
-}
-
-void CacheRegistry::ReleaseBytesBeyond(Entry& entry, int64_t length) {
-  const int64_t needed = entry.store->BytesFor(length);
-  if (needed < entry.reserved_bytes) {
-    Release(entry.reserved_bytes - needed);
-    entry.reserved_bytes = needed;
-  }
 }
 
 absl::Status CacheRegistry::Lease::Truncate(int64_t length) {
@@ -375,9 +370,8 @@ absl::Status CacheRegistry::Lease::Truncate(int64_t length) {
   }
   if (length == entry.store->length()) return absl::OkStatus();  // Nothing to cut.
   if (absl::Status on_disk = registry_->CutFile(entry, length); !on_disk.ok()) return on_disk;
-  entry.store->Truncate(length);
+  entry.store->Truncate(length);  // Its freed pages go back to the budget.
   length_at_start_ = std::min(length_at_start_, length);
-  registry_->ReleaseBytesBeyond(entry, entry.store->length());
   if (!appended_) CaughtUpAfterCut(entry);
   return absl::OkStatus();
 }
@@ -408,7 +402,10 @@ absl::Status CacheRegistry::Lease::TruncateTentatively(int64_t length) {
     cut_tokens_.clear();
     return copied;
   }
-  store.Truncate(length);  // Its pages' budget stays reserved until Commit.
+  // The budget of the pages it drops stays held until Commit (Rollback puts them back).
+  entry.held_bytes = store.bytes() - store.BytesFor(length);
+  registry_->Hold(entry.held_bytes);
+  store.Truncate(length);
   cut_to_ = length;
   cut_persisted_ = false;
   return absl::OkStatus();
@@ -431,7 +428,8 @@ void CacheRegistry::Lease::Commit() {
       std::fprintf(stderr, "attnd: cache %s: a cut committed without reaching the disk: %s\n",
                    entry.id.c_str(), std::string(persisted.message()).c_str());
     }
-    registry_->ReleaseBytesBeyond(entry, entry.store->length());
+    registry_->Release(entry.held_bytes);
+    entry.held_bytes = 0;
     cut_to_.reset();
     cut_tokens_ = std::vector<char>();
     if (!appended_) CaughtUpAfterCut(entry);
@@ -459,10 +457,16 @@ void CacheRegistry::Lease::Rollback() {
     const KvLayout& layout = store.layout();
     const int64_t n = length_at_start_ - *cut_to_;
     const int64_t key_bytes = KeyBytes(layout, n);
-    if (absl::Status restored =
-            store.Append(TensorView{cut_tokens_.data(), layout.dtype},
-                         TensorView{cut_tokens_.data() + key_bytes, layout.dtype}, n);
-        !restored.ok()) {
+    // The pages come back under the cut's hold (more only if a shared page must be copied).
+    const int64_t more = store.BytesToAppend(n);
+    if (more > entry.held_bytes) registry_->Hold(more - entry.held_bytes);
+    registry_->Release(entry.held_bytes - std::min(more, entry.held_bytes));
+    entry.held_bytes = 0;
+    absl::Status restored =
+        store.Append(TensorView{cut_tokens_.data(), layout.dtype},
+                     TensorView{cut_tokens_.data() + key_bytes, layout.dtype}, n);
+    if (!restored.ok()) registry_->Release(more);
+    if (!restored.ok()) {
       // Out of memory for pages just freed: the cache stays its (correct) prefix, and says so.
       std::fprintf(stderr, "attnd: cache %s: cannot put back %lld tokens after a failed cut: %s\n",
                    entry.id.c_str(), static_cast<long long>(n),
@@ -477,8 +481,7 @@ void CacheRegistry::Lease::Rollback() {
     cut_to_.reset();
     cut_tokens_ = std::vector<char>();
   }
-  if (store.length() != length_at_start_) store.Truncate(length_at_start_);
-  registry_->ReleaseBytesBeyond(entry, length_at_start_);
+  if (store.length() != length_at_start_) store.Truncate(length_at_start_);  // Frees its pages.
   entry.max_abs_key = max_abs_key_at_start_;
   entry.max_abs_value = max_abs_value_at_start_;
 }

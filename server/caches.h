@@ -264,12 +264,13 @@ class CacheRegistry {
                               const std::string& field, absl::Status* status, bool lease = false);
   void Sweep();  // The idle-expiry thread's loop.
   void Touch(Entry& entry);
-  // Reserves `bytes` of the budget (RESOURCE_EXHAUSTED naming --cache-bytes when they do not
-  // fit) or gives back -bytes.
+  // The budget counts every live page once (reserved before an append allocates it, given back
+  // by the store's OnPageFreed when the last holder frees it) and tentative cuts' holds.
+  // Reserve: RESOURCE_EXHAUSTED naming --cache-bytes when `bytes` do not fit. Hold: bytes just
+  // in use (a cut's pages), kept without the check.
   absl::Status Reserve(int64_t bytes);
+  void Hold(int64_t bytes);
   void Release(int64_t bytes);
-  // Gives back the budget of the entry's pages past the first `length` tokens' (under its lease).
-  void ReleaseBytesBeyond(Entry& entry, int64_t length);
   // Adds a built entry under its id: RESOURCE_EXHAUSTED at --max-caches, ALREADY_EXISTS when
   // the id is taken.
   absl::Status Insert(std::shared_ptr<Entry> entry);
@@ -298,7 +299,7 @@ class CacheRegistry {
   std::map<std::string, std::string> expired_;             // Expired id → owner.
   std::map<std::string, std::pair<std::string, std::string>> moved_;  // id → (owner, target).
   std::set<std::string> importing_;  // Ids imports are finishing under (their files being made).
-  int64_t reserved_bytes_ = 0;       // Pages of all live caches.
+  int64_t reserved_bytes_ = 0;       // Live pages (each once) and holds.
   int64_t created_ = 0;              // For List's oldest-first order.
   bool stopping_ = false;
   std::condition_variable wake_;

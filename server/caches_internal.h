@@ -49,9 +49,14 @@ struct CacheRegistry::Entry {
         serial(serial),
         created_ns(created_ns),
         store(std::move(store)),
-        last_used_ns(now_ns) {}
-  // The last lease has ended and the registry has let go: the pages go back to the budget.
-  ~Entry() { registry.Release(reserved_bytes); }
+        last_used_ns(now_ns) {
+    // The budget counts pages, each once: a page's bytes go back when the last store holding
+    // it (this one or a fork's) frees it.
+    this->store->OnPageFreed([registry = &registry](int64_t bytes) { registry->Release(bytes); });
+  }
+  // The last lease has ended and the registry has let go: a tentative cut's hold goes back now,
+  // the pages as the store frees them (those a fork still holds, when it lets go).
+  ~Entry() { registry.Release(held_bytes); }
 
   CacheRegistry& registry;
   std::string id;  // Set before the entry is in the registry (an import may draw a new one).
@@ -59,9 +64,11 @@ struct CacheRegistry::Entry {
   int64_t serial;            // List's order (oldest first); set with id.
   const int64_t created_ns;  // Wall clock at creation, kept in the file for List's order.
 
-  std::mutex mutex;  // Held by a Lease: guards store, reserved_bytes and the maxima.
+  std::mutex mutex;  // Held by a Lease: guards store, held_bytes and the maxima.
   std::unique_ptr<KvStore> store;
-  int64_t reserved_bytes = 0;  // Of the registry's budget: store->BytesFor(length).
+  // Of the registry's budget besides the pages: what a tentative cut freed, kept until the
+  // lease commits or rolls back (so that putting the tokens back cannot run out of budget).
+  int64_t held_bytes = 0;
   double max_abs_key = 0, max_abs_value = 0;
 
   // Readable without the mutex (Describe, List, metrics, expiry).

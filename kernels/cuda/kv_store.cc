@@ -22,6 +22,9 @@ CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
 }
 
 CudaKvStore::~CudaKvStore() {
+  if (freed_) {
+    for (size_t p = 0; p < pages_.size(); ++p) freed_(PageBytes());
+  }
   if (!device_->Start().ok()) return;  // A lost device: the process's memory goes with it.
   SlotPool::Lease lease(device_->slots());
   const cudaStream_t stream = lease.slot().stream;
@@ -200,6 +203,9 @@ void CudaKvStore::Truncate(int64_t length) {
     }
   }
   // On a lost device the pages are not freed (nothing can use them again), only forgotten.
+  if (keep < pages_.size() && freed_) {
+    for (size_t p = keep; p < pages_.size(); ++p) freed_(PageBytes());
+  }
   if (keep < pages_.size()) {
     pages_.resize(keep);
     key_entries_.resize(keep);

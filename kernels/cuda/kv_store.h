@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -47,6 +48,8 @@ class CudaKvStore final : public KvStore {
   const PagedKv& pages() const override { return paged_; }
   // Device → host, a page segment of one kv head at a time, through a stream slot.
   absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const override;
+  // Called for each page Truncate or the destructor frees (no forks yet: no page is shared).
+  void OnPageFreed(std::function<void(int64_t bytes)> freed) override { freed_ = std::move(freed); }
 
  private:
   int64_t KeyBlockBytes() const {
@@ -64,6 +67,7 @@ class CudaKvStore final : public KvStore {
   int64_t table_capacity_ = 0;
   std::vector<const void*> key_entries_, value_entries_;
   PagedKv paged_;
+  std::function<void(int64_t bytes)> freed_;
 };
 
 }  // namespace attn::cuda
