@@ -313,8 +313,9 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     }
     run.row = scratch.row.data();
     run.geometry = &geometry;
+    const bool vector_path = item.rows <= kDecodeMaxRows;  // Else a GEMM group (decode.h).
     scratch.queries.resize(item.rows * s.head_dim);
-    scratch.arranged.resize(item.rows * s.head_dim);
+    if (vector_path) scratch.arranged.resize(item.rows * s.head_dim);
     ConvertToFloat(
         static_cast<const char*>(p.query.data) +
             p.QueryOffset(run.batch, run.kv_head * group, 0) * ElementSize(p.query.dtype),
@@ -324,8 +325,10 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     scratch.scores.resize(item.rows * std::max(kDecodeTile, kDecodeGemmTile));
     scratch.acc.resize(item.rows * AccStride(static_cast<int>(s.value_dim)));
     scratch.states.resize(item.rows);
-    scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);  // A ring of tiles.
-    scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
+    if (vector_path) {  // A ring of tiles' row pointers.
+      scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
+      scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
+    }
     // The kernel reads keys and values of one dtype: the keys' (both layouts the server builds
     // give the values the same).
     RunChunks(p.key_dtype(), run, scratch);

@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/problem.h"
@@ -21,14 +22,18 @@ namespace attn::cuda {
 constexpr int kCompiledDims[] = {32, 64, 128, 256};
 constexpr int kMaxHeadDim = 256;
 
-// The padded size for a shape: the smallest compiled size ≥ max(head_dim, value_dim), or 0
-// when the shape is too wide for the CUDA kernels.
-inline int PaddedDim(const Shape& shape) {
-  for (int dim : kCompiledDims) {
+// The smallest of `dims` (ascending) ≥ max(head_dim, value_dim), or 0 when the shape is wider.
+template <size_t N>
+int PaddedTo(const int (&dims)[N], const Shape& shape) {
+  for (int dim : dims) {
     if (shape.head_dim <= dim && shape.value_dim <= dim) return dim;
   }
   return 0;
 }
+
+// The padded size for a shape: the smallest compiled size ≥ max(head_dim, value_dim), or 0
+// when the shape is too wide for the CUDA kernels.
+inline int PaddedDim(const Shape& shape) { return PaddedTo(kCompiledDims, shape); }
 
 struct DeviceProblem {
   Shape shape;
@@ -153,12 +158,7 @@ constexpr int kMaxDecodeDim = 576;
 
 // The decode kernel's pitch for a shape: the smallest of kDecodeDims ≥ max(head_dim,
 // value_dim), or 0 when the shape is too wide for it.
-inline int PaddedDecodeDim(const Shape& shape) {
-  for (int dim : kDecodeDims) {
-    if (shape.head_dim <= dim && shape.value_dim <= dim) return dim;
-  }
-  return 0;
-}
+inline int PaddedDecodeDim(const Shape& shape) { return PaddedTo(kDecodeDims, shape); }
 
 // The decode kernel's tile at one pitch, the one definition that the kernel and the host (which
 // lists the units and rounds the chunks) both use. Up to kMaxHeadDim: 16 query rows per block

@@ -39,6 +39,12 @@ const {chromium} = require('playwright-core');
 const [url, screenshot] = process.argv.slice(2);
 const failures = [];
 let passed = 0;
+// The viewer draws on an animation frame (run.js, scheduleDraw): what a check reads after a run
+// or a step button is on the page only once that frame ran. Two frames: the queued draw's, and
+// one it may queue in turn.
+const drawn = (page) => page.evaluate(
+    () => new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve))));
+
 function check(name, ok, detail) {
   if (ok) { ++passed; console.log(`ok   ${name}`); }
   else { failures.push(name); console.log(`FAIL ${name}${detail ? `: ${detail}` : ''}`); }
@@ -134,6 +140,7 @@ function rowOf(tensor, row, d) {
     await page.setChecked('#alibi', true);
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const err = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
     check('the windowed ALiBi run shows no error', err === '', err);
 
@@ -162,6 +169,7 @@ function rowOf(tensor, row, d) {
 
     // The first traced tile holds key 2 (hidden by the window, bias −3·2^-8) and key 3.
     if (await page.isEnabled('#step-first')) await page.click('#step-first');
+    await drawn(page);
     const tile = await page.$$eval('#tile-table tr[data-key]', (rows) => rows.map((r) => ({
       key: Number(r.dataset.key), hidden: r.querySelector('td.score').dataset.hidden,
       bias: r.querySelector('td.bias') ? Number(r.querySelector('td.bias').dataset.value) : NaN})));
@@ -171,6 +179,7 @@ function rowOf(tensor, row, d) {
               tile.some((t) => t.key === 3 && t.hidden === 'none'),
           JSON.stringify(tile));
     if (await page.isEnabled('#step-last')) await page.click('#step-last');
+    await drawn(page);
     const shown = numbersIn(await page.textContent('#final-output'));
     const expected = expectedOut(ROW, ROW - LEFT, ROW, (j) => Math.abs(ROW - j));
     check(`the final output is the windowed, biased softmax [${expected.map((x) => x.toFixed(4))}]`,
@@ -186,6 +195,7 @@ function rowOf(tensor, row, d) {
                                              new URL(r.url()).pathname === '/v1/tiled');
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const tiledJson = await (await tiledAnswer).json();
     const tiledBytes = Buffer.from((tiledJson.output && tiledJson.output.data) || '', 'base64');
     const vd = tiledJson.output && tiledJson.output.shape ? Number(tiledJson.output.shape.at(-1)) : 0;
@@ -284,6 +294,7 @@ function rowOf(tensor, row, d) {
     traceBody = null;
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const sinkErr = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
     check('the run with a sink shows no error', sinkErr === '', sinkErr);
     const sinkOptions = (traceBody && traceBody.attention && traceBody.attention.options) || {};
@@ -310,6 +321,7 @@ function rowOf(tensor, row, d) {
               /sink logit 1\.500000 takes/.test(idea1.caption) && /keys' weights sum to 1 −/.test(idea1.caption),
           `Σ ${keySum}, 1 − share ${1 - withSink.share}; ${idea1.caption}`);
     if (await page.isEnabled('#step-last')) await page.click('#step-last');
+    await drawn(page);
     const sinkShown = numbersIn(await page.textContent('#final-output'));
     check(`the final output is the windowed, biased softmax with the sink [${withSink.out.map((x) => x.toFixed(4))}]`,
           near(sinkShown, withSink.out, 5e-5), `${sinkShown} vs ${withSink.out}`);
@@ -332,6 +344,7 @@ function rowOf(tensor, row, d) {
                                            new URL(r.url()).pathname === '/v1/tiled');
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const sinkUnsplit = rowOf((await (await sinkTiled).json()).output, ROW, D);
     const cappedSink = expectedRow(ROW, ROW - SLEFT, ROW, (j) => Math.abs(ROW - j), CAP, SINK);
     check('the unsplit Tiled row 5 with the sink is the float64 softmax with the sink',
@@ -435,6 +448,7 @@ function rowOf(tensor, row, d) {
     traceBody = null;
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const rerr = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
     check('the ragged run shows no error', rerr === '', rerr);
     const a = traceBody && traceBody.attention;
@@ -478,6 +492,7 @@ function rowOf(tensor, row, d) {
 
     // The traced tiles are 1 (keys 5…9) and 2 (keys 10…14); the server marks them.
     if (await page.isEnabled('#step-first')) await page.click('#step-first');
+    await drawn(page);
     const tile1 = await page.$$eval('#tile-table tr[data-key]', (rows) => rows.map((r) => ({
       key: Number(r.dataset.key), hidden: r.querySelector('td.score').dataset.hidden,
       text: r.querySelector('td.score').textContent})));
@@ -489,6 +504,7 @@ function rowOf(tensor, row, d) {
     check('the tile\'s key band marks the same keys',
           tband.length === 17 && tband.every((h, j) => h === rwhy(j)), JSON.stringify(tband));
     if (await page.isEnabled('#step-last')) await page.click('#step-last');
+    await drawn(page);
     const tile2 = await page.$$eval('#tile-table tr[data-key]', (rows) => rows.map((r) => ({
       key: Number(r.dataset.key), hidden: r.querySelector('td.score').dataset.hidden})));
     check('the last tile step (keys 10…14) shows key 14 hidden by the causal mask',

@@ -33,6 +33,12 @@ if (!url || !screenshot) {
 }
 
 // The seed example (the explainer's idea 1): out[0] of softmax(q kᵀ / sqrt(d)) v, n = 8, d = 4.
+// The viewer draws on an animation frame (run.js, scheduleDraw): what a check reads after a run
+// or a step button is on the page only once that frame ran. Two frames: the queued draw's, and
+// one it may queue in turn.
+const drawn = (page) => page.evaluate(
+    () => new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve))));
+
 function seedOut0() {
   const n = 8, d = 4;
   const q = (i, j) => ((i + j) % 5) - 2;
@@ -204,6 +210,7 @@ async function main() {
     await page.setChecked('#causal', false);
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const errorText = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
     check('the run shows no error', errorText === '', errorText);
 
@@ -253,6 +260,7 @@ async function main() {
     await page.setChecked('#use-cache', true);
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const cacheError = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
     check('the KV-cache run shows no error', cacheError === '', cacheError);
     const cacheClicks = await stepToEnd();
@@ -429,6 +437,7 @@ async function main() {
     await page.fill('#row', '99');
     await page.click('#run');
     await page.waitForFunction(() => /^(Done|Finished)/.test(document.getElementById('status').textContent));
+    await drawn(page);
     const shownError = await page.locator('#error').isVisible() ? await page.textContent('#error') : '';
     check('a bad row shows the server\'s error', /HTTP 4\d\d/.test(shownError) && /row/i.test(shownError),
           `error box: "${shownError}"`);
