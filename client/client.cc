@@ -369,6 +369,10 @@ absl::StatusOr<v1::CacheInfo> Client::TruncateCache(const v1::TruncateCacheReque
   return Unary(*stub_, &v1::AttentionService::Stub::TruncateCache, request);
 }
 
+absl::StatusOr<v1::CacheInfo> Client::ForkCache(const v1::ForkCacheRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::ForkCache, request);
+}
+
 absl::StatusOr<v1::CacheInfo> Client::AppendCache(const v1::AppendCacheRequest& request) {
   return Unary(*stub_, &v1::AttentionService::Stub::AppendCache, request);
 }
@@ -834,6 +838,19 @@ absl::StatusOr<v1::CacheInfo> Cache::Truncate(int64_t length) {
     CutFailed(length, info.status());
   }
   return info;
+}
+
+absl::StatusOr<Cache> Cache::Fork(std::optional<int64_t> length) {
+  v1::ForkCacheRequest request;
+  request.set_cache_id(id());
+  if (length) request.set_length(*length);
+  request.set_expected_length(this->length());
+  absl::StatusOr<v1::CacheInfo> info =
+      FollowingMoves([&](Client& client) { return client.ForkCache(request); });
+  if (!info.ok()) return info.status();
+  Cache fork(*client_, *std::move(info));
+  fork.moved_client_ = moved_client_;  // The fork lives where this cache lives now.
+  return fork;
 }
 
 v1::DecodeItem Cache::Item(const v1::Tensor& query, const v1::Tensor* key, const v1::Tensor* value,

@@ -6,14 +6,15 @@
 // and stub are); each call may carry a deadline.
 //
 // Server-resident KV caches: Client has one method per cache RPC (CreateCache, AppendCache,
-// TruncateCache, GetCacheInfo, DeleteCache, ListCaches, Decode, ExportCache, ImportCache); Naive,
-// Tiled and Trace attend over a cache when their request names one (AttentionRequest.cache_id, see
-// CacheRequest). `Cache` keeps a cache's id and the length the client believes it has, sending
-// it as expected_length on every append and decode and taking the server's answer as the new
-// length; it also keeps the tokens the server has not yet made durable and sends them again
-// when a restarted server lost them, and follows a cache that a draining server moved
-// (moved_to). CopyCache and MoveCache stream a cache from one server to another; the export
-// file helpers keep one in a file (`attn cache export`).
+// TruncateCache, ForkCache, GetCacheInfo, DeleteCache, ListCaches, Decode, ExportCache,
+// ImportCache); Naive, Tiled and Trace attend over a cache when their request names one
+// (AttentionRequest.cache_id, see CacheRequest). `Cache` keeps a cache's id and the length the
+// client believes it has, sending it as expected_length on every append, cut and decode and
+// taking the server's answer as the new length (and on a fork, whose answer is a new Cache);
+// it also keeps the tokens the server has not yet made durable and sends them again when a
+// restarted server lost them, and follows a cache that a draining server moved (moved_to).
+// CopyCache and MoveCache stream a cache from one server to another; the export file helpers
+// keep one in a file (`attn cache export`).
 #pragma once
 
 #include <chrono>
@@ -124,6 +125,11 @@ class Client {
   absl::StatusOr<attention::v1::DecodeResponse> Decode(const attention::v1::DecodeRequest& request);
   absl::StatusOr<attention::v1::CacheInfo> TruncateCache(
       const attention::v1::TruncateCacheRequest& request);
+  // A new cache holding the first `length` tokens (absent: all) of request.cache_id's, sharing
+  // its pages; the answer is the fork's info (OUT_OF_RANGE naming length past the source's,
+  // RESOURCE_EXHAUSTED at --max-caches).
+  absl::StatusOr<attention::v1::CacheInfo> ForkCache(
+      const attention::v1::ForkCacheRequest& request);
 
   // ExportCache's stream, calling on_chunk for each chunk in order (attention.proto: the first
   // carries info, the last crc32c). on_chunk returning false cancels the stream; the call then
@@ -343,6 +349,18 @@ class Cache {
   // kept tail loses what lies past the cut, so a Refresh never sends cut tokens again. A failure
   // that is not a refusal (IsRefusal) cuts the tail too and bounds the next Refresh (above).
   absl::StatusOr<attention::v1::CacheInfo> Truncate(int64_t length);
+  // Forks the cache (ForkCache, expected_length = length()): a new cache on the same server
+  // whose tokens are this one's first `length` (nullopt: all), sharing its pages (parallel
+  // sampling, beam search, a shared prompt); afterwards each changes alone. Returns a Cache for
+  // the fork that calls the Client this one calls now and keeps nothing to replay: with
+  // --cache-dir the server made all the fork's tokens durable before it answered
+  // (durable_length = length). This Cache is left as it was (but for following a moved_to).
+  // Refusals are the RPC's, and create nothing: FAILED_PRECONDITION when length() is stale (a
+  // restart lost tokens: Refresh first), OUT_OF_RANGE naming length past length(),
+  // INVALID_ARGUMENT naming a negative one, RESOURCE_EXHAUSTED at --max-caches. A fork whose
+  // answer was lost (a failure that is not IsRefusal's) may exist all the same: ListCaches
+  // shows it.
+  absl::StatusOr<Cache> Fork(std::optional<int64_t> length = std::nullopt);
   // One Decode of this cache alone: cuts it to truncate_to first when given (speculative
   // decoding's rejected drafts; a failure that is not a refusal as for Truncate), appends
   // key/value when given (nullptr: none), then attends `query` [heads, nq, head_dim] over the

@@ -71,7 +71,9 @@ class KvStore {
   // Bytes of its pages that another store holds too.
   virtual int64_t shared_bytes() const { return 0; }
   // Bytes of new pages an Append of n tokens allocates: the pages past its last one, and a
-  // copy of its last page when that page is shared and the append writes into it.
+  // copy of its last page when that page is shared and the append writes into it. The Append
+  // that follows allocates exactly that (it copies a page counted here even if the page's other
+  // holders let go in between), so a budget reserved with it stays exact.
   virtual int64_t BytesToAppend(int64_t n) const { return BytesFor(length() + n) - bytes(); }
   // Called with a page's bytes each time one of this store's pages is freed (the last holder
   // let go), whichever store frees it; forks inherit it. Default: not called (no sharing).

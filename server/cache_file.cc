@@ -23,11 +23,14 @@ namespace attn {
 namespace {
 
 constexpr char kMagic[8] = {'A', 'T', 'T', 'N', 'K', 'V', '0', '1'};
-// Version 1: the layout as below; version 2 (written for latent caches only, so that files of
-// other caches stay readable by an older attnd): then a u32 of flags, bit 0 values_from_keys.
+// Version 1: the layout as below; version 2 (written for latent caches and forks only, so that
+// files of other caches stay readable by an older attnd): then a u32 of flags, bit 0
+// values_from_keys, bit 1 a fork (then u32 + bytes twice: the ids of the cache it was forked
+// from and of the first cache of its family, the one no fork made).
 constexpr uint32_t kVersion = 1;
-constexpr uint32_t kLatentVersion = 2;
+constexpr uint32_t kFlagsVersion = 2;
 constexpr uint32_t kValuesFromKeysFlag = 1;
+constexpr uint32_t kForkFlag = 2;
 constexpr uint32_t kRecordMagic = 0x4352564B;  // "KVRC" little-endian.
 constexpr uint32_t kTokensRecord = 1;
 constexpr uint32_t kCutRecord = 2;
@@ -112,7 +115,9 @@ int64_t ReadUpTo(int fd, void* data, size_t n, int64_t offset) {
 
 std::string EncodeHeader(const CacheFileHeader& header) {
   std::string body;
-  Put<uint32_t>(body, header.layout.values_from_keys ? kLatentVersion : kVersion);
+  const uint32_t flags = (header.layout.values_from_keys ? kValuesFromKeysFlag : 0) |
+                         (header.parent.empty() ? 0 : kForkFlag);
+  Put<uint32_t>(body, flags != 0 ? kFlagsVersion : kVersion);
   Put<int64_t>(body, header.layout.kv_heads);
   Put<int64_t>(body, header.layout.head_dim);
   Put<int64_t>(body, header.layout.value_dim);
@@ -122,7 +127,13 @@ std::string EncodeHeader(const CacheFileHeader& header) {
   body += header.owner;
   Put<uint32_t>(body, static_cast<uint32_t>(header.id.size()));
   body += header.id;
-  if (header.layout.values_from_keys) Put<uint32_t>(body, kValuesFromKeysFlag);
+  if (flags != 0) Put<uint32_t>(body, flags);
+  if ((flags & kForkFlag) != 0) {
+    for (const std::string* id : {&header.parent, &header.root}) {
+      Put<uint32_t>(body, static_cast<uint32_t>(id->size()));
+      body += *id;
+    }
+  }
   std::string out(kMagic, sizeof kMagic);
   Put<uint32_t>(out, static_cast<uint32_t>(body.size()));
   out += body;
@@ -188,27 +199,15 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Create(const std::string& 
       new CacheFile(path, fd, header.layout, static_cast<int64_t>(bytes.size())));
 }
 
-absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& path,
-                                                           CacheFileHeader* header,
-                                                           const TokenSink& tokens,
-                                                           const CutSink& cut, Report* report) {
-  *report = Report();
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::InternalError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  }
-  struct stat info;
-  if (fstat(fd, &info) != 0) {
-    close(fd);
-    return absl::InternalError(absl::StrCat("cannot stat ", path, ": ", std::strerror(errno)));
-  }
-  const int64_t file_size = info.st_size;
+namespace {
+
+// Reads and verifies the header of the file open at `fd` into *header: its bytes, or DATA_LOSS
+// naming the file.
+absl::StatusOr<int64_t> ReadHeaderAt(int fd, const std::string& path, CacheFileHeader* header) {
   auto damaged = [&](const std::string& why) {
-    close(fd);
     return absl::DataLossError(
         absl::StrCat(path, ": the header does not verify (", why, "); the file is left as it is"));
   };
-  // The header.
   char fixed[sizeof kMagic + 4];
   if (ReadUpTo(fd, fixed, sizeof fixed, 0) != static_cast<int64_t>(sizeof fixed)) {
     return damaged("the file ends inside it");
@@ -227,7 +226,7 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
   const char* p = head.data() + sizeof fixed;
   const char* end = head.data() + head.size() - 4;
   uint32_t version, dtype;
-  if (!Get(p, end, &version) || (version != kVersion && version != kLatentVersion)) {
+  if (!Get(p, end, &version) || (version != kVersion && version != kFlagsVersion)) {
     return damaged("unknown format version");
   }
   if (!Get(p, end, &header->layout.kv_heads) || !Get(p, end, &header->layout.head_dim) ||
@@ -237,8 +236,15 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
     return damaged("its fields do not fit its length");
   }
   uint32_t flags = 0;
-  if (version == kLatentVersion && (!Get(p, end, &flags) || flags != kValuesFromKeysFlag)) {
+  if (version == kFlagsVersion &&
+      (!Get(p, end, &flags) || flags == 0 || (flags & ~(kValuesFromKeysFlag | kForkFlag)) != 0)) {
     return damaged("its flags are unknown");
+  }
+  header->parent.clear();
+  header->root.clear();
+  if ((flags & kForkFlag) != 0 &&
+      (!GetString(p, end, &header->parent) || !GetString(p, end, &header->root))) {
+    return damaged("its fields do not fit its length");
   }
   // The rule a new cache's layout meets (so no record size can overflow); value_dim is stored
   // resolved, never 0.
@@ -249,9 +255,42 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
     return damaged(absl::StrCat("its layout is invalid: ", layout.status().message()));
   }
   header->layout = *layout;
+  return static_cast<int64_t>(head.size());
+}
 
-  std::unique_ptr<CacheFile> file(
-      new CacheFile(path, fd, header->layout, static_cast<int64_t>(head.size())));
+}  // namespace
+
+absl::Status CacheFile::ReadHeader(const std::string& path, CacheFileHeader* header) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  const absl::StatusOr<int64_t> bytes = ReadHeaderAt(fd, path, header);
+  close(fd);
+  return bytes.status();
+}
+
+absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& path,
+                                                           CacheFileHeader* header,
+                                                           const TokenSink& tokens,
+                                                           const CutSink& cut, Report* report) {
+  *report = Report();
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  struct stat info;
+  if (fstat(fd, &info) != 0) {
+    close(fd);
+    return absl::InternalError(absl::StrCat("cannot stat ", path, ": ", std::strerror(errno)));
+  }
+  const int64_t file_size = info.st_size;
+  const absl::StatusOr<int64_t> header_bytes = ReadHeaderAt(fd, path, header);
+  if (!header_bytes.ok()) {
+    close(fd);
+    return header_bytes.status();
+  }
+  std::unique_ptr<CacheFile> file(new CacheFile(path, fd, header->layout, *header_bytes));
   // The records, while they verify.
   const int64_t token_bytes = TokenBytes(header->layout);
   std::vector<char> payload;

@@ -5,8 +5,12 @@
 //   header   "ATTNKV01", u32 body bytes, body, u32 CRC32C of everything before it. The body:
 //            u32 format version (1), i64 kv_heads, head_dim, value_dim, u32 dtype (the wire's
 //            attention.v1.DType number), i64 created (ns since the epoch: List's order),
-//            u32 + bytes owner, u32 + bytes id. Version 2, for a latent cache only
-//            (values_from_keys; other caches keep version 1): then u32 flags, 1.
+//            u32 + bytes owner, u32 + bytes id. Version 2, for latent caches and forks only
+//            (other caches keep version 1, which an older attnd reads): then u32 flags, bit 0
+//            values_from_keys, bit 1 a fork, then u32 + bytes twice: the id it was forked from
+//            and its family's root (the cache no fork made that it descends from). A fork's
+//            file holds all its tokens (files share nothing); the ids let a restart share its
+//            pages again.
 //   records  one per write: u32 "KVRC", u32 kind (1: tokens), i64 start, i64 n, u64 payload
 //            bytes, u32 CRC32C of the payload, u32 CRC32C of the 36 bytes before it; then the
 //            payload: key [kv_heads, n, head_dim] then value [kv_heads, n, value_dim] (none in
@@ -46,6 +50,9 @@ struct CacheFileHeader {
   std::string id, owner;
   KvLayout layout;
   int64_t created_ns = 0;
+  // A fork's source (ForkCache) and the root of its family (the first cache, which no fork
+  // made); both empty for a cache that is not a fork.
+  std::string parent, root;
 };
 
 class CacheFile {
@@ -78,6 +85,8 @@ class CacheFile {
                                                          CacheFileHeader* header,
                                                          const TokenSink& tokens,
                                                          const CutSink& cut, Report* report);
+  // The header alone (as Open reads it, with its errors), the file left as it is.
+  static absl::Status ReadHeader(const std::string& path, CacheFileHeader* header);
 
   ~CacheFile();
   CacheFile(const CacheFile&) = delete;

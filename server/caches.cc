@@ -97,7 +97,10 @@ CacheRegistry::~CacheRegistry() {
 
 absl::Status CacheRegistry::Reserve(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (bytes > limits_.budget_bytes - reserved_bytes_) {
+  // A restore replays each file's history (a cut record follows the tokens it drops), so it may
+  // pass the budget on the way, by one budget at most; Restore checks where it ends.
+  const int64_t budget = restoring_ ? 2 * limits_.budget_bytes : limits_.budget_bytes;
+  if (bytes > budget - reserved_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the caches would need ", reserved_bytes_ + bytes, " bytes, over this server's ",
         "--cache-bytes=", limits_.budget_bytes, " (", reserved_bytes_,
@@ -198,6 +201,13 @@ void CacheRegistry::Touch(Entry& entry) { entry.last_used_ns.store(SteadyNs()); 
 
 namespace {
 
+// Reads the entry's shared bytes afresh when no call holds it (what another cache's fork or
+// delete changed shows at once); while one does, they stay as its last change left them.
+void RefreshShared(CacheRegistry::Entry& entry) {
+  std::unique_lock<std::mutex> hold(entry.mutex, std::try_to_lock);
+  if (hold.owns_lock()) entry.shared_bytes.store(entry.store->shared_bytes());
+}
+
 CacheDescription DescriptionOf(const CacheRegistry::Entry& entry, int64_t length, int64_t bytes,
                                bool persistent) {
   CacheDescription description;
@@ -205,6 +215,7 @@ CacheDescription DescriptionOf(const CacheRegistry::Entry& entry, int64_t length
   description.layout = entry.store->layout();
   description.length = length;
   description.bytes = bytes;
+  description.shared_bytes = std::min(bytes, entry.shared_bytes.load());
   description.page_tokens = entry.store->page_tokens();
   if (persistent) description.durable_length = std::min(length, entry.durable.load());
   return description;
@@ -218,6 +229,7 @@ absl::StatusOr<CacheDescription> CacheRegistry::Describe(const std::string& owne
   std::shared_ptr<Entry> entry = Find(owner, id, "cache_id", &status);
   if (entry == nullptr) return status;
   Touch(*entry);
+  RefreshShared(*entry);
   return DescriptionOf(*entry, entry->length.load(), entry->bytes.load(), persistent());
 }
 
@@ -253,6 +265,7 @@ std::vector<CacheDescription> CacheRegistry::List(const std::string& owner) {
             [](const auto& a, const auto& b) { return a->serial < b->serial; });
   std::vector<CacheDescription> descriptions;
   for (const auto& entry : mine) {
+    RefreshShared(*entry);
     descriptions.push_back(
         DescriptionOf(*entry, entry->length.load(), entry->bytes.load(), persistent()));
   }
@@ -265,6 +278,49 @@ absl::StatusOr<KvLayout> CacheRegistry::LayoutOf(const std::string& owner, const
   std::shared_ptr<Entry> entry = Find(owner, id, field, &status);
   if (entry == nullptr) return status;
   return entry->store->layout();
+}
+
+absl::StatusOr<CacheDescription> CacheRegistry::Fork(Lease& source, int64_t length) {
+  Entry& from = *source.entry_;
+  const int64_t page_tokens = from.store->page_tokens();
+  const int64_t table = (length + page_tokens - 1) / page_tokens * kForkTableBytesPerPage;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);  // Before the work: Insert checks again.
+    if (static_cast<int64_t>(entries_.size()) >= limits_.max_caches) {
+      return TooMany(entries_.size(), limits_.max_caches);
+    }
+  }
+  absl::StatusOr<std::string> id = NewId();
+  if (!id.ok()) return id.status();
+  if (absl::Status reserved = Reserve(table); !reserved.ok()) return reserved;
+  absl::StatusOr<std::unique_ptr<KvStore>> store = from.store->Fork(length);
+  if (!store.ok()) {
+    Release(table);
+    return store.status();
+  }
+  auto entry = std::make_shared<Entry>(*this, *id, from.owner, 0, WallNs(), *std::move(store),
+                                       SteadyNs(), /*forked=*/true);
+  entry->table_bytes = table;  // Given back when the entry goes.
+  entry->parent = from.id;
+  entry->root = from.root.empty() ? from.id : from.root;
+  // The source's maxima bound the fork's (its tokens are a prefix): the score bounds stay safe.
+  entry->max_abs_key = from.max_abs_key;
+  entry->max_abs_value = from.max_abs_value;
+  entry->length.store(length);
+  entry->bytes.store(entry->store->bytes());
+  if (persistent()) {
+    if (absl::Status file = WriteFork(*entry); !file.ok()) {
+      RemoveFile(*entry);
+      return file;
+    }
+  }
+  if (absl::Status inserted = Insert(entry); !inserted.ok()) {
+    RemoveFile(*entry);
+    return inserted;
+  }
+  entry->shared_bytes.store(entry->store->shared_bytes());
+  from.shared_bytes.store(from.store->shared_bytes());
+  return DescriptionOf(*entry, length, entry->bytes.load(), persistent());
 }
 
 absl::StatusOr<CacheRegistry::Lease> CacheRegistry::Acquire(const std::string& owner,
@@ -333,6 +389,7 @@ double CacheRegistry::Lease::max_abs_key() const { return entry_->max_abs_key; }
 double CacheRegistry::Lease::max_abs_value() const { return entry_->max_abs_value; }
 
 CacheDescription CacheRegistry::Lease::Describe() const {
+  entry_->shared_bytes.store(entry_->store->shared_bytes());
   return DescriptionOf(*entry_, entry_->store->length(), entry_->store->bytes(),
                        registry_->persistent());
 }
@@ -444,6 +501,7 @@ void CacheRegistry::Lease::Commit() {
   max_abs_value_at_start_ = entry.max_abs_value;
   entry.length.store(entry.store->length());
   entry.bytes.store(entry.store->bytes());
+  entry.shared_bytes.store(entry.store->shared_bytes());
 }
 
 void CacheRegistry::Lease::Rollback() {

@@ -29,6 +29,12 @@
 //   append reserves its disk blocks before it changes anything, so a full disk refuses it
 //   (RESOURCE_EXHAUSTED naming the directory) and memory stays a prefix-extension of the disk.
 //   caches_disk.cc holds this part.
+// - A cache can be forked (ForkCache): a new cache of the same owner whose tokens are a prefix
+//   of the source's, sharing its pages (KvStore::Fork). Every page counts once in the budget,
+//   however many caches hold it; a fork's page table (kForkTableBytesPerPage a page) counts too,
+//   so that forks of a long cache cannot take the host's memory outside the budget. A fork's
+//   file holds all its tokens and is fsynced before Fork returns; Restore shares the pages again
+//   with its source (or a sibling forked from the same source) as far as their bytes agree.
 // - Import builds a cache out of sight and shows it only once whole (ImportCache); a cache
 //   handed to another server (MarkMoved) answers NOT_FOUND ending "moved_to=HOST:PORT".
 // Thread-safe.
@@ -72,6 +78,7 @@ struct CacheDescription {
   KvLayout layout;
   int64_t length = 0;
   int64_t bytes = 0;
+  int64_t shared_bytes = 0;  // Of bytes, in pages another cache holds too (a fork's).
   int64_t page_tokens = 0;
   std::optional<int64_t> durable_length;  // Tokens on disk; only with a directory.
   std::optional<uint32_t> crc32c;         // Of the tokens (an import's answer only).
@@ -160,6 +167,16 @@ class CacheRegistry {
     // After a cut with nothing appended: no token waits for the disk when none lies past it.
     static void CaughtUpAfterCut(Entry& entry);
   };
+
+  // What a fork's page table costs the budget, per page it names.
+  static constexpr int64_t kForkTableBytesPerPage = 64;
+
+  // A fork of the cache `source` holds: a new cache of the same owner and layout whose tokens
+  // are the source's first `length` (0 ≤ length ≤ source.length(), the caller's check), sharing
+  // its pages. RESOURCE_EXHAUSTED at --max-caches, when its page table does not fit the budget,
+  // or (with a directory) when the disk cannot hold its file, which is written and fsynced
+  // before this returns.
+  absl::StatusOr<CacheDescription> Fork(Lease& source, int64_t length);
 
   // Waits for the calls ahead on the cache, then holds it. NOT_FOUND (naming `field` and saying
   // whether the cache expired) for an unknown, deleted, expired or someone else's cache.
@@ -282,6 +299,8 @@ class CacheRegistry {
   // Reserves the disk blocks for `tokens` tokens of the entry's file (a no-op without one);
   // RESOURCE_EXHAUSTED naming the directory when the disk is full or the writer is failing.
   absl::Status ReserveDisk(Entry& entry, int64_t tokens);
+  // A new fork's file (not yet in the registry), all its tokens written and fsynced.
+  absl::Status WriteFork(Entry& entry);
   void RemoveFile(Entry& entry);  // Under mutex_ (the id may be taken again once it is free).
   void SyncDir();                 // After RemoveFile, outside mutex_; no-op without a directory.
   // Appends tokens as they come from a file or an export (dense, the store's dtype), with their
@@ -300,6 +319,7 @@ class CacheRegistry {
   std::map<std::string, std::pair<std::string, std::string>> moved_;  // id → (owner, target).
   std::set<std::string> importing_;  // Ids imports are finishing under (their files being made).
   int64_t reserved_bytes_ = 0;       // Live pages (each once) and holds.
+  bool restoring_ = false;           // Restore is running: Reserve allows twice the budget.
   int64_t created_ = 0;              // For List's oldest-first order.
   bool stopping_ = false;
   std::condition_variable wake_;

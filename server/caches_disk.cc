@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <utility>
@@ -24,6 +26,62 @@ using caches_internal::IsCacheId;
 using caches_internal::SteadyNs;
 using caches_internal::WallNs;
 
+bool SameLayout(const KvLayout& a, const KvLayout& b) {
+  return a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.value_dim == b.value_dim &&
+         a.dtype == b.dtype && a.values_from_keys == b.values_from_keys;
+}
+
+// Of n tokens read from a file at `start` (dense, as a record holds them), how many leading ones
+// equal the store's tokens there, bit for bit (none past its length).
+int64_t AgreeingTokens(const KvStore& store, int64_t start, int64_t n, const void* key,
+                       const void* value, std::vector<char>& buffer) {
+  const int64_t m = std::clamp<int64_t>(store.length() - start, 0, n);
+  if (m == 0) return 0;
+  const KvLayout& layout = store.layout();
+  const int64_t key_bytes = KeyBytes(layout, m);
+  buffer.resize(key_bytes + StoredValueBytes(layout, m));
+  if (!store
+           .CopyOut(start, start + m, buffer.data(),
+                    layout.values_from_keys ? nullptr : buffer.data() + key_bytes)
+           .ok()) {
+    return 0;
+  }
+  const int64_t key_row = KeyBytes(layout, 1) / layout.kv_heads;
+  const int64_t value_row = StoredValueBytes(layout, 1) / layout.kv_heads;
+  auto row_equal = [&](const void* file, const char* mine, int64_t row, int64_t h, int64_t t) {
+    return std::memcmp(static_cast<const char*>(file) + (h * n + t) * row, mine + (h * m + t) * row,
+                       static_cast<size_t>(row)) == 0;
+  };
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t h = 0; h < layout.kv_heads; ++h) {
+      if (!row_equal(key, buffer.data(), key_row, h, t) ||
+          (value_row > 0 && !row_equal(value, buffer.data() + key_bytes, value_row, h, t))) {
+        return t;
+      }
+    }
+  }
+  return m;
+}
+
+// Tokens [from, n) of a dense [heads, n, row] tensor (row in bytes) into dense `out`.
+void TokensFrom(const void* data, int64_t heads, int64_t n, int64_t row, int64_t from, char* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    std::memcpy(out + h * (n - from) * row, static_cast<const char*>(data) + (h * n + from) * row,
+                static_cast<size_t>((n - from) * row));
+  }
+}
+
+// Copies tokens [from, from + n) of a store into `buffer` as a record holds them (the keys, then
+// the values unless they are the keys'); *key_bytes says where the values start.
+absl::Status CopyRecord(const KvStore& store, int64_t from, int64_t n, std::vector<char>& buffer,
+                        int64_t* key_bytes) {
+  const KvLayout& layout = store.layout();
+  *key_bytes = KeyBytes(layout, n);
+  buffer.resize(*key_bytes + StoredValueBytes(layout, n));
+  return store.CopyOut(from, from + n, buffer.data(),
+                       layout.values_from_keys ? nullptr : buffer.data() + *key_bytes);
+}
+
 }  // namespace
 
 absl::Status CacheRegistry::CreateFile(Entry& entry) {
@@ -37,6 +95,8 @@ absl::Status CacheRegistry::CreateFile(Entry& entry) {
   header.owner = entry.owner;
   header.layout = entry.store->layout();
   header.created_ns = entry.created_ns;
+  header.parent = entry.parent;
+  header.root = entry.root;
   absl::StatusOr<std::unique_ptr<CacheFile>> file = CacheFile::Create(limits_.dir, header);
   if (!file.ok()) return file.status();
   std::lock_guard<std::mutex> lock(entry.file_mutex);
@@ -76,6 +136,27 @@ absl::Status CacheRegistry::CutFile(Entry& entry, int64_t length) {
   return absl::OkStatus();
 }
 
+absl::Status CacheRegistry::WriteFork(Entry& entry) {
+  const int64_t length = entry.store->length();
+  if (absl::Status file = CreateFile(entry); !file.ok()) return file;
+  if (absl::Status disk = ReserveDisk(entry, length); !disk.ok()) return disk;
+  std::lock_guard<std::mutex> lock(entry.file_mutex);
+  std::vector<char> buffer;
+  for (int64_t from = 0; from < length;) {
+    const int64_t n = std::min(length - from, entry.file->TokensPerRecord());
+    int64_t key_bytes;
+    absl::Status written = CopyRecord(*entry.store, from, n, buffer, &key_bytes);
+    if (written.ok()) written = entry.file->Write(n, buffer.data(), buffer.data() + key_bytes);
+    if (!written.ok()) return written;
+    from += n;
+  }
+  absl::Status synced = entry.file->Sync();
+  entry.file_bytes.store(entry.file->size());
+  if (!synced.ok()) return synced;
+  entry.durable.store(entry.file->tokens());
+  return absl::OkStatus();
+}
+
 void CacheRegistry::RemoveFile(Entry& entry) {
   std::lock_guard<std::mutex> lock(entry.file_mutex);
   if (entry.file != nullptr) entry.file->Remove();
@@ -98,14 +179,43 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
   dir_lock_ = *std::move(lock);
   absl::StatusOr<std::vector<std::string>> paths = ListCacheFiles(limits_.dir);
   if (!paths.ok()) return paths.status();
-  const Clock::time_point start = Clock::now();
-  std::vector<std::shared_ptr<Entry>> restored;
-  int64_t tokens = 0, bytes = 0, damaged = 0;
+  // Oldest first, so that a fork comes after the cache it was forked from. A header that does
+  // not verify sorts first; Open below reports it.
+  std::vector<std::pair<int64_t, std::string>> order;
   for (const std::string& path : *paths) {
+    CacheFileHeader header;
+    const bool read = CacheFile::ReadHeader(path, &header).ok();
+    order.emplace_back(read ? header.created_ns : std::numeric_limits<int64_t>::min(), path);
+  }
+  std::sort(order.begin(), order.end());
+  const Clock::time_point start = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    restoring_ = true;
+  }
+  struct Restoring {  // Reserve's own budget again, however Restore returns.
+    CacheRegistry* registry;
+    ~Restoring() {
+      std::lock_guard<std::mutex> lock(registry->mutex_);
+      registry->restoring_ = false;
+    }
+  } restoring{this};
+  std::vector<std::shared_ptr<Entry>> restored;
+  // For forks' sharing: the caches restored by id, and the first of each family (by its root).
+  std::map<std::string, std::shared_ptr<Entry>> by_id, first_of_family;
+  int64_t tokens = 0, bytes = 0, damaged = 0, shared = 0;
+  std::vector<char> buffer, rest;
+  for (const auto& [created, path] : order) {
     CacheFileHeader header;
     std::shared_ptr<Entry> entry;
     std::optional<Lease> lease;
-    // The cache's store and lease, made once the header is known.
+    // A fork's tokens are compared with the cache it shares pages with (its source, else its
+    // family's root, else the first of its family restored) while they agree; then it is made a
+    // fork of that many.
+    std::shared_ptr<Entry> source;
+    int64_t agreed = 0;
+    // The cache's store and lease, made once the header is known (and for a fork, how many of
+    // its tokens agree with its source).
     auto begin = [&]() -> absl::Status {
       if (entry != nullptr) return absl::OkStatus();
       const std::string name = path.substr(path.rfind('/') + 1);
@@ -113,26 +223,78 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
         return absl::DataLossError(
             absl::StrCat(path, ": names cache \"", header.id.substr(0, 64), "\", not its file's"));
       }
-      absl::StatusOr<std::unique_ptr<KvStore>> store = backend_.CreateKvStore(header.layout);
+      absl::StatusOr<std::unique_ptr<KvStore>> store =
+          source != nullptr ? source->store->Fork(agreed) : backend_.CreateKvStore(header.layout);
       if (!store.ok()) return store.status();
       entry = std::make_shared<Entry>(*this, header.id, header.owner, 0, header.created_ns,
-                                      *std::move(store), SteadyNs());
+                                      *std::move(store), SteadyNs(), source != nullptr);
+      entry->parent = header.parent;
+      entry->root = header.root;
+      if (source != nullptr) {
+        entry->max_abs_key = source->max_abs_key;
+        entry->max_abs_value = source->max_abs_value;
+        entry->table_bytes = (agreed + entry->store->page_tokens() - 1) /
+                             entry->store->page_tokens() * kForkTableBytesPerPage;
+        if (absl::Status reserved = Reserve(entry->table_bytes); !reserved.ok()) {
+          entry->table_bytes = 0;
+          return reserved;
+        }
+        shared += agreed;
+      }
       entry->leases.fetch_add(1);  // The lease's.
       lease.emplace(Lease(this, entry));
       return absl::OkStatus();
     };
+    auto share_with = [&]() {
+      source = nullptr;
+      if (header.parent.empty()) return;
+      const std::pair<std::map<std::string, std::shared_ptr<Entry>>*, const std::string*> tries[] =
+          {{&by_id, &header.parent}, {&by_id, &header.root}, {&first_of_family, &header.root}};
+      for (const auto& [found, id] : tries) {
+        const auto it = found->find(*id);
+        if (it != found->end() && it->second->owner == header.owner &&
+            SameLayout(it->second->store->layout(), header.layout)) {
+          source = it->second;
+          return;
+        }
+      }
+    };
     CacheFile::Report report;
+    bool looked = false;
     absl::StatusOr<std::unique_ptr<CacheFile>> file = CacheFile::Open(
         path, &header,
-        [&](int64_t, int64_t n, const void* key, const void* value) -> absl::Status {
+        [&](int64_t start, int64_t n, const void* key, const void* value) -> absl::Status {
+          if (!looked) share_with(), looked = true;
+          if (entry == nullptr && source != nullptr) {
+            const int64_t same = AgreeingTokens(*source->store, start, n, key, value, buffer);
+            agreed = start + same;
+            if (same == n) return absl::OkStatus();
+            if (absl::Status begun = begin(); !begun.ok()) return begun;
+            const KvLayout& layout = header.layout;
+            const int64_t key_bytes = KeyBytes(layout, n - same);
+            rest.resize(key_bytes + StoredValueBytes(layout, n - same));
+            TokensFrom(key, layout.kv_heads, n, KeyBytes(layout, 1) / layout.kv_heads, same,
+                       rest.data());
+            if (!layout.values_from_keys) {
+              TokensFrom(value, layout.kv_heads, n, StoredValueBytes(layout, 1) / layout.kv_heads,
+                         same, rest.data() + key_bytes);
+            }
+            return AppendStored(*lease, rest.data(), rest.data() + key_bytes, n - same, path);
+          }
           if (absl::Status begun = begin(); !begun.ok()) return begun;
           return AppendStored(*lease, key, value, n, path);
         },
         [&](int64_t length) -> absl::Status {  // The entry has no file yet: memory only.
+          if (!looked) share_with(), looked = true;
+          if (entry == nullptr && source != nullptr) {
+            agreed = std::min(agreed, length);  // Still the source's tokens.
+            return absl::OkStatus();
+          }
           if (absl::Status begun = begin(); !begun.ok()) return begun;
           return lease->Truncate(length);
         },
         &report);
+    if (file.ok() && !looked) share_with();
     absl::Status status = file.ok() ? begin() : file.status();
     if (status.code() == absl::StatusCode::kResourceExhausted) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -161,10 +323,19 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
     tokens += entry->file->tokens();
     bytes += entry->file->size();
     lease.reset();
+    by_id[entry->id] = entry;
+    first_of_family.emplace(entry->root.empty() ? entry->id : entry->root, entry);
     restored.push_back(std::move(entry));
   }
-  std::sort(restored.begin(), restored.end(),
-            [](const auto& a, const auto& b) { return a->created_ns < b->created_ns; });
+  for (std::shared_ptr<Entry>& entry : restored) {
+    entry->shared_bytes.store(entry->store->shared_bytes());
+  }
+  if (const int64_t in_use = CacheRegistry::bytes(); in_use > limits_.budget_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("restoring the caches in --cache-dir=", limits_.dir, ": they take ", in_use,
+                     " bytes, over this server's --cache-bytes=", limits_.budget_bytes,
+                     ". Start with a larger --cache-bytes (nothing was dropped)"));
+  }
   for (std::shared_ptr<Entry>& entry : restored) {
     if (absl::Status inserted = Insert(entry); !inserted.ok()) {
       return absl::ResourceExhaustedError(
@@ -173,11 +344,14 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
     }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  lines.insert(lines.begin(),
-               absl::StrCat("restored ", restored.size(), " caches (", tokens, " tokens, ", bytes,
-                            " bytes) from --cache-dir=", limits_.dir, " in ",
-                            absl::StrFormat("%.3f", seconds), " s",
-                            damaged > 0 ? absl::StrCat("; ", damaged, " files refused") : ""));
+  lines.insert(
+      lines.begin(),
+      absl::StrCat(
+          "restored ", restored.size(), " caches (", tokens, " tokens, ", bytes,
+          " bytes) from --cache-dir=", limits_.dir, " in ", absl::StrFormat("%.3f", seconds), " s",
+          shared > 0 ? absl::StrCat("; forks share ", shared, " tokens with their sources again")
+                     : "",
+          damaged > 0 ? absl::StrCat("; ", damaged, " files refused") : ""));
   return lines;
 }
 
@@ -226,13 +400,9 @@ absl::Status CacheRegistry::WritePass(bool wait_for_every_cache) {
       const int64_t from = entry.file->tokens();
       const int64_t to = entry.length.load();
       if (from >= to) return true;
-      const KvLayout& layout = entry.store->layout();
       const int64_t n = std::min(to - from, entry.file->TokensPerRecord());
-      const int64_t key_bytes = KeyBytes(layout, n);
-      buffer.resize(key_bytes + StoredValueBytes(layout, n));  // A record holds what is stored.
-      absl::Status copied =
-          entry.store->CopyOut(from, from + n, buffer.data(),
-                               layout.values_from_keys ? nullptr : buffer.data() + key_bytes);
+      int64_t key_bytes;
+      absl::Status copied = CopyRecord(*entry.store, from, n, buffer, &key_bytes);
       hold.unlock();
       if (copied.ok()) {
         std::lock_guard<std::mutex> lock(entry.file_mutex);

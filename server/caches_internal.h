@@ -42,7 +42,7 @@ inline bool IsCacheId(const std::string& id) {
 
 struct CacheRegistry::Entry {
   Entry(CacheRegistry& registry, std::string id, std::string owner, int64_t serial,
-        int64_t created_ns, std::unique_ptr<KvStore> store, int64_t now_ns)
+        int64_t created_ns, std::unique_ptr<KvStore> store, int64_t now_ns, bool forked = false)
       : registry(registry),
         id(std::move(id)),
         owner(std::move(owner)),
@@ -51,12 +51,15 @@ struct CacheRegistry::Entry {
         store(std::move(store)),
         last_used_ns(now_ns) {
     // The budget counts pages, each once: a page's bytes go back when the last store holding
-    // it (this one or a fork's) frees it.
-    this->store->OnPageFreed([registry = &registry](int64_t bytes) { registry->Release(bytes); });
+    // it (this one or a fork's) frees it. A fork's store reports to its source's already.
+    if (!forked) {
+      this->store->OnPageFreed([registry = &registry](int64_t bytes) { registry->Release(bytes); });
+    }
   }
-  // The last lease has ended and the registry has let go: a tentative cut's hold goes back now,
-  // the pages as the store frees them (those a fork still holds, when it lets go).
-  ~Entry() { registry.Release(held_bytes); }
+  // The last lease has ended and the registry has let go: a tentative cut's hold and a fork's
+  // page table go back now, the pages as the store frees them (those a fork still holds, when
+  // it lets go).
+  ~Entry() { registry.Release(held_bytes + table_bytes); }
 
   CacheRegistry& registry;
   std::string id;  // Set before the entry is in the registry (an import may draw a new one).
@@ -69,11 +72,16 @@ struct CacheRegistry::Entry {
   // Of the registry's budget besides the pages: what a tentative cut freed, kept until the
   // lease commits or rolls back (so that putting the tokens back cannot run out of budget).
   int64_t held_bytes = 0;
+  int64_t table_bytes = 0;  // A fork's page table (CacheRegistry::Fork), set before it is shared.
   double max_abs_key = 0, max_abs_value = 0;
+  // A fork's source and its family's root (the first cache, which no fork made), for its file
+  // and a restore's sharing; empty for a cache that is not a fork. Set before it is shared.
+  std::string parent, root;
 
   // Readable without the mutex (Describe, List, metrics, expiry).
   std::atomic<int64_t> length{0};
   std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> shared_bytes{0};  // store->shared_bytes() when last read under mutex.
   std::atomic<int64_t> last_used_ns;
   std::atomic<int> leases{0};
 

@@ -31,6 +31,7 @@ using attention::v1::DecodeRequest;
 using attention::v1::DecodeResponse;
 using attention::v1::DeleteCacheRequest;
 using attention::v1::DeleteCacheResponse;
+using attention::v1::ForkCacheRequest;
 using attention::v1::GetCacheInfoRequest;
 using attention::v1::GetServerInfoRequest;
 using attention::v1::ListCachesRequest;
@@ -625,6 +626,16 @@ void Gateway::AddRoutes(HttpPort& port) {
             request, response, BodyForPathCache<TruncateCacheRequest>(request, body),
             [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
               stub.async()->TruncateCache(context, call_request, call_response, std::move(done));
+            });
+      });
+  AddPostRoute(
+      server, absl::StrCat(kCachePath, "/fork"), "ForkCache",
+      [this](const httplib::Request& request, const std::string& body,
+             httplib::Response& response) {
+        Unary<ForkCacheRequest, CacheInfo>(
+            request, response, BodyForPathCache<ForkCacheRequest>(request, body),
+            [](Stub& stub, auto* context, auto* call_request, auto* call_response, auto done) {
+              stub.async()->ForkCache(context, call_request, call_response, std::move(done));
             });
       });
   AddPostRoute(

@@ -467,9 +467,9 @@ absl::Status CheckCutLength(absl::string_view prefix, absl::string_view field, i
                    absl::StrCat("is ", length, "; expected the tokens to keep (≥ 0)"));
   }
   if (length_now < 0 || length <= length_now) return absl::OkStatus();
-  return absl::OutOfRangeError(absl::StrCat(prefix, field, ": is ", length, " but the cache holds ",
-                                            length_now,
-                                            " tokens; a cut keeps a prefix, at most all of them"));
+  return absl::OutOfRangeError(
+      absl::StrCat(prefix, field, ": is ", length, " but the cache holds ", length_now,
+                   " tokens; a cut or a fork keeps a prefix, at most all of them"));
 }
 
 absl::Status CheckDecodeCut(absl::string_view prefix, int64_t truncate_to, int64_t length_now,

@@ -45,6 +45,7 @@ void EncodeCacheInfo(const CacheDescription& cache, v1::CacheInfo* message) {
   message->set_values_from_keys(cache.layout.values_from_keys);
   message->set_length(cache.length);
   message->set_bytes(cache.bytes);
+  message->set_shared_bytes(cache.shared_bytes);
   message->set_page_tokens(cache.page_tokens);
   if (cache.durable_length) message->set_durable_length(*cache.durable_length);
   if (cache.crc32c) message->set_crc32c(*cache.crc32c);

@@ -81,6 +81,9 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   grpc::ServerUnaryReactor* TruncateCache(grpc::CallbackServerContext* context,
                                           const attention::v1::TruncateCacheRequest* request,
                                           attention::v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* ForkCache(grpc::CallbackServerContext* context,
+                                      const attention::v1::ForkCacheRequest* request,
+                                      attention::v1::CacheInfo* response) override;
   grpc::ServerUnaryReactor* GetCacheInfo(grpc::CallbackServerContext* context,
                                          const attention::v1::GetCacheInfoRequest* request,
                                          attention::v1::CacheInfo* response) override;

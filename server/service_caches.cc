@@ -1,8 +1,9 @@
 // AttentionService (service.h), its KV-cache handlers: CreateCache, AppendCache, TruncateCache,
-// GetCacheInfo, DeleteCache and ListCaches, Decode (a batch of one-step cuts, appends and
-// attentions, each over its own cache, all or nothing), and ExportCache and ImportCache (a cache
-// as a stream of chunks, cache_transfer.h). The request checks are request.h's, the caches' rules
-// caches.h's: these handlers order them, and queue what reads every element or changes a cache.
+// ForkCache, GetCacheInfo, DeleteCache and ListCaches, Decode (a batch of one-step cuts, appends
+// and attentions, each over its own cache, all or nothing), and ExportCache and ImportCache (a
+// cache as a stream of chunks, cache_transfer.h). The request checks are request.h's, the caches'
+// rules caches.h's: these handlers order them, and queue what reads every element or changes a
+// cache.
 #include <string>
 #include <utility>
 #include <vector>
@@ -273,6 +274,67 @@ grpc::ServerUnaryReactor* AttentionService::TruncateCache(grpc::CallbackServerCo
     }
     lease->Commit();
     EncodeCacheInfo(lease->Describe(), response);
+    reactor->Finish(grpc::Status::OK);
+  };
+  absl::Status accepted = queue_.Submit(
+      {.request_bytes = InflightBytes(*request, 0), .work = std::move(run), .refuse = fail});
+  if (!accepted.ok()) fail(accepted);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::ForkCache(grpc::CallbackServerContext* context,
+                                                      const v1::ForkCacheRequest* request,
+                                                      v1::CacheInfo* response) {
+  const std::string owner = CallerIdentity(*context);
+  if (const absl::StatusOr<KvLayout> layout = AdmitCacheChange(owner, request->cache_id());
+      !layout.ok()) {
+    return Failed(context, layout.status());
+  }
+  if (request->has_length()) {
+    if (absl::Status length = CheckCutLength("", "length", request->length(), -1); !length.ok()) {
+      return Failed(context, length);
+    }
+  }
+  if (request->has_expected_length()) {
+    if (absl::Status length = CheckExpectedLength("", request->expected_length(), "", -1);
+        !length.ok()) {
+      return Failed(context, length);
+    }
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
+  // With --cache-dir the fork's file is written and fsynced: compute-queue work.
+  auto run = [this, context, request, response, owner, fail, reactor] {
+    if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
+      fail(interrupted);
+      return;
+    }
+    absl::StatusOr<CacheRegistry::Lease> source =
+        caches_.Acquire(owner, request->cache_id(), "cache_id");
+    if (!source.ok()) {
+      fail(source.status());
+      return;
+    }
+    if (request->has_expected_length()) {
+      if (absl::Status length = CheckExpectedLength("", request->expected_length(),
+                                                    request->cache_id(), source->length());
+          !length.ok()) {
+        fail(length);
+        return;
+      }
+    }
+    const int64_t length = request->has_length() ? request->length() : source->length();
+    if (absl::Status checked = CheckCutLength("", "length", length, source->length());
+        !checked.ok()) {
+      fail(checked);
+      return;
+    }
+    const absl::StatusOr<CacheDescription> fork = caches_.Fork(*source, length);
+    if (!fork.ok()) {
+      fail(fork.status());
+      return;
+    }
+    EncodeCacheInfo(*fork, response);
     reactor->Finish(grpc::Status::OK);
   };
   absl::Status accepted = queue_.Submit(

@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -690,6 +691,82 @@ TEST_F(RegistryOnDiskTest, RestoreOverTheBudgetRefusesToStartAndKeepsTheFiles) {
   EXPECT_NE(lines.status().message().find("--cache-bytes"), std::string::npos) << lines.status();
   EXPECT_TRUE(fs::exists(dir_.path() + "/" + id + ".kv"));
   EXPECT_EQ(small.caches(), 0);
+}
+
+// Forks (ForkCache) on disk: a fork's file holds all its tokens and is durable when Fork
+// returns; a restart brings every fork back bit for bit and shares its pages again with the
+// cache it was forked from, or with a sibling when that one was deleted, as far as their bytes
+// agree, so that caches which fitted the budget before a restart fit it after (here unshared
+// they would not).
+TEST_F(RegistryOnDiskTest, ForksRestoreWholeAndShareTheirSourcesPagesAgain) {
+  const KvLayout layout{.kv_heads = 2, .head_dim = 8, .value_dim = 5, .dtype = DType::kBFloat16};
+  std::string source, f1, f2, f3;
+  std::map<std::string, std::vector<std::string>> contents;
+  int64_t in_use = 0, budget = 0;
+  auto fork = [&](CacheRegistry& registry, const std::string& id, int64_t length) {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("o", id, "cache_id");
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    absl::StatusOr<CacheDescription> forked = registry.Fork(*lease, length);
+    EXPECT_TRUE(forked.ok()) << forked.status();
+    EXPECT_EQ(forked->length, length);
+    EXPECT_EQ(forked->durable_length, length);  // On disk (fsynced) before the answer.
+    EXPECT_GT(forked->shared_bytes, 0);
+    return forked->id;
+  };
+  auto cut = [&](CacheRegistry& registry, const std::string& id, int64_t length) {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("o", id, "cache_id");
+    ASSERT_TRUE(lease.ok());
+    ASSERT_TRUE(lease->Truncate(length).ok());
+    lease->Commit();
+  };
+  {
+    CacheRegistry registry(backend_, Limits());
+    ASSERT_TRUE(registry.Restore().ok());
+    source = registry.Create("o", layout)->id;
+    contents[source] = Append(registry, "o", source, 3000);  // 12 pages of 256 tokens.
+    const int64_t one = registry.bytes();
+    f1 = fork(registry, source, 3000);
+    f2 = fork(registry, source, 2100);            // Within a page: shares it partly filled.
+    EXPECT_LT(registry.bytes(), one + one / 10);  // Page tables only.
+    for (const std::string& id : {f1, f2}) {
+      contents[id] = Contents(registry, "o", id);
+      std::vector<std::string> own = Append(registry, "o", id, 30);
+      contents[id].insert(contents[id].end(), own.begin(), own.end());
+    }
+    f3 = fork(registry, f1, 3030);
+    cut(registry, f3, 1500);
+    contents[f3] = std::vector<std::string>(contents[f1].begin(), contents[f1].begin() + 1500);
+    std::vector<std::string> own = Append(registry, "o", f3, 20);
+    contents[f3].insert(contents[f3].end(), own.begin(), own.end());
+    EXPECT_EQ(Contents(registry, "o", source), contents[source]);  // Untouched by its forks.
+    ASSERT_TRUE(registry.Delete("o", source).ok());                // f2 now shares with f1 only.
+    in_use = registry.bytes();
+    budget = in_use + in_use / 4;
+    EXPECT_LT(budget, 2 * one);  // Unshared, the three would need more than twice one.
+  }
+  contents.erase(source);
+  {
+    CacheRegistry restored(backend_, Limits(budget));
+    absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
+    ASSERT_TRUE(lines.ok()) << lines.status();
+    EXPECT_NE((*lines)[0].find("forks share"), std::string::npos) << (*lines)[0];
+    EXPECT_LE(restored.bytes(), in_use);
+    for (const auto& [id, tokens] : contents) {
+      EXPECT_EQ(Contents(restored, "o", id), tokens) << id;
+      EXPECT_GT(restored.Describe("o", id)->shared_bytes, 0) << id;
+    }
+    // Appends into restored forks write into their own pages, never a shared one.
+    std::vector<std::string> more = Append(restored, "o", f2, 40);
+    contents[f2].insert(contents[f2].end(), more.begin(), more.end());
+    for (const auto& [id, tokens] : contents) EXPECT_EQ(Contents(restored, "o", id), tokens) << id;
+    ASSERT_TRUE(restored.Delete("o", f1).ok());
+    for (const std::string& id : {f2, f3}) EXPECT_EQ(Contents(restored, "o", id), contents[id]);
+  }
+  contents.erase(f1);
+  CacheRegistry again(backend_, Limits(budget));
+  const absl::StatusOr<std::vector<std::string>> lines = again.Restore();
+  ASSERT_TRUE(lines.ok()) << lines.status();
+  for (const auto& [id, tokens] : contents) EXPECT_EQ(Contents(again, "o", id), tokens) << id;
 }
 
 TEST_F(RegistryOnDiskTest, DamagedFilesAreCutOrSetAsideAndTheOthersRestoredWhole) {

@@ -75,8 +75,10 @@ void ExpectMatches(const v1::Tensor& output, const HostProblem& problem) {
 
 class CacheServiceTest : public ::testing::Test {
  public:  // The bad-call table's lambdas call these.
-  void StartServer(int64_t cache_bytes = int64_t{256} << 20, int64_t max_naive_bytes = 0) {
-    backend_ = std::make_unique<CpuBackend>(2, max_naive_bytes);
+  void StartServer(int64_t cache_bytes = int64_t{256} << 20, int64_t max_naive_bytes = 0,
+                   int64_t page_tokens = CpuBackend::kDefaultKvPageTokens) {
+    backend_ = std::make_unique<CpuBackend>(2, max_naive_bytes,
+                                            CpuBackend::kDefaultMaxPackedHeadBytes, page_tokens);
     ServiceConfig config;
     config.caches = {.budget_bytes = cache_bytes, .idle_seconds = 0};
     service_ = std::make_unique<AttentionService>(*backend_, config);
@@ -567,6 +569,147 @@ TEST_F(CacheServiceTest, ACutCacheEqualsOneThatNeverHadTheCutTokens) {
     EXPECT_EQ(after.outputs(0).data(), before.outputs(0).data());
     EXPECT_EQ(after.lse(0).data(), before.lse(0).data());
   }
+}
+
+// ForkCache: a fork decodes bit for bit as a copy of the source's prefix would, before and after
+// each appends tokens of its own (an append into the shared partly filled page copies it: the
+// source's answers do not change); shared pages count once against --cache-bytes, so forks fit
+// where copies would not; deleting the source keeps what its forks use, and the budget comes
+// back only when the last holder goes. Bad forks are refused by name and create nothing.
+TEST_F(CacheServiceTest, AForkDecodesAsACopyAndSharesItsPagesInTheBudget) {
+  const HostProblem p = RandomCacheProblem(3, 153, DType::kBFloat16, true, 81);
+  const HostProblem own = RandomCacheProblem(3, 153, DType::kBFloat16, true, 82);
+  const Shape& s = p.shape;
+  auto fork = [&](const std::string& id, std::optional<int64_t> length,
+                  std::optional<int64_t> expected, v1::CacheInfo* info) {
+    v1::ForkCacheRequest request;
+    request.set_cache_id(id);
+    if (length) request.set_length(*length);
+    if (expected) request.set_expected_length(*expected);
+    return Call(&v1::AttentionService::Stub::ForkCache, request, info);
+  };
+  auto decode = [&](const std::string& id, int64_t length, v1::DecodeResponse* response) {
+    v1::DecodeRequest request;
+    request.mutable_options()->set_causal(true);
+    request.mutable_options()->set_return_lse(true);
+    request.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT32);
+    v1::DecodeItem* item = request.add_items();
+    item->set_cache_id(id);
+    item->set_expected_length(length);
+    *item->mutable_query() = ToTensor({s.heads, s.query_len, s.head_dim}, p.query_bytes.data(),
+                                      p.query_bytes.size(), p.dtype);
+    const grpc::Status status = Call(&v1::AttentionService::Stub::Decode, request, response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  };
+  auto same = [](const v1::DecodeResponse& a, const v1::DecodeResponse& b) {
+    return a.outputs(0).data() == b.outputs(0).data() && a.lse(0).data() == b.lse(0).data();
+  };
+  // Pages of 16 tokens, and a budget of about three such caches (measured on a server of its
+  // own first).
+  TearDown();
+  StartServer(int64_t{256} << 20, 0, /*page_tokens=*/16);
+  v1::CacheInfo info;
+  const std::string sized = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(sized, p, 0, 160, 0, &info).ok());
+  const int64_t page_bytes = info.bytes() / 10;
+  const int64_t cache_bytes = 10 * page_bytes;  // 150 tokens.
+  TearDown();
+  StartServer(/*cache_bytes=*/3 * cache_bytes + 8192, 0, /*page_tokens=*/16);
+  const std::string source = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(source, p, 0, 150, 0, &info).ok());
+  ASSERT_EQ(info.bytes(), cache_bytes);
+  EXPECT_EQ(info.shared_bytes(), 0);
+  v1::DecodeResponse source_before;
+  decode(source, 150, &source_before);
+
+  // Eight forks of all 150 tokens fit a budget of three caches; the ninth cache's pages do not.
+  std::vector<std::string> forks;
+  for (int i = 0; i < 8; ++i) {
+    grpc::Status status = fork(source, std::nullopt, 150, &info);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(info.length(), 150);
+    EXPECT_EQ(info.bytes(), 10 * page_bytes);
+    EXPECT_EQ(info.shared_bytes(), info.bytes());
+    EXPECT_NE(info.cache_id(), source);
+    forks.push_back(info.cache_id());
+  }
+  v1::GetCacheInfoRequest get;
+  get.set_cache_id(source);
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::GetCacheInfo, get, &info).ok());
+  EXPECT_EQ(info.shared_bytes(), info.bytes());
+  for (const std::string& id : forks) {
+    v1::DecodeResponse got;
+    decode(id, 150, &got);
+    EXPECT_TRUE(same(got, source_before)) << id;
+  }
+
+  // A fork of 100 tokens (inside page 6) against a copy of them, each then given the same 53
+  // tokens of its own: bit for bit equal, and the source's answer unchanged.
+  ASSERT_TRUE(fork(source, 100, std::nullopt, &info).ok());
+  const std::string short_fork = info.cache_id();
+  EXPECT_EQ(info.bytes(), 7 * page_bytes);
+  const std::string copy = Create(s, p.dtype).cache_id();
+  ASSERT_TRUE(Append(copy, p, 0, 100, 0, &info).ok());
+  for (const std::string& id : {short_fork, copy}) {
+    v1::AppendCacheRequest request;
+    request.set_cache_id(id);
+    *request.mutable_key() =
+        Tokens(own.key_bytes, own.dtype, s.kv_heads, s.key_len, s.head_dim, 0, 53);
+    *request.mutable_value() =
+        Tokens(own.value_bytes, own.dtype, s.kv_heads, s.key_len, s.value_dim, 0, 53);
+    request.set_expected_length(100);
+    const grpc::Status status = Call(&v1::AttentionService::Stub::AppendCache, request, &info);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  EXPECT_EQ(info.shared_bytes(), 0);  // The copy shares nothing.
+  get.set_cache_id(short_fork);
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::GetCacheInfo, get, &info).ok());
+  EXPECT_EQ(info.shared_bytes(), 6 * page_bytes);  // Page 6 was copied before the write.
+  v1::DecodeResponse from_fork, from_copy, source_after;
+  decode(short_fork, 153, &from_fork);
+  decode(copy, 153, &from_copy);
+  decode(source, 150, &source_after);
+  EXPECT_TRUE(same(from_fork, from_copy));
+  EXPECT_TRUE(same(source_after, source_before));
+
+  // Deleting the source keeps what the forks use: their answers stay, the budget stays full.
+  v1::DeleteCacheRequest drop;
+  v1::DeleteCacheResponse dropped;
+  drop.set_cache_id(source);
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::DeleteCache, drop, &dropped).ok());
+  v1::DecodeResponse after_delete;
+  decode(forks[3], 150, &after_delete);
+  EXPECT_TRUE(same(after_delete, source_before));
+  const std::string big = Create(s, p.dtype).cache_id();
+  grpc::Status status = Append(big, p, 0, 150, 0, &info);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("--cache-bytes"));
+  for (const std::string& id : {copy, short_fork}) {
+    drop.set_cache_id(id);
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::DeleteCache, drop, &dropped).ok());
+  }
+  status = Append(big, p, 0, 150, 0, &info);  // The copy's pages and short_fork's own are back.
+  EXPECT_TRUE(status.ok()) << status.error_message();
+
+  // Bad forks: named, and no cache appears.
+  const size_t caches = forks.size() + 1;
+  status = fork(forks[0], 151, std::nullopt, &info);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(status.error_message(),
+              ::testing::HasSubstr("length: is 151 but the cache holds 150"));
+  status = fork(forks[0], -1, std::nullopt, &info);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("length"));
+  status = fork(forks[0], std::nullopt, 149, &info);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("expected_length"));
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("150"));
+  status = fork("0123456789abcdef0123456789abcdef", std::nullopt, std::nullopt, &info);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("cache_id"));
+  v1::ListCachesResponse list;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::ListCaches, v1::ListCachesRequest(), &list).ok());
+  EXPECT_EQ(static_cast<size_t>(list.caches_size()), caches);
 }
 
 // A tree step (tree_parents): each row sees the cache, its ancestors and itself — against the
@@ -1146,6 +1289,120 @@ TEST(CacheRegistryTest, MaxCachesBoundsTheCachesAliveAndNamesTheFlag) {
   EXPECT_NE(third.status().message().find("--max-caches=2"), std::string::npos) << third.status();
   ASSERT_TRUE(registry.Delete("a", first->id).ok());
   EXPECT_TRUE(registry.Create("a", SmallLayout()).ok());
+}
+
+TEST(CacheRegistryTest, AForkCountsAgainstMaxCachesAndItsPageTableAgainstTheBudget) {
+  CpuBackend backend(1, 0);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0, .max_caches = 2});
+  const absl::StatusOr<CacheDescription> cache = registry.Create("a", SmallLayout());
+  ASSERT_TRUE(cache.ok());
+  absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("a", cache->id, "cache_id");
+  ASSERT_TRUE(lease.ok());
+  const SmallTokens tokens(1000);
+  ASSERT_TRUE(lease->Append(tokens.view(), tokens.view(), tokens.n, 0.5, 0.5).ok());
+  lease->Commit();
+  const int64_t pages_bytes = registry.bytes();
+  absl::StatusOr<CacheDescription> fork = registry.Fork(*lease, 1000);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  const int64_t pages = (1000 + fork->page_tokens - 1) / fork->page_tokens;
+  EXPECT_EQ(registry.bytes(), pages_bytes + pages * CacheRegistry::kForkTableBytesPerPage);
+  const absl::StatusOr<CacheDescription> third = registry.Fork(*lease, 10);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("--max-caches=2"), std::string::npos) << third.status();
+  lease = absl::CancelledError("released");
+  ASSERT_TRUE(registry.Delete("a", fork->id).ok());
+  EXPECT_EQ(registry.bytes(), pages_bytes);
+}
+
+// Forks and appends from several threads at once, on pages of 3 tokens (so nearly every fork
+// shares a partly filled page): an appender grows the source a token at a time, forkers fork it
+// and append their own tokens to their forks, deleting every other one. Every cache always holds
+// exactly its own history (a token's elements name it), and once all are deleted every byte of
+// the budget is back.
+TEST(CacheRegistryTest, ForksAndAppendsFromManyThreadsKeepEveryCachesTokens) {
+  CpuBackend backend(1, 0, CpuBackend::kDefaultMaxPackedHeadBytes, /*kv_page_tokens=*/3);
+  CacheRegistry registry(backend, {.budget_bytes = 64 << 20, .idle_seconds = 0});
+  const std::string source = registry.Create("o", SmallLayout())->id;
+  // Token t of a cache: every element `value(t)`; a fork's own tokens are negative.
+  auto check = [&](const std::string& id, const std::function<float(int64_t)>& value) {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("o", id, "cache_id");
+    if (!lease.ok()) return ::testing::AssertionFailure() << lease.status();
+    const int64_t n = lease->length();
+    std::vector<float> key(2 * n * 8), stored_value(2 * n * 8);
+    if (!lease->CopyOut(0, n, key.data(), stored_value.data()).ok()) {
+      return ::testing::AssertionFailure() << "CopyOut";
+    }
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t c = 0; c < 8; ++c) {
+          const int64_t at = (h * n + t) * 8 + c;
+          if (key[at] != value(t) || stored_value[at] != value(t)) {
+            return ::testing::AssertionFailure()
+                   << id << " token " << t << " is " << key[at] << ", expected " << value(t);
+          }
+        }
+      }
+    }
+    return ::testing::AssertionSuccess();
+  };
+  auto append = [&](const std::string& id, int64_t n, float value) {
+    absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("o", id, "cache_id");
+    ASSERT_TRUE(lease.ok());
+    const SmallTokens tokens(n, value);
+    ASSERT_TRUE(
+        lease->Append(tokens.view(), tokens.view(), n, std::abs(value), std::abs(value)).ok());
+    lease->Commit();
+  };
+  append(source, 1, 0.f);
+  std::thread appender([&] {
+    for (int i = 1; i < 300; ++i) append(source, 1, static_cast<float>(i));
+  });
+  std::vector<std::thread> forkers;
+  std::atomic<int> failures{0};
+  std::vector<std::vector<std::pair<std::string, int64_t>>> kept(3);  // (fork, its length).
+  for (int f = 0; f < 3; ++f) {
+    forkers.emplace_back([&, f] {
+      for (int i = 0; i < 40; ++i) {
+        int64_t length;
+        std::string id;
+        {
+          absl::StatusOr<CacheRegistry::Lease> lease = registry.Acquire("o", source, "cache_id");
+          length = lease->length();
+          absl::StatusOr<CacheDescription> fork = registry.Fork(*lease, length - i % 2);
+          if (!fork.ok()) {
+            ++failures;
+            continue;
+          }
+          id = fork->id;
+          length = fork->length;
+        }
+        const float own = -static_cast<float>(1000 * f + i + 1);
+        append(id, 1 + i % 4, own);
+        if (!check(id, [&](int64_t t) { return t < length ? static_cast<float>(t) : own; })) {
+          ++failures;
+        }
+        if (i % 2 == 0) {
+          if (!registry.Delete("o", id).ok()) ++failures;
+        } else {
+          kept[f].emplace_back(id, length);
+        }
+      }
+    });
+  }
+  appender.join();
+  for (std::thread& forker : forkers) forker.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_TRUE(check(source, [](int64_t t) { return static_cast<float>(t); }));
+  for (int f = 0; f < 3; ++f) {
+    for (size_t k = 0; k < kept[f].size(); ++k) {
+      const auto& [id, length] = kept[f][k];
+      const float own = -static_cast<float>(1000 * f + 2 * k + 2);  // The odd i's.
+      EXPECT_TRUE(check(id, [&](int64_t t) { return t < length ? static_cast<float>(t) : own; }));
+      ASSERT_TRUE(registry.Delete("o", id).ok());
+    }
+  }
+  ASSERT_TRUE(registry.Delete("o", source).ok());
+  EXPECT_EQ(registry.bytes(), 0);
 }
 
 TEST(CacheRegistryTest, AnIdleCacheExpiresAndSaysSo) {

@@ -159,8 +159,8 @@ check cache-latent-append 0 'length 300 tokens, 144\.0 KiB in pages of 256 token
 check cache-latent-info 0 'DTYPE_FLOAT32, latent: values from keys' -- \
   "${cache[@]}" info "$latent_id"
 check cache-latent-info-json 0 '"valuesFromKeys":true' -- "${cache[@]}" info "$latent_id" --json
-check cache-latent-list 0 "^$latent_id +1 +72 +40 +DTYPE_FLOAT32 +300 +144\.0 KiB +from keys\$" -- \
-  "${cache[@]}" list
+check cache-latent-list 0 \
+  "^$latent_id +1 +72 +40 +DTYPE_FLOAT32 +300 +144\.0 KiB +0 B +from keys\$" -- "${cache[@]}" list
 check cache-latent-tiled 0 'output \[1, 13, 2, 40\] DTYPE_FLOAT32' -- \
   "$attn" "${target[@]}" tiled --cache "$latent_id" --random 1,13,2,72
 check cache-latent-delete 0 "^deleted cache $latent_id$" -- "${cache[@]}" delete "$latent_id"
@@ -168,6 +168,61 @@ check cache-latent-value-dim 1 'INVALID_ARGUMENT: value_dim: is 73 but head_dim 
   "${cache[@]}" create --kv-heads 1 --head-dim 72 --value-dim 73 --values-from-keys
 check cache-latent-elsewhere 1 '--values-from-keys applies to cache create and decode' -- \
   "${cache[@]}" append 0123 --tokens 1 --values-from-keys
+
+# Forks (ForkCache): 300 tokens of 64 bytes in pages of 256 tokens (16 KiB each). A fork of all
+# of them shares both pages, one of the first 100 the first page; the fork's tokens are the
+# source's bit for bit (Tiled over either gives the same bytes). An append to the prefix fork
+# copies the shared partly filled page first, so that fork shares nothing any more; the source
+# still shares both pages. Refusals name the field; deleting the source keeps what the forks use.
+created=$("${cache[@]}" create --kv-heads 1 --head-dim 8 2>&1) || true
+source_id=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$created")
+"${cache[@]}" append "$source_id" --tokens 300 >/dev/null
+forked=$("${cache[@]}" fork "$source_id" 2>&1) || true
+fork_all=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$forked")
+check cache-fork-all 0 'length 300 tokens, 32\.0 KiB in pages of 256 tokens' -- echo "$forked"
+check cache-fork-all-shared 0 '^  shared 32\.0 KiB of them with other caches' -- echo "$forked"
+check cache-fork-new-id 0 '^new$' -- \
+  bash -c '[ -n "$1" ] && [ "$1" != "$2" ] && echo new' _ "$fork_all" "$source_id"
+forked=$("${cache[@]}" fork "$source_id" --length 100 --expected-length 300 2>&1) || true
+fork_prefix=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$forked")
+check cache-fork-prefix 0 'length 100 tokens, 16\.0 KiB in pages of 256 tokens' -- echo "$forked"
+check cache-fork-prefix-shared 0 '^  shared 16\.0 KiB of them' -- echo "$forked"
+check cache-fork-source-shared 0 '^  shared 32\.0 KiB of them' -- "${cache[@]}" info "$source_id"
+check cache-fork-json 0 '"length":"300".*"sharedBytes":"32768"' -- \
+  "${cache[@]}" info "$fork_all" --json
+check cache-fork-list 0 "^$fork_all +1 +8 +8 +DTYPE_FLOAT32 +300 +32\.0 KiB +32\.0 KiB +stored\$" \
+  -- "${cache[@]}" list
+check cache-fork-tiled 0 'output \[1, 2, 1, 8\] DTYPE_FLOAT32' -- \
+  "$attn" "${target[@]}" tiled --cache "$fork_all" --random 1,2,1,8 --output-file "$bench/fork.out"
+"$attn" "${target[@]}" tiled --cache "$source_id" --random 1,2,1,8 \
+  --output-file "$bench/source.out" >/dev/null 2>&1 || true
+check cache-fork-same-bits 0 '' -- cmp "$bench/fork.out" "$bench/source.out"
+check cache-fork-append 0 'length 110 tokens, 16\.0 KiB in pages' -- \
+  "${cache[@]}" append "$fork_prefix" --tokens 10
+check cache-fork-copied 0 '^0$' -- \
+  bash -c '"$@" | grep -c shared || true' _ "${cache[@]}" info "$fork_prefix"
+check cache-fork-source-after 0 '^  shared 32\.0 KiB of them' -- "${cache[@]}" info "$source_id"
+check cache-fork-past 1 'OUT_OF_RANGE: length: is 301 but the cache holds 300' -- \
+  "${cache[@]}" fork "$source_id" --length 301
+check cache-fork-negative 1 'INVALID_ARGUMENT: length' -- \
+  "${cache[@]}" fork "$source_id" --length -1
+check cache-fork-stale 1 'FAILED_PRECONDITION: expected_length: is 299' -- \
+  "${cache[@]}" fork "$source_id" --expected-length 299
+check cache-fork-unknown 1 'NOT_FOUND' -- \
+  "${cache[@]}" fork 00000000000000000000000000000000
+check cache-fork-no-id 1 'usage: attn cache fork CACHE_ID' -- "${cache[@]}" fork
+check cache-fork-length-elsewhere 1 '--length applies to cache fork' -- \
+  "${cache[@]}" truncate "$source_id" --keep 1 --length 1
+check cache-fork-delete-source 0 "^deleted cache $source_id$" -- \
+  "${cache[@]}" delete "$source_id"
+check cache-fork-outlives-source 0 'output \[1, 2, 1, 8\] DTYPE_FLOAT32' -- \
+  "$attn" "${target[@]}" tiled --cache "$fork_all" --random 1,2,1,8 --output-file "$bench/fork2.out"
+check cache-fork-outlives-same-bits 0 '' -- cmp "$bench/fork2.out" "$bench/source.out"
+check cache-fork-alone 0 '^0$' -- \
+  bash -c '"$@" | grep -c shared || true' _ "${cache[@]}" info "$fork_all"
+for id in "$fork_all" "$fork_prefix"; do
+  check "cache-fork-delete-$id" 0 "^deleted cache $id$" -- "${cache[@]}" delete "$id"
+done
 
 decode_run() {  # decode_run DTYPE MAX_ERROR ARGS...: attn decode, its error at most MAX_ERROR
   local dtype=$1 max=$2

@@ -423,6 +423,21 @@ def cache_checks():
     check("cache truncate past the length: OUT_OF_RANGE naming length",
           error.get("code") == "OUT_OF_RANGE" and "length" in error.get("message", ""),
           "%d %s" % (status, body[:300]))
+    # A fork of its first 5 tokens (ForkCache), sharing the source's pages; one past is named.
+    fork = pb.ForkCacheRequest(length=5, expected_length=11)
+    status, _, body = post_message("/v1/caches/%s/fork" % cache_id, fork)
+    forked = json_format.Parse(body, pb.CacheInfo()) if status == 200 else None
+    check("cache fork of 5 tokens: 200, a new cache of length 5 sharing its pages",
+          forked is not None and forked.length == 5 and forked.cache_id != cache_id and
+          forked.shared_bytes == forked.bytes > 0, "%d %s" % (status, body[:300]))
+    status, _, body = post_message("/v1/caches/%s/fork" % cache_id, pb.ForkCacheRequest(length=12))
+    error = error_of(body)
+    check("cache fork past the length: OUT_OF_RANGE naming length",
+          error.get("code") == "OUT_OF_RANGE" and "length" in error.get("message", ""),
+          "%d %s" % (status, body[:300]))
+    if forked is not None:
+        status, _, body = http_call("DELETE", "/v1/caches/%s" % forked.cache_id)
+        check("cache fork deleted: 200", status == 200, "%d %s" % (status, body[:300]))
     status, _, body = http_call("GET", "/v1/caches/%s" % cache_id)
     expected = stub.GetCacheInfo(pb.GetCacheInfoRequest(cache_id=cache_id), timeout=30)
     check("cache info: equals gRPC's GetCacheInfo (one identity)",

@@ -70,6 +70,11 @@ void PrintInfo(std::FILE* out, const v1::CacheInfo& info, bool json) {
       info.values_from_keys() ? ", latent: values from keys (the first value_dim columns)" : "");
   absl::FPrintF(out, "  length %d tokens, %s in pages of %d tokens\n", info.length(),
                 Bytes(info.bytes()), info.page_tokens());
+  if (info.shared_bytes() > 0) {
+    absl::FPrintF(out,
+                  "  shared %s of them with other caches (counted once against --cache-bytes)\n",
+                  Bytes(info.shared_bytes()));
+  }
   if (info.has_durable_length()) {
     absl::FPrintF(out, "  durable %d tokens (on the server's disk)\n", info.durable_length());
   }
@@ -440,8 +445,8 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
                              std::FILE* out) {
   if (args.empty()) {
     return absl::InvalidArgumentError(
-        "give a cache command: create, append, truncate, info, list, delete, export, import or "
-        "move (attn --help)");
+        "give a cache command: create, append, truncate, fork, info, list, delete, export, import "
+        "or move (attn --help)");
   }
   const std::string& command = args[0];
   if (command == "create") {
@@ -480,6 +485,18 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
     PrintInfo(out, *info, flags.json);
     return absl::OkStatus();
   }
+  if (command == "fork") {
+    if (args.size() != 2) {
+      return absl::InvalidArgumentError(
+          "usage: attn cache fork CACHE_ID [--length N] [--expected-length L]");
+    }
+    absl::StatusOr<client::Cache> cache = OpenCache(client, args[1], flags.expected_length);
+    if (!cache.ok()) return cache.status();
+    absl::StatusOr<client::Cache> fork = cache->Fork(flags.length);
+    if (!fork.ok()) return fork.status();
+    PrintInfo(out, fork->info(), flags.json);
+    return absl::OkStatus();
+  }
   if (command == "info") {
     if (absl::Status usage = NeedId(args, "info"); !usage.ok()) return usage;
     absl::StatusOr<v1::CacheInfo> info = client.GetCacheInfo(args[1]);
@@ -499,13 +516,13 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
       absl::FPrintF(out, "no caches\n");
       return absl::OkStatus();
     }
-    absl::FPrintF(out, "%-32s  %8s  %8s  %9s  %-14s  %8s  %10s  %s\n", "cache_id", "kv_heads",
-                  "head_dim", "value_dim", "dtype", "length", "bytes", "values");
+    absl::FPrintF(out, "%-32s  %8s  %8s  %9s  %-14s  %8s  %10s  %10s  %s\n", "cache_id", "kv_heads",
+                  "head_dim", "value_dim", "dtype", "length", "bytes", "shared", "values");
     for (const v1::CacheInfo& info : list->caches()) {
-      absl::FPrintF(out, "%-32s  %8d  %8d  %9d  %-14s  %8d  %10s  %s\n", info.cache_id(),
+      absl::FPrintF(out, "%-32s  %8d  %8d  %9d  %-14s  %8d  %10s  %10s  %s\n", info.cache_id(),
                     info.kv_heads(), info.head_dim(), info.value_dim(),
                     v1::DType_Name(info.dtype()), info.length(), Bytes(info.bytes()),
-                    info.values_from_keys() ? "from keys" : "stored");
+                    Bytes(info.shared_bytes()), info.values_from_keys() ? "from keys" : "stored");
     }
     return absl::OkStatus();
   }
@@ -571,7 +588,8 @@ absl::Status RunCacheCommand(client::MultiServerClient& client,
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown cache command \"", command,
-                   "\": use create, append, info, list, delete, export, import or move"));
+                   "\": use create, append, truncate, fork, info, list, delete, export, "
+                   "import or move"));
 }
 
 absl::Status RunDecodeDemo(client::MultiServerClient& client, const CacheFlags& flags,

@@ -1,9 +1,12 @@
-// attn cache create|append|info|list|delete|export|import|move and attn decode: server-resident
-// KV caches from the command line.
+// attn cache create|append|truncate|fork|info|list|delete|export|import|move and attn decode:
+// server-resident KV caches from the command line.
 //
 //   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16]
 //                     [--values-from-keys]   a latent cache (MLA): keys only, V ≤ D
 //   attn cache append ID --tokens N [--expected-length L]   N random tokens (uniform in [-1, 1))
+//   attn cache truncate ID --keep N [--expected-length L]   drops the tokens from N on
+//   attn cache fork ID [--length N] [--expected-length L]   a new cache holding ID's first N
+//                                           tokens (all without --length), sharing its pages
 //   attn cache info ID | attn cache list | attn cache delete ID
 //   attn cache export ID --to FILE          the cache's tokens, bit-exact, into an export file
 //   attn cache import FILE [--new-id]       a cache from an export file, on the one --target
@@ -38,6 +41,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,8 +64,9 @@ struct CacheFlags {
   bool values_from_keys = false;  // create, decode: a latent cache (keys only).
   int64_t tokens = 4096;          // append: tokens to add; decode: tokens to fill the cache with.
   int64_t steps = 16;             // decode: steps.
-  int64_t expected_length = -1;   // append, truncate: the length to send; −1 = the cache's.
+  int64_t expected_length = -1;   // append, truncate, fork: the length to send; −1 = the cache's.
   int64_t keep = -1;              // truncate: the tokens to keep.
+  std::optional<int64_t> length;  // fork: the source's tokens the fork starts with; none = all.
   uint64_t seed = 1;
   bool json = false;        // create/append/info/list: protobuf JSON instead of text.
   bool shard_keys = false;  // decode: one cache split over every endpoint (ShardedCache).

@@ -24,6 +24,8 @@
 //                     V columns
 //   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
 //   attn cache truncate ID --keep N [--expected-length L]   (drops the tokens from N on)
+//   attn cache fork ID [--length N] [--expected-length L]   (a new cache of ID's first N tokens,
+//                     all without --length, sharing its pages)
 //   attn cache info ID | attn cache list | attn cache delete ID
 //   attn cache export ID --to FILE | attn cache import FILE [--new-id]
 //   attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]
@@ -127,8 +129,8 @@ ABSL_FLAG(bool, follow, false,
 ABSL_FLAG(int32_t, follow_ms, 250, "trace --follow: pause between steps, milliseconds.");
 ABSL_FLAG(bool, json, false,
           "trace: print each event as one line of JSON (protobuf's JSON mapping), for scripts; "
-          "cache create|append|info|list|export|import|move: the CacheInfo (ListCachesResponse) "
-          "as JSON.");
+          "cache create|append|truncate|fork|info|list|export|import|move: the CacheInfo "
+          "(ListCachesResponse) as JSON.");
 ABSL_FLAG(int32_t, print_rows, 4, "naive/tiled: output rows to print.");
 ABSL_FLAG(int64_t, timeout_ms, 0, "Per-call deadline in milliseconds; 0 = none.");
 ABSL_FLAG(std::string, tls_ca, "",
@@ -152,9 +154,12 @@ ABSL_FLAG(int64_t, steps, 16,
           "decode: decode steps, each sending one new token's q, k and v; bench --decode: timed "
           "steps per row (20 when not given).");
 ABSL_FLAG(int64_t, keep, -1, "cache truncate: the tokens to keep; the ones after are dropped.");
+ABSL_FLAG(int64_t, length, -1,
+          "cache fork: the source's tokens the fork starts with (its first N); not given = all of "
+          "them. Past the source's length: OUT_OF_RANGE.");
 ABSL_FLAG(int64_t, expected_length, -1,
-          "cache append, truncate: the cache length to send as expected_length (-1 = the cache's "
-          "current length, read first); a wrong one is refused with FAILED_PRECONDITION.");
+          "cache append, truncate, fork: the cache length to send as expected_length (-1 = the "
+          "cache's current length, read first); a wrong one is refused with FAILED_PRECONDITION.");
 ABSL_FLAG(std::string, ns, "256,512,1024,2048,4096", "bench: sequence lengths N to sweep.");
 ABSL_FLAG(int64_t, batch, 1, "bench: batch size B.");
 ABSL_FLAG(int64_t, heads, 8, "bench, decode: query heads H (--kv-heads sets key/value heads).");
@@ -595,6 +600,7 @@ int RunCaches(const std::vector<std::string>& words, const attn::client::ClientO
   flags.steps = absl::GetFlag(FLAGS_steps);
   flags.expected_length = absl::GetFlag(FLAGS_expected_length);
   flags.keep = absl::GetFlag(FLAGS_keep);
+  if (GivenFlags().count("length") > 0) flags.length = absl::GetFlag(FLAGS_length);
   flags.seed = absl::GetFlag(FLAGS_seed);
   flags.json = absl::GetFlag(FLAGS_json);
   flags.shard_keys = absl::GetFlag(FLAGS_shard_keys);
@@ -663,6 +669,8 @@ int main(int argc, char** argv) {
       "  attn cache append ID --tokens 1000   1000 random tokens; also: cache info|delete ID, "
       "cache list\n"
       "  attn cache truncate ID --keep 900    drops the tokens from 900 on (rejected drafts)\n"
+      "  attn cache fork ID [--length 900]    a new cache of its first 900 tokens (all without "
+      "--length), sharing its pages\n"
       "  attn cache export ID --to FILE       the cache's tokens into a file; attn cache import "
       "FILE [--new-id] puts it back\n"
       "  attn cache move ID --from HOST:PORT --to HOST:PORT [--new-id]   streamed to another "
@@ -681,7 +689,8 @@ int main(int argc, char** argv) {
   if (words.empty() || (words.size() != 1 && words[0] != "cache")) {
     std::fprintf(stderr,
                  "attn: give one command: info, health, naive, tiled, trace, bench, cache "
-                 "create|append|info|list|delete|export|import|move or decode (--help)\n");
+                 "create|append|truncate|fork|info|list|delete|export|import|move or decode "
+                 "(--help)\n");
     return 2;
   }
   const std::string command = words[0];
@@ -742,6 +751,11 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(
         "--values-from-keys applies to cache create and decode (a cache's other commands read "
         "whether it is latent from the server)"));
+  }
+  if (GivenFlags().count("length") > 0 &&
+      !(command == "cache" && words.size() > 1 && words[1] == "fork")) {
+    return Fail(absl::InvalidArgumentError(
+        "--length applies to cache fork (cache truncate takes --keep, bench --decode --lengths)"));
   }
   if (command == "cache" || command == "decode") return RunCaches(words, options);
   attn::client::Client client(absl::GetFlag(FLAGS_target), options);

@@ -28,10 +28,10 @@
 //   for await (const ev of client.trace({attention: req, rows: [{row: 0}]})) { ... }
 //
 // Server-resident KV caches: one method per RPC, taking and returning the messages
-// (createCache, appendCache, truncateCache, getCacheInfo, deleteCache, listCaches, decode), and
-// a Cache that tracks the length it believes the cache has and sends it as expectedLength on
-// every append, decode and truncate (a retried call is then refused with FAILED_PRECONDITION,
-// never stored twice):
+// (createCache, appendCache, truncateCache, forkCache, getCacheInfo, deleteCache, listCaches,
+// decode), and a Cache that tracks the length it believes the cache has and sends it as
+// expectedLength on every append, decode, truncate and fork (a retried call is then refused
+// with FAILED_PRECONDITION, never stored twice):
 //   const cache = await client.openCache({kvHeads: 8, headDim: 128, dtype: 'bf16'});
 //   await cache.append(tensor(k, [8, n, 128], 'bf16'), tensor(v, [8, n, 128], 'bf16'));
 //   const step = await cache.decode(tensor(q, [32, 1, 128]), {key: k1, value: v1});
@@ -101,6 +101,31 @@
 //   const kept = n + 1 + accepted;                      // accepted: the drafts the model kept
 //   await cache.decode(q1, {key: k1, value: v1, truncateTo: kept, options: {causal: true}});
 //   // or in two calls: await cache.truncate(kept); await cache.decode(q1, {key: k1, ...});
+//
+// Forks (attention.proto, ForkCache; parallel sampling, beam search, a shared system prompt): a
+// new cache whose tokens are the first `length` tokens of another (absent: all of them), sharing
+// its pages instead of copying them. Neither ever writes into a page the other holds (an append
+// into a shared, partly filled page copies that page first), so the two change independently
+// from then on, and a decode over the fork gives the bits one over a copy would. Shared pages
+// count once against attnd --cache-bytes (CacheInfo.sharedBytes: of bytes, those in pages
+// another cache holds too), and deleting the source keeps what its forks use.
+// client.forkCache({cacheId, length, expectedLength}) → the fork's CacheInfo (expectedLength,
+// the source's length, checked when given); cache.fork({length, expectedLength}) → a Cache for
+// the fork on the same client, sending the Cache's length unless told otherwise. A stale
+// expectedLength is FAILED_PRECONDITION naming the actual length, a length past the source's
+// OUT_OF_RANGE, a fork at attnd --max-caches RESOURCE_EXHAUSTED; a refused fork creates nothing
+// and leaves the source as it was. length and expectedLength are checked as truncate's are (a
+// TypeError / RangeError naming the field, before any call). With attnd --cache-dir the fork's
+// tokens are on disk before the answer (durableLength = length), so its Cache starts with an
+// empty replay tail. A fork whose answer was lost (UNAVAILABLE, DEADLINE_EXCEEDED, ...) may exist
+// all the same: listCaches() shows it. Sampling n continuations of one prompt:
+//   const prompt = await client.openCache({kvHeads: 8, headDim: 128, dtype: 'bf16'});
+//   await prompt.append(k, v);                             // the prompt, sent and stored once
+//   const samples = [];
+//   for (let i = 0; i < n; ++i) samples.push(await prompt.fork());   // no token copied
+//   await client.decodeBatch(samples.map((cache, i) => ({cache, query: q[i], key: k1[i],
+//                                                        value: v1[i]})));
+//   const head = await prompt.fork({length: systemTokens});   // a prefix: the system prompt
 //
 // Token trees (attention.proto, DecodeItem.treeParents; EAGLE, Medusa, SpecInfer): a step can
 // verify a tree of drafts instead of one chain. treeParents (Cache.decode's, Cache.item's and
@@ -923,7 +948,30 @@ class Client {
     return this.unary_('TruncateCache', request, options);
   }
 
-  // cacheId → CacheInfo ({cacheId, kvHeads, headDim, valueDim, dtype, length, bytes, pageTokens}).
+  // ForkCacheRequest ({cacheId, length, expectedLength}) → the fork's CacheInfo: a new cache
+  // whose tokens are the first length of cacheId's (absent, undefined or null: all of them),
+  // sharing its pages (see the header); its sharedBytes says how many of its bytes it shares,
+  // and with attnd --cache-dir its durableLength is its length. expectedLength (the source's
+  // length) is checked when given (absent, undefined or null: not sent). Rejects with a
+  // TypeError / RangeError naming length or expectedLength when one is not a non-negative
+  // integer Number, before any call; the server's FAILED_PRECONDITION (stale expectedLength),
+  // OUT_OF_RANGE (a length past the source's) and RESOURCE_EXHAUSTED (--max-caches) create
+  // nothing.
+  forkCache({cacheId, length, expectedLength} = {}, options) {
+    const request = {cacheId};
+    try {
+      if (given(length)) request.length = tokenCount(length, 'forkCache: length');
+      if (given(expectedLength)) {
+        request.expectedLength = tokenCount(expectedLength, 'forkCache: expectedLength');
+      }
+    } catch (err) {
+      return Promise.reject(err);
+    }
+    return this.unary_('ForkCache', request, options);
+  }
+
+  // cacheId → CacheInfo ({cacheId, kvHeads, headDim, valueDim, dtype, length, bytes, pageTokens,
+  // sharedBytes, ...}).
   getCacheInfo(cacheId, options) { return this.unary_('GetCacheInfo', {cacheId}, options); }
 
   // cacheId → {} (later calls naming it reject with NOT_FOUND).
@@ -1285,6 +1333,22 @@ class Cache {
       }
       this.sent_(null, info, length);
       return this.info;
+    });
+  }
+
+  // A new cache whose tokens are this one's first `length` (absent: all of them), sharing its
+  // pages (ForkCache) → a Cache for it on the same client, its length the fork's and its replay
+  // tail empty (with attnd --cache-dir the fork's tokens are durable at once). This Cache is
+  // unchanged (its info.sharedBytes as of its last answer: getCacheInfo reads it anew).
+  // expectedLength: this cache's length (default: this Cache's length). Rejects with a
+  // TypeError / RangeError naming length or expectedLength for one that is not a non-negative
+  // integer Number; FAILED_PRECONDITION (stale) and OUT_OF_RANGE (past the length) from the
+  // server create nothing. Follows a moved_to once (the fork is then made there).
+  fork({length, expectedLength} = {}, options) {
+    return this.followMove_(async () => {
+      const info = await this.client.forkCache(
+          {cacheId: this.id, length, expectedLength: expectedLength ?? this.length}, options);
+      return new Cache(this.client, info);
     });
   }
 

@@ -64,7 +64,15 @@
 // value refused by the client before any call (TypeError naming value / items[i].value) and by the
 // server (INVALID_ARGUMENT naming value and items[0].value), valueDim > headDim naming value_dim;
 // with --cache-dir a restart keeping the cache latent and refresh() re-sending a SIGKILL's lost
-// tail as keys alone), and, when given a TLS server with a token, TLS + bearer token.
+// tail as keys alone), forks (fork and forkCache: a fork of all tokens, of a prefix inside a page
+// and of none, fp32 and bf16, equal bit for bit (export, the next Decode's output and lse) to a
+// copy built by appending the same tokens, before and after both get the same tokens, the
+// source's Decode unchanged by the fork's append and the fork by the source's append and
+// delete; sharedBytes all of the fork's bytes right after forking, the source sharing as many,
+// 0 once the source is gone; length 0 sent as such; OUT_OF_RANGE naming length,
+// FAILED_PRECONDITION naming expected_length (checked first), INVALID_ARGUMENT naming the field,
+// NOT_FOUND naming cache_id, client-side TypeError and RangeError naming the field, none making
+// a cache), and, when given a TLS server with a token, TLS + bearer token.
 // Usage: node test.js --target HOST:PORT [--attnd ATTND] [--secure-target HOST:PORT
 //                                         --tls-ca CA.pem --token-file FILE]
 // --attnd: the binary the persistent-cache tests start servers of (skipped without it).
@@ -2539,6 +2547,142 @@ test('truncateTo: a failed Decode leaves every cache as it was', async () => {
   assert.deepEqual([a.length, b.length], [17, 11]);
   await a.delete();
   await b.delete();
+});
+
+// --- forks: ForkCache ---------------------------------------------------------------------------
+test('fork: a fork equals a copy bit for bit and changes alone; sharedBytes', async () => {
+  const random = mulberry32(3434);
+  const page = Number((await client.info()).cachePageTokens);
+  const causal = {options: {causal: true, returnLse: true}};
+  const sharedOf = async (id) => Number((await client.getCacheInfo(id)).sharedBytes);
+  for (const layout of [{kvHeads: 2, headDim: 16, valueDim: 12, dtype: 'float32', heads: 4},
+                        {kvHeads: 1, headDim: 8, valueDim: 8, dtype: 'bf16', heads: 3}]) {
+    // All the tokens, a prefix inside a page (the second page not shared), none.
+    for (const [total, length] of [[page + 7, undefined], [page + 7, page - 3], [40, 0]]) {
+      const kept = length ?? total;
+      const what = `${layout.dtype}: a fork of ${kept} of ${total} tokens`;
+      const [key, value] = randomTokens(random, layout, total);
+      const source = await client.openCache(layout);
+      const split = Math.floor(total / 3) + 1;
+      await source.append(sliceTokens(key, 0, split), sliceTokens(value, 0, split));
+      await source.append(sliceTokens(key, split, total), sliceTokens(value, split, total));
+      const q = tensor(randomNormal(layout.heads * 3 * layout.headDim, random),
+                       [layout.heads, 3, layout.headDim]);
+      const sourceBefore = await source.decode(q, causal);
+      const fork = await source.fork(length === undefined ? {} : {length});
+      assert.ok(fork instanceof Cache, what);
+      assert.notEqual(fork.id, source.id, what);
+      assert.deepEqual([fork.length, source.length], [kept, total], what);
+      assert.equal(fork.info.durableLength, undefined, what);
+      assert.deepEqual(fork.tail, [], what);
+      // Right after forking every page of the fork is its source's: sharedBytes is all its
+      // bytes, and the source shares as many.
+      const bytes = Number(fork.info.bytes);
+      assert.equal(Number(fork.info.sharedBytes), bytes, what);
+      assert.equal(await sharedOf(source.id), bytes, what);
+      assert.equal(bytes > 0, kept > 0, what);
+      const copy = await client.openCache(layout);
+      if (kept > 0) await copy.append(sliceTokens(key, 0, kept), sliceTokens(value, 0, kept));
+      assert.equal(bytes, Number((await client.getCacheInfo(copy.id)).bytes), what);
+      assert.deepEqual(exportBytes(await exportAll(client, fork.id)),
+                       exportBytes(await exportAll(client, copy.id)), what);
+      if (kept > 0) {  // (A cache without tokens cannot be attended: FAILED_PRECONDITION.)
+        assert.ok(sameBits(await fork.decode(q, causal), await copy.decode(q, causal)), what);
+      }
+      // The same two tokens appended to the fork and to the copy (the fork copies a shared,
+      // partly filled page before writing into it): the same bits; the source's unchanged.
+      const [k1, v1] = randomTokens(random, layout, 2);
+      assert.ok(sameBits(await fork.decode(q, {key: k1, value: v1, ...causal}),
+                         await copy.decode(q, {key: k1, value: v1, ...causal})),
+                `${what}: appending to the fork`);
+      assert.equal(fork.length, kept + 2, what);
+      assert.ok(sameBits(await source.decode(q, causal), sourceBefore), `${what}: the source`);
+      // Tokens of the source's own: the fork does not see them.
+      const [k2, v2] = randomTokens(random, layout, 3);
+      await source.append(k2, v2);
+      assert.ok(sameBits(await fork.decode(q, causal), await copy.decode(q, causal)),
+                `${what}: after the source's append`);
+      // Deleting the source keeps what the fork uses; it shares nothing any more.
+      await source.delete();
+      assert.equal(await sharedOf(fork.id), 0, what);
+      const [k3, v3] = randomTokens(random, layout, 1);
+      assert.ok(sameBits(await fork.decode(q, {key: k3, value: v3, ...causal}),
+                         await copy.decode(q, {key: k3, value: v3, ...causal})),
+                `${what}: after the source's delete`);
+      assert.deepEqual(exportBytes(await exportAll(client, fork.id)),
+                       exportBytes(await exportAll(client, copy.id)), what);
+      await fork.delete();
+      await copy.delete();
+    }
+  }
+  // By id: all of it, or a prefix (0 is sent: an empty fork, not all of it).
+  const layout = {kvHeads: 1, headDim: 8, valueDim: 8};
+  const source = await client.openCache(layout);
+  await source.append(...randomTokens(random, layout, 9));
+  const whole = await client.forkCache({cacheId: source.id});
+  const empty = await client.forkCache({cacheId: source.id, length: 0, expectedLength: 9});
+  assert.deepEqual([whole.length, whole.sharedBytes, empty.length, empty.bytes],
+                   [9, whole.bytes, 0, 0]);
+  const child = await new Cache(client, whole).fork({length: 4});
+  assert.equal(child.length, 4);
+  for (const id of [whole.cacheId, empty.cacheId, child.id, source.id]) {
+    await client.deleteCache(id);
+  }
+});
+
+test('fork: errors name the field and create nothing', async () => {
+  const random = mulberry32(3535);
+  const layout = {kvHeads: 1, headDim: 8, valueDim: 8};
+  const cache = await client.openCache(layout);
+  await cache.append(...randomTokens(random, layout, 10));
+  const q = tensor(randomNormal(2 * 2 * 8, random), [2, 2, 8]);
+  const before = await cacheSnapshot(client, cache.id, q);
+  const count = (await client.listCaches()).caches.length;
+  const unchanged = async (what) => {
+    assert.deepEqual(await cacheSnapshot(client, cache.id, q), before, what);
+    assert.equal(cache.length, 10, what);
+    assert.equal((await client.listCaches()).caches.length, count, `${what}: a cache was made`);
+  };
+  const fails = (code, pattern) => (err) => err instanceof AttndError && err.code === code &&
+                                            pattern.test(err.details);
+  // A length past the source's: OUT_OF_RANGE naming it.
+  await assert.rejects(cache.fork({length: 11}),
+                       fails(status.OUT_OF_RANGE, /^length.*11.*holds 10/));
+  await assert.rejects(client.forkCache({cacheId: cache.id, length: 11}),
+                       fails(status.OUT_OF_RANGE, /^length/));
+  await unchanged('length 11');
+  // A stale expectedLength: FAILED_PRECONDITION naming it and the actual length, checked first.
+  await assert.rejects(cache.fork({length: 4, expectedLength: 9}),
+                       fails(status.FAILED_PRECONDITION, /^expected_length.*holds 10/));
+  await assert.rejects(cache.fork({length: 11, expectedLength: 9}),
+                       fails(status.FAILED_PRECONDITION, /^expected_length/));
+  await assert.rejects(new Cache(client, {...cache.info, length: 12}).fork(),
+                       fails(status.FAILED_PRECONDITION, /holds 10/));
+  await unchanged('a stale expectedLength');
+  // Negative values past the client's checks: INVALID_ARGUMENT naming the field.
+  await assert.rejects(client.unary_('ForkCache', {cacheId: cache.id, length: -1}),
+                       fails(status.INVALID_ARGUMENT, /^length/));
+  await assert.rejects(client.unary_('ForkCache', {cacheId: cache.id, expectedLength: -10}),
+                       fails(status.INVALID_ARGUMENT, /^expected_length/));
+  // An unknown cache: NOT_FOUND naming cache_id.
+  await assert.rejects(client.forkCache({cacheId: '0'.repeat(32)}),
+                       fails(status.NOT_FOUND, /^cache_id/));
+  await unchanged('refused by the server');
+  // The client's own checks, before any call: TypeError / RangeError naming the field.
+  for (const [call, kind, pattern] of [
+    [() => cache.fork({length: -1}), RangeError, /length is -1/],
+    [() => cache.fork({length: true}), TypeError, /length is true/],
+    [() => cache.fork({length: 2.5}), TypeError, /length is 2.5/],
+    [() => cache.fork({expectedLength: -1}), RangeError, /expectedLength is -1/],
+    [() => client.forkCache({cacheId: cache.id, length: '4'}), TypeError, /length is '4'/],
+    [() => client.forkCache({cacheId: cache.id, expectedLength: 4n}), TypeError,
+     /expectedLength/],
+  ]) {
+    await assert.rejects(call(), (err) => err instanceof kind && pattern.test(err.message));
+  }
+  await unchanged('client-side errors');
+  await cache.delete();
+  await assert.rejects(cache.fork(), (e) => e.code === status.NOT_FOUND);
 });
 
 // --- token trees: DecodeItem.treeParents -------------------------------------------------------

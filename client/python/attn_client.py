@@ -63,12 +63,13 @@ only the new token's q, k and v:
     client.list_caches(); client.cache_info(cache); client.delete_cache(cache)
 
 A `Cache` tracks the length it believes the cache has and sends it as expected_length on every
-append, decode and truncate (a retried call is then refused with FAILED_PRECONDITION instead of
-storing tokens twice; `refresh()` re-reads the length). Cache ids (str) work everywhere a Cache
-does, with expected_length passed explicitly. Keys and values for a Cache are sent in its dtype
-unless `dtype=` says otherwise. Cache infos are dicts of CacheInfo's fields (cache_id, kv_heads,
-head_dim, value_dim, dtype as a name, length, bytes, page_tokens, durable_length, crc32c,
-values_from_keys; durable_length and crc32c None when the server did not send them).
+append, decode, truncate and fork (a retried call is then refused with FAILED_PRECONDITION
+instead of storing tokens twice; `refresh()` re-reads the length). Cache ids (str) work
+everywhere a Cache does, with expected_length passed explicitly. Keys and values for a Cache
+are sent in its dtype unless `dtype=` says otherwise. Cache infos are dicts of CacheInfo's
+fields (cache_id, kv_heads, head_dim, value_dim, dtype as a name, length, bytes, page_tokens,
+durable_length, crc32c, values_from_keys, shared_bytes; durable_length and crc32c None when the
+server did not send them).
 
 Latent caches (MLA, as DeepSeek-V3/R1 and Kimi K2 decode): create_cache(...,
 values_from_keys=True) makes a cache that stores keys only; a token's value is the first
@@ -139,6 +140,31 @@ re-sends a cut token. A call carrying a cut that fails without the server refusi
 same, and the next refresh() re-sends tokens only up to the cut, taking the server's info when it
 holds at least that many; any other failure (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE,
 NOT_FOUND, ...) leaves the Cache as it was.
+
+Forks (ForkCache; parallel sampling, beam search, a shared system prompt): a new cache whose
+tokens are the first `length` tokens of another (None: all of them), sharing its pages instead
+of copying them. Neither ever writes into a page the other holds (an append into a shared, partly
+filled page copies that page first), so the two change independently from then on, and a Decode
+over the fork gives the bits one over a copy would. Shared pages count once against attnd
+--cache-bytes (info "shared_bytes": of "bytes", those in pages another cache holds too), and
+deleting the source keeps what its forks use. Sampling n continuations of one prompt:
+
+    prompt = client.create_cache(kv_heads=8, head_dim=128, dtype="bf16")
+    prompt.append(k, v)                                  # the prompt, sent and stored once
+    samples = [prompt.fork() for _ in range(n)]          # n Caches, no token copied
+    batch = client.decode([(s, q[i], k1[i], v1[i]) for i, s in enumerate(samples)])
+    head = prompt.fork(length=system_tokens)             # a prefix: the system prompt alone
+
+Cache.fork(length=None) → a Cache for the fork, and Client.fork_cache(cache, length=None,
+expected_length=None) → the fork's CacheInfo dict. expected_length is the source's length (a
+Cache's `length` by default; not checked for an id given without one): FAILED_PRECONDITION naming
+the actual length when it is stale; a length past the source's is OUT_OF_RANGE, and at attnd
+--max-caches the fork is RESOURCE_EXHAUSTED; a refused fork creates nothing and leaves the
+source as it was. length and expected_length are checked as truncate's are (TypeError /
+ValueError naming the argument, before any RPC). With attnd --cache-dir the fork's tokens are on
+disk before the answer (durable_length = length), so its Cache starts with an empty replay tail.
+A fork whose answer was lost (UNAVAILABLE, DEADLINE_EXCEEDED, ...) may exist all the same:
+list_caches() shows it.
 
 Token trees (EAGLE, Medusa, SpecInfer): a step can verify a tree of drafts instead of one chain.
 tree_parents= (Cache.decode; a dict item's "tree_parents" in decode) gives each new token the
@@ -774,17 +800,19 @@ def _moved_to(error):
 
 class Cache:
     """A server-resident KV cache as this client believes it (made by Client.create_cache,
-    Client.open_cache for an existing id, or Client.import_cache). Not thread-safe: one
-    sequence, one writer.
+    Client.open_cache for an existing id, Client.import_cache or Cache.fork). Not thread-safe:
+    one sequence, one writer.
 
     id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), values_from_keys
     (a latent cache: keys only, each value the first value_dim columns of its key), durable_length
-    (tokens on the server's disk, None when it does not persist), info (the last CacheInfo dict
-    the server sent). `length` is what append(), decode() and truncate() send as
-    expected_length; each successful call sets it from the server's answer. replay_tail:
-    [(start, n), ...], the tokens kept to re-send (see refresh()); a cut (truncate(), decode's
-    truncate_to) cuts it too. `client` is the Client it calls (another one once it followed a
-    moved_to)."""
+    (tokens on the server's disk, None when it does not persist), shared_bytes (of its bytes,
+    those in pages a fork or the cache it was forked from holds too, as of the last answer for
+    it: a fork made since shows after cache_info() or refresh()), info (the last CacheInfo dict
+    the server sent). `length` is what append(), decode(), truncate() and fork() send as
+    expected_length; each successful call on this cache sets it from the server's answer.
+    replay_tail: [(start, n), ...], the tokens kept to re-send (see refresh()); a cut
+    (truncate(), decode's truncate_to) cuts it too. `client` is the Client it calls (another
+    one once it followed a moved_to)."""
 
     def __init__(self, client, info):
         self.client = client
@@ -853,6 +881,7 @@ class Cache:
     dtype = property(lambda self: self.info["dtype"])
     values_from_keys = property(lambda self: bool(self.info.get("values_from_keys", False)))
     durable_length = property(lambda self: self.info.get("durable_length"))
+    shared_bytes = property(lambda self: self.info.get("shared_bytes", 0))
     replay_tail = property(lambda self: [(sent.start, sent.n) for sent in self._tail])
 
     def append(self, key, value=None, *, dtype=None):
@@ -872,6 +901,20 @@ class Cache:
         length = _token_length("length", length)
         return self._follow(lambda: self.client.truncate_cache(
             self, length, expected_length=expected_length))
+
+    def fork(self, length=None, *, expected_length=None):
+        """A new cache whose tokens are this one's first `length` (None: all of them), sharing
+        its pages (ForkCache) → a Cache for it, on the same Client, its length the fork's and its
+        replay tail empty (with attnd --cache-dir the fork's tokens are durable at once). This
+        Cache is unchanged. expected_length: this cache's length (None: this Cache's `length`),
+        FAILED_PRECONDITION naming the actual one when stale; a length past it is OUT_OF_RANGE.
+        TypeError / ValueError naming the argument for a non-int or negative value. Follows a
+        moved_to once (the fork is then made there)."""
+        if length is not None:
+            length = _token_length("length", length)
+        info = self._follow(lambda: self.client.fork_cache(
+            self, length, expected_length=expected_length))
+        return Cache(self.client, info)
 
     def decode(self, query, key=None, value=None, *, key_position=0, query_position=None,
                truncate_to=None, tree_parents=None, **options):
@@ -1385,6 +1428,25 @@ class Client:
             cache._cut(length)
             cache._set(info)
         return info
+
+    def fork_cache(self, cache, length=None, expected_length=None):
+        """ForkCache: a new cache whose tokens are the first `length` of `cache` (a Cache or an
+        id; None: all of them), sharing its pages (copy on write) → the fork's CacheInfo dict
+        (Cache.fork gives a Cache instead). Its shared_bytes says how many of its bytes it
+        shares; with attnd --cache-dir its durable_length is its length. expected_length: the
+        source's length; None: a Cache's `length`, or not checked for an id. FAILED_PRECONDITION
+        naming the actual length when it is stale, OUT_OF_RANGE for a length past the source's,
+        RESOURCE_EXHAUSTED at attnd --max-caches (or when the fork's page table does not fit
+        --cache-bytes); a refused fork creates nothing. TypeError / ValueError naming `length`
+        or `expected_length` for a non-int (a bool included) or a negative value, before any
+        RPC. The source (and a Cache given for it) is unchanged."""
+        cache_id = _cache_id(cache)
+        request = pb.ForkCacheRequest(cache_id=cache_id)
+        if length is not None:
+            request.length = _token_length("length", length)
+        if expected_length is not None or isinstance(cache, Cache):
+            request.expected_length = _expected_length(cache, expected_length)
+        return _cache_dict(self._call("ForkCache", self._stub.ForkCache, request))
 
     def _cache_info(self, cache_id):
         return self._call("GetCacheInfo", self._stub.GetCacheInfo,

@@ -131,7 +131,8 @@ int64_t CpuKvStore::BytesToAppend(int64_t n) const {
   if (n <= 0) return 0;
   const int64_t grow = BytesFor(length_ + n);
   if (grow == std::numeric_limits<int64_t>::max()) return grow;
-  return grow - bytes() + (LastPageShared() ? PageBytes() : 0);
+  copy_counted_ = LastPageShared();
+  return grow - bytes() + (copy_counted_ ? PageBytes() : 0);
 }
 
 void CpuKvStore::OnPageFreed(std::function<void(int64_t bytes)> freed) {
@@ -177,7 +178,10 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
   }
   // Every allocation first (the new pages, the copy of a shared last page, the tables' room),
   // so that a failure leaves the store exactly as it was.
-  const bool copy_last = LastPageShared();
+  // A copy BytesToAppend counted is made even if the page's other holders let go since: what
+  // was reserved is what is allocated (the original, freed then, is reported freed).
+  const bool copy_last = length_ % page_tokens_ != 0 && (LastPageShared() || copy_counted_);
+  copy_counted_ = false;
   std::vector<Page*> added;
   bool failed = false;
   try {
@@ -241,6 +245,7 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
 }
 
 void CpuKvStore::Truncate(int64_t length) {
+  copy_counted_ = false;
   length = std::clamp<int64_t>(length, 0, length_);
   const int64_t keep = PagesFor(length, page_tokens_);
   while (static_cast<int64_t>(pages_.size()) > keep) {

@@ -81,6 +81,8 @@ class CpuKvStore final : public KvStore {
   void Unhold(Page* page) const;  // Lets go of a page: freed when no store holds it.
   // Whether the next append writes into the last page while another store holds it.
   bool LastPageShared() const;
+  // Whether the last BytesToAppend counted a copy of the last page (Append makes it then).
+  mutable bool copy_counted_ = false;
   void RefreshTables();  // paged_ after pages_ changed.
 
   const KvLayout layout_;

@@ -19,7 +19,8 @@
 //     row).
 // A cache step (FuzzCacheStep) creates the cache, fills it with the Decode item's new tokens
 // once (as an AppendCache of them would), then runs the item as Decode does: its cut
-// (truncate_to), the tokens appended again, the query attending over the cache, token tree
+// (truncate_to; with an odd expected_length, a fork at that length instead), the tokens appended
+// again, the query attending over the cache, token tree
 // included. Its reference reads the tokens as sent (a latent cache's values: the first
 // value_dim columns of each key), not the cache's pages.
 // The "fuzz" preset builds it with ASan and UBSan, which catch memory errors and undefined
@@ -529,18 +530,50 @@ void FuzzCacheStep(const v1::CreateCacheRequest& create, const v1::DecodeRequest
 
   absl::StatusOr<std::unique_ptr<KvStore>> store = PagedCpu().CreateKvStore(l);
   if (!store.ok()) Fail(absl::StrCat("CreateKvStore: ", store.status().ToString()));
-  for (int pass = 0; pass < 2 && n > 0; ++pass) {  // The tokens once, then the item's append.
-    if (pass == 1) (*store)->Truncate(kept);
-    if (absl::Status appended = (*store)->Append(tokens.key, tokens.value, n); !appended.ok()) {
+  // The tokens once, then the item's cut and append: on the store itself, or (an odd
+  // expected_length) on a fork of it at the cut (ForkCache), which must copy a shared partly
+  // filled last page before writing into it and leave the source's tokens as they were.
+  const bool forked = sent.expected_length() % 2 != 0;
+  KvStore* cache = store->get();
+  std::unique_ptr<KvStore> fork;
+  std::vector<char> source_tokens, source_after;
+  const int64_t stored_bytes = KeyBytes(l, n) + StoredValueBytes(l, n);
+  // Where CopyOut puts the values in such a buffer (none of a latent store's: its keys only).
+  auto stored_value = [&](std::vector<char>& buffer) -> void* {
+    return l.values_from_keys ? nullptr : buffer.data() + KeyBytes(l, n);
+  };
+  for (int pass = 0; pass < 2 && n > 0; ++pass) {
+    if (pass == 1 && forked) {
+      absl::StatusOr<std::unique_ptr<KvStore>> made = (*store)->Fork(kept);
+      if (!made.ok()) Fail(absl::StrCat("KvStore::Fork(", kept, "): ", made.status().ToString()));
+      fork = *std::move(made);
+      cache = fork.get();
+      source_tokens.resize(stored_bytes);
+      if (!(*store)->CopyOut(0, n, source_tokens.data(), stored_value(source_tokens)).ok()) {
+        Fail("KvStore::CopyOut of the source failed");
+      }
+    } else if (pass == 1) {
+      cache->Truncate(kept);
+    }
+    if (absl::Status appended = cache->Append(tokens.key, tokens.value, n); !appended.ok()) {
       Fail(absl::StrCat("KvStore::Append: ", appended.ToString(), " for ", n, " tokens of ",
                         create.ShortDebugString()));
     }
   }
-  if ((*store)->length() != length) {
-    Fail(absl::StrCat("the cache holds ", (*store)->length(), " tokens; expected ", length));
+  if (fork != nullptr) {
+    source_after.resize(stored_bytes);
+    if ((*store)->length() != n ||
+        !(*store)->CopyOut(0, n, source_after.data(), stored_value(source_after)).ok() ||
+        source_after != source_tokens) {
+      Fail(absl::StrCat("the source of a fork at ", kept, " changed when the fork appended ", n,
+                        " tokens"));
+    }
+  }
+  if (cache->length() != length) {
+    Fail(absl::StrCat("the cache holds ", cache->length(), " tokens; expected ", length));
   }
   if (absl::Status bound =
-          BindCache(item.prefix, (*store)->pages(), length, max_abs_key, max_abs_value, &p);
+          BindCache(item.prefix, cache->pages(), length, max_abs_key, max_abs_value, &p);
       !bound.ok()) {
     ExpectCacheRefusal("BindCache", bound,
                        length == 0 ? absl::StatusCode::kFailedPrecondition : absl::StatusCode::kOk,

@@ -208,6 +208,14 @@ seeds = {
     "cache-tree": cache_step(
         32, 1, 8, 0, F32, 2, 5, 5, item={"tree_parents": [-1, 0, 0, 1, -1]}, causal=True,
         return_lse=True),
+    # A fork at the cut (an odd expected_length): the fork copies the shared partly filled page
+    # before it appends; the source keeps its tokens.
+    "cache-fork-bf16": cache_step(
+        38, 2, 8, 6, BF16, 4, 2, 7, item={"truncate_to": 5, "expected_length": 7}, causal=True,
+        return_lse=True),
+    "cache-fork-latent": cache_step(
+        39, 1, 24, 16, BF16, 8, 1, 6, latent=True, item={"truncate_to": 3, "expected_length": 1},
+        return_lse=True),
     "cache-latent-tree-window": cache_step(
         33, 2, 12, 5, F32, 4, 4, 4, latent=True, item={"tree_parents": [-1, 0, 1, 0]},
         causal=True, window_left=5, return_lse=True),

@@ -53,7 +53,23 @@ a float64 reference over exactly those keys and values:
     INVALID_ARGUMENT naming value_dim; export (keys-only chunks, CRC32C) and import (chunks and a
     file) bit-exact and still latent, a chunk carrying a value refused naming it; with
     --cache-dir a restart keeps the cache latent, and after a SIGKILL refresh() re-sends the lost
-    tail as keys alone.
+    tail as keys alone;
+  - forks (ForkCache): a fork of all tokens and of prefixes (inside a page, at a page boundary,
+    0) in fp32 / bf16 / fp16 equal, bit for bit (export, bytes, a Decode's outputs and lse, Tiled
+    over it), a copy built by appending the same tokens, before and after both get the same
+    tokens of their own; the source's Decode unchanged by the fork's append, the fork unchanged
+    by the source's, and by the source's delete; shared_bytes all of a fork's bytes right after
+    forking (the source sharing as many), then the pages before the one an append copied; forks
+    by id, of forks, in a Decode batch; 8 forks of a cache fitting an attnd --cache-bytes that 8
+    copies do not (RESOURCE_EXHAUSTED naming it), a fork at --max-caches RESOURCE_EXHAUSTED
+    naming it; a length past the source → OUT_OF_RANGE naming length, a stale expected_length →
+    FAILED_PRECONDITION naming it (checked first), negatives → INVALID_ARGUMENT naming the
+    field, an unknown id → NOT_FOUND naming cache_id, client-side TypeError / ValueError before
+    any RPC, none creating a cache; four threads appending to one source and forking it,
+    appending to their forks and forking those, every cache then holding exactly its tokens;
+    with --cache-dir a fork durable at once (durable_length = length, an empty replay tail),
+    kept by a SIGKILL, refresh() re-sending what came after, and after a restart sharing its
+    pages with its source again.
 
 Run by CTest as
   /usr/bin/python3 tests/python/test_caches.py --attnd <attnd> --stubs <stubs dir>
@@ -65,6 +81,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -1224,6 +1241,356 @@ class LatentTest(TokenCase):
         return channel
 
 
+# --- Forks: ForkCache ----------------------------------------------------------------------------
+
+def shared_bytes(client, cache):
+    """The shared_bytes the server reports for `cache` (a Cache or id) now (GetCacheInfo)."""
+    return client.cache_info(attn_client._cache_id(cache))["shared_bytes"]
+
+
+class ForkTest(TokenCase):
+    """ForkCache against one attnd without --cache-dir: a fork equals, bit for bit, a copy built
+    by appending the same tokens, and the two caches change independently afterwards."""
+
+    # dtype, kv_heads, head_dim, value_dim, query heads.
+    LAYOUTS = (("fp32", 2, 16, 12, 4), ("bf16", 1, 32, 32, 3), ("fp16", 2, 8, 8, 8))
+
+    def bits(self, cache, q, key=None, value=None):
+        """A causal Decode over `cache` (with new tokens when key is given) and Tiled over it
+        afterwards, as bits."""
+        step = cache.decode(q, key, value, causal=True, return_lse=True)
+        tiled = self.client.tiled(q, cache=cache, causal=True, block_k=7, return_lse=True)
+        return decode_bits(step) + decode_bits(tiled)
+
+    def test_a_fork_equals_a_copy_bit_for_bit_and_changes_alone(self):
+        page = self.client.info()["cache_page_tokens"]
+        # (tokens in the source, the fork's length; None: all of them): all, inside a page (a
+        # second page not shared), at a page boundary, all of a partly filled page, nothing.
+        forks = ((page + 7, None), (page + 7, page - 3), (2 * page + 5, page), (37, None),
+                 (37, 20), (29, 0))
+        for layout in self.LAYOUTS:
+            for total, length in forks:
+                with self.subTest(dtype=layout[0], total=total, length=length):
+                    self.check_fork(layout, total, length, page)
+
+    def check_fork(self, layout, total, length, page):
+        kept = total if length is None else length
+        key, value = self.kv(layout, total)
+        split = total // 3 + 1  # Two appends.
+        source = self.cache(layout, key[:, :split], value[:, :split])
+        source.append(key[:, split:], value[:, split:])
+        q = self.query(layout, 3)
+        source_bits = self.bits(source, q)
+        page_bytes = source.info["bytes"] // -(-total // page)
+        fork = source.fork() if length is None else source.fork(length)
+        self.addCleanup(self.delete_quietly, fork.id)
+        self.assertIsInstance(fork, Cache)
+        self.assertNotEqual(fork.id, source.id)
+        self.assertEqual((fork.length, fork.kv_heads, fork.head_dim, fork.value_dim, fork.dtype),
+                         (kept,) + layout[1:4] + (layout[0],))
+        self.assertEqual(fork.info, self.client.cache_info(fork.id))
+        self.assertIsNone(fork.durable_length)
+        self.assertEqual(fork.replay_tail, [])
+        self.assertEqual(source.length, total)  # The source's Cache is untouched.
+        # Every page of a fork is its source's right after forking: shared_bytes is all of its
+        # bytes, and the source shares those pages.
+        self.assertEqual(fork.info["bytes"], -(-kept // page) * page_bytes)
+        self.assertEqual(fork.shared_bytes, fork.info["bytes"])
+        self.assertEqual(shared_bytes(self.client, source), fork.info["bytes"])
+        if kept > 0:
+            self.assertGreater(fork.shared_bytes, 0)
+        if length is None:
+            self.assertEqual(shared_bytes(self.client, source),
+                             self.client.cache_info(source)["bytes"])
+        listed = {c["cache_id"]: c for c in self.client.list_caches()}
+        self.assertEqual(listed[fork.id]["shared_bytes"], fork.info["bytes"])
+        copy = self.cache(layout, key[:, :kept], value[:, :kept])
+        self.assertSameCache(fork, copy, "right after the fork")
+        if kept > 0:  # (A cache without tokens cannot be attended: FAILED_PRECONDITION.)
+            self.assertEqual(self.bits(fork, q), self.bits(copy, q), "a Decode over the fork")
+        # The same two tokens appended to the fork and to the copy: the fork writes into a page
+        # its source holds only after copying it.
+        k1, v1 = self.kv(layout, 2)
+        self.assertEqual(self.bits(fork, q, k1, v1), self.bits(copy, q, k1, v1),
+                         "a Decode appending to the fork")
+        self.assertEqual(fork.length, kept + 2)
+        self.assertSameCache(fork, copy, "after the fork's append")
+        self.assertEqual(self.bits(source, q), source_bits, "the source after the fork's append")
+        self.assertTrue(same_bytes(exported(self.client, source)[1], key), "the source's keys")
+        # The pages before the one the append wrote into are still shared (that one was
+        # copied when partly filled, or is new).
+        self.assertEqual(shared_bytes(self.client, fork), kept // page * page_bytes)
+        # Tokens of the source's own: the fork does not see them.
+        k2, v2 = self.kv(layout, 3)
+        source.append(k2, v2)
+        self.assertEqual(self.bits(fork, q), self.bits(copy, q), "after the source's append")
+        self.assertSameCache(fork, copy, "after the source's append")
+        # Deleting the source keeps what the fork uses; its pages are shared with nobody now.
+        source.delete()
+        self.assertEqual(shared_bytes(self.client, fork), 0)
+        k3, v3 = self.kv(layout, 1)
+        self.assertEqual(self.bits(fork, q, k3, v3), self.bits(copy, q, k3, v3),
+                         "after the source's delete")
+        self.assertSameCache(fork, copy, "after the source's delete")
+        fork.delete()
+        copy.delete()
+
+    def test_fork_cache_by_id_and_forks_of_forks(self):
+        layout = ("fp32", 1, 8, 8, 2)
+        key, value = self.kv(layout, 30)
+        source = self.cache(layout, key, value)
+        q = self.query(layout, 2)
+        # By id: no expected_length unless given; numpy integers are ints.
+        info = self.client.fork_cache(source.id)
+        self.addCleanup(self.delete_quietly, info["cache_id"])
+        self.assertEqual((info["length"], info["shared_bytes"]), (30, info["bytes"]))
+        self.assertIsNone(info["durable_length"])
+        self.assertEqual(info, self.client.cache_info(info["cache_id"]))
+        prefix = self.client.fork_cache(source.id, np.int64(12), expected_length=np.int32(30))
+        self.addCleanup(self.delete_quietly, prefix["cache_id"])
+        self.assertEqual(prefix["length"], 12)
+        # A Cache given to fork_cache sends its length as expected_length; the answer is the
+        # fork's info, and the source's Cache is unchanged.
+        third = self.client.fork_cache(source, 5)
+        self.addCleanup(self.delete_quietly, third["cache_id"])
+        self.assertEqual((third["length"], source.length), (5, 30))
+        # A fork of a fork of a fork, each a prefix of the one before, equals a copy.
+        child = Cache(self.client, prefix).fork(9)
+        self.addCleanup(self.delete_quietly, child.id)
+        grandchild = child.fork()
+        self.addCleanup(self.delete_quietly, grandchild.id)
+        copy = self.cache(layout, key[:, :9], value[:, :9])
+        for fork in (child, grandchild):
+            self.assertSameCache(fork, copy, "fork of a fork")
+            self.assertEqual(self.bits(fork, q), self.bits(copy, q))
+        self.client.delete_cache(prefix["cache_id"])
+        self.client.delete_cache(child)
+        k1, v1 = self.kv(layout, 4)
+        self.assertEqual(self.bits(grandchild, q, k1, v1), self.bits(copy, q, k1, v1))
+        # Decoded in one batch with the source and the whole fork (by id).
+        batch = self.client.decode(
+            [(source, q), {"cache": info["cache_id"], "query": q, "expected_length": 30},
+             (grandchild, q)], causal=True, return_lse=True)
+        self.assertEqual(batch.outputs[0].tobytes(), batch.outputs[1].tobytes())
+        self.assertEqual(batch.lse[0].tobytes(), batch.lse[1].tobytes())
+        self.assertEqual([c["length"] for c in batch.caches], [30, 30, 13])
+
+    def test_fork_errors_name_the_field_and_create_nothing(self):
+        layout = ("fp32", 1, 8, 8, 2)
+        cache = self.cache(layout, *self.kv(layout, 10))
+        q = self.query(layout, 2)
+        before = self.snapshot(cache, q)
+        count = len(self.client.list_caches())
+
+        def unchanged(what):
+            self.assertEqual(self.snapshot(cache, q), before, what)
+            self.assertEqual(cache.length, 10, what)
+            self.assertEqual(len(self.client.list_caches()), count, what + ": a cache was made")
+
+        code = grpc.StatusCode
+        # A length past the source's: OUT_OF_RANGE naming it (and the source's length).
+        for call in (lambda: cache.fork(11), lambda: self.client.fork_cache(cache.id, 11)):
+            message = self.assertCode(code.OUT_OF_RANGE, call)
+            self.assertIn("length", message)
+            self.assertIn("holds 10", message)
+            unchanged("length 11")
+        # A stale expected_length: FAILED_PRECONDITION naming it and the actual length; it is
+        # checked before the length.
+        for call in (lambda: cache.fork(4, expected_length=9),
+                     lambda: cache.fork(11, expected_length=9),
+                     lambda: self.client.fork_cache(cache.id, expected_length=11),
+                     lambda: Cache(self.client, dict(cache.info, length=12)).fork()):
+            message = self.assertCode(code.FAILED_PRECONDITION, call)
+            self.assertIn("expected_length", message)
+            self.assertIn("holds 10", message)
+            unchanged("a stale expected_length")
+        # Negative values (past the client's own checks): INVALID_ARGUMENT naming the field.
+        for request, field in (
+                (pb.ForkCacheRequest(cache_id=cache.id, length=-1), "length"),
+                (pb.ForkCacheRequest(cache_id=cache.id, length=-1, expected_length=10),
+                 "length"),
+                (pb.ForkCacheRequest(cache_id=cache.id, expected_length=-10),
+                 "expected_length")):
+            message = self.assertCode(code.INVALID_ARGUMENT, self.client._call, "ForkCache",
+                                      self.client._stub.ForkCache, request)
+            self.assertRegex(message, r"^%s\b" % field)
+            unchanged("negative %s" % field)
+        # Unknown and deleted ids: NOT_FOUND naming cache_id.
+        gone = self.cache(layout, *self.kv(layout, 3))
+        gone.delete()
+        for call in (lambda: self.client.fork_cache("0" * 32), lambda: gone.fork(),
+                     lambda: self.client.fork_cache(gone.id, 1)):
+            message = self.assertCode(code.NOT_FOUND, call)
+            self.assertIn("cache_id", message)
+            unchanged("an unknown cache")
+        # The client's own checks, before any RPC: TypeError / ValueError naming the argument.
+        refusing = RefusingClient(self.server.address)
+        self.addCleanup(refusing.close)
+        held = Cache(refusing, cache.info)
+        for call, error, name in (
+                (lambda: held.fork(-1), ValueError, "length"),
+                (lambda: held.fork(True), TypeError, "length"),
+                (lambda: held.fork(4.0), TypeError, "length"),
+                (lambda: held.fork(np.float32(4)), TypeError, "length"),
+                (lambda: held.fork(1 << 63), ValueError, "length"),
+                (lambda: held.fork(4, expected_length=-1), ValueError, "expected_length"),
+                (lambda: held.fork(expected_length=False), TypeError, "expected_length"),
+                (lambda: refusing.fork_cache(cache.id, "4"), TypeError, "length"),
+                (lambda: refusing.fork_cache(cache.id, -2), ValueError, "length"),
+                (lambda: refusing.fork_cache(cache.id, expected_length=2.0), TypeError,
+                 "expected_length"),
+                (lambda: refusing.fork_cache(cache.id, 3, expected_length=-4), ValueError,
+                 "expected_length")):
+            with self.assertRaises(error) as raised:
+                call()
+            self.assertIn(name, str(raised.exception))
+        self.assertRaises(TypeError, refusing.fork_cache, 7)
+        self.assertRaises(TypeError, refusing.fork_cache, "")
+        self.assertEqual(refusing.calls, [])
+        unchanged("client-side errors")
+
+    def test_threads_fork_and_append_at_once(self):
+        # Four threads share one source. Each round a thread appends 7 tokens to the source
+        # (under a lock, so the record of its tokens is exact), then, while the others append to
+        # the source and to their forks, forks it at the length it saw, appends 5 tokens of its
+        # own to the fork twice, forks that fork and appends 3 tokens to the grandchild. The
+        # source starts 20 tokens short of a page, so for a while its last page is partly filled
+        # and shared: appends on either side copy it under the others' feet.
+        layout = ("fp16", 2, 8, 8, 4)
+        _, kv_heads, head_dim, value_dim, _ = layout
+        page = self.client.info()["cache_page_tokens"]
+        key, value = self.kv(layout, max(page - 20, 1))
+        source = self.cache(layout, key, value)
+        record = {"key": key, "value": value}
+        lock = threading.Lock()
+        made, errors = [], []  # made: (fork id, its keys, its values).
+
+        def tokens(rng, n):
+            return (stored_tokens(rng, kv_heads, n, head_dim, "fp16"),
+                    stored_tokens(rng, kv_heads, n, value_dim, "fp16"))
+
+        def worker(index):
+            rng = np.random.default_rng(index)
+            try:
+                for _ in range(3):
+                    k, v = tokens(rng, 7)
+                    with lock:
+                        source.append(k, v)
+                        record["key"] = joined(record["key"], k)
+                        record["value"] = joined(record["value"], v)
+                        length, seen = source.length, (record["key"], record["value"])
+                    fork = Cache(self.client, self.client.fork_cache(source.id, length))
+                    fork_key, fork_value = seen
+                    for _ in range(2):
+                        k, v = tokens(rng, 5)
+                        fork.append(k, v)
+                        fork_key, fork_value = joined(fork_key, k), joined(fork_value, v)
+                    made.append((fork.id, fork_key, fork_value))
+                    child = fork.fork()
+                    k, v = tokens(rng, 3)
+                    child.append(k, v)
+                    made.append((child.id, joined(fork_key, k), joined(fork_value, v)))
+            except Exception as error:  # noqa: BLE001 (reported by the main thread)
+                errors.append("thread %d: %r" % (index, error))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        self.assertFalse(any(thread.is_alive() for thread in threads), "a thread hangs")
+        for cache_id, _, _ in made:
+            self.addCleanup(self.delete_quietly, cache_id)
+        self.assertEqual(errors, [])
+        self.assertEqual(len(made), 24)
+        length, keys, values = exported(self.client, source)
+        self.assertEqual(length, record["key"].shape[1])
+        self.assertTrue(same_bytes(keys, record["key"]) and same_bytes(values, record["value"]),
+                        "the source")
+        for cache_id, want_key, want_value in made:
+            length, keys, values = exported(self.client, cache_id)
+            self.assertEqual(length, want_key.shape[1], cache_id)
+            self.assertTrue(same_bytes(keys, want_key), "fork %s: keys differ" % cache_id)
+            self.assertTrue(same_bytes(values, want_value), "fork %s: values differ" % cache_id)
+        # And a Decode over the last fork equals one over a copy.
+        cache_id, want_key, want_value = made[-1]
+        copy = self.cache(layout, want_key, want_value)
+        q = self.query(layout, 2)
+        fork = self.client.open_cache(cache_id)
+        self.assertEqual(self.bits(fork, q), self.bits(copy, q))
+
+
+class ForkBudgetTest(TokenCase):
+    """Forks against an attnd with 1 MiB of cache memory and at most 12 caches: shared pages count
+    once against --cache-bytes."""
+
+    BUDGET = 1 << 20
+    server_args = ("--cache-bytes", str(BUDGET), "--max-caches", "12")
+
+    def test_eight_forks_fit_where_eight_copies_do_not(self):
+        self.assertEqual(self.client.info()["cache_bytes"], self.BUDGET)
+        page = self.client.info()["cache_page_tokens"]
+        # fp32, one kv head of 32 + 32: 256 bytes a token. The source takes whole pages, some
+        # 30% of the budget, so three copies of it cannot fit.
+        layout = ("fp32", 1, 32, 32, 2)
+        pages = max(1, self.BUDGET * 3 // 10 // (page * 256))
+        key, value = self.kv(layout, pages * page)
+        source = self.cache(layout, key, value)
+        size = source.info["bytes"]
+        self.assertGreater(9 * size, self.BUDGET)
+        forks = [source.fork() for _ in range(8)]
+        for fork in forks:
+            self.addCleanup(self.delete_quietly, fork.id)
+            self.assertEqual((fork.length, fork.info["bytes"], fork.shared_bytes),
+                             (pages * page, size, size))
+        self.assertEqual(shared_bytes(self.client, source), size)
+        q = self.query(layout, 1)
+        want = decode_bits(source.decode(q, return_lse=True))
+        for fork in forks:
+            self.assertEqual(decode_bits(fork.decode(q, return_lse=True)), want)
+        # Two of them append the same token: a new page each, the source's pages still shared.
+        k1, v1 = self.kv(layout, 1)
+        steps = [fork.decode(q, k1, v1, return_lse=True) for fork in forks[:2]]
+        self.assertEqual(decode_bits(steps[0]), decode_bits(steps[1]))
+        page_bytes = size // pages
+        for fork in forks[:2]:
+            info = self.client.cache_info(fork)
+            self.assertEqual((info["length"], info["bytes"], info["shared_bytes"]),
+                             (pages * page + 1, size + page_bytes, size))
+        for fork in forks:
+            fork.delete()
+        # Copies: RESOURCE_EXHAUSTED naming --cache-bytes (for a copy's tokens, or its first
+        # page) before the eighth.
+        copies, refused = [], None
+        for _ in range(8):
+            try:
+                copy = self.cache(layout)
+                copy.append(key, value)
+            except AttnError as error:
+                refused = error
+                break
+            copies.append(copy)
+        self.assertIsNotNone(refused, "eight copies fit in the budget")
+        self.assertEqual(refused.code, grpc.StatusCode.RESOURCE_EXHAUSTED, refused.message)
+        self.assertIn("cache-bytes", refused.message)
+        self.assertLess(len(copies), 8)
+
+    def test_max_caches_refuses_a_fork(self):
+        layout = ("fp16", 1, 8, 8, 2)
+        source = self.cache(layout, *self.kv(layout, 5))
+        forks = []
+        while len(self.client.list_caches()) < 12:
+            forks.append(source.fork())
+            self.addCleanup(self.delete_quietly, forks[-1].id)
+        message = self.assertCode(grpc.StatusCode.RESOURCE_EXHAUSTED, source.fork)
+        self.assertIn("max-caches", message)
+        self.assertEqual(len(self.client.list_caches()), 12)
+        forks.pop().delete()
+        last = source.fork(2)
+        self.addCleanup(self.delete_quietly, last.id)
+        self.assertEqual(last.length, 2)
+
+
 class RefusingClient(Client):
     """A Client that records and refuses every RPC (UNAVAILABLE): what the client checks before
     any RPC raises first."""
@@ -1511,6 +1878,59 @@ class LatentPersistenceTest(PersistenceCase):
                                                         seen[None, ..., :40])
         out = reopened.decode(q, output_dtype="fp32").output
         self.assertEqual(harness.output_error(out.astype(np.float64), ref[0], 1, score_max), "")
+
+
+class ForkPersistenceTest(PersistenceCase):
+    """Forks with attnd --cache-dir (PersistenceCase): a fork's tokens are on disk before the
+    answer (durable_length = length, an empty replay tail), a SIGKILL keeps them, and a restart
+    shares its pages with its source again."""
+
+    def test_a_fork_is_durable_at_once_and_shares_its_pages_again_after_a_restart(self):
+        server, client = self.start()
+        source = client.create_cache(2, 8, dtype="fp16")
+        a, b = self.kv(12), self.kv(8)
+        source.append(*a)
+        source.append(*b)
+        self.assertEqual(source.replay_tail, [(0, 12), (12, 8)])  # Nothing durable yet.
+        whole, prefix = source.fork(), source.fork(15)
+        self.assertEqual((whole.length, whole.durable_length, whole.replay_tail), (20, 20, []))
+        self.assertEqual((prefix.length, prefix.durable_length, prefix.replay_tail),
+                         (15, 15, []))
+        self.assertEqual(source.replay_tail, [(0, 12), (12, 8)])  # Its own, as they were.
+        c = self.kv(3)
+        prefix.append(*c)
+        self.assertEqual(prefix.replay_tail, [(15, 3)])
+        want_source = [joined(a[i], b[i]) for i in (0, 1)]
+        want_prefix = [joined(want_source[i][:, :15], c[i]) for i in (0, 1)]
+        self.kill(server)
+
+        server, client = self.start()
+        # The forks' files hold every token they had when forked; what came later, and the
+        # source's tokens (no write-behind pass ran), the kill may have lost: refresh() re-sends.
+        self.assertHolds(client, whole.id, *want_source, "the whole fork restored")
+        held = self.assertHolds(client, prefix.id, *want_prefix, "the prefix fork restored",
+                                prefix=True)
+        self.assertGreaterEqual(held, 15)
+        for name, cache, want in (("source", source, want_source),
+                                  ("prefix", prefix, want_prefix)):
+            cache.client = client
+            self.assertEqual(cache.refresh()["length"], want[0].shape[1], name)
+            self.assertHolds(client, cache, *want, name + " refreshed")
+        self.terminate(server, client)
+
+        server, client = self.start()
+        # Restored from the flushed files: the whole fork's bytes agree with its source's, so
+        # it shares all its pages with it again; both decode alike.
+        self.assertHolds(client, whole.id, *want_source, "the whole fork after the flush")
+        self.assertHolds(client, prefix.id, *want_prefix, "the prefix fork after the flush")
+        info = client.cache_info(whole.id)
+        self.assertEqual(info["shared_bytes"], info["bytes"])
+        self.assertGreater(client.cache_info(source.id)["shared_bytes"], 0)
+        q = self.rng.uniform(-1, 1, (4, 2, 8)).astype(np.float32)
+        steps = [client.decode([{"cache": cache_id, "query": q, "expected_length": 20}],
+                               causal=True, return_lse=True)
+                 for cache_id in (source.id, whole.id)]
+        self.assertEqual(decode_bits(steps[0]), decode_bits(steps[1]))
 
 
 class LosingClient(Client):
