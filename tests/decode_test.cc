@@ -304,6 +304,97 @@ TEST(DecodeTest, OutputsAreBitIdenticalForAnyThreadCount) {
   for (size_t i = 0; i < items.size(); ++i) ExpectMatches(baseline[i], items[i]);
 }
 
+// Tokens [begin, end) of a host problem's keys or values (batch 1), dense [kv_heads, n, width]
+// in its dtype, as an append sends them.
+std::vector<uint8_t> TokenSlice(const HostProblem& host, bool keys, int64_t begin, int64_t end) {
+  const Shape& s = host.shape;
+  const int64_t width = keys ? s.head_dim : s.value_dim;
+  const std::vector<float>& from = keys ? host.key : host.value;
+  std::vector<uint8_t> bytes(s.kv_heads * (end - begin) * width * ElementSize(host.dtype));
+  int64_t out = 0;
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    for (int64_t i = (h * s.key_len + begin) * width; i < (h * s.key_len + end) * width; ++i) {
+      StoreElement(bytes.data(), host.dtype, out++, from[i]);
+    }
+  }
+  return bytes;
+}
+
+// Forks of one prompt (KvStore::Fork, as ForkCache makes them) in one Decode batch, beside a
+// cache of their own and a fork at a shorter length: the kernel runs the pages they share once
+// for all their rows (cascade), and each answers bit for bit as when decoded alone, and as the
+// float64 reference says. GQA groups of 3 rows (row groups straddling problems if stacked
+// carelessly), causal steps of 1 and 2 rows, ALiBi and softcap through each row's transform.
+TEST_P(DecodeTest, ForksOfOnePromptShareTheirPagesReadAndAnswerAsEachAlone) {
+  const DType dtype = GetParam();
+  CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 64);
+  const int64_t prompt = 1300;  // 20 whole pages of 64: two chunks of 512 shared.
+  const std::vector<int64_t> own = {7, 300, 41, 0, 650};
+  const HostProblem source_host =
+      RandomProblem(MakeShape(1, 6, 2, 1, prompt, 40, 24), dtype, true, 16, 900);
+  absl::StatusOr<PagedCopy> source = MakePaged(backend, source_host, {500});
+  ASSERT_TRUE(source.ok()) << source.status();
+  std::vector<Item> items;
+  std::vector<std::unique_ptr<KvStore>> forks;
+  for (size_t i = 0; i < own.size() + 1; ++i) {
+    // The last one forks the prompt's first 600 tokens only (one chunk), then adds 200.
+    const int64_t kept = i < own.size() ? prompt : 600;
+    const int64_t length = kept + (i < own.size() ? own[i] : 200);
+    const int64_t nq = 1 + i % 2;
+    Item item;
+    item.host = RandomProblem(MakeShape(1, 6, 2, nq, length, 40, 24), dtype, true, 16, 910 + i);
+    if (i == 2) item.host.alibi_slopes = {0.5f, 0.25f, 0.125f, 0.0625f, 0.03125f, 0.015625f};
+    if (i == 3) item.host.softcap = 20.f;
+    // Its first `kept` tokens are the prompt's.
+    for (bool keys : {true, false}) {
+      const int64_t width = keys ? 40 : 24;
+      std::vector<float>& to = keys ? item.host.key : item.host.value;
+      const std::vector<float>& from = keys ? source_host.key : source_host.value;
+      for (int64_t h = 0; h < 2; ++h) {
+        std::copy(from.begin() + h * prompt * width, from.begin() + (h * prompt + kept) * width,
+                  to.begin() + h * length * width);
+      }
+    }
+    for (int64_t i = 0; i < static_cast<int64_t>(item.host.key.size()); ++i) {
+      StoreElement(item.host.key_bytes.data(), dtype, i, item.host.key[i]);
+    }
+    for (int64_t i = 0; i < static_cast<int64_t>(item.host.value.size()); ++i) {
+      StoreElement(item.host.value_bytes.data(), dtype, i, item.host.value[i]);
+    }
+    absl::StatusOr<std::unique_ptr<KvStore>> fork = source->store->Fork(kept);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    if (length > kept) {
+      const std::vector<uint8_t> key = TokenSlice(item.host, true, kept, length);
+      const std::vector<uint8_t> value = TokenSlice(item.host, false, kept, length);
+      ASSERT_TRUE((*fork)
+                      ->Append(TensorView{key.data(), dtype}, TensorView{value.data(), dtype},
+                               length - kept)
+                      .ok());
+    }
+    item.problem = item.host.View();
+    item.problem.key = TensorView{};
+    item.problem.value = TensorView{};
+    item.problem.pages = &(*fork)->pages();
+    forks.push_back(*std::move(fork));
+    items.push_back(std::move(item));
+  }
+  items.push_back(MakeItem(backend, MakeShape(1, 6, 2, 1, 1500, 40, 24), dtype, true, true, 930));
+  const std::vector<KernelRun> together = RunDecode(backend, items);
+  ASSERT_EQ(together.size(), items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "item " << i);
+    ExpectMatches(together[i], items[i]);
+    std::vector<Item> alone;
+    alone.push_back(Item{items[i].host, nullptr, items[i].problem});
+    const std::vector<KernelRun> by_itself = RunDecode(backend, alone);
+    ASSERT_EQ(by_itself.size(), 1u);
+    EXPECT_EQ(together[i].output_bytes, by_itself[0].output_bytes);
+    EXPECT_EQ(std::memcmp(together[i].lse.data(), by_itself[0].lse.data(),
+                          together[i].lse.size() * sizeof(float)),
+              0);
+  }
+}
+
 // Rows past kDecodeMaxRows go to Tiled in the same call; both kinds land in their outputs.
 TEST(DecodeTest, TallProblemsGoToTiled) {
   CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 7);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -32,7 +34,17 @@ struct DecodeRow {
   int64_t query_row = 0;
 };
 
-// One task: a run of consecutive chunks of one kv head's keys for the rows of its GQA group.
+// A run's rows in segments, each with its own partial states [chunks, rows, 2 + value_dim]
+// (max, denominator, accumulator; chunk_stride floats from one chunk's to the next): one segment
+// in a problem's run, one per problem in a cascade's.
+struct DecodeSegment {
+  int64_t first_row = 0, rows = 0;
+  float* partial = nullptr;
+  int64_t chunk_stride = 0;
+};
+
+// One task: a run of consecutive chunks of one kv head's keys for the rows of its GQA group (or,
+// in a cascade, of the groups of every problem sharing those keys).
 struct DecodeRun {
   const Problem* problem = nullptr;
   const Geometry* geometry = nullptr;  // The problem's.
@@ -42,8 +54,10 @@ struct DecodeRun {
   const DecodeRow* row = nullptr;             // [rows]
   int64_t chunk_tokens = kDecodeChunkTokens;  // DecodeChunkTokensOf the problem.
   int64_t first_chunk = 0, chunks = 0;
-  KeyRange seen;             // The keys some row sees.
-  float* partial = nullptr;  // [chunks, rows, 2 + value_dim]: max, denominator, accumulator.
+  KeyRange seen;  // The keys some row sees.
+  const DecodeSegment* segments = nullptr;
+  int64_t segment_count = 0;
+  bool gemm = false;  // A GEMM group (decode.h): one segment.
 
   // The keys chunk `c` of the run reads (empty: a chunk no row sees).
   KeyRange ChunkKeys(int64_t c) const {
@@ -190,7 +204,7 @@ void RunDispatched(const DecodeRun& run, DecodeScratch& scratch) {
 }
 
 void RunChunks(DType dtype, const DecodeRun& run, DecodeScratch& scratch) {
-  if (run.rows > kDecodeMaxRows) {  // A GEMM group: any dtype, converted a tile at a time.
+  if (run.gemm) {  // A GEMM group: any dtype, converted a tile at a time.
 #if defined(ATTN_DECODE_X86)
     if (CpuHasAvx512()) return avx512::RunGemmChunks(run, scratch);
     if (CpuHasAvx2Fma()) return avx2::RunGemmChunks(run, scratch);
@@ -213,10 +227,124 @@ struct Item {
   const Outputs* outputs = nullptr;
   int64_t rows = 0, chunks = 0, heads = 0;  // heads: batch · kv_heads; chunks: per head.
   int64_t chunk_tokens = kDecodeChunkTokens;
-  int64_t runs = 0;  // Tasks per head.
+  int64_t shared_chunks = 0;  // Its first chunks, run by its cascade's tasks.
+  int64_t runs = 0;           // Tasks per head (of its other chunks).
   int64_t first_task = 0, first_merge = 0, partial_offset = 0;
   int64_t merge_blocks = 0;  // Per head: its rows in blocks of kMergeRows.
 };
+
+// Problems of the batch whose caches share their first pages (forks of one prompt: ForkCache),
+// whose first `chunks` chunks run as one task list for all their rows (cascade attention, as
+// FlashInfer calls it): each key of those pages read once per step, not once per problem.
+struct Cascade {
+  std::vector<size_t> members;  // Items, in batch order.
+  int64_t chunks = 0, rows = 0, kv_heads = 0;
+  int64_t runs = 0, first_task = 0;
+};
+
+// Rows a cascade stacks at most (its scratch grows with them).
+constexpr int64_t kCascadeMaxRows = 1024;
+
+// The rows of one (problem, batch, kv head): the query rows of its GQA group (scaled, fp32) into
+// queries and their DecodeRows into rows, from index `at` on; their union of visible keys widens
+// *seen.
+void GroupRows(const Problem& p, const Geometry& geometry, int64_t batch, int64_t kv_head,
+               int64_t rows, int64_t at, AlignedVector<float>& queries, std::vector<DecodeRow>& row,
+               KeyRange* seen) {
+  const Shape& s = p.shape;
+  const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t q = r % s.query_len;
+    row[at + r] = DecodeRow{geometry.Visible(q), p.transform(kv_head * group + r / s.query_len),
+                            geometry.Distance(q, 0), q};
+    const KeyRange& visible = row[at + r].visible;
+    if (visible.size() == 0) continue;
+    seen->begin = std::min(seen->begin, visible.begin);
+    seen->end = std::max(seen->end, visible.end);
+  }
+  float* to = queries.data() + at * s.head_dim;
+  ConvertToFloat(static_cast<const char*>(p.query.data) +
+                     p.QueryOffset(batch, kv_head * group, 0) * ElementSize(p.query.dtype),
+                 p.query.dtype, rows * s.head_dim, to);
+  for (int64_t i = 0; i < rows * s.head_dim; ++i) to[i] *= p.scale;
+}
+
+// The chunks a problem may run in a cascade: those every row sees whole, from key 0 (so that its
+// tiles there are the ones its own run would take), on the vector path without a token tree;
+// 0 when it may not.
+int64_t CascadableChunks(const Item& item) {
+  const Problem& p = *item.problem;
+  if (p.pages == nullptr || p.shape.batch != 1 || item.rows > kDecodeMaxRows || p.tree_count > 0) {
+    return 0;
+  }
+  const Geometry geometry = p.geometry();
+  if (geometry.sequences > 0) return 0;
+  int64_t end = p.shape.key_len;
+  for (int64_t q = 0; q < p.shape.query_len; ++q) {
+    const KeyRange visible = geometry.Visible(q);
+    if (visible.begin != 0) return 0;
+    end = std::min(end, visible.end);
+  }
+  return end / item.chunk_tokens;
+}
+
+// Leading tokens of two problems' caches in the same pages (whole pages of both).
+int64_t SharedTokens(const Problem& a, const Problem& b) {
+  const PagedKv &x = *a.pages, &y = *b.pages;
+  if (x.page_tokens != y.page_tokens || x.dtype != y.dtype || x.key_width != y.key_width ||
+      x.value_width != y.value_width || a.shape.kv_heads != b.shape.kv_heads ||
+      a.shape.head_dim != b.shape.head_dim || a.shape.value_dim != b.shape.value_dim ||
+      a.key_dtype() != b.key_dtype()) {
+    return 0;
+  }
+  const int64_t pages = std::min(a.shape.key_len, b.shape.key_len) / x.page_tokens;
+  int64_t same = 0;
+  while (same < pages && x.key_pages[same] == y.key_pages[same] &&
+         x.value_pages[same] == y.value_pages[same]) {
+    ++same;
+  }
+  return same * x.page_tokens;
+}
+
+// The batch's cascades: problems grouped by their cache's first page, each group's shared chunks
+// the fewest any member shares with its first (members sharing none left out), at most
+// kCascadeMaxRows rows a cascade. Sets their items' shared_chunks.
+std::vector<Cascade> PlanCascades(std::vector<Item>& items) {
+  std::map<const void*, std::vector<size_t>> by_first_page;
+  std::vector<int64_t> cascadable(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    cascadable[i] = CascadableChunks(items[i]);
+    if (cascadable[i] > 0) by_first_page[items[i].problem->pages->key_pages[0]].push_back(i);
+  }
+  std::vector<Cascade> cascades;
+  for (const auto& [page, members] : by_first_page) {
+    Cascade cascade;
+    auto close = [&] {
+      if (cascade.members.size() >= 2) {
+        for (size_t i : cascade.members) items[i].shared_chunks = cascade.chunks;
+        cascades.push_back(cascade);
+      }
+      cascade = Cascade{};
+    };
+    for (size_t i : members) {
+      const Item& item = items[i];
+      if (!cascade.members.empty() && cascade.rows + item.rows > kCascadeMaxRows) close();
+      const int64_t chunks =
+          cascade.members.empty()
+              ? cascadable[i]
+              : std::min(cascadable[i],
+                         SharedTokens(*items[cascade.members[0]].problem, *item.problem) /
+                             item.chunk_tokens);
+      if (chunks == 0) continue;
+      cascade.chunks = cascade.members.empty() ? chunks : std::min(cascade.chunks, chunks);
+      cascade.members.push_back(i);
+      cascade.rows += item.rows;
+      cascade.kv_heads = item.problem->shape.kv_heads;
+    }
+    close();
+  }
+  return cascades;
+}
 
 }  // namespace
 
@@ -224,7 +352,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
                                       const std::vector<const Outputs*>& outputs,
                                       ThreadPool& pool) {
   std::vector<Item> items;
-  int64_t tasks = 0, merges = 0, partial_floats = 0;
+  int64_t merges = 0, partial_floats = 0;
   for (size_t i = 0; i < problems.size(); ++i) {
     const Problem& p = *problems[i];
     Item item;
@@ -242,17 +370,26 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
     items.push_back(item);
   }
+  std::vector<Cascade> cascades = PlanCascades(items);
   // Chunks per task: as many as leave every worker kDecodeTasksPerWorker tasks, at most
   // kDecodeMaxRunChunks (a run never spans two heads). Runs only group the chunks, so they may
   // depend on the thread count.
   int64_t all_chunks = 0;
-  for (const Item& item : items) all_chunks += item.heads * item.chunks;
+  for (const Item& item : items) all_chunks += item.heads * (item.chunks - item.shared_chunks);
+  for (const Cascade& cascade : cascades) all_chunks += cascade.kv_heads * cascade.chunks;
   const int64_t run_chunks = std::clamp<int64_t>(
       all_chunks / (kDecodeTasksPerWorker * pool.threads()), 1, kDecodeMaxRunChunks);
+  int64_t tasks = 0;
   for (Item& item : items) {
-    item.runs = (item.chunks + run_chunks - 1) / run_chunks;
+    item.runs = (item.chunks - item.shared_chunks + run_chunks - 1) / run_chunks;
     item.first_task = tasks;
     tasks += item.heads * item.runs;
+  }
+  const int64_t first_cascade_task = tasks;
+  for (Cascade& cascade : cascades) {
+    cascade.runs = (cascade.chunks + run_chunks - 1) / run_chunks;
+    cascade.first_task = tasks;
+    tasks += cascade.kv_heads * cascade.runs;
   }
   std::vector<float> partials(partial_floats);
   // Every item's interrupt, asked between tasks.
@@ -267,71 +404,104 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
   const std::function<absl::Status()> interrupt_fn =
       any_interrupt ? std::function<absl::Status()>(interrupt) : nullptr;
 
-  // The item holding task (or merge task) `index`: the last whose first one is ≤ index.
+  // The item (or cascade) holding task (or merge task) `index`: the last whose first one is ≤
+  // index.
   auto item_of = [&](int64_t index, int64_t Item::*first) -> const Item& {
     const auto it =
         std::upper_bound(items.begin(), items.end(), index,
                          [first](int64_t x, const Item& item) { return x < item.*first; });
     return *(it - 1);
   };
+  auto cascade_of = [&](int64_t index) -> const Cascade& {
+    const auto it =
+        std::upper_bound(cascades.begin(), cascades.end(), index,
+                         [](int64_t x, const Cascade& cascade) { return x < cascade.first_task; });
+    return *(it - 1);
+  };
+  // Item i's partial states of head `head` from chunk `chunk` on: its segment of a run.
+  auto segment_of = [&](const Item& item, int64_t head, int64_t chunk, int64_t first_row) {
+    const int64_t stride = item.rows * (item.problem->shape.value_dim + 2);
+    return DecodeSegment{
+        first_row, item.rows,
+        partials.data() + item.partial_offset + (head * item.chunks + chunk) * stride, stride};
+  };
 
   std::vector<DecodeScratch> workers(pool.WorkersFor(tasks));
+  std::vector<std::vector<DecodeSegment>> worker_segments(workers.size());
   absl::Status status = RunInterruptible(pool, tasks, interrupt_fn, [&](int64_t task, int worker) {
-    const Item& item = item_of(task, &Item::first_task);
-    const Problem& p = *item.problem;
-    const Shape& s = p.shape;
-    const int64_t local = task - item.first_task;
-    const int64_t head = local / item.runs, run_index = local % item.runs;
-    DecodeRun run;
-    run.problem = &p;
-    run.batch = head / s.kv_heads;
-    run.kv_head = head % s.kv_heads;
-    run.rows = item.rows;
-    run.head_dim = s.head_dim;
-    run.value_dim = s.value_dim;
-    run.chunk_tokens = item.chunk_tokens;
-    run.first_chunk = run_index * run_chunks;
-    run.chunks = std::min(run_chunks, item.chunks - run.first_chunk);
-    run.partial = partials.data() + item.partial_offset +
-                  (head * item.chunks + run.first_chunk) * item.rows * (s.value_dim + 2);
     DecodeScratch& scratch = workers[worker];
-    // The group's rows: query heads kv_head · group … , query_len rows each, consecutive.
-    const int64_t group = QueryHeadsPerKvHead(s.heads, s.kv_heads);
-    const Geometry geometry = p.geometry();
-    scratch.row.resize(item.rows);
+    std::vector<DecodeSegment>& segments = worker_segments[worker];
+    segments.clear();
+    DecodeRun run;
+    Geometry geometry;
     KeyRange& seen = run.seen;
-    seen = KeyRange{s.key_len, 0};
-    for (int64_t r = 0; r < item.rows; ++r) {
-      const int64_t row = r % s.query_len;
-      scratch.row[r] =
-          DecodeRow{geometry.Visible(row), p.transform(run.kv_head * group + r / s.query_len),
-                    geometry.Distance(row, 0), row};
-      const KeyRange& visible = scratch.row[r].visible;
-      if (visible.size() == 0) continue;
-      seen.begin = std::min(seen.begin, visible.begin);
-      seen.end = std::max(seen.end, visible.end);
+    seen = KeyRange{std::numeric_limits<int64_t>::max(), 0};
+    if (task < first_cascade_task) {
+      const Item& item = item_of(task, &Item::first_task);
+      const Problem& p = *item.problem;
+      const Shape& s = p.shape;
+      const int64_t local = task - item.first_task;
+      const int64_t head = local / item.runs, run_index = local % item.runs;
+      run.problem = &p;
+      run.batch = head / s.kv_heads;
+      run.kv_head = head % s.kv_heads;
+      run.rows = item.rows;
+      run.head_dim = s.head_dim;
+      run.value_dim = s.value_dim;
+      run.chunk_tokens = item.chunk_tokens;
+      run.first_chunk = item.shared_chunks + run_index * run_chunks;
+      run.chunks = std::min(run_chunks, item.chunks - run.first_chunk);
+      run.gemm = item.rows > kDecodeMaxRows;
+      segments.push_back(segment_of(item, head, run.first_chunk, 0));
+      geometry = p.geometry();
+      scratch.row.resize(item.rows);
+      scratch.queries.resize(item.rows * s.head_dim);
+      GroupRows(p, geometry, run.batch, run.kv_head, item.rows, 0, scratch.queries, scratch.row,
+                &seen);
+    } else {
+      // A cascade's run: every member's rows of one kv head over the shared chunks, a segment
+      // each, the keys read through the first member's pages (the same pages there).
+      const Cascade& cascade = cascade_of(task);
+      const int64_t local = task - cascade.first_task;
+      const Item& first = items[cascade.members[0]];
+      const Shape& s = first.problem->shape;
+      run.problem = first.problem;
+      run.kv_head = local / cascade.runs;
+      run.rows = cascade.rows;
+      run.head_dim = s.head_dim;
+      run.value_dim = s.value_dim;
+      run.first_chunk = local % cascade.runs * run_chunks;
+      run.chunks = std::min(run_chunks, cascade.chunks - run.first_chunk);
+      geometry = first.problem->geometry();  // Its rows' masks are in their DecodeRows.
+      scratch.row.resize(cascade.rows);
+      scratch.queries.resize(cascade.rows * s.head_dim);
+      int64_t at = 0;
+      for (size_t i : cascade.members) {
+        const Item& item = items[i];
+        segments.push_back(segment_of(item, run.kv_head, run.first_chunk, at));
+        GroupRows(*item.problem, item.problem->geometry(), 0, run.kv_head, item.rows, at,
+                  scratch.queries, scratch.row, &seen);
+        at += item.rows;
+      }
     }
+    if (seen.begin > seen.end) seen = KeyRange{0, 0};
     run.row = scratch.row.data();
     run.geometry = &geometry;
-    const bool vector_path = item.rows <= kDecodeMaxRows;  // Else a GEMM group (decode.h).
-    scratch.queries.resize(item.rows * s.head_dim);
-    if (vector_path) scratch.arranged.resize(item.rows * s.head_dim);
-    ConvertToFloat(
-        static_cast<const char*>(p.query.data) +
-            p.QueryOffset(run.batch, run.kv_head * group, 0) * ElementSize(p.query.dtype),
-        p.query.dtype, item.rows * s.head_dim, scratch.queries.data());
-    for (float& q : scratch.queries) q *= p.scale;
     run.queries = scratch.queries.data();
-    scratch.scores.resize(item.rows * std::max(kDecodeTile, kDecodeGemmTile));
-    scratch.acc.resize(item.rows * AccStride(static_cast<int>(s.value_dim)));
-    scratch.states.resize(item.rows);
-    if (vector_path) {  // A ring of tiles' row pointers.
+    run.segments = segments.data();
+    run.segment_count = static_cast<int64_t>(segments.size());
+    const int64_t rows = run.rows;
+    if (!run.gemm) scratch.arranged.resize(rows * run.head_dim);
+    scratch.scores.resize(rows * std::max(kDecodeTile, kDecodeGemmTile));
+    scratch.acc.resize(rows * AccStride(static_cast<int>(run.value_dim)));
+    scratch.states.resize(rows);
+    if (!run.gemm) {  // A ring of tiles' row pointers.
       scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
       scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
     }
     // The kernel reads keys and values of one dtype: the keys' (both layouts the server builds
     // give the values the same).
-    RunChunks(p.key_dtype(), run, scratch);
+    RunChunks(run.problem->key_dtype(), run, scratch);
   });
   if (!status.ok()) return status;
 

@@ -13,6 +13,13 @@
 // rule as a tile's — and writes output and lse as Tiled does. Rows see the keys their mask
 // leaves them (causal, window: kernels/geometry.h); chunks no row sees are never read.
 //
+// Cascades: problems of the batch whose caches share their first pages (forks of one prompt,
+// ForkCache) run the chunks every one of their rows sees whole, in pages all of them hold, as
+// one run per kv head for all their rows stacked (FlashInfer's cascade attention): each key and
+// value of the shared pages is read once per call, not once per problem. A row's arithmetic does
+// not depend on the rows beside it, so each row's bits are those of its problem decoded alone.
+// Problems with a token tree, a window hiding key 0, a GEMM group or a ragged batch take no part.
+//
 // Chunking depends only on the problem, and a chunk's arithmetic not on its run or worker, so
 // results do not depend on the thread count (runs do). Cost: keys and values are read once per kv
 // head, so the step is bound by memory bandwidth (docs/perf.md, "Decode").

@@ -95,6 +95,10 @@
 //                      (≤ D), each value the first DV columns of its key; the rows then also
 //                      count GFLOP/s (read it against the sgemm rows: 128 query heads over one
 //                      latent head is bound by compute)
+//   --decode_forks=OWN each decode batch's sequences are forks of one N-token prompt
+//                      (KvStore::Fork, as ForkCache makes them), each with OWN tokens of its own
+//                      appended; rows named .../forks_own:OWN. Their pages shared, the decode
+//                      kernel runs the prompt once for the batch (cascade): compare B:16 with B:1
 //   --memread_mib=M    the memory-read ceiling's buffer (default 1024, well past the L3 cache;
 //                      --quick 256)
 //   --memcopy_mib=M    the copy ceiling's source (and destination) buffer (default 1024; --quick
@@ -165,6 +169,7 @@ struct Options {
   bool refusal = true;
   std::vector<std::pair<int64_t, int64_t>> decode_shapes = {{1, 32768}, {16, 4096}};
   int64_t decode_heads = 32, decode_kv_heads = 8, decode_d = 128, decode_latent_dv = 0;
+  int64_t decode_forks_own = 0;  // > 0: forks of one prompt, this many tokens of their own.
   int64_t memread_mib = 1024;
   int64_t memcopy_mib = 1024;
 };
@@ -212,7 +217,7 @@ bool DeadlinePassed() {
                "--naive_budget_gib=G\n"
                "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
                "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
-               "--memread_mib=M\n"
+               "--decode_forks=OWN --memread_mib=M\n"
                "       --memcopy_mib=M\n"
                "       and Google Benchmark's --benchmark_* flags\n",
                problem.c_str());
@@ -335,6 +340,9 @@ Options ParseOptions(int* argc, char** argv) {
     } else if (flag == "--decode_latent") {
       need_value();
       options.decode_latent_dv = ParseInt(flag, value);
+    } else if (flag == "--decode_forks") {
+      need_value();
+      options.decode_forks_own = ParseInt(flag, value);
     } else if (flag == "--memread_mib") {
       need_value();
       options.memread_mib = ParseInt(flag, value);
@@ -400,7 +408,7 @@ Options ParseOptions(int* argc, char** argv) {
           "--naive_budget_gib=G\n"
           "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
           "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
-          "--memread_mib=M\n"
+          "--decode_forks=OWN --memread_mib=M\n"
           "  --memcopy_mib=M\n"
           "  (see tests/bench/attention_bench.cc); Google Benchmark's own flags follow.\n\n");
       argv[kept++] = argv[i];
@@ -544,17 +552,22 @@ struct DecodeCell {
   DType dtype = DType::kBFloat16;
   int64_t batch = 1, n = 0, heads = 32, kv_heads = 8, d = 128;
   int64_t latent_dv = 0;  // > 0: a latent cache of value_dim latent_dv.
+  int64_t forks_own = 0;  // > 0: forks of one n-token prompt, each with this many of its own.
 
   int64_t ValueDim() const { return latent_dv > 0 ? latent_dv : d; }
+  int64_t Length() const { return n + forks_own; }  // Each sequence's.
   std::string Name() const {
     return absl::StrCat(method, "/", Cell::DTypeLabel(dtype), "/B:", batch, "/N:", n, "/H:", heads,
                         "/KV:", kv_heads, "/d:", d,
-                        latent_dv > 0 ? absl::StrCat("/latent_dv:", latent_dv) : "");
+                        latent_dv > 0 ? absl::StrCat("/latent_dv:", latent_dv) : "",
+                        forks_own > 0 ? absl::StrCat("/forks_own:", forks_own) : "");
   }
-  // Cache bytes one step reads: every sequence's keys and stored values once.
+  // Cache bytes one step reads: every sequence's keys and stored values once (forks: the
+  // prompt's once, and each one's own).
   double CacheBytes() const {
-    return static_cast<double>(batch) * kv_heads * n * (latent_dv > 0 ? 1 : 2) * d *
-           attn::ElementSize(dtype);
+    const double tokens =
+        forks_own > 0 ? static_cast<double>(n + batch * forks_own) : static_cast<double>(batch) * n;
+    return tokens * kv_heads * (latent_dv > 0 ? 1 : 2) * d * attn::ElementSize(dtype);
   }
 };
 
@@ -566,16 +579,20 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
   std::vector<std::unique_ptr<attn::KvStore>> stores;
   constexpr int64_t kPiece = 4096;
   std::vector<float> key, value;
-  for (int64_t b = 0; b < cell.batch; ++b) {
+  std::unique_ptr<attn::KvStore> prompt;  // With forks_own: the one they are forks of.
+  for (int64_t b = 0; b < (cell.forks_own > 0 ? cell.batch + 1 : cell.batch); ++b) {
+    const bool fork = cell.forks_own > 0 && b > 0;
     absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
-        backend->CreateKvStore(attn::KvLayout{.kv_heads = cell.kv_heads,
-                                              .head_dim = cell.d,
-                                              .value_dim = cell.ValueDim(),
-                                              .dtype = cell.dtype,
-                                              .values_from_keys = cell.latent_dv > 0});
+        fork ? prompt->Fork(cell.n)
+             : backend->CreateKvStore(attn::KvLayout{.kv_heads = cell.kv_heads,
+                                                     .head_dim = cell.d,
+                                                     .value_dim = cell.ValueDim(),
+                                                     .dtype = cell.dtype,
+                                                     .values_from_keys = cell.latent_dv > 0});
     if (!store.ok()) return Skip(state, StatusText(store.status()));
-    for (int64_t done = 0; done < cell.n; done += kPiece) {
-      const int64_t n = std::min(kPiece, cell.n - done);
+    const int64_t from = fork ? cell.n : 0, to = fork ? cell.Length() : cell.n;
+    for (int64_t done = from; done < to; done += kPiece) {
+      const int64_t n = std::min(kPiece, to - done);
       key.resize(cell.kv_heads * n * cell.d);
       value.resize(key.size());
       for (float& x : key) x = uniform(rng);
@@ -585,7 +602,11 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
                            attn::TensorView{value.data(), DType::kFloat32}, n);
       if (!appended.ok()) return Skip(state, StatusText(appended));
     }
-    stores.push_back(*std::move(store));
+    if (cell.forks_own > 0 && b == 0) {
+      prompt = *std::move(store);
+    } else {
+      stores.push_back(*std::move(store));
+    }
   }
   const int64_t esize = attn::ElementSize(cell.dtype);
   std::vector<uint8_t> queries(cell.batch * cell.heads * cell.d * esize);
@@ -598,8 +619,8 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
   std::vector<attn::Outputs> outputs(cell.batch);
   for (int64_t b = 0; b < cell.batch; ++b) {
     attn::Problem& p = problems[b];
-    p.shape =
-        attn::testing::MakeShape(1, cell.heads, cell.kv_heads, 1, cell.n, cell.d, cell.ValueDim());
+    p.shape = attn::testing::MakeShape(1, cell.heads, cell.kv_heads, 1, cell.Length(), cell.d,
+                                       cell.ValueDim());
     p.query = attn::TensorView{queries.data() + b * cell.heads * cell.d * esize, cell.dtype};
     p.pages = &stores[b]->pages();
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cell.d)));
@@ -923,7 +944,7 @@ int main(int argc, char** argv) {
       for (const auto& [batch, n] : options.decode_shapes) {
         decode_cells.push_back(DecodeCell{method, dtype, batch, n, options.decode_heads,
                                           options.decode_kv_heads, options.decode_d,
-                                          options.decode_latent_dv});
+                                          options.decode_latent_dv, options.decode_forks_own});
       }
     }
   }
