@@ -4,6 +4,7 @@
 // cache as a stream of chunks, cache_transfer.h). The request checks are request.h's, the caches'
 // rules caches.h's: these handlers order them, and queue what reads every element or changes a
 // cache.
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -143,6 +144,28 @@ class FailedImport final : public grpc::ServerReadReactor<v1::CacheChunk> {
   void OnDone() override { delete this; }
 };
 
+// The lengths of a call that keeps a prefix of a cache (TruncateCache's, ForkCache's): its
+// expected_length when given (the cache's length before the call), then `length` when given (the
+// prefix kept), against the cache's length_now (−1 before it is known: the signs alone).
+absl::Status CheckPrefixLengths(std::optional<int64_t> expected_length,
+                                std::optional<int64_t> length, const std::string& cache_id,
+                                int64_t length_now) {
+  if (expected_length) {
+    if (absl::Status expected = CheckExpectedLength("", *expected_length, cache_id, length_now);
+        !expected.ok()) {
+      return expected;
+    }
+  }
+  if (length) return CheckCutLength("", "length", *length, length_now);
+  return absl::OkStatus();
+}
+
+template <class Request>
+std::optional<int64_t> ExpectedLengthOf(const Request& request) {
+  return request.has_expected_length() ? std::optional<int64_t>(request.expected_length())
+                                       : std::nullopt;
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* AttentionService::CreateCache(grpc::CallbackServerContext* context,
@@ -232,14 +255,10 @@ grpc::ServerUnaryReactor* AttentionService::TruncateCache(grpc::CallbackServerCo
       !layout.ok()) {
     return Failed(context, layout.status());
   }
-  if (absl::Status length = CheckCutLength("", "length", request->length(), -1); !length.ok()) {
-    return Failed(context, length);
-  }
-  if (request->has_expected_length()) {
-    if (absl::Status length = CheckExpectedLength("", request->expected_length(), "", -1);
-        !length.ok()) {
-      return Failed(context, length);
-    }
+  if (absl::Status lengths =
+          CheckPrefixLengths(ExpectedLengthOf(*request), request->length(), "", -1);
+      !lengths.ok()) {
+    return Failed(context, lengths);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
@@ -255,17 +274,10 @@ grpc::ServerUnaryReactor* AttentionService::TruncateCache(grpc::CallbackServerCo
       fail(lease.status());
       return;
     }
-    if (request->has_expected_length()) {
-      if (absl::Status length = CheckExpectedLength("", request->expected_length(),
-                                                    request->cache_id(), lease->length());
-          !length.ok()) {
-        fail(length);
-        return;
-      }
-    }
-    if (absl::Status length = CheckCutLength("", "length", request->length(), lease->length());
-        !length.ok()) {
-      fail(length);
+    if (absl::Status lengths = CheckPrefixLengths(ExpectedLengthOf(*request), request->length(),
+                                                  request->cache_id(), lease->length());
+        !lengths.ok()) {
+      fail(lengths);
       return;
     }
     if (absl::Status cut = lease->Truncate(request->length()); !cut.ok()) {
@@ -290,21 +302,16 @@ grpc::ServerUnaryReactor* AttentionService::ForkCache(grpc::CallbackServerContex
       !layout.ok()) {
     return Failed(context, layout.status());
   }
-  if (request->has_length()) {
-    if (absl::Status length = CheckCutLength("", "length", request->length(), -1); !length.ok()) {
-      return Failed(context, length);
-    }
-  }
-  if (request->has_expected_length()) {
-    if (absl::Status length = CheckExpectedLength("", request->expected_length(), "", -1);
-        !length.ok()) {
-      return Failed(context, length);
-    }
+  const std::optional<int64_t> length =
+      request->has_length() ? std::optional<int64_t>(request->length()) : std::nullopt;
+  if (absl::Status lengths = CheckPrefixLengths(ExpectedLengthOf(*request), length, "", -1);
+      !lengths.ok()) {
+    return Failed(context, lengths);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
   // With --cache-dir the fork's file is written and fsynced: compute-queue work.
-  auto run = [this, context, request, response, owner, fail, reactor] {
+  auto run = [this, context, request, response, owner, length, fail, reactor] {
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
       return;
@@ -315,21 +322,14 @@ grpc::ServerUnaryReactor* AttentionService::ForkCache(grpc::CallbackServerContex
       fail(source.status());
       return;
     }
-    if (request->has_expected_length()) {
-      if (absl::Status length = CheckExpectedLength("", request->expected_length(),
-                                                    request->cache_id(), source->length());
-          !length.ok()) {
-        fail(length);
-        return;
-      }
-    }
-    const int64_t length = request->has_length() ? request->length() : source->length();
-    if (absl::Status checked = CheckCutLength("", "length", length, source->length());
-        !checked.ok()) {
-      fail(checked);
+    if (absl::Status lengths = CheckPrefixLengths(ExpectedLengthOf(*request), length,
+                                                  request->cache_id(), source->length());
+        !lengths.ok()) {
+      fail(lengths);
       return;
     }
-    const absl::StatusOr<CacheDescription> fork = caches_.Fork(*source, length);
+    const absl::StatusOr<CacheDescription> fork =
+        caches_.Fork(*source, length.value_or(source->length()));
     if (!fork.ok()) {
       fail(fork.status());
       return;
