@@ -314,11 +314,11 @@ absl::StatusOr<CacheDescription> CacheRegistry::Fork(Lease& source, int64_t leng
       return file;
     }
   }
+  entry->shared_bytes.store(entry->store->shared_bytes());  // Before others can hold it.
   if (absl::Status inserted = Insert(entry); !inserted.ok()) {
     RemoveFile(*entry);
     return inserted;
   }
-  entry->shared_bytes.store(entry->store->shared_bytes());
   from.shared_bytes.store(from.store->shared_bytes());
   return DescriptionOf(*entry, length, entry->bytes.load(), persistent());
 }

@@ -26,6 +26,17 @@ using caches_internal::IsCacheId;
 using caches_internal::SteadyNs;
 using caches_internal::WallNs;
 
+// Copies tokens [from, from + n) of a store into `buffer` as a record holds them (the keys, then
+// the values unless they are the keys'); *key_bytes says where the values start.
+absl::Status CopyRecord(const KvStore& store, int64_t from, int64_t n, std::vector<char>& buffer,
+                        int64_t* key_bytes) {
+  const KvLayout& layout = store.layout();
+  *key_bytes = KeyBytes(layout, n);
+  buffer.resize(*key_bytes + StoredValueBytes(layout, n));
+  return store.CopyOut(from, from + n, buffer.data(),
+                       layout.values_from_keys ? nullptr : buffer.data() + *key_bytes);
+}
+
 bool SameLayout(const KvLayout& a, const KvLayout& b) {
   return a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.value_dim == b.value_dim &&
          a.dtype == b.dtype && a.values_from_keys == b.values_from_keys;
@@ -38,14 +49,8 @@ int64_t AgreeingTokens(const KvStore& store, int64_t start, int64_t n, const voi
   const int64_t m = std::clamp<int64_t>(store.length() - start, 0, n);
   if (m == 0) return 0;
   const KvLayout& layout = store.layout();
-  const int64_t key_bytes = KeyBytes(layout, m);
-  buffer.resize(key_bytes + StoredValueBytes(layout, m));
-  if (!store
-           .CopyOut(start, start + m, buffer.data(),
-                    layout.values_from_keys ? nullptr : buffer.data() + key_bytes)
-           .ok()) {
-    return 0;
-  }
+  int64_t key_bytes;
+  if (!CopyRecord(store, start, m, buffer, &key_bytes).ok()) return 0;
   const int64_t key_row = KeyBytes(layout, 1) / layout.kv_heads;
   const int64_t value_row = StoredValueBytes(layout, 1) / layout.kv_heads;
   auto row_equal = [&](const void* file, const char* mine, int64_t row, int64_t h, int64_t t) {
@@ -69,17 +74,6 @@ void TokensFrom(const void* data, int64_t heads, int64_t n, int64_t row, int64_t
     std::memcpy(out + h * (n - from) * row, static_cast<const char*>(data) + (h * n + from) * row,
                 static_cast<size_t>((n - from) * row));
   }
-}
-
-// Copies tokens [from, from + n) of a store into `buffer` as a record holds them (the keys, then
-// the values unless they are the keys'); *key_bytes says where the values start.
-absl::Status CopyRecord(const KvStore& store, int64_t from, int64_t n, std::vector<char>& buffer,
-                        int64_t* key_bytes) {
-  const KvLayout& layout = store.layout();
-  *key_bytes = KeyBytes(layout, n);
-  buffer.resize(*key_bytes + StoredValueBytes(layout, n));
-  return store.CopyOut(from, from + n, buffer.data(),
-                       layout.values_from_keys ? nullptr : buffer.data() + *key_bytes);
 }
 
 }  // namespace

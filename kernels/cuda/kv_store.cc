@@ -14,7 +14,14 @@ namespace attn::cuda {
 
 CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
                          int64_t page_tokens)
-    : device_(std::move(device)), layout_(layout), page_tokens_(page_tokens) {
+    : CudaKvStore(std::move(device), layout, page_tokens, std::make_shared<Pool>()) {}
+
+CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
+                         int64_t page_tokens, std::shared_ptr<Pool> pool)
+    : device_(std::move(device)),
+      layout_(layout),
+      page_tokens_(page_tokens),
+      pool_(std::move(pool)) {
   paged_.page_tokens = page_tokens_;
   paged_.key_width = layout_.head_dim;
   paged_.value_width = layout_.values_from_keys ? layout_.head_dim : layout_.value_dim;
@@ -22,15 +29,105 @@ CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
 }
 
 CudaKvStore::~CudaKvStore() {
-  if (freed_) {
-    for (size_t p = 0; p < pages_.size(); ++p) freed_(PageBytes());
+  // A lost device: the pages are only let go of (the process's memory goes with the device).
+  if (!device_->Start().ok()) {
+    for (Page* page : pages_) Unhold(page, nullptr, false);
+    return;
   }
-  if (!device_->Start().ok()) return;  // A lost device: the process's memory goes with it.
   SlotPool::Lease lease(device_->slots());
   const cudaStream_t stream = lease.slot().stream;
-  for (DeviceBlock& page : pages_) page.Free(device_->budget(), stream);
+  for (Page* page : pages_) Unhold(page, stream, true);
   key_table_.Free(device_->budget(), stream);
   value_table_.Free(device_->budget(), stream);
+}
+
+void CudaKvStore::Unhold(Page* page, cudaStream_t stream, bool device_ok) const {
+  // acq_rel: every use of the page by a store letting go happens before its free.
+  if (page->holders.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  if (device_ok) page->block.Free(device_->budget(), stream);
+  delete page;
+  if (pool_->freed) pool_->freed(PageBytes());
+}
+
+bool CudaKvStore::LastPageShared() const {
+  return length_ % page_tokens_ != 0 && pages_.back()->holders.load(std::memory_order_acquire) > 1;
+}
+
+int64_t CudaKvStore::shared_bytes() const {
+  int64_t shared = 0;
+  for (const Page* page : pages_) {
+    shared += page->holders.load(std::memory_order_acquire) > 1 ? PageBytes() : 0;
+  }
+  return shared;
+}
+
+int64_t CudaKvStore::BytesToAppend(int64_t n) const {
+  if (n <= 0) return 0;
+  copy_counted_ = LastPageShared();
+  return BytesFor(length_ + n) - bytes() + (copy_counted_ ? PageBytes() : 0);
+}
+
+absl::Status CudaKvStore::UploadEntries(const std::vector<const void*>& key_entries,
+                                        const std::vector<const void*>& value_entries,
+                                        int64_t first, void* key_table, void* value_table,
+                                        char* staged, Slot& slot) const {
+  const int64_t count = static_cast<int64_t>(key_entries.size());
+  const int64_t entry_bytes = (count - first) * static_cast<int64_t>(sizeof(void*));
+  if (entry_bytes <= 0) return absl::OkStatus();
+  std::memcpy(staged, key_entries.data() + first, entry_bytes);
+  std::memcpy(staged + entry_bytes, value_entries.data() + first, entry_bytes);
+  auto check = [&](cudaError_t error, const char* what) { return device_->Check(error, what); };
+  absl::Status status =
+      check(cudaMemcpyAsync(static_cast<char*>(key_table) + first * sizeof(void*), staged,
+                            entry_bytes, cudaMemcpyHostToDevice, slot.stream),
+            "cudaMemcpyAsync (key page table)");
+  if (!status.ok()) return status;
+  return check(
+      cudaMemcpyAsync(static_cast<char*>(value_table) + first * sizeof(void*), staged + entry_bytes,
+                      entry_bytes, cudaMemcpyHostToDevice, slot.stream),
+      "cudaMemcpyAsync (value page table)");
+}
+
+absl::StatusOr<std::unique_ptr<KvStore>> CudaKvStore::Fork(int64_t length) const {
+  if (length < 0 || length > length_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a fork keeps 0 … ", length_, " tokens, not ", length));
+  }
+  ATTN_RETURN_IF_ERROR(device_->Start());
+  std::unique_ptr<CudaKvStore> fork(new CudaKvStore(device_, layout_, page_tokens_, pool_));
+  const int64_t pages = PagesFor(length, page_tokens_);
+  const int64_t capacity = std::max<int64_t>(pages, 16);
+  const int64_t table_bytes = capacity * static_cast<int64_t>(sizeof(void*));
+  SlotPool::Lease lease(device_->slots());
+  Slot& slot = lease.slot();
+  MemoryBudget& budget = device_->budget();
+  // Its own tables, naming the first `pages` of this store's pages.
+  ATTN_RETURN_IF_ERROR(slot.ReserveStaging(2 * table_bytes));
+  absl::StatusOr<DeviceBlock> keys = DeviceBlock::Allocate(budget, table_bytes, slot.stream);
+  if (!keys.ok()) return keys.status();
+  absl::StatusOr<DeviceBlock> values = DeviceBlock::Allocate(budget, table_bytes, slot.stream);
+  if (!values.ok()) {
+    keys->Free(budget, slot.stream);
+    return values.status();
+  }
+  fork->key_table_ = *std::move(keys);
+  fork->value_table_ = *std::move(values);
+  fork->table_capacity_ = capacity;
+  fork->key_entries_.assign(key_entries_.begin(), key_entries_.begin() + pages);
+  fork->value_entries_.assign(value_entries_.begin(), value_entries_.begin() + pages);
+  absl::Status status =
+      UploadEntries(fork->key_entries_, fork->value_entries_, 0, fork->key_table_.get(),
+                    fork->value_table_.get(), slot.staging, slot);
+  if (status.ok()) status = device_->Check(cudaStreamSynchronize(slot.stream), "KV cache fork");
+  if (!status.ok()) return status;  // The fork (its tables, no page yet) goes.
+  for (int64_t p = 0; p < pages; ++p) {
+    pages_[p]->holders.fetch_add(1, std::memory_order_relaxed);
+    fork->pages_.push_back(pages_[p]);
+  }
+  fork->length_ = length;
+  fork->paged_.key_pages = static_cast<const void* const*>(fork->key_table_.get());
+  fork->paged_.value_pages = static_cast<const void* const*>(fork->value_table_.get());
+  return std::unique_ptr<KvStore>(std::move(fork));
 }
 
 absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value, int64_t n) {
@@ -46,6 +143,10 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   const int64_t token_bytes = (key_elements + value_elements) * element;
   const int64_t old_pages = static_cast<int64_t>(pages_.size());
   const int64_t new_pages = PagesFor(length_ + n, page_tokens_);
+  // Copy on write: a last page another store holds (or BytesToAppend counted as such) is copied
+  // before the new tokens go into it.
+  const bool copy_last = length_ % page_tokens_ != 0 && (LastPageShared() || copy_counted_);
+  copy_counted_ = false;
   const bool grow_tables = new_pages > table_capacity_;
   const int64_t capacity =
       grow_tables ? std::max<int64_t>({new_pages, 2 * table_capacity_, 16}) : table_capacity_;
@@ -66,7 +167,7 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
 
   // Everything the append needs, allocated before anything is written: on failure `added` and
   // the new tables are freed and the store is untouched.
-  std::vector<DeviceBlock> added;
+  std::vector<DeviceBlock> added;  // The copy of the last page first, when copy_last.
   DeviceBlock new_key_table, new_value_table;
   Allocations scratch(budget, slot.stream);
   auto roll_back = [&](absl::Status status) {
@@ -75,7 +176,7 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
     new_value_table.Free(budget, slot.stream);
     return status;
   };
-  for (int64_t p = old_pages; p < new_pages; ++p) {
+  for (int64_t p = old_pages - (copy_last ? 1 : 0); p < new_pages; ++p) {
     absl::StatusOr<DeviceBlock> page = DeviceBlock::Allocate(budget, PageBytes(), slot.stream);
     if (!page.ok()) return roll_back(page.status());
     added.push_back(*std::move(page));
@@ -94,6 +195,10 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   // The tables after the append: entries [first_entry, new_pages) are uploaded (all of them
   // into new tables; only the new pages' into the current ones, past every entry in use).
   std::vector<const void*> key_entries = key_entries_, value_entries = value_entries_;
+  if (copy_last) {
+    key_entries.pop_back();
+    value_entries.pop_back();
+  }
   for (const DeviceBlock& page : added) {
     key_entries.push_back(page.get());
     value_entries.push_back(static_cast<const char*>(page.get()) +
@@ -101,22 +206,18 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   }
   void* key_table = grow_tables ? new_key_table.get() : key_table_.get();
   void* value_table = grow_tables ? new_value_table.get() : value_table_.get();
-  const int64_t first_entry = grow_tables ? 0 : old_pages;
-  const int64_t entry_bytes = (new_pages - first_entry) * static_cast<int64_t>(sizeof(void*));
-  char* staged_keys = staged + token_bytes;
-  char* staged_values = staged_keys + table_bytes;
-  std::memcpy(staged_keys, key_entries.data() + first_entry, entry_bytes);
-  std::memcpy(staged_values, value_entries.data() + first_entry, entry_bytes);
+  const int64_t first_entry = grow_tables ? 0 : old_pages - (copy_last ? 1 : 0);
 
   auto check = [&](cudaError_t error, const char* what) { return device_->Check(error, what); };
-  absl::Status status =
-      check(cudaMemcpyAsync(static_cast<char*>(key_table) + first_entry * sizeof(void*),
-                            staged_keys, entry_bytes, cudaMemcpyHostToDevice, slot.stream),
-            "cudaMemcpyAsync (key page table)");
+  absl::Status status = absl::OkStatus();
+  if (copy_last) {  // The rows already in the shared page, into this store's own copy.
+    status = check(cudaMemcpyAsync(added[0].get(), pages_.back()->block.get(), PageBytes(),
+                                   cudaMemcpyDeviceToDevice, slot.stream),
+                   "cudaMemcpyAsync (copy of a shared page)");
+  }
   if (status.ok()) {
-    status = check(cudaMemcpyAsync(static_cast<char*>(value_table) + first_entry * sizeof(void*),
-                                   staged_values, entry_bytes, cudaMemcpyHostToDevice, slot.stream),
-                   "cudaMemcpyAsync (value page table)");
+    status = UploadEntries(key_entries, value_entries, first_entry, key_table, value_table,
+                           staged + token_bytes, slot);
   }
   if (status.ok()) {
     status =
@@ -137,7 +238,17 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
         "LaunchScatter (values)");
   }
   if (status.ok()) status = check(cudaStreamSynchronize(slot.stream), "KV cache append");
-  if (!status.ok()) return roll_back(status);
+  if (!status.ok()) {
+    if (copy_last && !grow_tables) {
+      // The table in use may name the copy now: its entry for the shared page goes back first.
+      if (UploadEntries(key_entries_, value_entries_, old_pages - 1, key_table_.get(),
+                        value_table_.get(), staged + token_bytes, slot)
+              .ok()) {
+        (void)check(cudaStreamSynchronize(slot.stream), "KV cache append's table restored");
+      }
+    }
+    return roll_back(status);
+  }
 
   // Commit.
   if (grow_tables) {
@@ -147,7 +258,16 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
     value_table_ = std::move(new_value_table);
     table_capacity_ = capacity;
   }
-  for (DeviceBlock& page : added) pages_.push_back(std::move(page));
+  for (size_t a = 0; a < added.size(); ++a) {
+    Page* page = new Page;
+    page->block = std::move(added[a]);
+    if (a == 0 && copy_last) {
+      Unhold(pages_.back(), slot.stream, true);  // The other holders keep the original.
+      pages_.back() = page;
+    } else {
+      pages_.push_back(page);
+    }
+  }
   key_entries_ = std::move(key_entries);
   value_entries_ = std::move(value_entries);
   length_ += n;
@@ -194,19 +314,17 @@ absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* v
 }
 
 void CudaKvStore::Truncate(int64_t length) {
+  copy_counted_ = false;
   length = std::clamp<int64_t>(length, 0, length_);
   const size_t keep = static_cast<size_t>(PagesFor(length, page_tokens_));
-  if (keep < pages_.size() && device_->Start().ok()) {
-    SlotPool::Lease lease(device_->slots());
-    for (size_t p = keep; p < pages_.size(); ++p) {
-      pages_[p].Free(device_->budget(), lease.slot().stream);
-    }
-  }
-  // On a lost device the pages are not freed (nothing can use them again), only forgotten.
-  if (keep < pages_.size() && freed_) {
-    for (size_t p = keep; p < pages_.size(); ++p) freed_(PageBytes());
-  }
   if (keep < pages_.size()) {
+    // On a lost device the pages are not freed (nothing can use them again), only let go of.
+    if (device_->Start().ok()) {
+      SlotPool::Lease lease(device_->slots());
+      for (size_t p = keep; p < pages_.size(); ++p) Unhold(pages_[p], lease.slot().stream, true);
+    } else {
+      for (size_t p = keep; p < pages_.size(); ++p) Unhold(pages_[p], nullptr, false);
+    }
     pages_.resize(keep);
     key_entries_.resize(keep);
     value_entries_.resize(keep);

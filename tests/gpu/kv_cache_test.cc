@@ -1,7 +1,8 @@
 // The CUDA backend's KV caches (kernels/cuda/kv_store.h) and attention over them: the store's
-// append, truncate and all-or-nothing failure, read back from the device; Decode's split-KV
-// kernels (kernels/cuda/decode.cu) against the float64 reference (tests/reference.h) — odd page
-// sizes, GQA, causal with several query rows, a batch of different lengths, fp32/fp16/bf16 by
+// append, truncate and all-or-nothing failure, read back from the device; forks (pages shared
+// through tables of their own, copy on write, each page freed by its last holder); Decode's
+// split-KV kernels (kernels/cuda/decode.cu) against the float64 reference (tests/reference.h) — odd
+// page sizes, GQA, causal with several query rows, a batch of different lengths, fp32/fp16/bf16 by
 // the project's rules (DESIGN.md, Numerics), small chunks that exercise the merge and the
 // backend's own choice, DeepSeek-V3's MLA shape (128 heads over one latent kv head, head_dim
 // 576, values the first 512 columns of each key) and other widths the wide (576) instance takes,
@@ -216,6 +217,73 @@ TEST_F(CudaKvTest, AppendTruncateAndReadBackInEveryDtype) {
     kv.Truncate(0);
     EXPECT_EQ(kv.length(), 0);
     EXPECT_EQ(kv.bytes(), 0);
+  }
+}
+
+// Forks (KvStore::Fork, ForkCache's): a fork names its source's pages in tables of its own (read
+// back through them from the device), an append into a shared partly filled page copies it on the
+// device first (the source reads as before), shared_bytes counts the pages another store holds,
+// and each page is freed, and reported, once: by the last store that lets go of it.
+TEST_F(CudaKvTest, AForkSharesPagesCopiesOnWriteAndFreesOnTheLastHolder) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const HostProblem host =
+        RandomProblem(MakeShape(1, 4, 2, 1, 30, 17, 11), dtype, false, 8, 31 + int(dtype));
+    const HostProblem other =
+        RandomProblem(MakeShape(1, 4, 2, 1, 5, 17, 11), dtype, false, 8, 41 + int(dtype));
+    absl::StatusOr<std::unique_ptr<KvStore>> made = odd().CreateKvStore(LayoutOf(host));
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<KvStore> source = *std::move(made);
+    int64_t freed = 0;
+    source->OnPageFreed([&freed](int64_t) { ++freed; });
+    AppendAll(*source, host, {30});  // Pages of 7: four whole, the fifth holding 2 tokens.
+    const int64_t page_bytes = 2 * 7 * (17 + 11) * ElementSize(dtype);
+    ASSERT_EQ(source->bytes(), 5 * page_bytes);
+    absl::StatusOr<std::unique_ptr<KvStore>> whole = source->Fork(30);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    absl::StatusOr<std::unique_ptr<KvStore>> prefix = source->Fork(16);  // Into page 2.
+    ASSERT_TRUE(prefix.ok()) << prefix.status();
+    EXPECT_EQ(source->Fork(31).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*whole)->shared_bytes(), 5 * page_bytes);
+    EXPECT_EQ((*prefix)->bytes(), 3 * page_bytes);
+    EXPECT_EQ(source->shared_bytes(), 5 * page_bytes);
+    EXPECT_EQ(ReadBack(**whole, true, 30), host.key);
+    EXPECT_EQ(ReadBack(**whole, false, 30), host.value);
+    EXPECT_EQ(ReadBack(**prefix, true, 16), Prefix(host.key, 2, 30, 17, 16));
+
+    // The whole fork's append: its last page copied, then written; the source as before.
+    EXPECT_EQ((*whole)->BytesToAppend(5), page_bytes);
+    const std::vector<uint8_t> key = Slice(other.key, 2, 5, 17, 0, 5, dtype);
+    const std::vector<uint8_t> value = Slice(other.value, 2, 5, 11, 0, 5, dtype);
+    ASSERT_TRUE((*whole)->Append({key.data(), dtype}, {value.data(), dtype}, 5).ok());
+    EXPECT_EQ((*whole)->bytes(), 5 * page_bytes);
+    EXPECT_EQ((*whole)->shared_bytes(), 4 * page_bytes);
+    EXPECT_EQ(source->shared_bytes(), 4 * page_bytes);
+    std::vector<float> expected;
+    for (int64_t h = 0; h < 2; ++h) {
+      expected.insert(expected.end(), host.key.begin() + h * 30 * 17,
+                      host.key.begin() + (h + 1) * 30 * 17);
+      expected.insert(expected.end(), other.key.begin() + h * 5 * 17,
+                      other.key.begin() + (h + 1) * 5 * 17);
+    }
+    EXPECT_EQ(ReadBack(**whole, true, 35), expected);
+    EXPECT_EQ(ReadBack(*source, true, 30), host.key);
+    EXPECT_EQ(ReadBack(*source, false, 30), host.value);
+    // The prefix fork's append copies page 2; the others read as before.
+    ASSERT_TRUE((*prefix)->Append({key.data(), dtype}, {value.data(), dtype}, 3).ok());
+    EXPECT_EQ((*prefix)->shared_bytes(), 2 * page_bytes);
+    EXPECT_EQ(ReadBack(*source, true, 30), host.key);
+    EXPECT_EQ(ReadBack(**whole, true, 35), expected);
+
+    // Each page freed once, by its last holder: 5 of the source's and the 2 copies.
+    source.reset();
+    EXPECT_EQ(freed, 1);  // Its last page only: the others are the forks'.
+    EXPECT_EQ(ReadBack(**whole, true, 35), expected);
+    whole->reset();
+    EXPECT_EQ(freed, 4);  // Pages 2, 3 and its copy of 4 (0 and 1 are the prefix fork's).
+    EXPECT_EQ(ReadBack(**prefix, true, 16), Prefix(host.key, 2, 30, 17, 16));
+    prefix->reset();
+    EXPECT_EQ(freed, 7);
   }
 }
 

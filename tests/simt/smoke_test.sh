@@ -2,8 +2,8 @@
 # attnd over the emulated CUDA backend (tests/simt): `attnd_simt --device cuda` serves the seed
 # example through gRPC as the CPU does — Tiled (the fused fp32 kernel at the default block_k, the
 # row kernel at block_k 3), Naive (cuBLAS and the softmax kernel), Trace — and a bf16 KV-cache
-# decode (the split-KV kernels over pages), every answer from the CUDA kernels, then drains on
-# SIGTERM. Usage: smoke_test.sh ATTND_SIMT ATTN
+# decode (the split-KV kernels over pages), a fork of a cache (shared pages, copy on write),
+# every answer from the CUDA kernels, then drains on SIGTERM. Usage: smoke_test.sh ATTND_SIMT ATTN
 set -euo pipefail
 source "$(dirname "$0")/../attnd_lib.sh"
 attnd=$1
@@ -34,6 +34,29 @@ error=$(sed -n 's/^max |decode - float64 reference| \/ max |reference| = \([0-9.
 check decode 0 '^ok$' -- \
   awk -v e="${error:-nan}" 'BEGIN { if (e != "nan" && e + 0 <= 1e-2) print "ok"; else print "error " e }'
 [ -n "$error" ] || echo "$out"
+
+# A fork on the device (ForkCache): it shares the source's pages; Tiled over either gives the
+# same bytes; an append to the fork copies the shared partly filled page first, so the source
+# still answers as before; deleting the source keeps the fork's pages.
+cache=("$attn" "${target[@]}" cache)
+created=$("${cache[@]}" create --kv-heads 1 --head-dim 8 2>&1) || true
+source_id=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$created")
+"${cache[@]}" append "$source_id" --tokens 300 >/dev/null 2>&1 || true
+forked=$("${cache[@]}" fork "$source_id" 2>&1) || true
+fork_id=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$forked")
+check fork 0 '^  shared .* of them with other caches' -- echo "$forked"
+tiled_over() {  # tiled_over CACHE_ID FILE: Tiled over a cache's 300 tokens, its output in FILE
+  "$attn" "${target[@]}" tiled --cache "$1" --random 1,2,1,8 --output-file "$2" >/dev/null 2>&1
+}
+tiled_over "$source_id" "$log.source" || true
+tiled_over "$fork_id" "$log.fork" || true
+check fork-same-bits 0 '' -- cmp "$log.source" "$log.fork"
+check fork-append 0 'length 310 tokens' -- "${cache[@]}" append "$fork_id" --tokens 10
+tiled_over "$source_id" "$log.source2" || true
+check fork-source-unchanged 0 '' -- cmp "$log.source" "$log.source2"
+check fork-delete-source 0 "^deleted cache $source_id$" -- "${cache[@]}" delete "$source_id"
+check fork-outlives-source 0 'length 310 tokens' -- "${cache[@]}" info "$fork_id"
+rm -f "$log".source "$log".fork "$log".source2
 
 kill -TERM "$server"
 rc=0
