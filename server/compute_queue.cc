@@ -129,13 +129,17 @@ void ComputeQueue::Run() {
       reserved_bytes_ += job.memory_bytes;
     }
     job.RunGuarded();
+    bool waiting;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       running_.fetch_sub(1, std::memory_order_relaxed);
       reserved_bytes_ -= job.memory_bytes;
       inflight_bytes_.fetch_sub(job.request_bytes, std::memory_order_relaxed);
+      waiting = !pending_.empty() || stopping_;
     }
-    ready_.notify_all();  // Memory freed: the head may fit now.
+    // Memory freed: a waiting head may fit now. With nothing waiting the idle workers sleep on
+    // (waking them all after every call costs a small server the CPU its answers need).
+    if (waiting) ready_.notify_all();
   }
 }
 

@@ -37,13 +37,37 @@ int64_t InflightBytes(const google::protobuf::Message& request, int64_t reply_by
   return total < 0 ? std::numeric_limits<int64_t>::max() : total;
 }
 
-void FillStats(const Backend& backend, const Stats& stats, Clock::time_point start,
-               v1::ExecutionStats* message) {
+namespace {
+
+int64_t Nanoseconds(Clock::duration duration) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(duration).count();
+}
+
+// The stats with server_ns from `start` to `now`.
+void FillStatsAt(const Backend& backend, const Stats& stats, Clock::time_point start,
+                 Clock::time_point now, v1::ExecutionStats* message) {
   EncodeStats(stats, message);
   message->set_backend(std::string(backend.name()));
   message->set_device(backend.device());
-  message->set_server_ns(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  message->set_server_ns(Nanoseconds(now - start));
+}
+
+}  // namespace
+
+void FillStats(const Backend& backend, const Stats& stats, Clock::time_point start,
+               v1::ExecutionStats* message) {
+  FillStatsAt(backend, stats, start, Clock::now(), message);
+}
+
+void FillStats(const Backend& backend, const Stats& stats, const Timeline& timeline,
+               v1::ExecutionStats* message) {
+  const Clock::time_point now = Clock::now();  // The end of both server_ns and the finish.
+  FillStatsAt(backend, stats, timeline.start, now, message);
+  v1::ServerStages* stages = message->mutable_stages();
+  stages->set_handler_ns(Nanoseconds(timeline.handed_off - timeline.start));
+  stages->set_queue_ns(Nanoseconds(timeline.started - timeline.handed_off));
+  stages->set_prepare_ns(Nanoseconds(timeline.computing - timeline.started));
+  stages->set_finish_ns(Nanoseconds(now - timeline.computed));
 }
 
 }  // namespace service_internal
@@ -52,6 +76,7 @@ using service_internal::Clock;
 using service_internal::FillStats;
 using service_internal::InflightBytes;
 using service_internal::Interruption;
+using service_internal::Timeline;
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -133,17 +158,19 @@ grpc::ServerUnaryReactor* AttentionService::Tiled(grpc::CallbackServerContext* c
 void AttentionService::Answer(bool naive, const Problem& problem,
                               grpc::CallbackServerContext* context,
                               const v1::AttentionRequest* request, v1::AttentionResponse* response,
-                              Clock::time_point start, grpc::ServerUnaryReactor* reactor) {
+                              Timeline& timeline, grpc::ServerUnaryReactor* reactor) {
   Outputs outputs = PrepareOutputs(problem, *request, response);
   outputs.interrupt = [context] { return Interruption(context); };
+  timeline.computing = Clock::now();
   absl::StatusOr<Stats> stats =
       naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
+  timeline.computed = Clock::now();
   if (!stats.ok()) {
     response->Clear();
     reactor->Finish(ToGrpcStatus(stats.status()));
     return;
   }
-  FillStats(backend_, *stats, start, response->mutable_stats());
+  FillStats(backend_, *stats, timeline, response->mutable_stats());
   reactor->Finish(grpc::Status::OK);
 }
 
@@ -151,7 +178,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
                                                     grpc::CallbackServerContext* context,
                                                     const v1::AttentionRequest* request,
                                                     v1::AttentionResponse* response) {
-  const Clock::time_point start = Clock::now();
+  Timeline timeline;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // Failures are logged, with the rest of the call, by the request log (request_log.h).
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
@@ -179,7 +206,10 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   }
   const bool naive = method == Method::kNaive;
   // The call's work: the values check (a pass over every input element), the kernel, the answer.
-  auto run = [this, naive, context, request, response, problem = *problem, start, fail, reactor] {
+  timeline.handed_off = Clock::now();
+  auto run = [this, naive, context, request, response, problem = *problem, timeline, fail,
+              reactor]() mutable {
+    timeline.started = Clock::now();
     // A call whose client left, or whose deadline passed, while it waited never starts.
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
@@ -189,7 +219,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
       fail(values);
       return;
     }
-    Answer(naive, problem, context, request, response, start, reactor);
+    Answer(naive, problem, context, request, response, timeline, reactor);
   };
   ComputeJob job{.memory_bytes = HeldBytes(naive, *problem, queue_.limits().memory_bytes),
                  .request_bytes = InflightBytes(*request, reply_bytes),
@@ -208,7 +238,7 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
                                                              grpc::CallbackServerContext* context,
                                                              const v1::AttentionRequest* request,
                                                              v1::AttentionResponse* response) {
-  const Clock::time_point start = Clock::now();
+  Timeline timeline;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
   if (absl::Status inline_keys = CheckNoInlineKeys(*request); !inline_keys.ok()) {
@@ -251,8 +281,10 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
       now.ok()) {
     estimate.shape.key_len = std::max<int64_t>(now->length, 1);
   }
-  auto run = [this, naive, context, request, response, owner, problem = *problem, start, fail,
+  timeline.handed_off = Clock::now();
+  auto run = [this, naive, context, request, response, owner, problem = *problem, timeline, fail,
               reactor]() mutable {
+    timeline.started = Clock::now();
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
       return;
@@ -269,7 +301,7 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
       fail(bound);
       return;
     }
-    Answer(naive, problem, context, request, response, start, reactor);
+    Answer(naive, problem, context, request, response, timeline, reactor);
   };
   absl::Status accepted =
       queue_.Submit({.memory_bytes = HeldBytes(naive, estimate, queue_.limits().memory_bytes),

@@ -40,6 +40,10 @@
 
 namespace attn {
 
+namespace service_internal {
+struct Timeline;  // service_internal.h
+}  // namespace service_internal
+
 struct ServiceConfig {
   TraceLimits trace;
   // budget_bytes 0 = half the backend's memory_bytes().
@@ -139,8 +143,8 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   // Runs a valid problem through Naive or Tiled and finishes the call with its answer.
   void Answer(bool naive, const Problem& problem, grpc::CallbackServerContext* context,
               const attention::v1::AttentionRequest* request,
-              attention::v1::AttentionResponse* response,
-              std::chrono::steady_clock::time_point start, grpc::ServerUnaryReactor* reactor);
+              attention::v1::AttentionResponse* response, service_internal::Timeline& timeline,
+              grpc::ServerUnaryReactor* reactor);
   // Naive or Tiled over a cache (request->cache_id set).
   grpc::ServerUnaryReactor* ComputeOverCache(Method method, grpc::CallbackServerContext* context,
                                              const attention::v1::AttentionRequest* request,

@@ -24,6 +24,7 @@ using service_internal::Clock;
 using service_internal::FillStats;
 using service_internal::InflightBytes;
 using service_internal::Interruption;
+using service_internal::Timeline;
 
 namespace {
 
@@ -373,7 +374,7 @@ grpc::ServerUnaryReactor* AttentionService::ListCaches(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
                                                    const v1::DecodeRequest* request,
                                                    v1::DecodeResponse* response) {
-  const Clock::time_point start = Clock::now();
+  Timeline timeline;
   if (absl::Status count = CheckDecodeItemCount(*request); !count.ok()) {
     return Failed(context, count);
   }
@@ -394,8 +395,10 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     response->Clear();
     reactor->Finish(ToGrpcStatus(status));
   };
-  auto run = [this, context, request, response, owner, items = std::move(batch->items), start, fail,
-              reactor]() mutable {
+  timeline.handed_off = Clock::now();
+  auto run = [this, context, request, response, owner, items = std::move(batch->items), timeline,
+              fail, reactor]() mutable {
+    timeline.started = Clock::now();
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
       return;
@@ -480,7 +483,9 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
       out.interrupt = [context] { return Interruption(context); };
       outputs.push_back(std::move(out));
     }
+    timeline.computing = Clock::now();
     absl::StatusOr<Stats> stats = backend_.Decode(problems, outputs);
+    timeline.computed = Clock::now();
     if (!stats.ok()) {
       undo(stats.status());
       return;
@@ -495,7 +500,7 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     for (size_t i = 0; i < leases.size(); ++i) {
       EncodeCacheInfo(leases[i].Describe(), response->add_caches());
     }
-    FillStats(backend_, *stats, start, response->mutable_stats());
+    FillStats(backend_, *stats, timeline, response->mutable_stats());
     reactor->Finish(grpc::Status::OK);
   };
   absl::Status accepted = queue_.Submit({.request_bytes = InflightBytes(*request, reply_bytes),

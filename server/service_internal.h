@@ -23,9 +23,20 @@ absl::Status Interruption(grpc::CallbackServerContext* context);
 // request's and its answer's tensors (saturating at INT64_MAX).
 int64_t InflightBytes(const google::protobuf::Message& request, int64_t reply_bytes);
 
-// A computation's stats (EncodeStats) with the backend's name and device, and the time since
-// the call arrived at `start` as server_ns.
+// The moments of a call that its ExecutionStats.stages are made of.
+struct Timeline {
+  Clock::time_point start = Clock::now();  // The handler began.
+  Clock::time_point handed_off;            // Its checks done: submitted (or run inline).
+  Clock::time_point started;               // The work began on a worker (or inline).
+  Clock::time_point computing;             // The kernels began.
+  Clock::time_point computed;              // They ended.
+};
+
+// A computation's stats (EncodeStats) with the backend's name and device, the time since the
+// call arrived as server_ns, and (given a whole timeline) its stages, the finish ending now.
 void FillStats(const Backend& backend, const Stats& stats, Clock::time_point start,
+               attention::v1::ExecutionStats* message);
+void FillStats(const Backend& backend, const Stats& stats, const Timeline& timeline,
                attention::v1::ExecutionStats* message);
 
 }  // namespace attn::service_internal

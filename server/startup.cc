@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "kernels/make_backend.h"
@@ -78,13 +79,17 @@ void PrintStartupLines(const RunningServer& server, const AttndConfig& config) {
   const Backend& backend = *server.backend;
   const AdmissionLimits& admission = server.service.admission();
   const CacheLimits& caches = server.service.caches().limits();
+  // gRPC reports a Unix socket's "port" as 1: name the kind of address instead.
+  const std::string where = absl::StartsWith(config.listen, "unix")
+                                ? std::string("unix socket")
+                                : absl::StrCat("port ", server.port);
   std::printf(
-      "attnd %s serving attention.v1 on %s (port %d)\n  device: %s [%s]\n  limits: "
+      "attnd %s serving attention.v1 on %s (%s)\n  device: %s [%s]\n  limits: "
       "max-message-bytes=%lld max-naive-bytes=%lld max-trace-rows=%lld max-trace-steps=%lld "
       "default-block-k=%d max-inflight=%d max-queue=%d max-traces=%lld cache-bytes=%lld "
       "cache-idle-seconds=%lld max-caches=%lld max-inflight-bytes=%lld trace-idle-seconds=%lld "
       "max-health-watches=%lld shutdown-grace=%ds\n",
-      ATTN_VERSION, config.listen.c_str(), server.port, backend.device().c_str(),
+      ATTN_VERSION, config.listen.c_str(), where.c_str(), backend.device().c_str(),
       std::string(backend.name()).c_str(), static_cast<long long>(config.service.max_message_bytes),
       static_cast<long long>(backend.max_naive_bytes()),
       static_cast<long long>(config.service.trace.max_rows),

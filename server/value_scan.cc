@@ -80,11 +80,13 @@ constexpr unsigned kMaxScanThreads = 4;
 template <class Bits>
 Bits MaxMagnitude(const void* data, int64_t n, Bits mask) {
   const auto* bytes = static_cast<const unsigned char*>(data);
-  const unsigned threads =
-      std::min(kMaxScanThreads, std::max(1u, std::thread::hardware_concurrency()));
-  if (n * static_cast<int64_t>(sizeof(Bits)) < kParallelScanBytes || threads < 2) {
+  if (n * static_cast<int64_t>(sizeof(Bits)) < kParallelScanBytes) {
     return MaxMagnitudeOnOneThread(bytes, n, mask);
   }
+  // Asked once: glibc reads /sys for it, a file's open, read and close on every call.
+  static const unsigned threads =
+      std::min(kMaxScanThreads, std::max(1u, std::thread::hardware_concurrency()));
+  if (threads < 2) return MaxMagnitudeOnOneThread(bytes, n, mask);
   std::vector<Bits> largest(threads, 0);
   std::vector<std::thread> helpers;
   auto slice = [&](unsigned t) {

@@ -1,6 +1,7 @@
 # Shared by the shell tests that run attnd (source it; not a test itself):
 #   attnd_wait_port PID LOG   prints the port attnd PID reported in LOG ("... (port N)"), or
-#                             shows LOG and fails when attnd exits or never reports one
+#                             "unix" for a Unix socket ("... (unix socket)"), or shows LOG and
+#                             fails when attnd exits or never reports one
 #   check NAME EXIT PATTERN -- COMMAND...
 #                             runs COMMAND, counts it in $passed or $failed: passed when it exits
 #                             with EXIT and its output (stdout and stderr) matches PATTERN (ERE);
@@ -11,7 +12,8 @@ attnd_wait_port() {
   local pid=$1 log=$2 port=""
   for _ in $(seq 150); do
     # The log may not exist yet: the caller's background redirection can come after this read.
-    port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$log" 2>/dev/null || true)
+    port=$(sed -n -e 's/.*(port \([0-9]*\)).*/\1/p' -e 's/.*(unix socket)$/unix/p' "$log" \
+      2>/dev/null || true)
     [ -n "$port" ] && { echo "$port"; return 0; }
     kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; echo "FAIL: attnd exited" >&2; return 1; }
     sleep 0.1

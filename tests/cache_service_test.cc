@@ -303,6 +303,16 @@ TEST_F(CacheServiceTest, ADecodeBatchAppendsEachItemsTokensThenAttends) {
     const testing::Reference ref = testing::ReferenceAttention(problems[i]);
     EXPECT_LE(testing::MaxAbsError(Floats(response.lse(i)), ref.lse), 1e-4);
   }
+  // Where server_ns went (ExecutionStats.stages): each stage measured, together within it.
+  const v1::ExecutionStats& stats = response.stats();
+  const v1::ServerStages& stages = stats.stages();
+  EXPECT_GT(stages.handler_ns(), 0);
+  EXPECT_GE(stages.queue_ns(), 0);
+  EXPECT_GT(stages.prepare_ns(), 0);  // Three appends at least.
+  EXPECT_GT(stages.finish_ns(), 0);   // Three caches' info.
+  EXPECT_LE(stages.handler_ns() + stages.queue_ns() + stages.prepare_ns() + stats.compute_ns() +
+                stages.finish_ns(),
+            stats.server_ns());
 }
 
 // A latent cache (values_from_keys, MLA): keys only, each value its key's first value_dim

@@ -11,7 +11,9 @@ log2=$(mktemp)
 bench=$(mktemp -d)
 server=""
 server2=""
-trap 'kill $server $server2 2>/dev/null || true; rm -rf "$log" "$log2" "$bench"' EXIT
+server3=""
+log3=$(mktemp)
+trap 'kill $server $server2 $server3 2>/dev/null || true; rm -rf "$log" "$log2" "$log3" "$bench"' EXIT
 
 "$attnd" --listen 127.0.0.1:0 --http-listen= --threads 2 >"$log" 2>&1 &
 server=$!
@@ -380,6 +382,23 @@ for flag in max_trace_rows max_trace_steps max_traces max_queue; do
   check "operations-default-$flag" 0 "^\| \`--${flag//_/-}\` \| ${default:-?} \|" -- \
     cat "$(dirname "$0")/../docs/operations.md"
 done
+
+# A Unix socket (--listen unix:PATH, for co-located callers): the banner names it (not gRPC's
+# "port 1"), and calls and a decode step work over it.
+socket_dir=$(mktemp -d)
+"$attnd" --listen "unix:$socket_dir/attnd.sock" --http-listen= --threads 2 >"$log3" 2>&1 &
+server3=$!
+check unix-banner 0 '^unix$' -- attnd_wait_port "$server3" "$log3"
+check unix-banner-line 0 "serving attention\.v1 on unix:$socket_dir/attnd\.sock \(unix socket\)\$" -- \
+  cat "$log3"
+check unix-info 0 'backend +cpu' -- "$attn" --target "unix:$socket_dir/attnd.sock" info
+check unix-decode 0 'max \|decode - float64 reference\| / max \|reference\| = ' -- \
+  "$attn" --target "unix:$socket_dir/attnd.sock" decode --heads 4 --kv-heads 2 --head-dim 16 \
+  --tokens 40 --steps 2
+kill "$server3"
+wait "$server3" 2>/dev/null || true
+server3=""
+rm -rf "$socket_dir"
 
 kill -0 "$server" || { echo "FAIL: attnd died"; cat "$log"; exit 1; }
 echo "cli: $passed passed, $failed failed"

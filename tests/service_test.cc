@@ -211,6 +211,15 @@ TEST_F(ServiceTest, SeedExampleThroughNaiveAndTiled) {
     EXPECT_GT(stats.server_ns(), 0);
     EXPECT_GE(stats.server_ns(), stats.compute_ns());
     EXPECT_GE(stats.peak_memory_bytes(), stats.scratch_bytes());
+    // Where server_ns went: the stages (run inline here: the queue is the lambda's start).
+    const v1::ServerStages& stages = stats.stages();
+    EXPECT_GT(stages.handler_ns(), 0);
+    EXPECT_GE(stages.queue_ns(), 0);
+    EXPECT_GT(stages.prepare_ns(), 0);  // The values' scan and the output's allocation.
+    EXPECT_GE(stages.finish_ns(), 0);
+    EXPECT_LE(stages.handler_ns() + stages.queue_ns() + stages.prepare_ns() + stats.compute_ns() +
+                  stages.finish_ns(),
+              stats.server_ns());
   }
 }
 

@@ -30,6 +30,11 @@ namespace v1 = attention::v1;
 constexpr double kMaxSentShare = 0.001;        // (a) sent / stateless bytes.
 constexpr double kMinBandwidthShare = 0.5;     // (b) cache read / memory read bandwidth.
 constexpr int64_t kMaxOverheadNs = 2'000'000;  // (c) wall − compute.
+// Issue 32's edge targets: wall − compute for 1 × 4096 and 16 × 4096.
+constexpr int64_t kMaxEdgeOneNs = 120'000;
+constexpr int64_t kMaxEdgeBatchNs = 250'000;
+// GetServerInfo calls timed for the bare round trip (the floor of any call on this channel).
+constexpr int kFloorCalls = 200;
 // The memory-read ceiling: this buffer, summed by every hardware thread, best of kReadRepeats.
 constexpr int64_t kReadBufferBytes = int64_t{1} << 30;
 constexpr int kReadRepeats = 6;
@@ -206,6 +211,8 @@ double Median(std::vector<double> values) {
 
 std::string Millis(int64_t ns) { return absl::StrFormat("%.2f ms", static_cast<double>(ns) / 1e6); }
 
+std::string Micros(int64_t ns) { return absl::StrFormat("%.0f µs", static_cast<double>(ns) / 1e3); }
+
 std::string Seconds(int64_t ns) { return absl::StrFormat("%.1f s", static_cast<double>(ns) / 1e9); }
 
 std::string Percent(double share) {
@@ -222,10 +229,14 @@ std::string Cell(const std::string& text, int width) {
 
 struct Row {
   int64_t batch = 0;
-  int64_t length = 0;           // Tokens cached before the first step.
-  int64_t wall_ns = 0;          // p50 over the steps.
-  int64_t compute_ns = 0;       // p50 of the server's compute_ns.
-  int64_t server_ns = 0;        // p50 of the server's server_ns (handler time, compute included).
+  int64_t length = 0;      // Tokens cached before the first step.
+  int64_t wall_ns = 0;     // p50 over the steps.
+  int64_t compute_ns = 0;  // p50 of the server's compute_ns.
+  int64_t server_ns = 0;   // p50 of the server's server_ns (handler time, compute included).
+  // p50s of the server's stages (ExecutionStats.stages) and of this client's own codec work
+  // (serializing the request, parsing the answer, timed apart from the call).
+  int64_t handler_ns = 0, queue_ns = 0, prepare_ns = 0, finish_ns = 0, codec_ns = 0;
+  int64_t outside_ns = 0;       // p50 of wall − server_ns.
   int64_t sent_bytes = 0;       // p50 of the serialized DecodeRequest.
   int64_t stateless_bytes = 0;  // p50 of the same steps as stateless Tiled requests.
   double cache_gb_per_s = 0;    // p50 over the steps of cache bytes / compute.
@@ -236,7 +247,7 @@ struct Row {
 
   int64_t overhead_ns() const { return wall_ns - compute_ns; }
   // Of that, the part inside the server's handler (decode, append, checks, encode).
-  int64_t handler_ns() const { return server_ns - compute_ns; }
+  int64_t in_server_ns() const { return server_ns - compute_ns; }
   double sent_share() const { return double(sent_bytes) / double(stateless_bytes); }
 };
 
@@ -266,6 +277,7 @@ absl::Status Fill(client::Cache& cache, const DecodeBenchConfig& config, int64_t
 // Each timed step's figures.
 struct Samples {
   std::vector<int64_t> wall, compute, server, sent, stateless;
+  std::vector<int64_t> handler, queue, prepare, finish, codec, outside;
   std::vector<double> rate;  // Cache bytes read per ns of compute (= GB/s).
 };
 
@@ -299,11 +311,28 @@ absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
     tokens += caches[i].length();
   }
   if (samples == nullptr) return absl::OkStatus();
-  const int64_t compute_ns = response->stats().compute_ns();
+  // This client's share of the codec work, timed apart: the request serialized, the answer parsed.
+  const Clock::time_point codec_start = Clock::now();
+  std::string bytes;
+  request.SerializeToString(&bytes);
+  int64_t codec_ns = Since(codec_start);
+  bytes = response->SerializeAsString();
+  const Clock::time_point parse_start = Clock::now();
+  v1::DecodeResponse parsed;
+  if (!parsed.ParseFromString(bytes)) return absl::InternalError("the answer does not parse");
+  codec_ns += Since(parse_start);
+  const v1::ExecutionStats& stats = response->stats();
+  const int64_t compute_ns = stats.compute_ns();
   const int64_t read = CacheReadBytes(config, tokens);
   samples->wall.push_back(wall_ns);
   samples->compute.push_back(compute_ns);
-  samples->server.push_back(response->stats().server_ns());
+  samples->server.push_back(stats.server_ns());
+  samples->handler.push_back(stats.stages().handler_ns());
+  samples->queue.push_back(stats.stages().queue_ns());
+  samples->prepare.push_back(stats.stages().prepare_ns());
+  samples->finish.push_back(stats.stages().finish_ns());
+  samples->codec.push_back(codec_ns);
+  samples->outside.push_back(wall_ns - stats.server_ns());
   samples->sent.push_back(request_bytes);
   // Every item has the same length: the stateless call carries that many tokens per sequence.
   samples->stateless.push_back(
@@ -394,6 +423,12 @@ absl::StatusOr<Row> RunRow(client::Client& client, const DecodeBenchConfig& conf
     row.wall_ns = Median(samples.wall);
     row.compute_ns = Median(samples.compute);
     row.server_ns = Median(samples.server);
+    row.handler_ns = Median(samples.handler);
+    row.queue_ns = Median(samples.queue);
+    row.prepare_ns = Median(samples.prepare);
+    row.finish_ns = Median(samples.finish);
+    row.codec_ns = Median(samples.codec);
+    row.outside_ns = Median(samples.outside);
     row.sent_bytes = Median(samples.sent);
     row.stateless_bytes = Median(samples.stateless);
     row.cache_gb_per_s = Median(samples.rate);
@@ -476,10 +511,56 @@ void PrintTargets(std::FILE* out, const DecodeBenchConfig& config, const std::ve
         Millis(worst->overhead_ns()), RowName(worst->batch, worst->length), Verdict(missed.empty()),
         missed.empty() ? "" : absl::StrCat(" at ", absl::StrJoin(missed, ", ")));
   }
+  absl::FPrintF(out, "targets (issue 32: the edge, C++ client, loopback, p50):\n");
+  for (const auto& [batch, limit] :
+       {std::pair<int64_t, int64_t>{1, kMaxEdgeOneNs}, {16, kMaxEdgeBatchNs}}) {
+    const Row* row = Find(rows, batch, 4096);
+    if (row == nullptr) {
+      missing("wall ≤ compute + edge,", batch, 4096);
+      continue;
+    }
+    absl::FPrintF(out, "  wall ≤ compute + %s, %s: wall − compute %s: %s\n", Micros(limit),
+                  RowName(batch, 4096), Micros(row->overhead_ns()),
+                  Verdict(row->overhead_ns() <= limit));
+  }
+}
+
+// Where each row's wall − compute goes: the server's stages, the rest outside its handler, and
+// the floor under any call (a GetServerInfo round trip on the same channel, measured in this run).
+void PrintStages(std::FILE* out, const std::vector<Row>& rows, int64_t floor_ns) {
+  absl::FPrintF(
+      out, "\nwhere wall − compute goes (p50 of each part; the parts' p50s need not add up):\n");
+  const struct {
+    const char* title;
+    int width;
+  } columns[] = {{"B", 3},          {"cached", 7},  {"wall", 9},  {"compute", 9},
+                 {"wall−comp", 10}, {"handler", 8}, {"queue", 7}, {"prepare", 8},
+                 {"finish", 7},     {"outside", 8}, {"floor", 7}, {"codec", 7}};
+  std::vector<std::string> header;
+  for (const auto& column : columns) header.push_back(Cell(column.title, column.width));
+  absl::FPrintF(out, "%s\n", absl::StrJoin(header, " "));
+  for (const Row& row : rows) {
+    const std::string cells[] = {
+        absl::StrCat(row.batch), absl::StrCat(row.length),  Micros(row.wall_ns),
+        Micros(row.compute_ns),  Micros(row.overhead_ns()), Micros(row.handler_ns),
+        Micros(row.queue_ns),    Micros(row.prepare_ns),    Micros(row.finish_ns),
+        Micros(row.outside_ns),  Micros(floor_ns),          Micros(row.codec_ns)};
+    std::vector<std::string> line;
+    for (size_t i = 0; i < std::size(cells); ++i) line.push_back(Cell(cells[i], columns[i].width));
+    absl::FPrintF(out, "%s\n", absl::StrJoin(line, " "));
+  }
+  absl::FPrintF(
+      out,
+      "handler: on gRPC's thread until the hand-off; queue: waiting for a compute worker; prepare: "
+      "value\nscans, caches held, tokens appended, outputs allocated; finish: commit, cache info, "
+      "stats (the\nserver's ExecutionStats.stages). outside: wall − server_ns (transport, gRPC, "
+      "(de)serialization,\nthis client); floor: a GetServerInfo round trip; codec: this client "
+      "serializing the request\nand parsing the answer, timed apart.\n");
 }
 
 void PrintTable(std::FILE* out, const DecodeBenchConfig& config, const v1::ServerInfo& server,
-                const std::string& target, const MemoryRead& memory, const std::vector<Row>& rows) {
+                const std::string& target, const MemoryRead& memory, const std::vector<Row>& rows,
+                int64_t floor_ns) {
   absl::FPrintF(out,
                 "attn bench --decode: %d query heads over %d kv heads, head_dim %d, value_dim %d, "
                 "%s; 1 new token per step (q, k, v)\n",
@@ -529,7 +610,7 @@ void PrintTable(std::FILE* out, const DecodeBenchConfig& config, const v1::Serve
                                  Millis(row.wall_ns),
                                  Millis(row.compute_ns),
                                  Millis(row.overhead_ns()),
-                                 Millis(row.handler_ns()),
+                                 Millis(row.in_server_ns()),
                                  Bytes(row.sent_bytes),
                                  Bytes(row.stateless_bytes),
                                  Percent(row.sent_share()),
@@ -556,6 +637,7 @@ void PrintTable(std::FILE* out, const DecodeBenchConfig& config, const v1::Serve
   if (!untimed.empty()) {
     absl::FPrintF(out, "stateless calls not timed: %s.\n", absl::StrJoin(untimed, "; "));
   }
+  PrintStages(out, rows, floor_ns);
   PrintTargets(out, config, rows, memory);
 }
 
@@ -604,6 +686,13 @@ absl::Status RunDecodeBench(client::Client& client, const DecodeBenchConfig& con
   if (memory.gb_per_s <= 0) return absl::InternalError("the memory-read pass summed wrong");
   memory.begin_gb_per_s = memory.gb_per_s;
   absl::FPrintF(progress, "%.2f GB/s (%d threads)\n", memory.gb_per_s, memory.threads);
+  std::vector<int64_t> floors;
+  for (int call = 0; call < kFloorCalls; ++call) {
+    const Clock::time_point start = Clock::now();
+    if (absl::StatusOr<v1::ServerInfo> info = client.Info(); !info.ok()) return info.status();
+    floors.push_back(Since(start));
+  }
+  const int64_t floor_ns = Median(floors);
 
   Random random(config.seed);
   std::vector<Row> rows;
@@ -636,7 +725,7 @@ absl::Status RunDecodeBench(client::Client& client, const DecodeBenchConfig& con
   if (memory.end_gb_per_s <= 0) return absl::InternalError("the memory-read pass summed wrong");
   memory.gb_per_s = std::max(memory.begin_gb_per_s, memory.end_gb_per_s);
   absl::FPrintF(progress, "%.2f GB/s\n", memory.end_gb_per_s);
-  PrintTable(out, config, *server, config.target, memory, rows);
+  PrintTable(out, config, *server, config.target, memory, rows, floor_ns);
   return absl::OkStatus();
 }
 

@@ -14,7 +14,11 @@
 // K and V after the append) per second of compute, against a memory-read bandwidth measured in
 // this process at the start of the run (a 1 GiB buffer summed by every hardware thread, best of
 // five). The server is expected on the same machine over loopback, so that ceiling is its
-// memory's too; the table says so. It ends with the targets of issue 13 evaluated.
+// memory's too; the table says so. A second table says where each row's wall − compute goes:
+// the server's stages (ExecutionStats.stages: handler, queue, prepare, finish), the time outside
+// its handler (wall − server_ns), the floor under any call on the channel (a GetServerInfo round
+// trip, p50 of 200 at the start) and this client's codec work (timed apart). It ends with the
+// targets of issues 13 and 32 evaluated.
 #pragma once
 
 #include <cstdint>

@@ -50,6 +50,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "client/cli/bench.h"
 #include "client/cli/cache.h"
 #include "client/cli/decode_bench.h"
@@ -652,6 +653,8 @@ absl::Status ReadSecurityFlags(attn::client::ClientOptions& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As in attnd (server/main.cc): no lock-order detection on every gRPC lock of every call.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "attn <info|health|naive|tiled|trace|bench|cache ...|decode> [flags]: call an attnd "
       "server.\n"

@@ -312,6 +312,13 @@ class ClientModuleTest(ServerCase):
                 self.assertEqual(stats["flops"], 4 * 8 * 8 * 4)
                 self.assertEqual(stats["intermediate_bytes"], 1024 if name == "naive" else 0)
                 self.assertEqual(stats["block_k"], 0 if name == "naive" else 3)
+                # Where server_ns went, a dict of its own (ExecutionStats.stages).
+                stages = stats["stages"]
+                self.assertEqual(sorted(stages),
+                                 ["finish_ns", "handler_ns", "prepare_ns", "queue_ns"])
+                self.assertGreater(stages["handler_ns"], 0)
+                self.assertLessEqual(sum(stages.values()) + stats["compute_ns"],
+                                     stats["server_ns"])
         # The default scale is 1/sqrt(head_dim) = 1/2 here too; no lse unless asked.
         result = self.client.tiled(q, k, v)
         self.assertIsNone(result.lse)
@@ -362,6 +369,26 @@ class ClientModuleTest(ServerCase):
 
     def test_random_gqa_rank3(self):
         self.check_random((6, 29, 17), (3, 41, 17), (3, 41, 11), causal=False, block_k=5)
+
+    def test_float32_to_bf16_rounds_to_nearest_even_from_the_definition(self):
+        # Against the rule written out per value: the nearest bfloat16 (ties to the even one),
+        # NaNs quiet with their sign and top payload bits, ±inf and values rounding past the
+        # largest finite one to ±inf. Every 65521st bit pattern, ties, and the edges.
+        def nearest(bits):
+            if (bits & 0x7FFFFFFF) > 0x7F800000:
+                return (bits >> 16) | 0x40
+            low, high = bits & 0xFFFF, bits >> 16
+            if low > 0x8000 or (low == 0x8000 and high & 1):
+                high += 1
+            return high
+        patterns = list(range(0, 2**32, 65521))
+        patterns += [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x7F800000,
+                     0xFF800000, 0x7F800001, 0xFFC00000, 0x80000000, 0x00008000, 0x00018000]
+        bits = np.array(patterns, dtype=np.uint32)
+        got = attn_client.float32_to_bf16(bits.view(np.float32))
+        self.assertEqual(got.dtype, np.uint16)
+        np.testing.assert_array_equal(got,
+                                      np.array([nearest(b) for b in patterns], dtype=np.uint16))
 
     def test_bf16_from_float_arrays(self):
         # dtype="bf16" on float32 arrays rounds them the same way float32_to_bf16 does.
