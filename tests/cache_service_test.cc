@@ -620,7 +620,7 @@ TEST_F(CacheServiceTest, AForkDecodesAsACopyAndSharesItsPagesInTheBudget) {
   StartServer(int64_t{256} << 20, 0, /*page_tokens=*/16);
   v1::CacheInfo info;
   const std::string sized = Create(s, p.dtype).cache_id();
-  ASSERT_TRUE(Append(sized, p, 0, 160, 0, &info).ok());
+  ASSERT_TRUE(Append(sized, p, 0, s.key_len, 0, &info).ok());  // 153 tokens: 10 pages.
   const int64_t page_bytes = info.bytes() / 10;
   const int64_t cache_bytes = 10 * page_bytes;  // 150 tokens.
   TearDown();
