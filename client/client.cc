@@ -393,6 +393,26 @@ absl::StatusOr<v1::ListCachesResponse> Client::ListCaches() {
   return Unary(*stub_, &v1::AttentionService::Stub::ListCaches, v1::ListCachesRequest());
 }
 
+absl::StatusOr<v1::SharedMemoryRegion> Client::RegisterSharedMemory(
+    const v1::RegisterSharedMemoryRequest& request) {
+  return Unary(*stub_, &v1::AttentionService::Stub::RegisterSharedMemory, request);
+}
+
+absl::StatusOr<std::vector<std::string>> Client::UnregisterSharedMemory(const std::string& name) {
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  absl::StatusOr<v1::UnregisterSharedMemoryResponse> response =
+      Unary(*stub_, &v1::AttentionService::Stub::UnregisterSharedMemory, request);
+  if (!response.ok()) return response.status();
+  return std::vector<std::string>(response->names().begin(), response->names().end());
+}
+
+absl::StatusOr<v1::SharedMemoryStatusResponse> Client::SharedMemoryStatus(const std::string& name) {
+  v1::SharedMemoryStatusRequest request;
+  request.set_name(name);
+  return Unary(*stub_, &v1::AttentionService::Stub::SharedMemoryStatus, request);
+}
+
 absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& request) {
   return Unary(*stub_, &v1::AttentionService::Stub::Decode, request);
 }

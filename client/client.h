@@ -131,6 +131,17 @@ class Client {
   absl::StatusOr<attention::v1::CacheInfo> ForkCache(
       const attention::v1::ForkCacheRequest& request);
 
+  // Shared memory (attnd --allow-shared-memory; attention.proto): a byte range of a file in
+  // /dev/shm registered under a name, which a Tensor then names instead of carrying its bytes
+  // (SharedTensor below) and an output_to names to receive an output. For a caller on the
+  // server's machine, over loopback or a Unix socket ("unix:/path").
+  absl::StatusOr<attention::v1::SharedMemoryRegion> RegisterSharedMemory(
+      const attention::v1::RegisterSharedMemoryRequest& request);
+  // Empty name: every region of this caller. The names unregistered.
+  absl::StatusOr<std::vector<std::string>> UnregisterSharedMemory(const std::string& name = "");
+  absl::StatusOr<attention::v1::SharedMemoryStatusResponse> SharedMemoryStatus(
+      const std::string& name = "");
+
   // ExportCache's stream, calling on_chunk for each chunk in order (attention.proto: the first
   // carries info, the last crc32c). on_chunk returning false cancels the stream; the call then
   // returns CANCELLED. Otherwise returns the stream's status.

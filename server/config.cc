@@ -76,6 +76,10 @@ ABSL_FLAG(std::string, cache_dir, "",
 ABSL_FLAG(int64_t, cache_sync_seconds, 1,
           "With --cache-dir: how far the disk may lag the memory, seconds (≥ 1); a crash loses at "
           "most the appends of the last this many seconds, which clients re-send.");
+ABSL_FLAG(bool, allow_shared_memory, false,
+          "Serve shared memory to callers on this machine: RegisterSharedMemory, and tensors "
+          "and outputs in registered /dev/shm regions instead of in the messages (for a caller "
+          "on a Unix socket or loopback). Off: those calls are FAILED_PRECONDITION.");
 ABSL_FLAG(std::string, drain_to, "",
           "On SIGTERM, once the calls in flight have answered, move every KV cache to the attnd "
           "at this host:port (plaintext gRPC, this server's bearer token) before exiting; calls "
@@ -155,6 +159,7 @@ absl::StatusOr<AttndConfig> ConfigFromFlags() {
   while (service.caches.dir.size() > 1 && service.caches.dir.back() == '/') {
     service.caches.dir.pop_back();
   }
+  service.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   service.caches.sync_seconds = absl::GetFlag(FLAGS_cache_sync_seconds);
   if (service.caches.sync_seconds < 1 || service.caches.sync_seconds > 86400) {
     return bad("--cache-sync-seconds must be in [1, 86400]");

@@ -61,6 +61,11 @@ std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
 absl::StatusOr<TensorDims> CheckTensor(absl::string_view name, bool present,
                                        const v1::Tensor& tensor, DType* dtype) {
   if (!present) return Invalid(name, "is required");
+  if (tensor.has_shared_memory()) {  // Resolved before parsing where a call takes it.
+    return Invalid(absl::StrCat(name, ".shared_memory"),
+                   "this call takes its tensors inline (shared memory: Naive, Tiled, AppendCache "
+                   "and Decode)");
+  }
   const int rank = tensor.shape_size();
   if (rank < 2 || rank > 4) {
     return Invalid(absl::StrCat(name, ".shape"),
@@ -867,6 +872,17 @@ absl::Status CheckReplyBytes(absl::string_view field, int64_t bytes, int64_t max
       field, ": the answer's output (query rows × value_dim, and lse) would take ", bytes,
       " bytes, over this server's --max-message-bytes=", max_message_bytes,
       ", so it could never be sent; ask for fewer query rows, heads or items per call"));
+}
+
+std::optional<int64_t> TensorBytes(const v1::Tensor& tensor) {
+  const std::optional<DType> dtype = FromProtoDType(tensor.dtype());
+  if (!dtype || tensor.shape_size() == 0) return std::nullopt;
+  std::optional<int64_t> bytes = ElementSize(*dtype);
+  for (const int64_t dim : tensor.shape()) {
+    if (dim < 1 || !bytes) return std::nullopt;
+    bytes = CheckedMul(*bytes, dim);
+  }
+  return bytes;
 }
 
 }  // namespace attn

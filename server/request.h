@@ -189,4 +189,8 @@ int64_t ReplyTensorBytes(const Problem& problem);
 // "items"); the message names it, the size and --max-message-bytes.
 absl::Status CheckReplyBytes(absl::string_view field, int64_t bytes, int64_t max_message_bytes);
 
+// The bytes a tensor's shape and dtype need, or nullopt when they are not valid (no dims, a
+// dimension below 1, an unknown dtype, more than int64 counts): CheckTensor then says which.
+std::optional<int64_t> TensorBytes(const attention::v1::Tensor& tensor);
+
 }  // namespace attn

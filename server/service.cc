@@ -24,6 +24,18 @@ namespace v1 = attention::v1;
 
 namespace service_internal {
 
+grpc::ServerUnaryReactor* Failed(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
 absl::Status Interruption(grpc::CallbackServerContext* context) {
   if (context->deadline() < std::chrono::system_clock::now()) {
     return absl::DeadlineExceededError("the call's deadline passed");
@@ -112,6 +124,7 @@ int64_t HeldBytes(bool naive, const Problem& problem, int64_t budget) {
 AttentionService::AttentionService(Backend& backend, ServiceConfig config)
     : backend_(backend),
       config_(std::move(config)),
+      shared_memory_(config_.allow_shared_memory, config_.max_message_bytes),
       caches_(backend, ResolveCacheLimits(backend, config_.caches)),
       trace_watch_(config_.trace.idle_seconds),
       queue_(ResolveLimits(backend, config_.admission)) {}
@@ -165,6 +178,14 @@ void AttentionService::Answer(bool naive, const Problem& problem,
   absl::StatusOr<Stats> stats =
       naive ? backend_.Naive(problem, outputs) : backend_.Tiled(problem, outputs);
   timeline.computed = Clock::now();
+  if (stats.ok() && request->has_output_to()) {
+    if (absl::Status written =
+            shared_memory_.WriteOutput(CallerIdentity(*context), request->output_to(), "output_to",
+                                       response->mutable_output());
+        !written.ok()) {
+      stats = written;
+    }
+  }
   if (!stats.ok()) {
     response->Clear();
     reactor->Finish(ToGrpcStatus(stats.status()));
@@ -182,7 +203,15 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // Failures are logged, with the rest of the call, by the request log (request_log.h).
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
-  if (!request->cache_id().empty()) return ComputeOverCache(method, context, request, response);
+  std::shared_ptr<const v1::AttentionRequest> resolved;  // Its shared-memory tensors' bytes.
+  if (absl::Status shared = ResolveSharedMemory(CallerIdentity(*context), request, resolved);
+      !shared.ok()) {
+    fail(shared);
+    return reactor;
+  }
+  if (!request->cache_id().empty()) {
+    return ComputeOverCache(method, context, request, std::move(resolved), response);
+  }
 
   // On gRPC's callback thread only what takes no time whatever the payload: the shape checks.
   absl::StatusOr<Problem> problem = ParseAttentionShape(*request, backend_.default_block_k());
@@ -207,7 +236,7 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   const bool naive = method == Method::kNaive;
   // The call's work: the values check (a pass over every input element), the kernel, the answer.
   timeline.handed_off = Clock::now();
-  auto run = [this, naive, context, request, response, problem = *problem, timeline, fail,
+  auto run = [this, naive, context, request, resolved, response, problem = *problem, timeline, fail,
               reactor]() mutable {
     timeline.started = Clock::now();
     // A call whose client left, or whose deadline passed, while it waited never starts.
@@ -234,10 +263,9 @@ grpc::ServerUnaryReactor* AttentionService::Compute(Method method,
   return reactor;
 }
 
-grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
-                                                             grpc::CallbackServerContext* context,
-                                                             const v1::AttentionRequest* request,
-                                                             v1::AttentionResponse* response) {
+grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(
+    Method method, grpc::CallbackServerContext* context, const v1::AttentionRequest* request,
+    std::shared_ptr<const v1::AttentionRequest> resolved, v1::AttentionResponse* response) {
   Timeline timeline;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
@@ -282,8 +310,8 @@ grpc::ServerUnaryReactor* AttentionService::ComputeOverCache(Method method,
     estimate.shape.key_len = std::max<int64_t>(now->length, 1);
   }
   timeline.handed_off = Clock::now();
-  auto run = [this, naive, context, request, response, owner, problem = *problem, timeline, fail,
-              reactor]() mutable {
+  auto run = [this, naive, context, request, resolved, response, owner, problem = *problem,
+              timeline, fail, reactor]() mutable {
     timeline.started = Clock::now();
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
@@ -337,6 +365,7 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->set_max_inflight_bytes(queue_.limits().max_inflight_bytes);
   response->set_trace_idle_seconds(trace_watch_.idle_seconds());
   response->set_cache_persistent(caches_.persistent());
+  response->set_shared_memory(shared_memory_.allowed());
   if (caches_.persistent()) response->set_cache_sync_seconds(caches_.limits().sync_seconds);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -36,6 +37,7 @@
 #include "server/caches.h"
 #include "server/compute_queue.h"
 #include "server/request.h"
+#include "server/shared_memory.h"
 #include "server/stream_watch.h"
 
 namespace attn {
@@ -56,6 +58,9 @@ struct ServiceConfig {
   // Called (once) when the backend reports that its device is lost, e.g. to mark the health
   // service NOT_SERVING. May be empty.
   std::function<void()> on_device_lost;
+  // attnd --allow-shared-memory: serve RegisterSharedMemory and tensors in shared memory
+  // (shared_memory.h).
+  bool allow_shared_memory = false;
 };
 
 // The one mapping from internal errors to gRPC's: the codes are numerically identical.
@@ -105,6 +110,18 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
       const attention::v1::ExportCacheRequest* request) override;
   grpc::ServerReadReactor<attention::v1::CacheChunk>* ImportCache(
       grpc::CallbackServerContext* context, attention::v1::CacheInfo* response) override;
+  // Shared memory (service_shared_memory.cc, shared_memory.h).
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const attention::v1::RegisterSharedMemoryRequest* request,
+      attention::v1::SharedMemoryRegion* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const attention::v1::UnregisterSharedMemoryRequest* request,
+      attention::v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* SharedMemoryStatus(
+      grpc::CallbackServerContext* context, const attention::v1::SharedMemoryStatusRequest* request,
+      attention::v1::SharedMemoryStatusResponse* response) override;
 
   // From now on every new call that computes or makes or grows a cache (Naive, Tiled, Trace,
   // CreateCache, AppendCache, Decode) is refused with UNAVAILABLE (the server is shutting down);
@@ -146,14 +163,32 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
               attention::v1::AttentionResponse* response, service_internal::Timeline& timeline,
               grpc::ServerUnaryReactor* reactor);
   // Naive or Tiled over a cache (request->cache_id set).
-  grpc::ServerUnaryReactor* ComputeOverCache(Method method, grpc::CallbackServerContext* context,
-                                             const attention::v1::AttentionRequest* request,
-                                             attention::v1::AttentionResponse* response);
+  // `resolved` holds the request's shared-memory bytes, when it named any (else null).
+  grpc::ServerUnaryReactor* ComputeOverCache(
+      Method method, grpc::CallbackServerContext* context,
+      const attention::v1::AttentionRequest* request,
+      std::shared_ptr<const attention::v1::AttentionRequest> resolved,
+      attention::v1::AttentionResponse* response);
 
   // Trace over a cache (request->attention().cache_id set); service_trace.cc.
   grpc::ServerWriteReactor<attention::v1::TraceEvent>* TraceOverCache(
       grpc::CallbackServerContext* context, const attention::v1::TraceRequest* request,
       std::chrono::steady_clock::time_point start);
+
+  // A request naming shared memory is replaced by a copy holding those bytes (read from the
+  // regions on this, gRPC's, thread, as gRPC reads an inline request's bytes there), which
+  // `holder` keeps alive for the call's work; any other request is left as it is.
+  template <class Request>
+  absl::Status ResolveSharedMemory(const std::string& owner, const Request*& request,
+                                   std::shared_ptr<const Request>& holder) const {
+    if (!SharedMemoryRegistry::NamesSharedMemory(*request)) return absl::OkStatus();
+    absl::StatusOr<std::shared_ptr<const Request>> resolved =
+        shared_memory_.Resolve(owner, *request);
+    if (!resolved.ok()) return resolved.status();
+    holder = *std::move(resolved);
+    request = holder.get();
+    return absl::OkStatus();
+  }
 
   // UNAVAILABLE once the backend's device is lost (reporting the loss the first time).
   absl::Status CheckDevice();
@@ -171,6 +206,7 @@ class AttentionService final : public attention::v1::AttentionService::CallbackS
   std::atomic<int64_t> open_traces_{0};
   std::atomic<int64_t> open_transfers_{0};  // ExportCache and ImportCache streams.
   std::atomic<int64_t> snapshot_bytes_{0};  // Cache copies held by open traces.
+  SharedMemoryRegistry shared_memory_;
   CacheRegistry caches_;     // Before queue_: queued work holds leases on its caches.
   StreamWatch trace_watch_;  // Before queue_: queued work opens trace streams.
   ComputeQueue queue_;       // Last: destroyed first, finishing queued work while the rest lives.

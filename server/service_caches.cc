@@ -21,25 +21,14 @@ namespace attn {
 
 namespace v1 = attention::v1;
 using service_internal::Clock;
+using service_internal::Failed;
 using service_internal::FillStats;
+using service_internal::Finished;
 using service_internal::InflightBytes;
 using service_internal::Interruption;
 using service_internal::Timeline;
 
 namespace {
-
-// A unary reactor's failure, as every handler below reports it.
-grpc::ServerUnaryReactor* Failed(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
-}
 
 // Counts one ExportCache or ImportCache stream among the open ones (a drain waits for them).
 class TransferCount {
@@ -197,6 +186,10 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
   const std::string owner = CallerIdentity(*context);
   const absl::StatusOr<KvLayout> layout = AdmitCacheChange(owner, request->cache_id());
   if (!layout.ok()) return Failed(context, layout.status());
+  std::shared_ptr<const v1::AppendCacheRequest> resolved;  // Its shared-memory tensors' bytes.
+  if (absl::Status shared = ResolveSharedMemory(owner, request, resolved); !shared.ok()) {
+    return Failed(context, shared);
+  }
   const absl::StatusOr<NewTokens> tokens =
       ParseNewTokens("", TensorOrNull(request->has_key(), request->key()),
                      TensorOrNull(request->has_value(), request->value()), *layout, false);
@@ -208,8 +201,8 @@ grpc::ServerUnaryReactor* AttentionService::AppendCache(grpc::CallbackServerCont
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto fail = [reactor](const absl::Status& status) { reactor->Finish(ToGrpcStatus(status)); };
   // The copy into the cache's pages (and the pass over the tokens) is compute-queue work.
-  auto run = [this, context, request, response, owner, layout = *layout, tokens = *tokens, fail,
-              reactor] {
+  auto run = [this, context, request, resolved, response, owner, layout = *layout, tokens = *tokens,
+              fail, reactor] {
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
       return;
@@ -379,6 +372,10 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     return Failed(context, count);
   }
   const std::string owner = CallerIdentity(*context);
+  std::shared_ptr<const v1::DecodeRequest> resolved;  // Its shared-memory tensors' bytes.
+  if (absl::Status shared = ResolveSharedMemory(owner, request, resolved); !shared.ok()) {
+    return Failed(context, shared);
+  }
   // The caches first: one a draining server handed over answers where it went (moved_to).
   absl::StatusOr<DecodeBatch> batch = ParseDecodeRequest(
       *request,
@@ -396,8 +393,8 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     reactor->Finish(ToGrpcStatus(status));
   };
   timeline.handed_off = Clock::now();
-  auto run = [this, context, request, response, owner, items = std::move(batch->items), timeline,
-              fail, reactor]() mutable {
+  auto run = [this, context, request, resolved, response, owner, items = std::move(batch->items),
+              timeline, fail, reactor]() mutable {
     timeline.started = Clock::now();
     if (absl::Status interrupted = Interruption(context); !interrupted.ok()) {
       fail(interrupted);
@@ -489,6 +486,16 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     if (!stats.ok()) {
       undo(stats.status());
       return;
+    }
+    for (int i = 0; i < request->items_size(); ++i) {
+      if (!request->items(i).has_output_to()) continue;
+      if (absl::Status written = shared_memory_.WriteOutput(
+              owner, request->items(i).output_to(), absl::StrCat("items[", i, "].output_to"),
+              response->mutable_outputs(i));
+          !written.ok()) {
+        undo(written);
+        return;
+      }
     }
     for (size_t i = 0; i < leases.size(); ++i) {
       if (absl::Status persisted = leases[i].PersistCut(); !persisted.ok()) {

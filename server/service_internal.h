@@ -16,6 +16,10 @@ namespace attn::service_internal {
 
 using Clock = std::chrono::steady_clock;
 
+// A unary call answered at once: with a failure, or OK (the response filled).
+grpc::ServerUnaryReactor* Failed(grpc::CallbackServerContext* context, const absl::Status& status);
+grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* context);
+
 // Why a call must stop now, if it must: the client cancelled or its deadline passed.
 absl::Status Interruption(grpc::CallbackServerContext* context);
 

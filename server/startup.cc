@@ -102,6 +102,9 @@ void PrintStartupLines(const RunningServer& server, const AttndConfig& config) {
       static_cast<long long>(config.service.trace.idle_seconds),
       static_cast<long long>(server.health.max_watches()), config.shutdown_grace_seconds);
   std::printf("  security: %s\n", config.security.summary.c_str());
+  if (config.service.allow_shared_memory) {
+    std::printf("  shared memory: on (--allow-shared-memory): regions in /dev/shm, per caller\n");
+  }
   if (caches.dir.empty()) {
     std::printf("  caches: in memory only (no --cache-dir: a restart loses them)\n");
   } else {

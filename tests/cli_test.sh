@@ -386,7 +386,8 @@ done
 # A Unix socket (--listen unix:PATH, for co-located callers): the banner names it (not gRPC's
 # "port 1"), and calls and a decode step work over it.
 socket_dir=$(mktemp -d)
-"$attnd" --listen "unix:$socket_dir/attnd.sock" --http-listen= --threads 2 >"$log3" 2>&1 &
+"$attnd" --listen "unix:$socket_dir/attnd.sock" --http-listen= --threads 2 --allow-shared-memory \
+  >"$log3" 2>&1 &
 server3=$!
 check unix-banner 0 '^unix$' -- attnd_wait_port "$server3" "$log3"
 check unix-banner-line 0 "serving attention\.v1 on unix:$socket_dir/attnd\.sock \(unix socket\)\$" -- \
@@ -395,6 +396,14 @@ check unix-info 0 'backend +cpu' -- "$attn" --target "unix:$socket_dir/attnd.soc
 check unix-decode 0 'max \|decode - float64 reference\| / max \|reference\| = ' -- \
   "$attn" --target "unix:$socket_dir/attnd.sock" decode --heads 4 --kv-heads 2 --head-dim 16 \
   --tokens 40 --steps 2
+# bench --decode --shm: the steps' tensors and outputs through a /dev/shm region (removed after).
+check unix-bench-shm 0 "transport: each step's q, k, v and outputs in a /dev/shm region" -- \
+  "$attn" --target "unix:$socket_dir/attnd.sock" bench --decode --shm --lengths 16 --batches 1,2 \
+  --steps 3 --repeats 0 --heads 4 --kv-heads 2 --head-dim 16
+check unix-bench-shm-removed 0 '^0$' -- bash -c 'ls /dev/shm | grep -c "^attn-bench-" || true'
+check shm-elsewhere 1 '--shm applies to bench --decode' -- "$attn" "${target[@]}" info --shm
+check shm-off 1 'FAILED_PRECONDITION: .*--allow-shared-memory' -- \
+  "$attn" "${target[@]}" bench --decode --shm --lengths 16 --batches 1 --steps 1 --repeats 0
 kill "$server3"
 wait "$server3" 2>/dev/null || true
 server3=""

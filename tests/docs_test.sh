@@ -343,6 +343,7 @@ ln -s "$stubs" "$scratch/build/release/python"
 ln -s "$attnd" "$scratch/build/release/attnd"
 
 "$attnd" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --threads 2 --log-level error \
+  --allow-shared-memory \
   >"$work/attnd.log" 2>&1 &
 server=$!
 port=$(attnd_wait_port "$server" "$work/attnd.log")

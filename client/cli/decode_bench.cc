@@ -1,8 +1,12 @@
 #include "client/cli/decode_bench.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -17,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "client/cli/cache.h"
 #include "client/cli/render.h"
+#include "client/shared_memory.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/dtype.h"
 #include "proto/dtype_mapping.h"
@@ -274,6 +279,22 @@ absl::Status Fill(client::Cache& cache, const DecodeBenchConfig& config, int64_t
   return absl::OkStatus();
 }
 
+// --shm: the run's shared-memory file, registered as region kShmRegion: item i's q, k, v and
+// output at i × item_bytes.
+constexpr char kShmRegion[] = "attn-bench-decode";
+struct ShmIo {
+  client::SharedMemoryFile* file = nullptr;
+  int64_t query_bytes = 0, key_bytes = 0, value_bytes = 0, output_bytes = 0;
+  int64_t item_bytes() const { return query_bytes + key_bytes + value_bytes + output_bytes; }
+};
+
+// The tensor's bytes moved into the file at `offset`: the tensor then names them there.
+v1::Tensor IntoShm(const v1::Tensor& tensor, const ShmIo& io, int64_t offset) {
+  std::memcpy(io.file->data() + offset, tensor.data().data(), tensor.data().size());
+  return client::SharedTensor({tensor.shape().begin(), tensor.shape().end()}, tensor.dtype(),
+                              kShmRegion, offset);
+}
+
 // Each timed step's figures.
 struct Samples {
   std::vector<int64_t> wall, compute, server, sent, stateless;
@@ -284,15 +305,28 @@ struct Samples {
 // One decode step over every cache: all items in one Decode call. Adds the step's figures to
 // `samples` when given (null: the warm-up).
 absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
-                  const DecodeBenchConfig& config, Random& random, Samples* samples) {
+                  const DecodeBenchConfig& config, const ShmIo* io, Random& random,
+                  Samples* samples) {
   v1::DecodeRequest request;
-  for (const client::Cache& cache : caches) {
-    const v1::Tensor query = RandomTensor(random, {config.heads, 1, config.head_dim}, config.dtype);
-    const v1::Tensor key =
-        RandomTensor(random, {config.kv_heads, 1, config.head_dim}, config.dtype);
-    const v1::Tensor value =
-        RandomTensor(random, {config.kv_heads, 1, config.value_dim}, config.dtype);
-    *request.add_items() = cache.Item(query, &key, &value);
+  for (size_t i = 0; i < caches.size(); ++i) {
+    v1::Tensor query = RandomTensor(random, {config.heads, 1, config.head_dim}, config.dtype);
+    v1::Tensor key = RandomTensor(random, {config.kv_heads, 1, config.head_dim}, config.dtype);
+    v1::Tensor value = RandomTensor(random, {config.kv_heads, 1, config.value_dim}, config.dtype);
+    if (io != nullptr) {  // The bytes go into the file, the request names them.
+      const int64_t base = static_cast<int64_t>(i) * io->item_bytes();
+      query = IntoShm(query, *io, base);
+      key = IntoShm(key, *io, base + io->query_bytes);
+      value = IntoShm(value, *io, base + io->query_bytes + io->key_bytes);
+    }
+    v1::DecodeItem* item = request.add_items();
+    *item = caches[i].Item(query, &key, &value);
+    if (io != nullptr) {
+      *item->mutable_output_to() =
+          client::SharedRange(kShmRegion,
+                              static_cast<int64_t>(i) * io->item_bytes() + io->query_bytes +
+                                  io->key_bytes + io->value_bytes,
+                              io->output_bytes);
+    }
   }
   *request.mutable_options() = config.options;
   const int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
@@ -307,7 +341,12 @@ absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
   }
   int64_t tokens = 0;
   for (size_t i = 0; i < caches.size(); ++i) {
-    caches[i].Update(response->caches(static_cast<int>(i)), request.items(static_cast<int>(i)));
+    // Tokens sent through shared memory are not in the request: the Cache takes the info alone.
+    if (io != nullptr) {
+      caches[i].Update(response->caches(static_cast<int>(i)));
+    } else {
+      caches[i].Update(response->caches(static_cast<int>(i)), request.items(static_cast<int>(i)));
+    }
     tokens += caches[i].length();
   }
   if (samples == nullptr) return absl::OkStatus();
@@ -386,7 +425,7 @@ absl::Status TimeStateless(client::Client& client, const DecodeBenchConfig& conf
   return absl::OkStatus();
 }
 
-absl::StatusOr<Row> RunRow(client::Client& client, const DecodeBenchConfig& config,
+absl::StatusOr<Row> RunRow(client::Client& client, const DecodeBenchConfig& config, const ShmIo* io,
                            const v1::ServerInfo& server, int64_t batch, int64_t length,
                            Random& random) {
   Row row;
@@ -410,12 +449,13 @@ absl::StatusOr<Row> RunRow(client::Client& client, const DecodeBenchConfig& conf
       if (absl::Status filled = Fill(cache, config, length, random); !filled.ok()) return filled;
     }
     row.fill_ns = Since(fill_start);
-    if (absl::Status warm = Step(client, caches, config, random, nullptr); !warm.ok()) {
+    if (absl::Status warm = Step(client, caches, config, io, random, nullptr); !warm.ok()) {
       return warm;
     }
     Samples samples;
     for (int64_t step = 0; step < config.steps; ++step) {
-      if (absl::Status stepped = Step(client, caches, config, random, &samples); !stepped.ok()) {
+      if (absl::Status stepped = Step(client, caches, config, io, random, &samples);
+          !stepped.ok()) {
         return absl::Status(stepped.code(),
                             absl::StrCat("step ", step + 1, ": ", stepped.message()));
       }
@@ -569,6 +609,11 @@ void PrintTable(std::FILE* out, const DecodeBenchConfig& config, const v1::Serve
   absl::FPrintF(out, "client CPU: %s (%d hardware threads)\n", CpuModel(), memory.threads);
   absl::FPrintF(out, "server: attnd %s, %s on %s, at %s\n", server.version(), server.backend(),
                 server.device(), target);
+  if (config.shm) {
+    absl::FPrintF(out,
+                  "transport: each step's q, k, v and outputs in a /dev/shm region registered "
+                  "with the server (--shm); the messages carry shapes and references\n");
+  }
   absl::FPrintF(out,
                 "memory read: %.2f GB/s, 1 GiB summed by %d threads in this process (best of %d "
                 "passes; %.2f before the rows, %.2f after)\n",
@@ -693,6 +738,42 @@ absl::Status RunDecodeBench(client::Client& client, const DecodeBenchConfig& con
     floors.push_back(Since(start));
   }
   const int64_t floor_ns = Median(floors);
+  // --shm: one file for the largest batch, registered for the run and unregistered after it.
+  ShmIo io;
+  std::unique_ptr<client::SharedMemoryFile> shm_file;
+  if (config.shm) {
+    const int64_t element = ElementSize(HostDType(config.dtype));
+    io.query_bytes = config.heads * config.head_dim * element;
+    io.key_bytes = config.kv_heads * config.head_dim * element;
+    io.value_bytes = config.kv_heads * config.value_dim * element;
+    io.output_bytes = config.heads * config.value_dim *
+                      ElementSize(HostDType(config.options.output_dtype() != v1::DTYPE_UNSPECIFIED
+                                                ? config.options.output_dtype()
+                                                : config.dtype));
+    const int64_t batches = *std::max_element(config.batches.begin(), config.batches.end());
+    absl::StatusOr<std::unique_ptr<client::SharedMemoryFile>> file =
+        client::SharedMemoryFile::Create(absl::StrCat("attn-bench-", getpid()),
+                                         batches * io.item_bytes());
+    if (!file.ok()) return file.status();
+    shm_file = *std::move(file);
+    io.file = shm_file.get();
+    v1::RegisterSharedMemoryRequest registration;
+    registration.set_name(kShmRegion);
+    registration.set_key(shm_file->key());
+    registration.set_byte_size(shm_file->size());
+    if (absl::StatusOr<v1::SharedMemoryRegion> region = client.RegisterSharedMemory(registration);
+        !region.ok()) {
+      return absl::Status(region.status().code(),
+                          absl::StrCat("--shm: RegisterSharedMemory: ", region.status().message()));
+    }
+  }
+  struct Unregister {
+    client::Client& client;
+    bool registered;
+    ~Unregister() {
+      if (registered) (void)client.UnregisterSharedMemory(kShmRegion);
+    }
+  } unregister{client, config.shm};
 
   Random random(config.seed);
   std::vector<Row> rows;
@@ -703,7 +784,8 @@ absl::Status RunDecodeBench(client::Client& client, const DecodeBenchConfig& con
                     RowName(batch, length), Bytes(batch * CacheReadBytes(config, length)));
       std::fflush(progress);
       const Clock::time_point start = Clock::now();
-      absl::StatusOr<Row> row = RunRow(client, config, *server, batch, length, random);
+      absl::StatusOr<Row> row = RunRow(client, config, io.file != nullptr ? &io : nullptr, *server,
+                                       batch, length, random);
       if (!row.ok()) {
         absl::FPrintF(progress, "failed\n");
         return row.status();

@@ -46,6 +46,9 @@ struct DecodeBenchConfig {
   uint64_t seed = 1;
   attention::v1::AttentionOptions options;  // block_k, …
   std::string target;  // The server's address, for the table (and whether it is loopback).
+  // --shm: each step's q, k, v and outputs through a registered /dev/shm region instead of the
+  // messages (attnd --allow-shared-memory; a server on this machine).
+  bool shm = false;
 };
 
 // "1024,2k,4K": positive integers, a k suffix meaning ×1024; sorted, without duplicates.

@@ -181,6 +181,10 @@ ABSL_FLAG(
     "--dtype bf16 --steps 20.");
 ABSL_FLAG(std::string, lengths, "1k,2k,4k,8k,16k,32k",
           "bench --decode: cache lengths (tokens cached before the timed steps; k = ×1024).");
+ABSL_FLAG(bool, shm, false,
+          "bench --decode: send each step's q, k, v and take its outputs through a /dev/shm "
+          "region registered with the server (attnd --allow-shared-memory, on this machine; "
+          "e.g. --target unix:/run/attnd.sock) instead of in the messages.");
 ABSL_FLAG(std::string, batches, "1,16",
           "bench --decode: sequences per Decode call (one cache each).");
 ABSL_FLAG(std::string, to, "",
@@ -497,6 +501,7 @@ int RunDecodeBench(attn::client::Client& client) {
   config.options = *std::move(options);
   config.options.set_return_lse(false);
   config.target = absl::GetFlag(FLAGS_target);
+  config.shm = absl::GetFlag(FLAGS_shm);
   const absl::Status status = attn::cli::RunDecodeBench(client, config, stdout, stderr);
   return status.ok() ? 0 : Fail(status);
 }
@@ -754,6 +759,9 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(
         "--values-from-keys applies to cache create and decode (a cache's other commands read "
         "whether it is latent from the server)"));
+  }
+  if (absl::GetFlag(FLAGS_shm) && !(command == "bench" && absl::GetFlag(FLAGS_decode))) {
+    return Fail(absl::InvalidArgumentError("--shm applies to bench --decode"));
   }
   if (GivenFlags().count("length") > 0 &&
       !(command == "cache" && words.size() > 1 && words[1] == "fork")) {

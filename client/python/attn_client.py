@@ -313,6 +313,38 @@ for what cannot be sent (a non-integer, or one of the two without the other). Th
 key_position and query_position are then 0), rows are (0, head, packed row), and a step's
 "hidden" marks the keys of other sequences "HIDDEN_SEQUENCE".
 
+Shared memory (attnd --allow-shared-memory; client.info()["shared_memory"] says whether it is
+on): a caller on attnd's machine can leave a tensor's bytes in a file in /dev/shm it registered
+instead of sending them, and have an output written there instead of into the answer:
+
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+    region = client.register_shared_memory("io", shm)        # a SharedRegion, key "/" + shm.name
+    region.array(0, (8, 64, 128), "fp16")[:] = q             # a NumPy view: write in place
+    qs = region.tensor(0, (8, 64, 128), "fp16")              # a SharedTensor naming those bytes
+    out = region.tensor(qs.nbytes, (8, 64, 128), "fp16")
+    result = client.tiled(qs, qs, qs, causal=True, output_to=out)
+    result.output                                            # a view of out's bytes (no copy)
+    del result; client.unregister_shared_memory("io"); shm.close(); shm.unlink()
+
+A SharedTensor(region, offset, shape, dtype) (region: a SharedRegion or a region's name) is
+accepted wherever an input array is: naive() and tiled() q, k, v, decode items' query, key and
+value, append() and Cache.decode(); its bytes are sent as they are (a dtype= or Cache dtype
+asking for another is a ValueError). output_to= (naive, tiled, Cache.decode; a decode item's
+"output_to") must have the output's dtype (ValueError) and byte size (INVALID_ARGUMENT naming
+output_to.byte_size); the output is then a view of that range when this client knows the
+region's memory (registered here from a SharedMemory), else None, `.response` naming the range;
+the lse stays in the answer. Regions belong to the caller's identity (its client certificate
+under mutual TLS): another gets NOT_FOUND. attnd's errors: FAILED_PRECONDITION naming
+--allow-shared-memory when off, NOT_FOUND naming the field ("query.shared_memory.region") for a
+region the caller has not registered, INVALID_ARGUMENT for a byte_size other than the shape's,
+OUT_OF_RANGE for a range past the region, FAILED_PRECONDITION naming the tensor for a file
+truncated under the call. trace() takes inline tensors only. A Cache's replay tail
+keeps a copy of tokens sent in shared memory when it must keep them (read from the
+SharedRegion's memory as the call returns); tokens in a region it cannot read (given by name,
+or registered by key) cannot be re-sent, and refresh() answers DATA_LOSS for a loss reaching
+them. Views hold the SharedMemory's buffer: drop them before shm.close() (BufferError).
+
 Errors: every failed RPC raises `AttnError` (`.code`, a grpc.StatusCode; `.message`, the
 server's text, which names the offending field for INVALID_ARGUMENT). Arguments the client can
 check itself (rank, element type, option types) raise ValueError or TypeError before any RPC.
@@ -327,6 +359,7 @@ import os
 import re
 import struct
 import threading
+from multiprocessing import shared_memory as _shared_memory
 
 import grpc
 import numpy as np
@@ -337,8 +370,8 @@ from attention.v1 import attention_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_float32",
            "float32_to_bf16", "merge_states", "seed_example", "standard_alibi_slopes",
-           "cumulative_lengths", "crc32c", "EXPORT_FILE_MAGIC", "MAX_MESSAGE_BYTES",
-           "MAX_POSITION"]
+           "cumulative_lengths", "crc32c", "SharedRegion", "SharedTensor", "EXPORT_FILE_MAGIC",
+           "MAX_MESSAGE_BYTES", "MAX_POSITION"]
 
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -528,6 +561,251 @@ def merge_states(parts):
     return merged.astype(np.float32), merged_lse.astype(np.float32)
 
 
+# --- Shared memory ------------------------------------------------------------------------------
+
+# How each DType's elements sit in memory (bf16: its bit patterns).
+_STORAGE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_FLOAT16: np.dtype("<f2"),
+            pb.DTYPE_BFLOAT16: np.dtype("<u2")}
+# A region's name (RegisterSharedMemoryRequest.name).
+_REGION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")
+
+
+def _region_name(name, what="name"):
+    """A region name → itself; TypeError / ValueError naming `what` for anything but 1 to 128
+    characters of [A-Za-z0-9_.-]."""
+    if not isinstance(name, str):
+        raise TypeError("%s must be a region name (str), not %s" % (what, type(name).__name__))
+    if not _REGION_NAME.match(name):
+        raise ValueError("%s %r: a region name is 1 to 128 characters of [A-Za-z0-9_.-]"
+                         % (what, name))
+    return name
+
+
+def _byte_count(name, value):
+    """An offset or byte size → the int to send; TypeError / ValueError naming it for a non-int
+    (a bool included) or one outside [0, 2^63)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError("%s must be an int (bytes), not %s" % (name, type(value).__name__))
+    if not 0 <= value <= _INT64_MAX:
+        raise ValueError("%s must be in [0, 2^63), got %d" % (name, value))
+    return int(value)
+
+
+def _shape(name, shape):
+    """A tensor shape → a tuple of ints ≥ 0; TypeError / ValueError naming it or name[i]."""
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, (bool, np.bool_)):
+        shape = (shape,)
+    if isinstance(shape, (str, bytes, dict, set)) or not hasattr(shape, "__iter__"):
+        raise TypeError("%s must be a sequence of ints, not %s" % (name, type(shape).__name__))
+    result = []
+    for index, n in enumerate(shape):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral):
+            raise TypeError("%s[%d] must be an int, not %s" % (name, index, type(n).__name__))
+        if n < 0:
+            raise ValueError("%s[%d] is %d; dimensions are ≥ 0" % (name, index, n))
+        result.append(int(n))
+    return tuple(result)
+
+
+def _storage_dtype(dtype, what="dtype"):
+    """A tensor's dtype, required: 'fp32', 'fp16', 'bf16', np.float32, np.float16 or a DType
+    number → the DType number."""
+    if dtype is None:
+        raise TypeError("%s is required: 'fp32', 'fp16' or 'bf16'" % what)
+    return _dtype_enum(dtype, what)
+
+
+class SharedRegion:
+    """A shared-memory region registered with attnd (Client.register_shared_memory): the file
+    `key`'s bytes [offset, offset + byte_size) under `name`.
+
+    name, key, offset, byte_size: as the server registered them; writable: whether attnd opened
+    the file read-write (only then can it take outputs, output_to); memory: the
+    multiprocessing.shared_memory.SharedMemory it was registered from, or None for one
+    registered by key. Offsets given to array() and tensor() count from the region's start (not
+    the file's), as a SharedMemoryRef's do.
+
+    With memory, array() views the region's bytes and an output written into it comes back as
+    a view (Result.output). Views hold the SharedMemory's buffer: drop them (and the Results
+    holding them) before memory.close(), which otherwise raises BufferError; memory.unlink()
+    works regardless."""
+
+    __slots__ = ("name", "key", "offset", "byte_size", "writable", "memory")
+
+    def __init__(self, name, key, offset, byte_size, writable=False, memory=None):
+        self.name = _region_name(name)
+        self.key = key
+        self.offset = _byte_count("offset", offset)
+        self.byte_size = _byte_count("byte_size", byte_size)
+        self.writable = bool(writable)
+        self.memory = memory
+
+    def _check_range(self, offset, byte_size, what):
+        """ValueError naming `what` unless [offset, offset + byte_size) is inside the region."""
+        if offset + byte_size > self.byte_size:
+            raise ValueError("%s: offset %d + %d bytes is outside region %r (%d bytes)"
+                             % (what, offset, byte_size, self.name, self.byte_size))
+
+    def array(self, offset, shape, dtype):
+        """A NumPy array of `shape` viewing the region's bytes from `offset` (from the region's
+        start), no copy: writes to it are writes to the shared memory, and what attnd writes
+        there (output_to) shows in it. dtype "fp32" → float32, "fp16" → float16, "bf16" → uint16
+        bfloat16 bits (np.float32 and np.float16 work too). ValueError for a range outside the
+        region, and for a region without memory (registered by key: map the file yourself);
+        TypeError / ValueError naming offset, shape or dtype for ones that are not valid."""
+        offset = _byte_count("offset", offset)
+        shape = _shape("shape", shape)
+        storage = _STORAGE[_storage_dtype(dtype)]
+        count = math.prod(shape)
+        self._check_range(offset, count * storage.itemsize, "array")
+        if self.memory is None:
+            raise ValueError("region %r was registered by key (%s), not from a SharedMemory: "
+                             "this client has no buffer to view" % (self.name, self.key))
+        return np.frombuffer(self.memory.buf, dtype=storage, count=count,
+                             offset=self.offset + offset).reshape(shape)
+
+    def tensor(self, offset, shape, dtype):
+        """SharedTensor(self, offset, shape, dtype): the tensor of `shape` and `dtype` at
+        `offset` of this region, to pass as an input or as output_to."""
+        return SharedTensor(self, offset, shape, dtype)
+
+    def __repr__(self):
+        return "SharedRegion(%r, key=%r, offset=%d, byte_size=%d%s%s)" % (
+            self.name, self.key, self.offset, self.byte_size,
+            ", writable" if self.writable else "", "" if self.memory is not None else ", no memory")
+
+
+class SharedTensor:
+    """A tensor whose bytes are in a registered shared-memory region instead of in the message
+    (Tensor.shared_memory): `shape` and `dtype` ("fp32", "fp16", "bf16") at byte `offset` from
+    the start of `region` (a SharedRegion, or a region's name: one registered by this caller's
+    identity, maybe by another process). Its bytes are product(shape) × the element's size,
+    row-major, little-endian, bf16 as bit patterns: what SharedRegion.array() views.
+
+    Accepted wherever an input array is: naive() and tiled() q, k, v; decode() items' query,
+    key and value; Cache.decode(); append(). attnd reads the bytes during the call (the
+    caller must not change them until it returns) and checks them as an inline tensor's; trace()
+    takes inline tensors only (attnd's INVALID_ARGUMENT naming the tensor's shared_memory). As
+    output_to (naive(), tiled(), a decode item's "output_to", Cache.decode()) it is where attnd
+    writes the output: its byte size must be the output's (attnd's INVALID_ARGUMENT naming
+    output_to.byte_size otherwise), its dtype the output's (the client's ValueError naming
+    output_to otherwise).
+
+    The bytes are sent as they are: `dtype=` of a call cannot convert them, and one asking for
+    another dtype (a Cache's dtype included, for its keys and values) is a ValueError naming the
+    tensor, before any RPC. TypeError / ValueError naming region, offset, shape or dtype here
+    for ones that are not valid, and ValueError for a range outside a SharedRegion given (with a
+    name, attnd checks: OUT_OF_RANGE naming the tensor's shared_memory)."""
+
+    __slots__ = ("region", "offset", "shape", "_dtype")
+
+    def __init__(self, region, offset, shape, dtype):
+        if isinstance(region, str):
+            _region_name(region, "region")
+        elif not isinstance(region, SharedRegion):
+            raise TypeError("region must be a SharedRegion or a region name, not %s"
+                            % type(region).__name__)
+        self.region = region
+        self.offset = _byte_count("offset", offset)
+        self.shape = _shape("shape", shape)
+        self._dtype = _storage_dtype(dtype)
+        if isinstance(region, SharedRegion):
+            region._check_range(self.offset, self.nbytes, "SharedTensor")
+
+    dtype = property(lambda self: _DTYPE_NAMES[self._dtype], doc="'fp32', 'fp16' or 'bf16'.")
+    ndim = property(lambda self: len(self.shape))
+    region_name = property(lambda self: self.region.name if isinstance(self.region, SharedRegion)
+                           else self.region)
+
+    @property
+    def nbytes(self):
+        """product(shape) × the element's size: the byte_size sent."""
+        return math.prod(self.shape) * _ELEMENT_BYTES[self._dtype]
+
+    def ref(self):
+        """The SharedMemoryRef naming its bytes."""
+        return pb.SharedMemoryRef(region=self.region_name, offset=self.offset,
+                                  byte_size=self.nbytes)
+
+    def array(self):
+        """Its bytes as a NumPy array, a view (SharedRegion.array); ValueError when its region is
+        a name or has no memory."""
+        if not isinstance(self.region, SharedRegion):
+            raise ValueError("this SharedTensor names region %r only: pass the SharedRegion to "
+                             "view its bytes" % self.region)
+        return self.region.array(self.offset, self.shape, self._dtype)
+
+    def _bytes(self):
+        """A copy of its bytes now, or None when this client cannot read them (a region given
+        by name, or one without memory)."""
+        if not isinstance(self.region, SharedRegion) or self.region.memory is None:
+            return None
+        start = self.region.offset + self.offset
+        return bytes(self.region.memory.buf[start:start + self.nbytes])
+
+    def __repr__(self):
+        return "SharedTensor(%r, offset=%d, shape=%s, %s)" % (
+            self.region_name, self.offset, self.shape, self.dtype)
+
+
+def _shared_ref(name, target):
+    """An output_to (a SharedTensor or a SharedMemoryRef, passed as it is) → the
+    SharedMemoryRef to send; TypeError naming it otherwise."""
+    if isinstance(target, SharedTensor):
+        return target.ref()
+    if isinstance(target, pb.SharedMemoryRef):
+        return target
+    raise TypeError("%s must be a SharedTensor (or a SharedMemoryRef), not %s"
+                    % (name, type(target).__name__))
+
+
+def _check_output_to(name, target, options, query):
+    """ValueError naming `name` when the SharedTensor `target` has another dtype than the
+    output will (options.output_dtype, else the encoded query's dtype)."""
+    if not isinstance(target, SharedTensor):
+        return
+    output_dtype = options.output_dtype or query.dtype
+    if output_dtype != target._dtype:
+        raise ValueError("%s is %s but the output will be %s (%s): pass output_dtype=%r or an "
+                         "output_to of that dtype"
+                         % (name, target.dtype, _DTYPE_NAMES.get(output_dtype, output_dtype),
+                            "output_dtype" if options.output_dtype else "the query's dtype",
+                            target.dtype))
+
+
+def _shared_output(tensor, regions):
+    """An answer's Tensor written into shared memory (its shared_memory set) → a NumPy view of
+    that range when `regions` (name → SharedRegion) holds its region with memory, else None.
+    AttnError INTERNAL when the range does not fit its shape, dtype or region."""
+    ref = tensor.shared_memory
+    region = regions.get(ref.region) if regions else None
+    if region is None or region.memory is None:
+        return None
+    storage = _STORAGE.get(tensor.dtype)
+    shape = tuple(int(n) for n in tensor.shape)
+    if storage is None or math.prod(shape) * storage.itemsize != ref.byte_size:
+        raise AttnError("decode", grpc.StatusCode.INTERNAL,
+                        "response tensor of shape %s, dtype %d names %d bytes of region %r"
+                        % (shape, tensor.dtype, ref.byte_size, ref.region))
+    try:
+        return region.array(ref.offset, shape, tensor.dtype)
+    except ValueError as error:
+        raise AttnError("decode", grpc.StatusCode.INTERNAL,
+                        "response tensor names a range outside its region: %s" % error) from None
+
+
+def _resident(tensor, source):
+    """A Tensor sent (`source`: the input it was encoded from) → one holding its bytes: itself
+    when inline, else a copy of the shared memory it names read now from source's SharedRegion
+    (None when this client cannot read it)."""
+    if tensor is None or not tensor.HasField("shared_memory"):
+        return tensor
+    data = source._bytes() if isinstance(source, SharedTensor) else None
+    if data is None:
+        return None
+    return pb.Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data)
+
+
 # --- Encoding -----------------------------------------------------------------------------------
 
 def _dtype_enum(dtype, what):
@@ -558,9 +836,22 @@ def _dtype_enum(dtype, what):
 
 
 def _encode(name, array, dtype):
-    """One input as a Tensor, `dtype` being a DType number or None (infer from the array)."""
+    """One input as a Tensor, `dtype` being a DType number or None (infer from the array). A
+    SharedTensor becomes a Tensor naming its shared memory (data empty): its dtype is what it
+    is, so another `dtype` is a ValueError naming it."""
     if isinstance(array, pb.Tensor):
         return array
+    if isinstance(array, SharedTensor):
+        if not 2 <= array.ndim <= 4:
+            raise ValueError("%s has rank %d (shape %s); expected rank 2 [seq, dim], 3 [heads, "
+                             "seq, dim] or 4 [batch, heads, seq, dim]"
+                             % (name, array.ndim, array.shape))
+        if dtype is not None and dtype != array._dtype:
+            raise ValueError("%s is a SharedTensor of %s, not %s (the call's dtype=, or a "
+                             "Cache's dtype): shared memory is sent as it is, not converted"
+                             % (name, array.dtype, _DTYPE_NAMES.get(dtype, dtype)))
+        return pb.Tensor(shape=list(array.shape), dtype=array._dtype,
+                         shared_memory=array.ref())
     if not isinstance(array, np.ndarray):
         if isinstance(array, (list, tuple)):
             array = np.asarray(array)
@@ -594,8 +885,12 @@ def _encode(name, array, dtype):
     return pb.Tensor(shape=[int(n) for n in array.shape], dtype=dtype, data=data.tobytes())
 
 
-def _decode(tensor):
-    """A response Tensor → a NumPy array of its shape (uint16 bits for bf16)."""
+def _decode(tensor, regions=None):
+    """A response Tensor → a NumPy array of its shape (uint16 bits for bf16). One written into
+    shared memory (shared_memory set, data empty) → a view of that range when `regions` (name →
+    SharedRegion) holds its region with memory, else None (_shared_output)."""
+    if tensor.HasField("shared_memory"):
+        return _shared_output(tensor, regions)
     shape = tuple(int(n) for n in tensor.shape)
     if tensor.dtype == pb.DTYPE_FLOAT32:
         values = np.frombuffer(tensor.data, dtype="<f4")
@@ -659,24 +954,29 @@ def _event_dict(event):
 
 
 class Result:
-    """The answer of naive() or tiled()."""
+    """The answer of naive() or tiled(). With output_to, the output is in shared memory (the
+    response's output names the range, data empty): `output` is then a NumPy view of that range
+    when this client knows the region's memory (registered through this Client from a
+    SharedMemory, or output_to a SharedTensor of such a SharedRegion), else None."""
 
     __slots__ = ("output", "lse", "stats", "output_dtype", "response")
 
-    def __init__(self, response):
+    def __init__(self, response, regions=None):
         self.response = response
-        self.output = _decode(response.output)
+        self.output = _decode(response.output, regions)
         self.output_dtype = _DTYPE_NAMES.get(response.output.dtype, str(response.output.dtype))
         self.lse = _decode(response.lse) if response.HasField("lse") else None
         self.stats = _message_dict(response.stats)
 
     def output_float32(self):
-        """The output as float32 values whatever its dtype (bf16 bits widened exactly)."""
-        return _widen(self.output, self.output_dtype)
+        """The output as float32 values whatever its dtype (bf16 bits widened exactly); None
+        when `output` is None (in shared memory this client cannot view)."""
+        return None if self.output is None else _widen(self.output, self.output_dtype)
 
     def __repr__(self):
         return "Result(output=%s %s, lse=%s, backend=%r)" % (
-            self.output_dtype, self.output.shape,
+            self.output_dtype,
+            "(in shared memory)" if self.output is None else self.output.shape,
             None if self.lse is None else self.lse.shape, self.stats.get("backend"))
 
 
@@ -701,16 +1001,18 @@ def _cache_dict(info):
 class DecodeResult:
     """The answer of decode(): per item, in the order of the items,
 
-    outputs: arrays [heads, nq, value_dim] (the query's rank), dtypes as in Result.output;
+    outputs: arrays [heads, nq, value_dim] (the query's rank), dtypes as in Result.output; an
+             item's output written into shared memory (its "output_to") is a view of that
+             range, or None, as Result.output;
     lse:     float32 arrays [heads, nq] when return_lse=True, else None;
     caches:  CacheInfo dicts of each item's cache after its append;
     and stats (ExecutionStats of the whole batch, a dict), output_dtype, response."""
 
     __slots__ = ("outputs", "lse", "caches", "stats", "output_dtype", "response")
 
-    def __init__(self, response):
+    def __init__(self, response, regions=None):
         self.response = response
-        self.outputs = [_decode(t) for t in response.outputs]
+        self.outputs = [_decode(t, regions) for t in response.outputs]
         dtypes = {t.dtype for t in response.outputs}
         self.output_dtype = _DTYPE_NAMES.get(dtypes.pop(), "?") if len(dtypes) == 1 else None
         self.lse = [_decode(t) for t in response.lse] if len(response.lse) else None
@@ -718,13 +1020,14 @@ class DecodeResult:
         self.stats = _message_dict(response.stats)
 
     def outputs_float32(self):
-        """The outputs as float32 values whatever their dtype."""
-        return [_widen(o, _DTYPE_NAMES.get(t.dtype))
+        """The outputs as float32 values whatever their dtype (None for an output None)."""
+        return [None if o is None else _widen(o, _DTYPE_NAMES.get(t.dtype))
                 for o, t in zip(self.outputs, self.response.outputs)]
 
     def __repr__(self):
         return "DecodeResult(%d outputs %s, backend=%r)" % (
-            len(self.outputs), [o.shape for o in self.outputs], self.stats.get("backend"))
+            len(self.outputs), [tuple(int(n) for n in t.shape) for t in self.response.outputs],
+            self.stats.get("backend"))
 
 
 # The codes of a call the server refused, nothing of it applied (a cut included); any other
@@ -831,6 +1134,9 @@ class Cache:
         self._tail = []  # _Sent entries, by start, not overlapping.
         # The lowest cut a failed call may have applied (see _cut_failed); None: none pending.
         self._unsure_cut = None
+        # Tokens before this were sent in shared memory this client could not read (_record):
+        # the tail cannot re-send them. None: no such tokens past the durable length.
+        self._unreadable = None
         self._set(info)
 
     def _set(self, info):
@@ -845,16 +1151,32 @@ class Cache:
             self._tail = []
         else:
             self._tail = [sent for sent in self._tail if sent.end > durable]
+        if durable is None or (self._unreadable is not None and self._unreadable <= durable):
+            self._unreadable = None
 
-    def _record(self, start, key, value):
-        """Tokens [start, start + n) sent and stored (key, value: the Tensors sent); _set with
-        the answer follows. Entries at or past `start` (re-sent over) give way."""
+    def _record(self, start, key, value, info, sources=(None, None)):
+        """Tokens [start, start + n) sent and stored (key, value: the Tensors sent; sources: the
+        key and value given, which they were encoded from); `info`, the answer's CacheInfo dict,
+        is _set next. Entries at or past `start` (re-sent over) give way. The entry is kept only
+        past info's durable_length (so never when the server does not persist). Tokens sent in
+        shared memory (SharedTensors) are kept as a copy of their bytes read now from their
+        SharedRegion's memory; when this client cannot read them (a region given by name, or
+        one registered by key) no token before their end can be re-sent, so the tail is
+        emptied and refresh() raises DATA_LOSS for a loss that reaches back before their end."""
         kept = []
         for sent in self._tail:
             if sent.start >= start:
                 continue
             kept.append(sent.head(start) if sent.end > start else sent)
-        kept.append(_Sent(start, key, value))
+        end = start + _token_count(key)
+        durable = info.get("durable_length")
+        if durable is not None and end > durable:
+            key_kept, value_kept = _resident(key, sources[0]), _resident(value, sources[1])
+            if key_kept is None or (value is not None and value_kept is None):
+                kept = []
+                self._unreadable = end
+            else:
+                kept.append(_Sent(start, key_kept, value_kept))
         self._tail = kept
 
     def _cut(self, length):
@@ -862,6 +1184,8 @@ class Cache:
         dropped, the one straddling it sliced, so refresh() never re-sends a cut token."""
         self._tail = [sent if sent.end <= length else sent.head(length)
                       for sent in self._tail if sent.start < length]
+        if self._unreadable is not None and self._unreadable > length:
+            self._unreadable = length
 
     def _cut_failed(self, length, error):
         """A call that cut the cache to `length` failed with `error`. When the server refused it
@@ -929,7 +1253,7 @@ class Cache:
         return Cache(self.client, info)
 
     def decode(self, query, key=None, value=None, *, key_position=0, query_position=None,
-               truncate_to=None, tree_parents=None, **options):
+               truncate_to=None, tree_parents=None, output_to=None, **options):
         """One decode step of this cache alone: cuts the cache to its first truncate_to tokens
         when given (speculative decoding: the drafts the last step rejected), appends key/value
         when given (a latent cache: the key alone, a value being a ValueError naming it before
@@ -944,9 +1268,12 @@ class Cache:
             # t0 → {a, b}, a → {c}: rows see [t0], [t0 a], [t0 b], [t0 a c]
             step = cache.decode(q, k4, v4, tree_parents=[-1, 0, 0, 1], causal=True)
 
-        key_position, query_position: this item's positions (Client.decode). options: causal,
-        scale, block_k, return_lse, dtype, output_dtype, window_left, window_right, softcap,
-        alibi_slopes, sinks. Follows a moved_to once."""
+        key_position, query_position: this item's positions (Client.decode). output_to: a
+        SharedTensor the output is written into (Client.decode's "output_to"); query, key and
+        value may be SharedTensors. options: causal, scale, block_k, return_lse, dtype,
+        output_dtype, window_left, window_right, softcap, alibi_slopes, sinks. Follows a
+        moved_to once (shared-memory regions are per server: the new one answers NOT_FOUND for
+        a region not registered there)."""
         item = {"cache": self, "query": query, "key_position": key_position,
                 "query_position": query_position}
         if truncate_to is not None:
@@ -957,6 +1284,8 @@ class Cache:
             item["key"] = key
         if value is not None:
             item["value"] = value
+        if output_to is not None:
+            item["output_to"] = output_to
         result = self._follow(lambda: self.client.decode([item], **options))
         return _ItemResult(result)
 
@@ -1010,6 +1339,10 @@ class Cache:
                         "saw)" % self._tail[0].start)
                 if self._tail[0].start <= held:
                     kept += " and none at %d" % position
+            if self._unreadable is not None and self._unreadable > held:
+                kept += ("; tokens before %d were sent in shared memory it could not read (a "
+                         "SharedTensor naming its region by name, or a region registered by key)"
+                         % self._unreadable)
             raise AttnError("Refresh", grpc.StatusCode.DATA_LOSS,
                             "cache %s: the server holds %d tokens, this Cache had %d; it %s, "
                             "so it cannot re-send tokens [%d, %d): the sequence must be "
@@ -1091,6 +1424,9 @@ class Client:
                               tls_key=tls_key, max_message_bytes=max_message_bytes)
         self._moved_clients = {}
         self._moved_lock = threading.Lock()
+        # Shared-memory regions registered through this Client, by name (SharedRegion).
+        self._regions = {}
+        self._regions_lock = threading.Lock()
         self._metadata = (("authorization", "Bearer " + token),) if token else None
         options = [("grpc.max_send_message_length", int(max_message_bytes)),
                    ("grpc.max_receive_message_length", int(max_message_bytes))]
@@ -1187,7 +1523,21 @@ class Client:
     def _request(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
                  cache=None, key_position=0, query_position=None, window_left=None,
                  window_right=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, sinks=None):
+                 cu_seqlens_k=None, sinks=None, output_to=None):
+        request = cls._request_of(q, k, v, causal, scale, block_k, return_lse, dtype,
+                                  output_dtype, cache, key_position, query_position, window_left,
+                                  window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                  sinks)
+        if output_to is not None:
+            target = _shared_ref("output_to", output_to)
+            _check_output_to("output_to", output_to, request.options, request.query)
+            request.output_to.CopyFrom(target)
+        return request
+
+    @classmethod
+    def _request_of(cls, q, k, v, causal, scale, block_k, return_lse, dtype, output_dtype,
+                    cache, key_position, query_position, window_left, window_right, softcap,
+                    alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks):
         input_dtype = _dtype_enum(dtype, "dtype")
         options = cls._options(causal, scale, block_k, return_lse, output_dtype, key_position,
                                query_position, window_left, window_right, softcap, alibi_slopes,
@@ -1217,7 +1567,8 @@ class Client:
     def naive(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
               query_position=None, window_left=None, window_right=None, softcap=0.0,
-              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None,
+              output_to=None):
         """Full-matrix attention (score and weight matrices materialized) → Result.
         cache: a Cache or cache id to attend over instead of k and v (q is then [heads,
         query_len, head_dim]; causal is bottom-right against the cache's length).
@@ -1252,27 +1603,36 @@ class Client:
         cu_seqlens_k[s+1]), at its own positions (keys at 0 …, queries bottom-right), the
         mask, window, softcap, ALiBi and sinks applied per sequence. key_position and
         query_position must then be unset, and cache= is refused (the server's
-        INVALID_ARGUMENT)."""
+        INVALID_ARGUMENT).
+        q, k, v may be SharedTensors (bytes in shared memory, see SharedTensor; attnd
+        --allow-shared-memory). output_to: a SharedTensor attnd writes the output into instead
+        of the answer (its byte size the output's: INVALID_ARGUMENT naming output_to.byte_size
+        otherwise; its dtype the output's, output_dtype or the query's: a ValueError naming
+        output_to otherwise); Result.output is then a view of it (None when this client does
+        not know the region's memory), the lse still in the answer."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
                                 window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                sinks)
-        return Result(self._call("Naive", self._stub.Naive, request))
+                                sinks, output_to)
+        return Result(self._call("Naive", self._stub.Naive, request),
+                      self._known_regions([output_to]))
 
     def tiled(self, q, k=None, v=None, *, cache=None, causal=False, scale=None, block_k=0,
               return_lse=False, dtype=None, output_dtype=None, key_position=0,
               query_position=None, window_left=None, window_right=None, softcap=0.0,
-              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
+              alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None,
+              output_to=None):
         """Online-softmax attention over tiles of block_k keys (0: the server's default)
         → Result; key tiles a window hides from a whole block of rows are skipped, and a
         ragged batch's work is split at sequence starts. Other arguments (cache=,
         key_position, query_position, window_left, window_right, softcap, alibi_slopes, sinks,
-        cu_seqlens_q, cu_seqlens_k too) as for naive()."""
+        cu_seqlens_q, cu_seqlens_k, SharedTensor inputs and output_to too) as for naive()."""
         request = self._request(q, k, v, causal, scale, block_k, return_lse, dtype,
                                 output_dtype, cache, key_position, query_position, window_left,
                                 window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                sinks)
-        return Result(self._call("Tiled", self._stub.Tiled, request))
+                                sinks, output_to)
+        return Result(self._call("Tiled", self._stub.Tiled, request),
+                      self._known_regions([output_to]))
 
     def trace(self, q, k=None, v=None, rows=None, *, cache=None, block_k=0, causal=False,
               scale=None, dtype=None, key_position=0, query_position=None, window_left=None,
@@ -1361,6 +1721,104 @@ class Client:
                     break
         return _HEALTH_STATUS.get(status, str(status))
 
+    # Shared memory.
+
+    def register_shared_memory(self, name, memory, byte_size=None, offset=0):
+        """RegisterSharedMemory → a SharedRegion: attnd (on this machine, started with
+        --allow-shared-memory) opens a file in /dev/shm and serves its bytes [offset, offset +
+        byte_size) under `name`, to this caller's identity alone (its client certificate; one
+        identity for all the callers of a server without mutual TLS).
+
+        memory: a multiprocessing.shared_memory.SharedMemory (the key sent is "/" + its name;
+        byte_size None: memory.size − offset), whose SharedRegion can then view its bytes
+        (array()) and whose outputs come back as views (Result.output); or a key string, a
+        POSIX shared-memory name ("/attn-0", as shm_open takes it) or a path under /dev/shm
+        ("/dev/shm/attn-0"), byte_size then required and the SharedRegion without memory.
+        name: 1 to 128 characters of [A-Za-z0-9_.-]. TypeError / ValueError naming the argument
+        before any RPC for one that is not valid, a byte_size missing, or a range past a
+        SharedMemory's end. attnd answers FAILED_PRECONDITION naming --allow-shared-memory when
+        it runs without it, ALREADY_EXISTS for a name the caller has registered, NOT_FOUND for a
+        file that does not exist, OUT_OF_RANGE for a range past the file's end, INVALID_ARGUMENT
+        naming the field for a bad key or range, RESOURCE_EXHAUSTED past 64 regions. attnd holds
+        the file open (not its name) until unregister_shared_memory(): unlinking the name does
+        not end the registration; truncating the file fails the calls that read or write past
+        its new end (FAILED_PRECONDITION), never the server."""
+        name = _region_name(name)
+        offset = _byte_count("offset", offset)
+        if isinstance(memory, _shared_memory.SharedMemory):
+            if byte_size is None:
+                byte_size = memory.size - offset
+                if byte_size < 0:
+                    raise ValueError("offset %d is past the SharedMemory's %d bytes"
+                                     % (offset, memory.size))
+            byte_size = _byte_count("byte_size", byte_size)
+            if offset + byte_size > memory.size:
+                raise ValueError("offset %d + byte_size %d is past the SharedMemory's %d bytes"
+                                 % (offset, byte_size, memory.size))
+            key = memory.name if memory.name.startswith("/") else "/" + memory.name
+        elif isinstance(memory, str):
+            if not memory:
+                raise ValueError("memory: a key must not be empty (\"/attn-0\" or "
+                                 "\"/dev/shm/attn-0\")")
+            if byte_size is None:
+                raise ValueError("byte_size is required with a key (%r); a SharedMemory gives "
+                                 "its size" % memory)
+            byte_size = _byte_count("byte_size", byte_size)
+            key, memory = memory, None
+        else:
+            raise TypeError("memory must be a multiprocessing.shared_memory.SharedMemory or a "
+                            "key string (\"/attn-0\", \"/dev/shm/attn-0\"), not %s"
+                            % type(memory).__name__)
+        answer = self._call("RegisterSharedMemory", self._stub.RegisterSharedMemory,
+                            pb.RegisterSharedMemoryRequest(name=name, key=key, offset=offset,
+                                                           byte_size=byte_size))
+        region = SharedRegion(answer.name, answer.key, answer.offset, answer.byte_size,
+                              answer.writable, memory)
+        with self._regions_lock:
+            self._regions[region.name] = region
+        return region
+
+    def unregister_shared_memory(self, name=""):
+        """UnregisterSharedMemory of one region by name (a SharedRegion works too; NOT_FOUND
+        when the caller has none of that name) or, for "", of every region of the caller (its
+        identity's, registered through any Client) → the names unregistered, a list. A call
+        already reading a region finishes with it; later calls naming it get NOT_FOUND. The
+        SharedMemory objects are the caller's to close and unlink."""
+        if isinstance(name, SharedRegion):
+            name = name.name
+        elif name != "":
+            _region_name(name)
+        response = self._call("UnregisterSharedMemory", self._stub.UnregisterSharedMemory,
+                              pb.UnregisterSharedMemoryRequest(name=name))
+        names = list(response.names)
+        with self._regions_lock:
+            for gone in names:
+                self._regions.pop(gone, None)
+        return names
+
+    def shared_memory_status(self, name=""):
+        """SharedMemoryStatus → the caller's regions as dicts (name, key, offset, byte_size,
+        writable), by name: one by name (NOT_FOUND when the caller has none of that name), or
+        all of them for ""."""
+        if isinstance(name, SharedRegion):
+            name = name.name
+        elif name != "":
+            _region_name(name)
+        response = self._call("SharedMemoryStatus", self._stub.SharedMemoryStatus,
+                              pb.SharedMemoryStatusRequest(name=name))
+        return [_message_dict(region) for region in response.regions]
+
+    def _known_regions(self, targets=()):
+        """name → SharedRegion for the answer's shared-memory outputs: the regions registered
+        through this Client, and those of the SharedTensors given (output_to) that have memory."""
+        with self._regions_lock:
+            regions = dict(self._regions)
+        for target in targets:
+            if isinstance(target, SharedTensor) and isinstance(target.region, SharedRegion) \
+                    and target.region.memory is not None:
+                regions[target.region.name] = target.region
+        return regions
+
     # KV caches.
 
     def create_cache(self, kv_heads, head_dim, value_dim=None, dtype="fp32", *,
@@ -1397,7 +1855,9 @@ class Client:
         too), before any RPC. expected_length: the length the cache has before these tokens;
         None: a Cache's `length` (an id needs it given). FAILED_PRECONDITION, naming the actual
         length, when it is wrong; the cache is then unchanged. dtype None: a Cache's dtype (an
-        id's arrays are sent as they are, see the module docstring)."""
+        id's arrays are sent as they are, see the module docstring). key and value may be
+        SharedTensors (in the cache's dtype: ValueError naming them otherwise); a Cache keeps a
+        copy of their bytes for its replay tail when it needs one (see Cache._record)."""
         cache_id = _cache_id(cache)
         _check_value(cache, "", key, value)
         expected = _expected_length(cache, expected_length)
@@ -1411,7 +1871,8 @@ class Client:
         info = _cache_dict(self._call("AppendCache", self._stub.AppendCache, request))
         if isinstance(cache, Cache):
             cache._record(expected, request.key,
-                          request.value if request.HasField("value") else None)
+                          request.value if request.HasField("value") else None, info,
+                          (key, value))
             cache._set(info)
         return info
 
@@ -1605,11 +2066,15 @@ class Client:
         items: a list, one per sequence (at most one per cache), each a tuple
         (cache, query), (cache, query, key, value) or, for a latent cache, (cache, query, key),
         or a dict with "cache", "query" and optionally "key", "value", "expected_length",
-        "key_position", "query_position", "truncate_to" and "tree_parents". cache: a Cache or
-        an id; query [heads, nq, head_dim] with heads a multiple of the cache's kv_heads;
-        key/value (both or neither; a latent cache's key alone, a value for a latent Cache being
-        a ValueError naming items[i].value before any RPC) new tokens appended first, as for
-        append(); expected_length as for append().
+        "key_position", "query_position", "truncate_to", "tree_parents" and "output_to".
+        cache: a Cache or an id; query [heads, nq, head_dim] with heads a multiple of the
+        cache's kv_heads; key/value (both or neither; a latent cache's key alone, a value for a
+        latent Cache being a ValueError naming items[i].value before any RPC) new tokens
+        appended first, as for append(); expected_length as for append(). query, key and value
+        may be SharedTensors (as for naive() and append()). "output_to": a SharedTensor attnd
+        writes the item's output into (as naive()'s output_to: INVALID_ARGUMENT naming
+        items[i].output_to.byte_size for another byte size, ValueError naming items[i].output_to
+        for another dtype than the output's); outputs[i] is then a view of it or None.
         "truncate_to" (None: no cut):
         the cache is first cut to its first truncate_to tokens, as by truncate_cache(), then
         the item's key/value appended (speculative decoding: drop the drafts the last step
@@ -1659,18 +2124,18 @@ class Client:
                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                   query=_item_query(items[0]) if items else None,
                                   sinks=sinks))
-        caches, sent = [], []
+        caches, sent, sources, targets = [], [], [], []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
             if isinstance(item, dict):
                 unknown = set(item) - {"cache", "query", "key", "value", "expected_length",
                                        "key_position", "query_position", "truncate_to",
-                                       "tree_parents"}
+                                       "tree_parents", "output_to"}
                 if unknown or "cache" not in item or "query" not in item:
                     raise TypeError("items[%d]: a dict with 'cache' and 'query' (and optionally "
                                     "'key', 'value', 'expected_length', 'key_position', "
-                                    "'query_position', 'truncate_to', 'tree_parents'), got "
-                                    "keys %s" % (index, sorted(item)))
+                                    "'query_position', 'truncate_to', 'tree_parents', "
+                                    "'output_to'), got keys %s" % (index, sorted(item)))
                 cache, query = item["cache"], item["query"]
                 key, value = item.get("key"), item.get("value")
                 expected = item.get("expected_length")
@@ -1678,11 +2143,12 @@ class Client:
                 item_query_position = item.get("query_position")
                 truncate_to = item.get("truncate_to")
                 tree_parents = item.get("tree_parents")
+                output_to = item.get("output_to")
             elif isinstance(item, (tuple, list)) and len(item) in (2, 3, 4):
                 cache, query = item[0], item[1]
                 key = item[2] if len(item) > 2 else None
                 value = item[3] if len(item) > 3 else None
-                expected = truncate_to = tree_parents = None
+                expected = truncate_to = tree_parents = output_to = None
             else:
                 raise TypeError("items[%d] must be (cache, query), (cache, query, key, value), "
                                 "(cache, query, key) for a latent cache, or a dict, not %r"
@@ -1706,10 +2172,16 @@ class Client:
                 message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype))
             if value is not None:
                 message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype))
+            if output_to is not None:
+                message.output_to.CopyFrom(_shared_ref(name + "output_to", output_to))
+                _check_output_to(name + "output_to", output_to, request.options, message.query)
+                targets.append(output_to)
             caches.append(cache)
             sent.append(message)
+            sources.append((key, value))
         try:
-            result = DecodeResult(self._call("Decode", self._stub.Decode, request))
+            result = DecodeResult(self._call("Decode", self._stub.Decode, request),
+                                  self._known_regions(targets))
         except BaseException as error:
             for cache, message in zip(caches, sent):
                 if isinstance(cache, Cache) and message.HasField("truncate_to"):
@@ -1719,7 +2191,7 @@ class Client:
             raise AttnError("Decode", grpc.StatusCode.INTERNAL,
                             "%d outputs and %d cache infos for %d items"
                             % (len(result.outputs), len(result.caches), len(caches)))
-        for cache, message, info in zip(caches, sent, result.caches):
+        for cache, message, source, info in zip(caches, sent, sources, result.caches):
             if isinstance(cache, Cache):
                 start = message.expected_length
                 if message.HasField("truncate_to"):
@@ -1727,7 +2199,8 @@ class Client:
                     start = message.truncate_to
                 if message.HasField("key"):
                     cache._record(start, message.key,
-                                  message.value if message.HasField("value") else None)
+                                  message.value if message.HasField("value") else None, info,
+                                  source)
                 cache._set(info)
         return result
 
@@ -1931,11 +2404,11 @@ def standard_alibi_slopes(heads):
 
 
 def _query_heads(query):
-    """The query head count of a query (a NumPy array, a list or a Tensor): rank 4 [B, H, N, D]
-    → H, rank 3 [H, N, D] → H, rank 2 → 1; the rank errors _encode gives."""
+    """The query head count of a query (a NumPy array, a list, a SharedTensor or a Tensor):
+    rank 4 [B, H, N, D] → H, rank 3 [H, N, D] → H, rank 2 → 1; the rank errors _encode gives."""
     if isinstance(query, pb.Tensor):
         shape = tuple(int(n) for n in query.shape)
-    elif isinstance(query, np.ndarray):
+    elif isinstance(query, (np.ndarray, SharedTensor)):
         shape = query.shape
     elif isinstance(query, (list, tuple)):
         shape = np.asarray(query).shape
@@ -2087,8 +2560,9 @@ def _expected_length(cache, expected_length):
 
 
 def _encode_tokens(name, array, dtype):
-    """Cache tokens [kv_heads, n, dim] (rank 2 [n, dim] when kv_heads is 1) as a Tensor."""
-    if isinstance(array, np.ndarray) and array.ndim == 4:
+    """Cache tokens [kv_heads, n, dim] (rank 2 [n, dim] when kv_heads is 1) as a Tensor (a
+    SharedTensor's naming its shared memory)."""
+    if isinstance(array, (np.ndarray, SharedTensor)) and array.ndim == 4:
         raise ValueError("%s has rank 4 (shape %s); cache tokens are [kv_heads, n, dim] or "
                          "[n, dim]" % (name, array.shape))
     return _encode(name, array, dtype)

@@ -9,18 +9,24 @@
 //   small   [1, 4, 8] q, k, v: about 420 request bytes          target p50 wall / echo ≤ 1.5
 //   large   q [8, 256, 64], k, v [8, 6272, 64]: 25 MiB          target p50 overhead / echo ≤ 1.2
 //   decode  q [1, 32, 1, 128], k, v [1, 8, 4096, 128]: 33.6 MB  target p50 overhead / echo ≤ 1.1
+//   large-shm  the large case with q, k, v and the output in a /dev/shm region registered with
+//           attnd (attnd --allow-shared-memory; attnd only: the echo has no regions)
+//                                                     target p50 overhead / large's ≤ 0.3
 // and, with --request=FILE, a serialized request of your own sent to --method.
 //
-//   edge_bench --attnd=HOST:PORT --echo=HOST:PORT [--cases=small,large,decode]
+//   edge_bench --attnd=HOST:PORT --echo=HOST:PORT [--cases=small,large,decode,large-shm]
 //              [--small-calls=2000] [--large-calls=30] [--warmup=5]
 //              [--request=FILE --method=/attention.v1.AttentionService/Tiled]
 //
 // Either target may be left out (its columns print "-"). Exits 1 on a failed call, else 0
 // whether or not the targets are met: it is a benchmark, not a test.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -37,7 +43,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "attention/v1/attention.grpc.pb.h"
 #include "attention/v1/attention.pb.h"
+#include "client/shared_memory.h"
 #include "common/dashed_flags.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -45,7 +53,7 @@
 
 ABSL_FLAG(std::string, attnd, "", "attnd's address (host:port); empty skips it.");
 ABSL_FLAG(std::string, echo, "", "The echo server's address (host:port); empty skips it.");
-ABSL_FLAG(std::string, cases, "small,large,decode", "Cases to run, comma-separated.");
+ABSL_FLAG(std::string, cases, "small,large,decode,large-shm", "Cases to run, comma-separated.");
 ABSL_FLAG(int, small_calls, 2000, "Timed calls to each server in the small case.");
 ABSL_FLAG(int, large_calls, 30, "Timed calls to each server in the large, decode and file cases.");
 ABSL_FLAG(int, warmup, 5, "Untimed calls to each server before a case (10x for small).");
@@ -69,7 +77,9 @@ struct Case {
   int calls = 0;
   // Which ratio the issue's target is about: wall / echo (small) or overhead / echo.
   bool target_on_wall = false;
-  double target = 0;  // 0: none.
+  double target = 0;        // 0: none.
+  bool attnd_only = false;  // Not sent to the echo (large-shm).
+  std::string baseline;     // A case whose attnd overhead this one's is divided by (large-shm).
 };
 
 // Deterministic finite values in [-1, 1), cheap to make.
@@ -107,6 +117,60 @@ Case MakeCase(std::string name, std::vector<int64_t> q, std::vector<int64_t> kv,
          .calls = calls,
          .target_on_wall = target_on_wall,
          .target = target};
+  request.SerializeToString(&c.bytes);
+  return c;
+}
+
+// The large case through shared memory: q, k, v written into a /dev/shm file registered with
+// attnd as region "edge-bench", the output written there too; the request holds shapes and
+// references only. The file lives as long as `file`.
+Case MakeSharedCase(const Case& large, const std::string& attnd_address,
+                    std::unique_ptr<attn::client::SharedMemoryFile>& file) {
+  v1::AttentionRequest inline_request;
+  inline_request.ParseFromString(large.bytes);
+  const int64_t output_bytes = int64_t{8} * 256 * 64 * 4;
+  int64_t total = output_bytes;
+  for (const v1::Tensor* t :
+       {&inline_request.query(), &inline_request.key(), &inline_request.value()}) {
+    total += static_cast<int64_t>(t->data().size());
+  }
+  absl::StatusOr<std::unique_ptr<attn::client::SharedMemoryFile>> made =
+      attn::client::SharedMemoryFile::Create(absl::StrCat("attn-edge-bench-", getpid()), total);
+  if (!made.ok()) {
+    std::fprintf(stderr, "edge_bench: %s\n", made.status().ToString().c_str());
+    std::exit(1);
+  }
+  file = *std::move(made);
+  auto stub = v1::AttentionService::NewStub(
+      grpc::CreateChannel(attnd_address, grpc::InsecureChannelCredentials()));
+  v1::RegisterSharedMemoryRequest registration;
+  registration.set_name("edge-bench");
+  registration.set_key(file->key());
+  registration.set_byte_size(total);
+  grpc::ClientContext context;
+  v1::SharedMemoryRegion region;
+  if (const grpc::Status status = stub->RegisterSharedMemory(&context, registration, &region);
+      !status.ok()) {
+    std::fprintf(stderr, "edge_bench: large-shm needs attnd --allow-shared-memory: %s\n",
+                 status.error_message().c_str());
+    std::exit(1);
+  }
+  v1::AttentionRequest request = inline_request;
+  int64_t offset = 0;
+  for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(), request.mutable_value()}) {
+    std::memcpy(file->data() + offset, t->data().data(), t->data().size());
+    *t = attn::client::SharedTensor({t->shape().begin(), t->shape().end()}, t->dtype(),
+                                    "edge-bench", offset);
+    offset += t->shared_memory().byte_size();
+  }
+  *request.mutable_output_to() = attn::client::SharedRange("edge-bench", offset, output_bytes);
+  Case c{.name = "large-shm",
+         .method = kTiled,
+         .shape = large.shape + ", in /dev/shm",
+         .calls = large.calls,
+         .target = 0.3,
+         .attnd_only = true,
+         .baseline = "large"};
   request.SerializeToString(&c.bytes);
   return c;
 }
@@ -234,7 +298,7 @@ Result Run(const Case& c, Target* attnd, Target* echo) {
   const int warmup = absl::GetFlag(FLAGS_warmup) * (c.calls >= 1000 ? 10 : 1);
   std::vector<Target*> targets;
   if (attnd != nullptr) targets.push_back(attnd);
-  if (echo != nullptr) targets.push_back(echo);
+  if (echo != nullptr && !c.attnd_only) targets.push_back(echo);
   for (int i = 0; i < warmup; ++i) {
     for (Target* target : targets) Call(*target, c.method, request);
   }
@@ -272,6 +336,7 @@ int main(int argc, char** argv) {
   const int small_calls = absl::GetFlag(FLAGS_small_calls);
   const int large_calls = absl::GetFlag(FLAGS_large_calls);
   std::vector<Case> cases;
+  std::unique_ptr<attn::client::SharedMemoryFile> shared_file;  // large-shm's region.
   for (absl::string_view name :
        absl::StrSplit(absl::GetFlag(FLAGS_cases), ',', absl::SkipEmpty())) {
     if (name == "small") {
@@ -281,8 +346,15 @@ int main(int argc, char** argv) {
     } else if (name == "decode") {
       cases.push_back(
           MakeCase("decode", {1, 32, 1, 128}, {1, 8, 4096, 128}, large_calls, false, 1.1));
+    } else if (name == "large-shm") {
+      if (!attnd) {
+        std::fprintf(stderr, "edge_bench: large-shm needs --attnd\n");
+        return 2;
+      }
+      const Case large = MakeCase("large", {8, 256, 64}, {8, 6272, 64}, large_calls, false, 1.2);
+      cases.push_back(MakeSharedCase(large, absl::GetFlag(FLAGS_attnd), shared_file));
     } else {
-      std::fprintf(stderr, "edge_bench: unknown case %s (small, large, decode)\n",
+      std::fprintf(stderr, "edge_bench: unknown case %s (small, large, decode, large-shm)\n",
                    std::string(name).c_str());
       return 2;
     }
@@ -335,6 +407,22 @@ int main(int argc, char** argv) {
   }
   for (const Result& r : results) {
     if (r.c->target == 0) continue;
+    if (!r.c->baseline.empty()) {  // This case's attnd overhead against another case's.
+      const Result* base = nullptr;
+      for (const Result& other : results) {
+        if (other.c->name == r.c->baseline) base = &other;
+      }
+      const std::string what = absl::StrCat("attnd overhead / ", r.c->baseline, "'s over gRPC");
+      if (base == nullptr || base->attnd.overhead.empty()) {
+        std::printf("  %-6s %-50s not measured (run the %s case too)\n", r.c->name.c_str(),
+                    what.c_str(), r.c->baseline.c_str());
+        continue;
+      }
+      const double ratio = Percentile(r.attnd.overhead, 50) / Percentile(base->attnd.overhead, 50);
+      std::printf("  %-6s %-50s %5.2f  target <= %.1f  %s (issue 32)\n", r.c->name.c_str(),
+                  what.c_str(), ratio, r.c->target, ratio <= r.c->target ? "met" : "MISSED");
+      continue;
+    }
     const double echo_p50 = Percentile(r.echo.wall, 50);
     const char* what = r.c->target_on_wall ? "attnd wall / echo round trip"
                                            : "attnd overhead (wall - compute) / echo round trip";
