@@ -487,12 +487,14 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
       undo(stats.status());
       return;
     }
+    std::vector<SharedMemoryRegistry::OutputWrite> writes;
     for (int i = 0; i < request->items_size(); ++i) {
       if (!request->items(i).has_output_to()) continue;
-      if (absl::Status written = shared_memory_.WriteOutput(
-              owner, request->items(i).output_to(), absl::StrCat("items[", i, "].output_to"),
-              response->mutable_outputs(i));
-          !written.ok()) {
+      writes.push_back({&request->items(i).output_to(), absl::StrCat("items[", i, "].output_to"),
+                        response->mutable_outputs(i)});
+    }
+    if (!writes.empty()) {
+      if (absl::Status written = shared_memory_.WriteOutputs(owner, writes); !written.ok()) {
         undo(written);
         return;
       }

@@ -3,8 +3,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -209,55 +212,69 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegistry::Region>> SharedMemory
   return it->second;
 }
 
-absl::Status SharedMemoryRegistry::ResolveTensor(const std::string& owner, const std::string& field,
-                                                 v1::Tensor* tensor, int64_t* total) const {
-  if (!tensor->has_shared_memory()) return absl::OkStatus();
-  const std::string ref_field = absl::StrCat(field, ".shared_memory");
-  const v1::SharedMemoryRef ref = tensor->shared_memory();
-  if (!tensor->data().empty()) {
+absl::Status SharedMemoryRegistry::CheckTensorRef(const std::string& owner,
+                                                  const std::string& field,
+                                                  const v1::Tensor& tensor, int64_t* total,
+                                                  PendingRead* read) const {
+  read->field = absl::StrCat(field, ".shared_memory");
+  const v1::SharedMemoryRef& ref = tensor.shared_memory();
+  if (!tensor.data().empty()) {
     return Invalid(absl::StrCat(field, ".data"),
                    "must be empty when shared_memory names the tensor's bytes");
   }
-  absl::StatusOr<std::shared_ptr<const Region>> region = Find(owner, ref, ref_field);
+  absl::StatusOr<std::shared_ptr<const Region>> region = Find(owner, ref, read->field);
   if (!region.ok()) return region.status();
   const v1::SharedMemoryRegion& info = (*region)->info;
   if (!Within(ref.offset(), ref.byte_size(), info.byte_size())) {
-    return absl::OutOfRangeError(absl::StrCat(ref_field, ": offset ", ref.offset(), " + byte_size ",
-                                              ref.byte_size(), " is outside region \"", info.name(),
-                                              "\" (", info.byte_size(), " bytes)"));
+    return absl::OutOfRangeError(
+        absl::StrCat(read->field, ": offset ", ref.offset(), " + byte_size ", ref.byte_size(),
+                     " is outside region \"", info.name(), "\" (", info.byte_size(), " bytes)"));
   }
-  if (const std::optional<int64_t> bytes = TensorBytes(*tensor);
+  if (const std::optional<int64_t> bytes = TensorBytes(tensor);
       bytes && *bytes != ref.byte_size()) {
-    return Invalid(absl::StrCat(ref_field, ".byte_size"),
+    return Invalid(absl::StrCat(read->field, ".byte_size"),
                    absl::StrCat("is ", ref.byte_size(), " but the tensor's shape and dtype need ",
                                 *bytes, " bytes"));
   }
   if (ref.byte_size() > max_bytes_ - *total) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        ref_field, ": the request's tensors in shared memory pass --max-message-bytes (",
+        read->field, ": the request's tensors in shared memory pass --max-message-bytes (",
         max_bytes_, "), the most an inline request may carry"));
   }
   *total += ref.byte_size();
-  std::string* data = tensor->mutable_data();
-  if (ref.byte_size() >= kPooledBytes) *data = TakeBuffer(ref.byte_size());
-  data->resize(static_cast<size_t>(ref.byte_size()));
+  read->region = *std::move(region);
+  read->start = info.offset() + ref.offset();
+  read->bytes = ref.byte_size();
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Reads file bytes [start, start + bytes) into `out`; how many it could (short: the file ends).
+int64_t ReadFully(int fd, char* out, int64_t start, int64_t bytes, int* error) {
   int64_t done = 0;
-  const int64_t start = info.offset() + ref.offset();
-  while (done < ref.byte_size()) {
-    const ssize_t n = pread((*region)->fd, data->data() + done,
-                            static_cast<size_t>(ref.byte_size() - done), start + done);
+  *error = 0;
+  while (done < bytes) {
+    const ssize_t n = pread(fd, out + done, static_cast<size_t>(bytes - done), start + done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          ref_field, ": region \"", info.name(), "\" ends at byte ", start + done,
-          " of its file now (truncated under the call?): read ", done, " of ", ref.byte_size(),
-          " bytes", n < 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
+      *error = n < 0 ? errno : 0;
+      break;
     }
     done += n;
   }
-  tensor->clear_shared_memory();
-  return absl::OkStatus();
+  return done;
 }
+
+absl::Status Truncated(const std::string& field, const std::string& region, int64_t at,
+                       int64_t wanted_end, int error) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(field, ": region \"", region, "\" ends at byte ", at,
+                   " of its file now (truncated under the call?), before byte ", wanted_end,
+                   error != 0 ? absl::StrCat(": ", std::strerror(error)) : ""));
+}
+
+}  // namespace
 
 bool SharedMemoryRegistry::NamesSharedMemory(const v1::AttentionRequest& request) {
   return request.query().has_shared_memory() || request.key().has_shared_memory() ||
@@ -336,12 +353,68 @@ std::shared_ptr<Request> SharedMemoryRegistry::Recycled(Request* request) const 
 absl::Status SharedMemoryRegistry::ResolveEach(
     const std::string& owner, const std::vector<std::pair<std::string, v1::Tensor*>>& tensors,
     int64_t* total) const {
+  // Every reference checked before any byte is read.
+  std::vector<PendingRead> reads;
   for (const auto& [field, tensor] : tensors) {
-    if (tensor == nullptr) continue;
-    if (absl::Status status = ResolveTensor(owner, field, tensor, total); !status.ok()) {
+    if (tensor == nullptr || !tensor->has_shared_memory()) continue;
+    PendingRead read;
+    read.tensor = tensor;
+    if (absl::Status status = CheckTensorRef(owner, field, *tensor, total, &read); !status.ok()) {
       return status;
     }
+    reads.push_back(std::move(read));
   }
+  // Small tensors of one region (a decode step's q, k and v of every item) in one read of the
+  // span that covers them, when that span is mostly theirs: a system call per tensor costs more
+  // than their bytes. Large ones each into a recycled buffer of their own.
+  std::vector<bool> done(reads.size(), false);
+  // Kept by each thread between calls: a fresh buffer of this size costs page faults that cost
+  // more than the read.
+  thread_local std::string span;
+  for (size_t first = 0; first < reads.size(); ++first) {
+    if (done[first] || reads[first].bytes >= kPooledBytes) continue;
+    const Region* region = reads[first].region.get();
+    int64_t begin = reads[first].start, end = reads[first].start + reads[first].bytes, sum = 0;
+    std::vector<size_t> group;
+    for (size_t i = first; i < reads.size(); ++i) {
+      if (done[i] || reads[i].region.get() != region || reads[i].bytes >= kPooledBytes) continue;
+      group.push_back(i);
+      begin = std::min(begin, reads[i].start);
+      end = std::max(end, reads[i].start + reads[i].bytes);
+      sum += reads[i].bytes;
+    }
+    if (group.size() < 2 || end - begin > 2 * sum + kSpanSlackBytes ||
+        end - begin > kMaxSpanBytes) {
+      continue;
+    }
+    span.resize(static_cast<size_t>(end - begin));
+    int error;
+    const int64_t got = ReadFully(region->fd, span.data(), begin, end - begin, &error);
+    for (const size_t i : group) {
+      PendingRead& read = reads[i];
+      if (read.start + read.bytes > begin + got) {
+        return Truncated(read.field, region->info.name(), begin + got, read.start + read.bytes,
+                         error);
+      }
+      read.tensor->mutable_data()->assign(span.data() + (read.start - begin),
+                                          static_cast<size_t>(read.bytes));
+      done[i] = true;
+    }
+  }
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (done[i]) continue;
+    PendingRead& read = reads[i];
+    std::string* data = read.tensor->mutable_data();
+    if (read.bytes >= kPooledBytes) *data = TakeBuffer(read.bytes);
+    data->resize(static_cast<size_t>(read.bytes));
+    int error;
+    const int64_t got = ReadFully(read.region->fd, data->data(), read.start, read.bytes, &error);
+    if (got < read.bytes) {
+      return Truncated(read.field, read.region->info.name(), read.start + got,
+                       read.start + read.bytes, error);
+    }
+  }
+  for (PendingRead& read : reads) read.tensor->clear_shared_memory();
   return absl::OkStatus();
 }
 
@@ -385,65 +458,134 @@ absl::StatusOr<std::shared_ptr<const v1::DecodeRequest>> SharedMemoryRegistry::R
   if (absl::Status status = CheckAllowed(); !status.ok()) return status;
   std::shared_ptr<v1::DecodeRequest> copy = Recycled(new v1::DecodeRequest(request));
   using M = v1::DecodeItem;
-  int64_t total = 0;
+  std::vector<std::pair<std::string, v1::Tensor*>> tensors;
   for (int i = 0; i < copy->items_size(); ++i) {
     M* item = copy->mutable_items(i);
     const std::string prefix = absl::StrCat("items[", i, "].");
-    if (absl::Status status =
-            ResolveEach(owner,
-                        {{prefix + "query", Present(item->has_query(), item, &M::mutable_query)},
-                         {prefix + "key", Present(item->has_key(), item, &M::mutable_key)},
-                         {prefix + "value", Present(item->has_value(), item, &M::mutable_value)}},
-                        &total);
-        !status.ok()) {
-      return status;
-    }
+    tensors.emplace_back(prefix + "query", Present(item->has_query(), item, &M::mutable_query));
+    tensors.emplace_back(prefix + "key", Present(item->has_key(), item, &M::mutable_key));
+    tensors.emplace_back(prefix + "value", Present(item->has_value(), item, &M::mutable_value));
   }
+  int64_t total = 0;
+  if (absl::Status status = ResolveEach(owner, tensors, &total); !status.ok()) return status;
   return copy;
 }
 
 absl::Status SharedMemoryRegistry::WriteOutput(const std::string& owner,
                                                const v1::SharedMemoryRef& to,
                                                const std::string& field, v1::Tensor* tensor) const {
-  absl::StatusOr<std::shared_ptr<const Region>> region = Find(owner, to, field);
-  if (!region.ok()) return region.status();
-  const v1::SharedMemoryRegion& info = (*region)->info;
-  const int64_t bytes = static_cast<int64_t>(tensor->data().size());
-  if (!info.writable()) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ".region: region \"", info.name(),
-                                                      "\" was opened read-only; outputs need a "
-                                                      "file attnd can write"));
-  }
-  if (to.byte_size() != bytes) {
-    return Invalid(absl::StrCat(field, ".byte_size"),
-                   absl::StrCat("is ", to.byte_size(), " but the output takes ", bytes, " bytes"));
-  }
-  if (!Within(to.offset(), to.byte_size(), info.byte_size())) {
-    return absl::OutOfRangeError(absl::StrCat(field, ": offset ", to.offset(), " + byte_size ",
-                                              to.byte_size(), " is outside region \"", info.name(),
-                                              "\" (", info.byte_size(), " bytes)"));
-  }
-  const int64_t start = info.offset() + to.offset();
-  // pwrite past the end would grow a file its owner truncated: check the size first.
-  if (FileSize((*region)->fd) < start + bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(field, ": region \"", info.name(), "\" ends before byte ", start + bytes,
-                     " of its file now (truncated under the call?)"));
-  }
+  std::vector<OutputWrite> writes = {{&to, field, tensor}};
+  return WriteOutputs(owner, writes);
+}
+
+namespace {
+
+// Writes `pieces` to the file from byte `start` on, back to back: one pwritev, then piece by
+// piece from wherever it stopped. How many bytes were written.
+int64_t WriteRun(int fd, int64_t start, const std::vector<iovec>& pieces, int* error) {
+  int64_t total = 0;
+  for (const iovec& piece : pieces) total += static_cast<int64_t>(piece.iov_len);
+  *error = 0;
   int64_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = pwrite((*region)->fd, tensor->data().data() + done,
-                             static_cast<size_t>(bytes - done), start + done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(field, ": writing region \"", info.name(), "\" failed after ", done, " of ",
-                       bytes, " bytes", n < 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
-    }
-    done += n;
+  if (pieces.size() <= static_cast<size_t>(IOV_MAX)) {
+    const ssize_t n = pwritev(fd, pieces.data(), static_cast<int>(pieces.size()), start);
+    if (n > 0) done = n;
   }
-  tensor->clear_data();
-  *tensor->mutable_shared_memory() = to;
+  int64_t offset = 0;  // Of the current piece within the run.
+  for (const iovec& piece : pieces) {
+    const int64_t size = static_cast<int64_t>(piece.iov_len);
+    while (done < offset + size) {
+      const ssize_t n = pwrite(fd, static_cast<const char*>(piece.iov_base) + (done - offset),
+                               static_cast<size_t>(offset + size - done), start + done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        *error = n < 0 ? errno : 0;
+        return done;
+      }
+      done += n;
+    }
+    offset += size;
+  }
+  return done;
+}
+
+}  // namespace
+
+absl::Status SharedMemoryRegistry::WriteOutputs(const std::string& owner,
+                                                std::vector<OutputWrite>& writes) const {
+  struct Planned {
+    OutputWrite* write;
+    std::shared_ptr<const Region> region;
+    int64_t start, bytes;
+  };
+  // Every range checked, and each region's file size read once, before any byte is written.
+  std::vector<Planned> plan;
+  for (OutputWrite& write : writes) {
+    const v1::SharedMemoryRef& to = *write.to;
+    const std::string& field = write.field;
+    absl::StatusOr<std::shared_ptr<const Region>> region = Find(owner, to, field);
+    if (!region.ok()) return region.status();
+    const v1::SharedMemoryRegion& info = (*region)->info;
+    const int64_t bytes = static_cast<int64_t>(write.tensor->data().size());
+    if (!info.writable()) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ".region: region \"", info.name(),
+                                                        "\" was opened read-only; outputs need a "
+                                                        "file attnd can write"));
+    }
+    if (to.byte_size() != bytes) {
+      return Invalid(
+          absl::StrCat(field, ".byte_size"),
+          absl::StrCat("is ", to.byte_size(), " but the output takes ", bytes, " bytes"));
+    }
+    if (!Within(to.offset(), to.byte_size(), info.byte_size())) {
+      return absl::OutOfRangeError(absl::StrCat(field, ": offset ", to.offset(), " + byte_size ",
+                                                to.byte_size(), " is outside region \"",
+                                                info.name(), "\" (", info.byte_size(), " bytes)"));
+    }
+    plan.push_back({&write, *std::move(region), info.offset() + to.offset(), bytes});
+  }
+  // pwrite past the end would grow a file its owner truncated: each region's size checked first.
+  std::map<const Region*, int64_t> sizes;
+  for (const Planned& p : plan) {
+    auto [it, fresh] = sizes.emplace(p.region.get(), 0);
+    if (fresh) it->second = FileSize(p.region->fd);
+    if (it->second < p.start + p.bytes) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(p.write->field, ": region \"", p.region->info.name(), "\" ends before byte ",
+                       p.start + p.bytes, " of its file now (truncated under the call?)"));
+    }
+  }
+  // Outputs that lie back to back in one file (a decode batch's) in one pwritev.
+  std::sort(plan.begin(), plan.end(), [](const Planned& a, const Planned& b) {
+    return a.region.get() != b.region.get() ? a.region.get() < b.region.get() : a.start < b.start;
+  });
+  for (size_t first = 0; first < plan.size();) {
+    size_t last = first + 1;
+    while (last < plan.size() && plan[last].region == plan[first].region &&
+           plan[last].start == plan[last - 1].start + plan[last - 1].bytes) {
+      ++last;
+    }
+    std::vector<iovec> pieces;
+    for (size_t i = first; i < last; ++i) {
+      const std::string& data = plan[i].write->tensor->data();
+      pieces.push_back({const_cast<char*>(data.data()), data.size()});
+    }
+    int error;
+    const int64_t written = WriteRun(plan[first].region->fd, plan[first].start, pieces, &error);
+    for (size_t i = first; i < last; ++i) {
+      if (plan[i].start + plan[i].bytes > plan[first].start + written) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(plan[i].write->field, ": writing region \"", plan[i].region->info.name(),
+                         "\" stopped at byte ", plan[first].start + written,
+                         error != 0 ? absl::StrCat(": ", std::strerror(error)) : ""));
+      }
+    }
+    first = last;
+  }
+  for (OutputWrite& write : writes) {
+    write.tensor->clear_data();
+    *write.tensor->mutable_shared_memory() = *write.to;
+  }
   return absl::OkStatus();
 }
 

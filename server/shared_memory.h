@@ -75,6 +75,14 @@ class SharedMemoryRegistry {
   // `field` names `to` in errors ("output_to", "items[1].output_to").
   absl::Status WriteOutput(const std::string& owner, const attention::v1::SharedMemoryRef& to,
                            const std::string& field, attention::v1::Tensor* tensor) const;
+  // WriteOutput for several outputs (a decode batch's): every range checked, and each region's
+  // file size read once, before any is written; outputs back to back in a file go in one write.
+  struct OutputWrite {
+    const attention::v1::SharedMemoryRef* to;
+    std::string field;
+    attention::v1::Tensor* tensor;
+  };
+  absl::Status WriteOutputs(const std::string& owner, std::vector<OutputWrite>& writes) const;
 
  private:
   struct Region;
@@ -85,10 +93,19 @@ class SharedMemoryRegistry {
   absl::StatusOr<std::shared_ptr<const Region>> Find(const std::string& owner,
                                                      const attention::v1::SharedMemoryRef& ref,
                                                      const std::string& field) const;
-  // Fills one tensor (named `field`) from its region, adding its bytes to *total.
-  absl::Status ResolveTensor(const std::string& owner, const std::string& field,
-                             attention::v1::Tensor* tensor, int64_t* total) const;
-  // ResolveTensor for each (field, tensor) given; null tensors (absent fields) are skipped.
+  // A tensor's bytes to read: where, and the region holding them open.
+  struct PendingRead {
+    std::string field;  // "items[2].key.shared_memory", for errors.
+    attention::v1::Tensor* tensor = nullptr;
+    std::shared_ptr<const Region> region;
+    int64_t start = 0, bytes = 0;  // In the region's file.
+  };
+  // Checks a tensor's reference (named `field`), adding its bytes to *total.
+  absl::Status CheckTensorRef(const std::string& owner, const std::string& field,
+                              const attention::v1::Tensor& tensor, int64_t* total,
+                              PendingRead* read) const;
+  // Fills each (field, tensor) given that names shared memory with its bytes, all references
+  // checked first; null tensors (absent fields) are skipped.
   absl::Status ResolveEach(
       const std::string& owner,
       const std::vector<std::pair<std::string, attention::v1::Tensor*>>& tensors,
@@ -100,7 +117,10 @@ class SharedMemoryRegistry {
   // faults and a zeroing pass: 20 ms on the 2-core VM, three times the read itself).
   static constexpr int kPoolBuffers = 4;
   static constexpr int64_t kPooledBytes = int64_t{1} << 20;
-  std::string TakeBuffer(int64_t bytes) const;  // Empty when none is large enough.
+  // Small tensors of a region are read in one span when it is at most twice their bytes and this.
+  static constexpr int64_t kSpanSlackBytes = int64_t{64} << 10;
+  static constexpr int64_t kMaxSpanBytes = int64_t{4} << 20;  // Each thread keeps its span buffer.
+  std::string TakeBuffer(int64_t bytes) const;                // Empty when none is large enough.
   void GiveBack(attention::v1::Tensor& tensor) const;
   // The request, owned, giving its tensors' buffers back when the last holder lets go.
   template <class Request>

@@ -396,11 +396,14 @@ check unix-info 0 'backend +cpu' -- "$attn" --target "unix:$socket_dir/attnd.soc
 check unix-decode 0 'max \|decode - float64 reference\| / max \|reference\| = ' -- \
   "$attn" --target "unix:$socket_dir/attnd.sock" decode --heads 4 --kv-heads 2 --head-dim 16 \
   --tokens 40 --steps 2
-# bench --decode --shm: the steps' tensors and outputs through a /dev/shm region (removed after).
+# bench --decode --shm: the steps' tensors and outputs through a /dev/shm region (removed after:
+# no more attn-bench-* files than before).
+shm_files_before=$(ls /dev/shm | grep -c '^attn-bench-' || true)
 check unix-bench-shm 0 "transport: each step's q, k, v and outputs in a /dev/shm region" -- \
   "$attn" --target "unix:$socket_dir/attnd.sock" bench --decode --shm --lengths 16 --batches 1,2 \
   --steps 3 --repeats 0 --heads 4 --kv-heads 2 --head-dim 16
-check unix-bench-shm-removed 0 '^0$' -- bash -c 'ls /dev/shm | grep -c "^attn-bench-" || true'
+check unix-bench-shm-removed 0 "^$shm_files_before\$" -- \
+  bash -c 'ls /dev/shm | grep -c "^attn-bench-" || true'
 check shm-elsewhere 1 '--shm applies to bench --decode' -- "$attn" "${target[@]}" info --shm
 check shm-off 1 'FAILED_PRECONDITION: .*--allow-shared-memory' -- \
   "$attn" "${target[@]}" bench --decode --shm --lengths 16 --batches 1 --steps 1 --repeats 0

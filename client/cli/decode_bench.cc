@@ -279,13 +279,16 @@ absl::Status Fill(client::Cache& cache, const DecodeBenchConfig& config, int64_t
   return absl::OkStatus();
 }
 
-// --shm: the run's shared-memory file, registered as region kShmRegion: item i's q, k, v and
-// output at i × item_bytes.
+// --shm: the run's shared-memory file, registered as region kShmRegion: item i's q, k and v at
+// i × input_bytes(), back to back, then every item's output back to back after all the inputs
+// (so the server reads the inputs and writes the outputs in one system call each).
 constexpr char kShmRegion[] = "attn-bench-decode";
 struct ShmIo {
   client::SharedMemoryFile* file = nullptr;
   int64_t query_bytes = 0, key_bytes = 0, value_bytes = 0, output_bytes = 0;
-  int64_t item_bytes() const { return query_bytes + key_bytes + value_bytes + output_bytes; }
+  int64_t batch = 0;  // Items the file has room for.
+  int64_t input_bytes() const { return query_bytes + key_bytes + value_bytes; }
+  int64_t output_offset(int64_t item) const { return batch * input_bytes() + item * output_bytes; }
 };
 
 // The tensor's bytes moved into the file at `offset`: the tensor then names them there.
@@ -313,7 +316,7 @@ absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
     v1::Tensor key = RandomTensor(random, {config.kv_heads, 1, config.head_dim}, config.dtype);
     v1::Tensor value = RandomTensor(random, {config.kv_heads, 1, config.value_dim}, config.dtype);
     if (io != nullptr) {  // The bytes go into the file, the request names them.
-      const int64_t base = static_cast<int64_t>(i) * io->item_bytes();
+      const int64_t base = static_cast<int64_t>(i) * io->input_bytes();
       query = IntoShm(query, *io, base);
       key = IntoShm(key, *io, base + io->query_bytes);
       value = IntoShm(value, *io, base + io->query_bytes + io->key_bytes);
@@ -321,11 +324,8 @@ absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
     v1::DecodeItem* item = request.add_items();
     *item = caches[i].Item(query, &key, &value);
     if (io != nullptr) {
-      *item->mutable_output_to() =
-          client::SharedRange(kShmRegion,
-                              static_cast<int64_t>(i) * io->item_bytes() + io->query_bytes +
-                                  io->key_bytes + io->value_bytes,
-                              io->output_bytes);
+      *item->mutable_output_to() = client::SharedRange(
+          kShmRegion, io->output_offset(static_cast<int64_t>(i)), io->output_bytes);
     }
   }
   *request.mutable_options() = config.options;
@@ -750,10 +750,10 @@ absl::Status RunDecodeBench(client::Client& client, const DecodeBenchConfig& con
                       ElementSize(HostDType(config.options.output_dtype() != v1::DTYPE_UNSPECIFIED
                                                 ? config.options.output_dtype()
                                                 : config.dtype));
-    const int64_t batches = *std::max_element(config.batches.begin(), config.batches.end());
+    io.batch = *std::max_element(config.batches.begin(), config.batches.end());
     absl::StatusOr<std::unique_ptr<client::SharedMemoryFile>> file =
         client::SharedMemoryFile::Create(absl::StrCat("attn-bench-", getpid()),
-                                         batches * io.item_bytes());
+                                         io.output_offset(io.batch));
     if (!file.ok()) return file.status();
     shm_file = *std::move(file);
     io.file = shm_file.get();
