@@ -199,7 +199,8 @@ absl::StatusOr<std::vector<std::string>> CacheRegistry::Restore() {
   std::map<std::string, std::shared_ptr<Entry>> by_id, first_of_family;
   int64_t tokens = 0, bytes = 0, damaged = 0, shared = 0;
   std::vector<char> buffer, rest;
-  for (const auto& [created, path] : order) {
+  for (const auto& ordered : order) {
+    const std::string& path = ordered.second;  // A plain reference: the lambdas below capture it.
     CacheFileHeader header;
     std::shared_ptr<Entry> entry;
     std::optional<Lease> lease;
