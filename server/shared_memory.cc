@@ -10,7 +10,6 @@
 #include <climits>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -306,6 +305,41 @@ v1::Tensor* Present(bool has, Message* message, v1::Tensor* (Message::*mutable_f
 
 }  // namespace
 
+std::vector<v1::Tensor*> SharedMemoryRegistry::TensorsOf(v1::AttentionRequest& request,
+                                                         std::vector<std::string>* fields) {
+  using M = v1::AttentionRequest;
+  if (fields != nullptr) *fields = {"query", "key", "value"};
+  return {Present(request.has_query(), &request, &M::mutable_query),
+          Present(request.has_key(), &request, &M::mutable_key),
+          Present(request.has_value(), &request, &M::mutable_value)};
+}
+
+std::vector<v1::Tensor*> SharedMemoryRegistry::TensorsOf(v1::AppendCacheRequest& request,
+                                                         std::vector<std::string>* fields) {
+  using M = v1::AppendCacheRequest;
+  if (fields != nullptr) *fields = {"key", "value"};
+  return {Present(request.has_key(), &request, &M::mutable_key),
+          Present(request.has_value(), &request, &M::mutable_value)};
+}
+
+std::vector<v1::Tensor*> SharedMemoryRegistry::TensorsOf(v1::DecodeRequest& request,
+                                                         std::vector<std::string>* fields) {
+  using M = v1::DecodeItem;
+  std::vector<v1::Tensor*> tensors;
+  for (int i = 0; i < request.items_size(); ++i) {
+    M* item = request.mutable_items(i);
+    tensors.push_back(Present(item->has_query(), item, &M::mutable_query));
+    tensors.push_back(Present(item->has_key(), item, &M::mutable_key));
+    tensors.push_back(Present(item->has_value(), item, &M::mutable_value));
+    if (fields != nullptr) {
+      for (const char* name : {"query", "key", "value"}) {
+        fields->push_back(absl::StrCat("items[", i, "].", name));
+      }
+    }
+  }
+  return tensors;
+}
+
 std::string SharedMemoryRegistry::TakeBuffer(int64_t bytes) const {
   std::lock_guard<std::mutex> lock(pool_mutex_);
   for (size_t i = 0; i < pool_.size(); ++i) {
@@ -333,33 +367,26 @@ void SharedMemoryRegistry::GiveBack(v1::Tensor& tensor) const {
 template <class Request>
 std::shared_ptr<Request> SharedMemoryRegistry::Recycled(Request* request) const {
   return std::shared_ptr<Request>(request, [this](Request* done) {
-    if constexpr (std::is_same_v<Request, v1::DecodeRequest>) {
-      for (v1::DecodeItem& item : *done->mutable_items()) {
-        for (v1::Tensor* t : {item.mutable_query(), item.mutable_key(), item.mutable_value()}) {
-          GiveBack(*t);
-        }
-      }
-    } else if constexpr (std::is_same_v<Request, v1::AttentionRequest>) {
-      for (v1::Tensor* t : {done->mutable_query(), done->mutable_key(), done->mutable_value()}) {
-        GiveBack(*t);
-      }
-    } else {
-      for (v1::Tensor* t : {done->mutable_key(), done->mutable_value()}) GiveBack(*t);
+    for (v1::Tensor* tensor : TensorsOf(*done, nullptr)) {
+      if (tensor != nullptr) GiveBack(*tensor);
     }
     delete done;
   });
 }
 
-absl::Status SharedMemoryRegistry::ResolveEach(
-    const std::string& owner, const std::vector<std::pair<std::string, v1::Tensor*>>& tensors,
-    int64_t* total) const {
-  // Every reference checked before any byte is read.
+absl::Status SharedMemoryRegistry::ResolveEach(const std::string& owner,
+                                               const std::vector<std::string>& fields,
+                                               const std::vector<v1::Tensor*>& tensors) const {
+  // Every reference checked before any byte is read; their bytes together within max_bytes_.
   std::vector<PendingRead> reads;
-  for (const auto& [field, tensor] : tensors) {
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    v1::Tensor* tensor = tensors[i];
     if (tensor == nullptr || !tensor->has_shared_memory()) continue;
     PendingRead read;
     read.tensor = tensor;
-    if (absl::Status status = CheckTensorRef(owner, field, *tensor, total, &read); !status.ok()) {
+    if (absl::Status status = CheckTensorRef(owner, fields[i], *tensor, &total, &read);
+        !status.ok()) {
       return status;
     }
     reads.push_back(std::move(read));
@@ -418,57 +445,30 @@ absl::Status SharedMemoryRegistry::ResolveEach(
   return absl::OkStatus();
 }
 
+template <class Request>
+absl::StatusOr<std::shared_ptr<const Request>> SharedMemoryRegistry::ResolveCopy(
+    const std::string& owner, const Request& request) const {
+  if (absl::Status status = CheckAllowed(); !status.ok()) return status;
+  std::shared_ptr<Request> copy = Recycled(new Request(request));
+  std::vector<std::string> fields;
+  const std::vector<v1::Tensor*> tensors = TensorsOf(*copy, &fields);
+  if (absl::Status status = ResolveEach(owner, fields, tensors); !status.ok()) return status;
+  return copy;
+}
+
 absl::StatusOr<std::shared_ptr<const v1::AttentionRequest>> SharedMemoryRegistry::Resolve(
     const std::string& owner, const v1::AttentionRequest& request) const {
-  if (absl::Status status = CheckAllowed(); !status.ok()) return status;
-  std::shared_ptr<v1::AttentionRequest> copy = Recycled(new v1::AttentionRequest(request));
-  using M = v1::AttentionRequest;
-  int64_t total = 0;
-  if (absl::Status status =
-          ResolveEach(owner,
-                      {{"query", Present(copy->has_query(), copy.get(), &M::mutable_query)},
-                       {"key", Present(copy->has_key(), copy.get(), &M::mutable_key)},
-                       {"value", Present(copy->has_value(), copy.get(), &M::mutable_value)}},
-                      &total);
-      !status.ok()) {
-    return status;
-  }
-  return copy;
+  return ResolveCopy(owner, request);
 }
 
 absl::StatusOr<std::shared_ptr<const v1::AppendCacheRequest>> SharedMemoryRegistry::Resolve(
     const std::string& owner, const v1::AppendCacheRequest& request) const {
-  if (absl::Status status = CheckAllowed(); !status.ok()) return status;
-  std::shared_ptr<v1::AppendCacheRequest> copy = Recycled(new v1::AppendCacheRequest(request));
-  using M = v1::AppendCacheRequest;
-  int64_t total = 0;
-  if (absl::Status status =
-          ResolveEach(owner,
-                      {{"key", Present(copy->has_key(), copy.get(), &M::mutable_key)},
-                       {"value", Present(copy->has_value(), copy.get(), &M::mutable_value)}},
-                      &total);
-      !status.ok()) {
-    return status;
-  }
-  return copy;
+  return ResolveCopy(owner, request);
 }
 
 absl::StatusOr<std::shared_ptr<const v1::DecodeRequest>> SharedMemoryRegistry::Resolve(
     const std::string& owner, const v1::DecodeRequest& request) const {
-  if (absl::Status status = CheckAllowed(); !status.ok()) return status;
-  std::shared_ptr<v1::DecodeRequest> copy = Recycled(new v1::DecodeRequest(request));
-  using M = v1::DecodeItem;
-  std::vector<std::pair<std::string, v1::Tensor*>> tensors;
-  for (int i = 0; i < copy->items_size(); ++i) {
-    M* item = copy->mutable_items(i);
-    const std::string prefix = absl::StrCat("items[", i, "].");
-    tensors.emplace_back(prefix + "query", Present(item->has_query(), item, &M::mutable_query));
-    tensors.emplace_back(prefix + "key", Present(item->has_key(), item, &M::mutable_key));
-    tensors.emplace_back(prefix + "value", Present(item->has_value(), item, &M::mutable_value));
-  }
-  int64_t total = 0;
-  if (absl::Status status = ResolveEach(owner, tensors, &total); !status.ok()) return status;
-  return copy;
+  return ResolveCopy(owner, request);
 }
 
 absl::Status SharedMemoryRegistry::WriteOutput(const std::string& owner,

@@ -104,12 +104,21 @@ class SharedMemoryRegistry {
   absl::Status CheckTensorRef(const std::string& owner, const std::string& field,
                               const attention::v1::Tensor& tensor, int64_t* total,
                               PendingRead* read) const;
-  // Fills each (field, tensor) given that names shared memory with its bytes, all references
-  // checked first; null tensors (absent fields) are skipped.
-  absl::Status ResolveEach(
-      const std::string& owner,
-      const std::vector<std::pair<std::string, attention::v1::Tensor*>>& tensors,
-      int64_t* total) const;
+  // Fills each tensor given (named fields[i]) that names shared memory with its bytes, all
+  // references checked first; null tensors (absent fields) are skipped.
+  absl::Status ResolveEach(const std::string& owner, const std::vector<std::string>& fields,
+                           const std::vector<attention::v1::Tensor*>& tensors) const;
+  // A request's input tensors (null for an absent one), and with `fields` their names for errors.
+  static std::vector<attention::v1::Tensor*> TensorsOf(attention::v1::AttentionRequest& request,
+                                                       std::vector<std::string>* fields);
+  static std::vector<attention::v1::Tensor*> TensorsOf(attention::v1::AppendCacheRequest& request,
+                                                       std::vector<std::string>* fields);
+  static std::vector<attention::v1::Tensor*> TensorsOf(attention::v1::DecodeRequest& request,
+                                                       std::vector<std::string>* fields);
+  // Resolve's one body: the copy, its tensors read.
+  template <class Request>
+  absl::StatusOr<std::shared_ptr<const Request>> ResolveCopy(const std::string& owner,
+                                                             const Request& request) const;
 
   // Buffers of tensors read from regions come back here when their request is done (Recycled),
   // at most kPoolBuffers of at least kPooledBytes each and max_bytes in all: the next read of a
