@@ -575,10 +575,15 @@ def metric(server, name):
 
 def attack_idle_traces(server):
     streams = []
+    # The unread streams get a connection of their own with a fixed window: on the shared one,
+    # the short traces' traffic grew every stream's window (bandwidth-delay probing), which let a
+    # stalled stream write on and restart its idle clock (seen under ASan, once).
+    channel = h.open_channel(server.process.address, own_connection=True, fixed_window=True)
+    idle_stub = pb_grpc.AttentionServiceStub(channel)
     try:
         opened = time.monotonic()
         for _ in range(MAX_TRACES):
-            call = server.stub.Trace(long_trace(), metadata=AUTH, timeout=60)
+            call = idle_stub.Trace(long_trace(), metadata=AUTH, timeout=60)
             call.initial_metadata()  # The server has started the stream; nothing is read.
             if call.done() and call.code() != OK:
                 return call.code(), "idle stream refused: %s %s" % (code_name(call.code()),
@@ -626,6 +631,7 @@ def attack_idle_traces(server):
     finally:
         for call in streams:
             call.cancel()
+        channel.close()
         # The slots must come back once the client cancels (idle or not), for later attacks.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

@@ -182,14 +182,19 @@ class AttndProcess:
         self.stderr_file.close()
 
 
-def open_channel(address, max_message_bytes=256 * 1024 * 1024, own_connection=False):
+def open_channel(address, max_message_bytes=256 * 1024 * 1024, own_connection=False,
+                 fixed_window=False):
     """An insecure channel to `address`, ready. `own_connection`: its own TCP connection rather
     than one shared with other channels of the same target and arguments (gRPC's global
-    subchannel pool would otherwise share it)."""
+    subchannel pool would otherwise share it). `fixed_window`: no bandwidth-delay probing, so a
+    stream nobody reads keeps HTTP/2's default 64 KiB window instead of one that grows (to MBs)
+    whenever other traffic on the connection flows."""
     options = [("grpc.max_send_message_length", max_message_bytes),
                ("grpc.max_receive_message_length", max_message_bytes)]
     if own_connection:
         options.append(("grpc.use_local_subchannel_pool", 1))
+    if fixed_window:
+        options.append(("grpc.http2.bdp_probe", 0))
     channel = grpc.insecure_channel(address, options=options)
     grpc.channel_ready_future(channel).result(timeout=STARTUP_TIMEOUT_S)
     return channel
