@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -788,10 +789,27 @@ void Cache::CallFailed(const absl::Status& status, const v1::DecodeItem& item) {
   }
 }
 
+int64_t Cache::SameDTypeEnd(int64_t begin) const {
+  int64_t end = begin;
+  std::optional<v1::DType> dtype;
+  for (const std::shared_ptr<const Sent>& sent : tail_) {
+    if (sent->start + sent->tokens <= begin) continue;
+    if (dtype && sent->key.dtype() != *dtype) break;
+    dtype = sent->key.dtype();
+    end = sent->start + sent->tokens;
+  }
+  return end;
+}
+
 v1::Tensor Cache::Gather(bool keys, int64_t begin, int64_t end) const {
   if (!keys && values_from_keys()) return v1::Tensor();  // Its values are within its keys.
-  // Every kept tensor of the cache has its heads, width and dtype: the server took them.
-  const v1::Tensor& model = keys ? tail_.front()->key : tail_.front()->value;
+  // Every kept tensor of the cache has its heads and width (the server took them), and those
+  // of [begin, end) the dtype of the one holding `begin`.
+  const Sent* first = tail_.front().get();
+  for (const std::shared_ptr<const Sent>& sent : tail_) {
+    if (sent->start <= begin && begin < sent->start + sent->tokens) first = sent.get();
+  }
+  const v1::Tensor& model = keys ? first->key : first->value;
   const TokenShape shape = ShapeOf(model);
   const int64_t row = shape.width * ElementBytes(model.dtype());
   v1::Tensor gathered;
@@ -954,7 +972,7 @@ absl::StatusOr<v1::CacheInfo> Cache::Refresh() {
   const int64_t per_append =
       std::max<int64_t>(1, kReplayAppendBytes / std::max<int64_t>(1, token_bytes));
   for (int64_t begin = held; begin < target;) {
-    const int64_t end = std::min(target, begin + per_append);
+    const int64_t end = std::min({target, begin + per_append, SameDTypeEnd(begin)});
     const v1::Tensor values = Gather(false, begin, end);  // Empty for a latent cache.
     info = client_->AppendCache(AppendRequest(id(), Gather(true, begin, end),
                                               values_from_keys() ? nullptr : &values, begin));

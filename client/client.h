@@ -443,9 +443,13 @@ class Cache {
   void CutTail(int64_t length);
   // A call cutting to `length` failed with `status` (see CallFailed).
   void CutFailed(int64_t length, const absl::Status& status);
-  // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor;
-  // an empty Tensor for a latent cache's values (none kept).
+  // Tokens [begin, end) of the kept tail's keys (or values) as one [kv_heads, n, dim] tensor
+  // in the dtype they were sent in (one dtype: end ≤ SameDTypeEnd(begin)); an empty Tensor for
+  // a latent cache's values (none kept).
   attention::v1::Tensor Gather(bool keys, int64_t begin, int64_t end) const;
+  // The end of the kept tokens from `begin` on that were sent in the dtype token `begin` was:
+  // an fp8 cache takes tokens of any dtype, so its tail may hold several.
+  int64_t SameDTypeEnd(int64_t begin) const;
   // OK, or INVALID_ARGUMENT naming "value" when a value is given (`has_value`) for a latent
   // cache or none for one that stores values.
   absl::Status CheckValue(bool has_value) const;

@@ -2,6 +2,13 @@
 //
 // fp16 and bf16 are storage formats only: every kernel loads them into fp32, computes in fp32
 // and rounds back to nearest-even when it stores. NaN stays NaN; overflow becomes ±inf.
+//
+// fp8 (E4M3, the OCP "e4m3fn" format vLLM and FlashInfer use: 4 exponent bits of bias 7, 3
+// mantissa bits, no infinities, largest finite ±448) is a KV cache's dtype only, never a
+// request's tensor's. Each stored row (one token of one kv head: a key, or a value) carries its
+// own scale: the row's codes, zero bytes up to a multiple of 4, then the row's fp32 scale, so an
+// element is code · scale (Fp8RowBytes). The server quantizes (QuantizeFp8Row): the scale is
+// max |x| / 448 over the row, each code x / scale rounded to nearest even.
 #pragma once
 
 #include <cmath>
@@ -12,9 +19,25 @@
 
 namespace attn {
 
-enum class DType { kFloat32, kFloat16, kBFloat16 };
+enum class DType { kFloat32, kFloat16, kBFloat16, kFloat8E4M3 };
 
-constexpr int64_t ElementSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+ATTN_HOST_DEVICE constexpr int64_t ElementSize(DType dtype) {
+  return dtype == DType::kFloat32 ? 4 : (dtype == DType::kFloat8E4M3 ? 1 : 2);
+}
+
+// Bytes of one stored row of `width` elements: width elements, and for fp8 the padding and the
+// row's scale after them (dtype.h's header).
+constexpr int64_t kFp8ScaleBytes = 4;
+ATTN_HOST_DEVICE constexpr int64_t Fp8RowBytes(int64_t width) {
+  return (width + 3) / 4 * 4 + kFp8ScaleBytes;
+}
+ATTN_HOST_DEVICE constexpr int64_t StoredRowBytes(DType dtype, int64_t width) {
+  return dtype == DType::kFloat8E4M3 ? Fp8RowBytes(width) : width * ElementSize(dtype);
+}
+// The same in elements of the dtype: a stored row's stride (PagedKv's key_width, value_width).
+ATTN_HOST_DEVICE constexpr int64_t StoredRowWidth(DType dtype, int64_t width) {
+  return StoredRowBytes(dtype, width) / ElementSize(dtype);
+}
 
 constexpr const char* DTypeName(DType dtype) {
   switch (dtype) {
@@ -24,6 +47,8 @@ constexpr const char* DTypeName(DType dtype) {
       return "f16";
     case DType::kBFloat16:
       return "bf16";
+    case DType::kFloat8E4M3:
+      return "fp8_e4m3";
   }
   return "?";
 }
@@ -88,7 +113,77 @@ ATTN_HOST_DEVICE uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// Loads element i of a buffer of the given dtype as fp32.
+// fp8 E4M3 code → fp32, exactly (the code's own value, before its row's scale). The NaN codes
+// (0x7f, 0xff) are never stored (QuantizeFp8Row saturates) and read as NaN.
+ATTN_HOST_DEVICE float Fp8E4M3ToFloat(uint8_t code) {
+  const uint32_t magnitude = code & 0x7fu;
+  float value;
+  if (magnitude == 0x7fu) {
+    value = BitsToFloat(0x7fc00000u);
+  } else if (magnitude < 8) {  // Subnormal: mantissa × 2^-9.
+    value = static_cast<float>(magnitude) * 0.001953125f;
+  } else {  // Rebias the exponent (7 → 127), 3 mantissa bits to the top of fp32's 23.
+    value = BitsToFloat((magnitude << 20) + (120u << 23));
+  }
+  return (code & 0x80u) ? -value : value;
+}
+
+// fp32 → fp8 E4M3 code, rounded to nearest even; magnitudes past 448 saturate to ±448 (the
+// format has no infinity), NaN becomes the NaN code.
+ATTN_HOST_DEVICE uint8_t FloatToFp8E4M3(float f) {
+  const uint32_t bits = FloatBits(f);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);
+  if (magnitude >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7eu);  // ≥ 448
+  if (magnitude < 0x3c800000u) {
+    // Below the smallest normal (2^-6): units of 2^-9, rounded to nearest even (exact product;
+    // 8 units is the smallest normal's code).
+    const float units = rintf(BitsToFloat(magnitude) * 512.0f);
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(units));
+  }
+  // Normal: rebias (127 → 7) and round 23 mantissa bits to 3, ties to even.
+  uint32_t rebiased = magnitude - (120u << 23);
+  rebiased += 0x7ffffu + ((rebiased >> 20) & 1u);
+  return static_cast<uint8_t>(sign | (rebiased >> 20));
+}
+
+// The scale of a stored fp8 row of `row_bytes` bytes (Fp8RowBytes): its last 4 bytes.
+ATTN_HOST_DEVICE float Fp8RowScale(const void* row, int64_t row_bytes) {
+  const unsigned char* p = static_cast<const unsigned char*>(row) + row_bytes - kFp8ScaleBytes;
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const float*>(p);  // 4-byte aligned: rows and pages are.
+#else
+  float scale;
+  std::memcpy(&scale, p, sizeof scale);
+  return scale;
+#endif
+}
+
+// Quantizes `width` fp32 values into one stored fp8 row (Fp8RowBytes(width) bytes at `row`):
+// scale = max |x| / 448 (0 for a row of zeros), code = x / scale to nearest even. The values
+// must be finite (the server checks them first). Returns max |x|.
+ATTN_HOST_DEVICE float QuantizeFp8Row(const float* x, int64_t width, void* row) {
+  float max_abs = 0.f;
+  for (int64_t i = 0; i < width; ++i) max_abs = fmaxf(max_abs, fabsf(x[i]));
+  // 0 when it underflows too: every code 0 then (and the row reads as zeros).
+  const float scale = max_abs / 448.f;
+  unsigned char* codes = static_cast<unsigned char*>(row);
+  for (int64_t i = 0; i < width; ++i) {
+    codes[i] = scale > 0.f ? FloatToFp8E4M3(x[i] / scale) : 0;
+  }
+  const int64_t bytes = Fp8RowBytes(width);
+  for (int64_t i = width; i < bytes - kFp8ScaleBytes; ++i) codes[i] = 0;
+  const float stored = scale > 0.f ? scale : 0.f;
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<float*>(codes + bytes - kFp8ScaleBytes) = stored;
+#else
+  std::memcpy(codes + bytes - kFp8ScaleBytes, &stored, sizeof stored);
+#endif
+  return max_abs;
+}
+
+// Loads element i of a buffer of the given dtype as fp32 (fp8: the code's value, unscaled).
 ATTN_HOST_DEVICE float LoadElement(const void* data, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::kFloat32:
@@ -97,11 +192,14 @@ ATTN_HOST_DEVICE float LoadElement(const void* data, DType dtype, int64_t i) {
       return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
     case DType::kBFloat16:
       return BFloat16ToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kFloat8E4M3:
+      return Fp8E4M3ToFloat(static_cast<const uint8_t*>(data)[i]);
   }
   return 0.f;
 }
 
-// Stores value as element i of a buffer of the given dtype, rounding to nearest even.
+// Stores value as element i of a buffer of the given dtype, rounding to nearest even (fp8: as a
+// code, unscaled).
 ATTN_HOST_DEVICE void StoreElement(void* data, DType dtype, int64_t i, float value) {
   switch (dtype) {
     case DType::kFloat32:
@@ -112,6 +210,9 @@ ATTN_HOST_DEVICE void StoreElement(void* data, DType dtype, int64_t i, float val
       return;
     case DType::kBFloat16:
       static_cast<uint16_t*>(data)[i] = FloatToBFloat16(value);
+      return;
+    case DType::kFloat8E4M3:
+      static_cast<uint8_t*>(data)[i] = FloatToFp8E4M3(value);
       return;
   }
 }

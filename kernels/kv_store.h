@@ -37,6 +37,28 @@ inline int64_t StoredValueDim(const KvLayout& layout) {
   return layout.values_from_keys ? 0 : layout.value_dim;
 }
 
+// Bytes of one stored key row, and of one stored value row (none in a latent cache): one token of
+// one kv head (StoredRowBytes: an fp8 row carries its scale).
+inline int64_t KeyRowBytes(const KvLayout& layout) {
+  return StoredRowBytes(layout.dtype, layout.head_dim);
+}
+inline int64_t StoredValueRowBytes(const KvLayout& layout) {
+  return layout.values_from_keys ? 0 : StoredRowBytes(layout.dtype, layout.value_dim);
+}
+
+// Bytes one token takes in a store of this layout: every KV head's key and stored value.
+inline int64_t TokenBytes(const KvLayout& layout) {
+  return layout.kv_heads * (KeyRowBytes(layout) + StoredValueRowBytes(layout));
+}
+
+// Bytes of n tokens' keys, and of their stored values (none for a latent cache), dense.
+inline int64_t KeyBytes(const KvLayout& layout, int64_t n) {
+  return layout.kv_heads * n * KeyRowBytes(layout);
+}
+inline int64_t StoredValueBytes(const KvLayout& layout, int64_t n) {
+  return layout.kv_heads * n * StoredValueRowBytes(layout);
+}
+
 class KvStore {
  public:
   virtual ~KvStore() = default;
@@ -79,52 +101,50 @@ class KvStore {
   // let go), whichever store frees it; forks inherit it. Default: not called (no sharing).
   virtual void OnPageFreed(std::function<void(int64_t bytes)> freed) {}
 
-  // Copies tokens [begin, end) out to dense host tensors in the store's dtype, key
-  // [kv_heads, end − begin, head_dim] and value [kv_heads, end − begin, value_dim]
-  // (0 ≤ begin ≤ end ≤ length()); `value` null: the keys only (for a latent store, whose values
-  // are its keys' first columns, what a file or an export keeps). A snapshot for work that outlives
-  // the registry's hold on the cache (a trace's stream), a chunk of an export, a record of the
-  // cache's file. Default: reads pages() on the host, for a store in host memory; a device store
-  // overrides it (and may fail).
+  // Copies tokens [begin, end) out to dense host tensors of stored rows (the store's dtype; fp8
+  // rows carry their scales: StoredRowBytes), key [kv_heads, end − begin, head_dim] and value
+  // [kv_heads, end − begin, value_dim] (0 ≤ begin ≤ end ≤ length()); `value` null: the keys only
+  // (for a latent store, whose values are its keys' first columns, what a file or an export
+  // keeps). A snapshot for work that outlives the registry's hold on the cache (a trace's
+  // stream), a chunk of an export, a record of the cache's file. Default: reads pages() on the
+  // host, for a store in host memory; a device store overrides it (and may fail).
   virtual absl::Status CopyOut(int64_t begin, int64_t end, void* key, void* value) const {
     const KvLayout& l = layout();
     const PagedKv& p = pages();
     const int64_t element = ElementSize(l.dtype);
+    const int64_t key_row = KeyRowBytes(l), value_row = StoredRowBytes(l.dtype, l.value_dim);
     const int64_t tokens_per_page = page_tokens();
     const int64_t n = end - begin;
     for (int64_t h = 0; h < l.kv_heads; ++h) {
       for (int64_t t = begin; t < end; t += tokens_per_page - t % tokens_per_page) {
         const int64_t run = std::min(end, t - t % tokens_per_page + tokens_per_page) - t;
-        std::memcpy(static_cast<char*>(key) + (h * n + t - begin) * l.head_dim * element,
+        std::memcpy(static_cast<char*>(key) + (h * n + t - begin) * key_row,
                     static_cast<const char*>(p.KeyPage(t)) + p.KeyOffsetInPage(h, t) * element,
-                    run * l.head_dim * element);
+                    run * key_row);
         if (value == nullptr) continue;
-        // A run of whole rows, or row by row where a value is part of its row (latent).
-        const bool whole = p.value_width == l.value_dim;
+        // A run of whole rows, or row by row where a value is part of its row (latent: its
+        // first value_dim elements, and for fp8 the row's scale).
+        const bool whole = p.value_width * element == value_row;
         for (int64_t i = 0; i < (whole ? 1 : run); ++i) {
-          std::memcpy(
-              static_cast<char*>(value) + (h * n + t - begin + i) * l.value_dim * element,
-              static_cast<const char*>(p.ValuePage(t)) + p.ValueOffsetInPage(h, t + i) * element,
-              (whole ? run : 1) * l.value_dim * element);
+          char* to = static_cast<char*>(value) + (h * n + t - begin + i) * value_row;
+          const char* from =
+              static_cast<const char*>(p.ValuePage(t)) + p.ValueOffsetInPage(h, t + i) * element;
+          if (whole) {
+            std::memcpy(to, from, run * value_row);
+            continue;
+          }
+          std::memcpy(to, from, l.value_dim * element);
+          if (l.dtype == DType::kFloat8E4M3) {
+            std::memset(to + l.value_dim, 0, value_row - kFp8ScaleBytes - l.value_dim);
+            std::memcpy(to + value_row - kFp8ScaleBytes, from + p.value_width - kFp8ScaleBytes,
+                        kFp8ScaleBytes);
+          }
         }
       }
     }
     return absl::OkStatus();
   }
 };
-
-// Bytes one token takes in a store of this layout: every KV head's key and stored value.
-inline int64_t TokenBytes(const KvLayout& layout) {
-  return layout.kv_heads * (layout.head_dim + StoredValueDim(layout)) * ElementSize(layout.dtype);
-}
-
-// Bytes of n tokens' keys, and of their stored values (none for a latent cache), dense.
-inline int64_t KeyBytes(const KvLayout& layout, int64_t n) {
-  return layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype);
-}
-inline int64_t StoredValueBytes(const KvLayout& layout, int64_t n) {
-  return layout.kv_heads * n * StoredValueDim(layout) * ElementSize(layout.dtype);
-}
 
 // Pages that `length` tokens fill, `page_tokens` to a page (the last one maybe partly).
 inline int64_t PagesFor(int64_t length, int64_t page_tokens) {

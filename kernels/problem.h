@@ -41,16 +41,20 @@ struct MutableTensorView {
 // one dtype (kernels/kv_store.h owns them). Page p holds tokens [p·page_tokens, (p+1)·page_tokens)
 // of every kv head: its key block is [kv_heads, page_tokens, key_width] and its value block
 // [kv_heads, page_tokens, value_width], row-major; a key is the first head_dim elements of its
-// row, a value the first value_dim of its own. A latent cache (KvLayout::values_from_keys) has
-// no value blocks: value_pages is key_pages and value_width key_width, so a value is the first
-// value_dim columns of its key. The tables and the pages live in the backend's memory (device
-// memory on a GPU) and stay unchanged while a Problem uses them.
+// row, a value the first value_dim of its own. An fp8 row (dtype.h) ends with its scale:
+// Fp8RowScale(row, width) for a row of width (key_width or value_width) bytes. A latent cache
+// (KvLayout::values_from_keys) has no value blocks: value_pages is key_pages and value_width
+// key_width, so a value is the first value_dim columns of its key. The tables and the pages live in
+// the backend's memory (device memory on a GPU) and stay unchanged while a Problem uses them.
 struct PagedKv {
   const void* const* key_pages = nullptr;    // [pages] → key block
   const void* const* value_pages = nullptr;  // [pages] → value block (key_pages: latent)
   int64_t page_tokens = 1;
-  int64_t key_width = 1;    // Elements per row of a key block: head_dim.
-  int64_t value_width = 1;  // Elements per row of a value block: value_dim (head_dim: latent).
+  // Elements per row of a key block, StoredRowWidth(dtype, head_dim): head_dim, or for fp8 its
+  // padded codes and scale.
+  int64_t key_width = 1;
+  // Elements per row of a value block, the same of value_dim (the key blocks': latent).
+  int64_t value_width = 1;
   DType dtype = DType::kFloat32;
 
   // The offset, in elements, of token `token` of kv head `kv_head` from the start of its page's

@@ -9,7 +9,8 @@
 
 namespace attn {
 
-// The kernel dtype for a wire dtype; nullopt for DTYPE_UNSPECIFIED or an unknown number.
+// The kernel dtype for a tensor's wire dtype (float32, float16, bfloat16); nullopt for
+// DTYPE_UNSPECIFIED, DTYPE_FLOAT8_E4M3 (a cache's dtype only) or an unknown number.
 inline std::optional<DType> FromProtoDType(int dtype) {
   switch (dtype) {
     case attention::v1::DTYPE_FLOAT32:
@@ -23,6 +24,18 @@ inline std::optional<DType> FromProtoDType(int dtype) {
   }
 }
 
+// The kernel dtype for a KV cache's wire dtype: a tensor's, or DTYPE_FLOAT8_E4M3.
+inline std::optional<DType> FromProtoCacheDType(int dtype) {
+  if (dtype == attention::v1::DTYPE_FLOAT8_E4M3) return DType::kFloat8E4M3;
+  return FromProtoDType(dtype);
+}
+
+// The tensor dtype a client sends a cache of wire dtype `cache` its tokens (and queries) in: the
+// cache's own, or bf16 for an fp8 cache (which quantizes what it is sent; no tensor is fp8).
+inline attention::v1::DType TokenDTypeFor(attention::v1::DType cache) {
+  return cache == attention::v1::DTYPE_FLOAT8_E4M3 ? attention::v1::DTYPE_BFLOAT16 : cache;
+}
+
 inline attention::v1::DType ToProtoDType(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
@@ -31,6 +44,8 @@ inline attention::v1::DType ToProtoDType(DType dtype) {
       return attention::v1::DTYPE_FLOAT16;
     case DType::kBFloat16:
       return attention::v1::DTYPE_BFLOAT16;
+    case DType::kFloat8E4M3:
+      return attention::v1::DTYPE_FLOAT8_E4M3;
   }
   return attention::v1::DTYPE_UNSPECIFIED;
 }

@@ -347,8 +347,7 @@ absl::StatusOr<std::unique_ptr<CacheFile>> CacheFile::Open(const std::string& pa
                                          start, "..", start + n, ") does not verify");
       break;
     }
-    const int64_t key_bytes =
-        header->layout.kv_heads * n * header->layout.head_dim * ElementSize(header->layout.dtype);
+    const int64_t key_bytes = KeyBytes(header->layout, n);
     if (absl::Status kept = tokens(start, n, payload.data(), payload.data() + key_bytes);
         !kept.ok()) {
       return kept;

@@ -121,15 +121,19 @@ absl::Status CacheImporter::Add(const v1::CacheChunk& chunk, int64_t index) {
           absl::StrCat("[", layout.kv_heads, ", n, ", dim, "] in ", DTypeName(layout.dtype));
       if (tensor->shape_size() != 3 || tensor->shape(0) != layout.kv_heads ||
           tensor->shape(1) < 1 || tensor->shape(1) != n || tensor->shape(2) != dim ||
-          FromProtoDType(tensor->dtype()) != layout.dtype) {
+          FromProtoCacheDType(tensor->dtype()) != layout.dtype) {
         return invalid(name,
                        absl::StrCat("must be ", want, " with n ≥ 1 the same for key and value"));
       }
-      if (static_cast<int64_t>(tensor->data().size()) !=
-          layout.kv_heads * n * dim * ElementSize(layout.dtype)) {
-        return invalid(name + ".data",
-                       absl::StrCat("holds ", tensor->data().size(), " bytes; its shape needs ",
-                                    layout.kv_heads * n * dim * ElementSize(layout.dtype)));
+      if (n > static_cast<int64_t>(tensor->data().size())) {  // Before any product with n.
+        return invalid(name + ".data", absl::StrCat("holds ", tensor->data().size(),
+                                                    " bytes, fewer than its ", n, " tokens"));
+      }
+      // Stored rows (an fp8 row with its scale: StoredRowBytes).
+      const int64_t bytes = layout.kv_heads * n * StoredRowBytes(layout.dtype, dim);
+      if (static_cast<int64_t>(tensor->data().size()) != bytes) {
+        return invalid(name + ".data", absl::StrCat("holds ", tensor->data().size(),
+                                                    " bytes; its shape needs ", bytes));
       }
     }
     if (n > expected_length_ - import_->length()) {

@@ -622,11 +622,14 @@ absl::Status CacheRegistry::Import::Append(const void* key, const void* value, i
 absl::Status CacheRegistry::AppendStored(Lease& lease, const void* key, const void* value,
                                          int64_t n, const std::string& field) {
   const KvLayout& layout = lease.layout();
-  const ValueScan keys = ScanValues(key, layout.dtype, layout.kv_heads * n * layout.head_dim);
+  auto scan = [&](const void* data, int64_t width) {
+    return layout.dtype == DType::kFloat8E4M3
+               ? ScanFp8Rows(data, layout.kv_heads * n, width)
+               : ScanValues(data, layout.dtype, layout.kv_heads * n * width);
+  };
+  const ValueScan keys = scan(key, layout.head_dim);
   const ValueScan values =  // None stored in a latent cache: its values are within its keys.
-      layout.values_from_keys
-          ? keys
-          : ScanValues(value, layout.dtype, layout.kv_heads * n * layout.value_dim);
+      layout.values_from_keys ? keys : scan(value, layout.value_dim);
   for (const auto& [scan, what] : {std::pair{keys, "key"}, std::pair{values, "value"}}) {
     if (scan.first_non_finite >= 0) {
       return absl::InvalidArgumentError(

@@ -26,12 +26,20 @@ absl::Status Invalid(absl::string_view field, absl::string_view message) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
 }
 
-// A dtype field that is not one of the three storage types.
-absl::Status UnknownDType(absl::string_view field, v1::DType dtype) {
+// A tensor's dtype field that is not one of the three storage types (a cache's may also be
+// DTYPE_FLOAT8_E4M3: `cache`).
+absl::Status UnknownDType(absl::string_view field, v1::DType dtype, bool cache = false) {
+  if (dtype == v1::DTYPE_FLOAT8_E4M3 && !cache) {
+    return Invalid(field,
+                   "is DTYPE_FLOAT8_E4M3, a KV cache's dtype only (CreateCacheRequest.dtype); "
+                   "send DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16 (an fp8 cache quantizes "
+                   "the tokens it is sent)");
+  }
   return Invalid(field, absl::StrCat(dtype == v1::DTYPE_UNSPECIFIED
                                          ? "is unspecified"
                                          : absl::StrCat("is ", dtype, ", not a known DType"),
-                                     "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
+                                     "; expected DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16",
+                                     cache ? " (or DTYPE_FLOAT8_E4M3 for a cache)" : ""));
 }
 
 // At most the first 8 dimensions: a hostile rank must not make a message of megabytes (gRPC
@@ -143,7 +151,10 @@ absl::Status ParseOptions(absl::string_view prefix, const v1::AttentionOptions& 
     if (!parsed) {
       return Invalid(absl::StrCat(prefix, "options.output_dtype"),
                      absl::StrCat("is ", options.output_dtype(),
-                                  ", not a known DType; expected DTYPE_UNSPECIFIED (the query's "
+                                  options.output_dtype() == v1::DTYPE_FLOAT8_E4M3
+                                      ? " (DTYPE_FLOAT8_E4M3, a KV cache's dtype only)"
+                                      : ", not a known DType",
+                                  "; expected DTYPE_UNSPECIFIED (the query's "
                                   "dtype), DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"));
     }
     problem->output_dtype = *parsed;
@@ -515,8 +526,8 @@ absl::StatusOr<KvLayout> CheckCacheLayout(int64_t kv_heads, int64_t head_dim, in
                                 "; a latent cache (values_from_keys) takes each value from the "
                                 "first value_dim columns of its key, so value_dim ≤ head_dim"));
   }
-  const std::optional<DType> dtype = FromProtoDType(dtype_number);
-  if (!dtype) return UnknownDType("dtype", static_cast<v1::DType>(dtype_number));
+  const std::optional<DType> dtype = FromProtoCacheDType(dtype_number);
+  if (!dtype) return UnknownDType("dtype", static_cast<v1::DType>(dtype_number), /*cache=*/true);
   layout.dtype = *dtype;
   return layout;
 }
@@ -575,7 +586,8 @@ absl::StatusOr<NewTokens> ParseNewTokens(absl::string_view prefix, const v1::Ten
                 {value_name, value_rank, *v, value_width, "value_dim"}};
   for (const auto& check : checks) {
     const DType dtype = &check.name == &key_name ? key_dtype : value_dtype;
-    if (dtype != layout.dtype) {
+    // An fp8 cache quantizes tokens of any dtype; the others store what they are sent.
+    if (dtype != layout.dtype && layout.dtype != DType::kFloat8E4M3) {
       return Invalid(absl::StrCat(check.name, ".dtype"),
                      absl::StrCat("is ", DTypeName(dtype), " but the cache stores ",
                                   DTypeName(layout.dtype), "; send tokens in the cache's dtype"));

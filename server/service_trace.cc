@@ -71,6 +71,20 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   // Memory the stream's problem may view and that lives as long as the stream: a copy of a
   // cache's tokens, so the trace holds no lease on the cache while a reader takes its time.
   std::vector<char>& snapshot() { return snapshot_; }
+  // The snapshot (`tokens` tokens of `layout`, its keys' `key_bytes` bytes first, as CopyOut
+  // gives them) read as one page of the cache: how a problem reads an fp8 cache's rows, whose
+  // scales only a page view knows of. Lives as long as the stream.
+  const PagedKv* SnapshotAsPage(const KvLayout& layout, int64_t tokens, int64_t key_bytes) {
+    snapshot_tables_[0] = snapshot_.data();
+    snapshot_tables_[1] = snapshot_.data() + key_bytes;
+    snapshot_pages_.key_pages = &snapshot_tables_[0];
+    snapshot_pages_.value_pages = &snapshot_tables_[1];
+    snapshot_pages_.page_tokens = std::max<int64_t>(tokens, 1);
+    snapshot_pages_.key_width = StoredRowWidth(layout.dtype, layout.head_dim);
+    snapshot_pages_.value_width = StoredRowWidth(layout.dtype, layout.value_dim);
+    snapshot_pages_.dtype = layout.dtype;
+    return &snapshot_pages_;
+  }
   // Counts `bytes` of snapshot against `open` (every open trace's snapshots) until the stream
   // ends; RESOURCE_EXHAUSTED when together they would pass `budget` (--max-naive-bytes).
   absl::Status ReserveSnapshot(std::atomic<int64_t>& open, int64_t bytes, int64_t budget) {
@@ -145,6 +159,8 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   StreamWatch& watch_;
   const std::shared_ptr<StreamWatch::Stream> watched_;
   std::vector<char> snapshot_;
+  const void* snapshot_tables_[2] = {nullptr, nullptr};
+  PagedKv snapshot_pages_;
   std::atomic<int64_t>* snapshot_budget_ = nullptr;
   int64_t snapshot_reserved_ = 0;
 };
@@ -258,9 +274,9 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
       // The stream reads a copy of the tokens, taken now: the lease ends before the first
       // write, so appends to the cache never wait for a slow reader.
       const Shape& s = problem.shape;
-      const int64_t element = ElementSize(layout.dtype);
-      const int64_t key_bytes = s.kv_heads * s.key_len * s.head_dim * element;
-      const int64_t value_bytes = s.kv_heads * s.key_len * s.value_dim * element;
+      const int64_t key_bytes = KeyBytes(layout, s.key_len);
+      const int64_t value_bytes =
+          s.kv_heads * s.key_len * StoredRowBytes(layout.dtype, s.value_dim);
       if (absl::Status room = writer->ReserveSnapshot(snapshot_bytes_, key_bytes + value_bytes,
                                                       backend_.max_naive_bytes());
           !room.ok()) {
@@ -275,9 +291,13 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
         writer->Fail(copied);
         return;
       }
-      problem.pages = nullptr;
-      problem.key = TensorView{snapshot.data(), layout.dtype};
-      problem.value = TensorView{snapshot.data() + key_bytes, layout.dtype};
+      if (layout.dtype == DType::kFloat8E4M3) {
+        problem.pages = writer->SnapshotAsPage(layout, s.key_len, key_bytes);
+      } else {
+        problem.pages = nullptr;
+        problem.key = TensorView{snapshot.data(), layout.dtype};
+        problem.value = TensorView{snapshot.data() + key_bytes, layout.dtype};
+      }
     }
     absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(problem, *std::move(rows));
     if (!cursor.ok()) {

@@ -1,6 +1,7 @@
 #include "server/value_scan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -137,8 +138,36 @@ ValueScan ScanValues(const void* data, DType dtype, int64_t elements) {
       return Scan<uint16_t>(data, dtype, elements, 0x7fffu, 0x7c00u);
     case DType::kBFloat16:
       return Scan<uint16_t>(data, dtype, elements, 0x7fffu, 0x7f80u);
+    case DType::kFloat8E4M3:  // Rows with scales: ScanFp8Rows.
+      break;
   }
   return ValueScan{};
+}
+
+ValueScan ScanFp8Rows(const void* data, int64_t rows, int64_t width) {
+  ValueScan scan;
+  const int64_t row_bytes = Fp8RowBytes(width);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* codes = static_cast<const uint8_t*>(data) + r * row_bytes;
+    const float scale = Fp8RowScale(codes, row_bytes);
+    if (!std::isfinite(scale) || scale < 0) {
+      scan.first_non_finite = r * width;
+      scan.non_finite_value = std::isfinite(scale) ? std::nanf("") : scale;
+      return scan;
+    }
+    uint8_t largest = 0;
+    for (int64_t i = 0; i < width; ++i) {
+      const uint8_t magnitude = codes[i] & 0x7fu;
+      if (magnitude == 0x7fu) {
+        scan.first_non_finite = r * width + i;
+        scan.non_finite_value = Fp8E4M3ToFloat(codes[i]);
+        return scan;
+      }
+      largest = std::max(largest, magnitude);
+    }
+    scan.max_abs = std::max<double>(scan.max_abs, Fp8E4M3ToFloat(largest) * scale);
+  }
+  return scan;
 }
 
 }  // namespace attn

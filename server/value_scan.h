@@ -24,6 +24,13 @@ struct ValueScan {
   float non_finite_value = 0;     // That element's value.
 };
 
+// `elements` elements of a tensor dtype (not fp8).
 ValueScan ScanValues(const void* data, DType dtype, int64_t elements);
+
+// `rows` stored fp8 rows of `width` elements (Fp8RowBytes each, as a file or an export brings
+// them): element values code · scale. A NaN code, or a scale that is not finite or is negative,
+// counts as a non-finite element (the first of its row for a bad scale). Scalar; for tokens
+// that come stored, not for requests.
+ValueScan ScanFp8Rows(const void* data, int64_t rows, int64_t width);
 
 }  // namespace attn

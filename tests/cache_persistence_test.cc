@@ -23,6 +23,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -60,8 +61,9 @@ void WriteFile(const std::string& path, const std::string& bytes) {
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-// Random tokens of a layout, dense [kv_heads, n, dim] in its dtype (any bit pattern but
-// non-finite ones: random finite floats rounded to the dtype).
+// Random tokens of a layout, dense [kv_heads, n, dim] stored rows in its dtype (any bit pattern
+// but non-finite ones: random finite floats rounded to the dtype; fp8 rows quantized, each with
+// its scale).
 struct Tokens {
   std::vector<char> key, value;
 };
@@ -70,17 +72,27 @@ Tokens RandomTokens(const KvLayout& layout, int64_t n, std::mt19937& rng) {
   std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
   Tokens tokens;
   const int64_t element = ElementSize(layout.dtype);
-  tokens.key.resize(layout.kv_heads * n * layout.head_dim * element);
-  tokens.value.resize(layout.kv_heads * n * layout.value_dim * element);
-  for (std::vector<char>* part : {&tokens.key, &tokens.value}) {
-    for (int64_t i = 0; i < static_cast<int64_t>(part->size()) / element; ++i) {
-      StoreElement(part->data(), layout.dtype, i, uniform(rng));
+  const int64_t key_row = KeyRowBytes(layout);
+  const int64_t value_row = StoredRowBytes(layout.dtype, layout.value_dim);
+  tokens.key.resize(layout.kv_heads * n * key_row);
+  tokens.value.resize(layout.kv_heads * n * value_row);
+  for (auto [part, width, row] : {std::tuple{&tokens.key, layout.head_dim, key_row},
+                                  std::tuple{&tokens.value, layout.value_dim, value_row}}) {
+    std::vector<float> x(width);
+    for (int64_t r = 0; r < layout.kv_heads * n; ++r) {
+      for (float& v : x) v = uniform(rng);
+      if (layout.dtype == DType::kFloat8E4M3) {
+        QuantizeFp8Row(x.data(), width, part->data() + r * row);
+        continue;
+      }
+      for (int64_t i = 0; i < width; ++i)
+        StoreElement(part->data() + r * row, layout.dtype, i, x[i]);
     }
   }
   if (layout.values_from_keys) {  // A latent cache's values: its keys' first columns.
     for (int64_t row = 0; row < layout.kv_heads * n; ++row) {
-      std::memcpy(tokens.value.data() + row * layout.value_dim * element,
-                  tokens.key.data() + row * layout.head_dim * element, layout.value_dim * element);
+      std::memcpy(tokens.value.data() + row * value_row, tokens.key.data() + row * key_row,
+                  layout.value_dim * element);
     }
   }
   return tokens;
@@ -88,13 +100,12 @@ Tokens RandomTokens(const KvLayout& layout, int64_t n, std::mt19937& rng) {
 
 // Token t of dense [kv_heads, n, dim] parts, as its bytes (every head's row).
 std::string TokenBytes(const KvLayout& layout, const Tokens& tokens, int64_t n, int64_t t) {
-  const int64_t element = ElementSize(layout.dtype);
+  const int64_t key_row = KeyRowBytes(layout);
+  const int64_t value_row = StoredRowBytes(layout.dtype, layout.value_dim);
   std::string bytes;
   for (int64_t h = 0; h < layout.kv_heads; ++h) {
-    bytes.append(tokens.key.data() + (h * n + t) * layout.head_dim * element,
-                 layout.head_dim * element);
-    bytes.append(tokens.value.data() + (h * n + t) * layout.value_dim * element,
-                 layout.value_dim * element);
+    bytes.append(tokens.key.data() + (h * n + t) * key_row, key_row);
+    bytes.append(tokens.value.data() + (h * n + t) * value_row, value_row);
   }
   return bytes;
 }
@@ -127,7 +138,7 @@ Opened OpenFile(const std::string& path) {
         const KvLayout& l = opened.header.layout;
         const int64_t element = ElementSize(l.dtype);
         part.key.assign(static_cast<const char*>(key),
-                        static_cast<const char*>(key) + l.kv_heads * n * l.head_dim * element);
+                        static_cast<const char*>(key) + KeyBytes(l, n));
         part.value.assign(static_cast<const char*>(value),
                           static_cast<const char*>(value) + StoredValueBytes(l, n));
         if (l.values_from_keys) {  // No values stored: each is its key's first columns.
@@ -429,8 +440,8 @@ class RegistryOnDiskTest : public ::testing::Test {
     const KvLayout layout = lease->layout();
     const int64_t n = lease->length();
     Tokens tokens;
-    tokens.key.resize(layout.kv_heads * n * layout.head_dim * ElementSize(layout.dtype));
-    tokens.value.resize(layout.kv_heads * n * layout.value_dim * ElementSize(layout.dtype));
+    tokens.key.resize(KeyBytes(layout, n));
+    tokens.value.resize(layout.kv_heads * n * StoredRowBytes(layout.dtype, layout.value_dim));
     EXPECT_TRUE(lease->CopyOut(0, n, tokens.key.data(), tokens.value.data()).ok());
     std::vector<std::string> bytes;
     for (int64_t t = 0; t < n; ++t) bytes.push_back(TokenBytes(layout, tokens, n, t));
@@ -451,14 +462,17 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
        .head_dim = 40,
        .value_dim = 24,
        .dtype = DType::kBFloat16,
-       .values_from_keys = true}};  // Latent: keys only, in a version-2 file.
-  const std::string owners[] = {"alice", "bob", "alice", "carol"};
+       .values_from_keys = true},  // Latent: keys only, in a version-2 file.
+      // fp8: rows with their scales, widths not a multiple of 4 (padded rows).
+      {.kv_heads = 2, .head_dim = 13, .value_dim = 6, .dtype = DType::kFloat8E4M3}};
+  const std::string owners[] = {"alice", "bob", "alice", "carol", "carol"};
+  constexpr int kCaches = 5;
   std::vector<std::string> ids;
   std::vector<std::vector<std::string>> contents;
   {
     CacheRegistry registry(backend_, Limits());
     ASSERT_TRUE(registry.persistent());
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kCaches; ++i) {
       absl::StatusOr<CacheDescription> cache = registry.Create(owners[i], layouts[i]);
       ASSERT_TRUE(cache.ok()) << cache.status();
       ASSERT_EQ(cache->durable_length, 0);
@@ -478,8 +492,8 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
     absl::StatusOr<std::vector<std::string>> lines = restored.Restore();
     ASSERT_TRUE(lines.ok()) << lines.status();
     ASSERT_EQ(lines->size(), 1u);
-    EXPECT_NE((*lines)[0].find("restored 4 caches"), std::string::npos) << (*lines)[0];
-    for (int i = 0; i < 4; ++i) {
+    EXPECT_NE((*lines)[0].find("restored 5 caches"), std::string::npos) << (*lines)[0];
+    for (int i = 0; i < kCaches; ++i) {
       absl::StatusOr<CacheDescription> info = restored.Describe(owners[i], ids[i]);
       ASSERT_TRUE(info.ok()) << info.status();
       EXPECT_EQ(info->length, static_cast<int64_t>(contents[i].size()));
@@ -504,7 +518,7 @@ TEST_F(RegistryOnDiskTest, RestoreBringsBackIdsOwnersLayoutsOrderAndEveryBit) {
   }  // The server stops (and lets go of the directory's lock).
   CacheRegistry again(backend_, Limits());
   ASSERT_TRUE(again.Restore().ok());
-  EXPECT_EQ(again.caches(), 3);
+  EXPECT_EQ(again.caches(), kCaches - 1);
   EXPECT_EQ(Contents(again, "bob", ids[1]), contents[1]);
 }
 

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "attention/v1/attention.grpc.pb.h"
@@ -313,6 +314,169 @@ TEST_F(CacheServiceTest, ADecodeBatchAppendsEachItemsTokensThenAttends) {
   EXPECT_LE(stages.handler_ns() + stages.queue_ns() + stages.prepare_ns() + stats.compute_ns() +
                 stages.finish_ns(),
             stats.server_ns());
+}
+
+// An fp8 cache (DTYPE_FLOAT8_E4M3, issue 32): tokens sent in fp32 and in bf16 are quantized
+// a row at a time; Decode, Tiled, Naive and Trace over it read the same stored values (agreeing
+// to fp32's bound) and stay near the float64 reference on the unquantized tokens; an export
+// imported elsewhere decodes to the same bits; CacheInfo says fp8 and counts its smaller pages;
+// fp8 is refused naming the field wherever a tensor's dtype or an output's goes.
+TEST_F(CacheServiceTest, AnFp8CacheQuantizesTokensOfAnyDtypeAndEveryMethodReadsTheSameValues) {
+  const DType fp8 = DType::kFloat8E4M3;
+  HostProblem p = RandomCacheProblem(3, 601, DType::kFloat32, /*causal=*/true, 77);
+  HostProblem half = p;  // The second half of the tokens sent as bf16 (values rounded to it).
+  half.dtype = DType::kBFloat16;
+  half.key_bytes.assign(p.key.size() * 2, 0);
+  half.value_bytes.assign(p.value.size() * 2, 0);
+  for (auto [from, to, bytes] : {std::tuple{&p.key, &half.key, &half.key_bytes},
+                                 std::tuple{&p.value, &half.value, &half.value_bytes}}) {
+    for (size_t i = 0; i < from->size(); ++i) {
+      StoreElement(bytes->data(), DType::kBFloat16, i, (*from)[i]);
+      (*to)[i] = LoadElement(bytes->data(), DType::kBFloat16, i);
+    }
+  }
+  const Shape& s = p.shape;
+  const v1::CacheInfo created = Create(s, fp8);
+  EXPECT_EQ(created.dtype(), v1::DTYPE_FLOAT8_E4M3);
+  v1::CacheInfo info;
+  ASSERT_TRUE(Append(created.cache_id(), p, 0, 300, 0, &info).ok());
+  const grpc::Status second = Append(created.cache_id(), half, 300, s.key_len, 300, &info);
+  ASSERT_TRUE(second.ok()) << second.error_message();
+  ASSERT_EQ(info.length(), s.key_len);
+  const v1::CacheInfo bf16 = Create(s, DType::kBFloat16);
+  const KvLayout layout{
+      .kv_heads = s.kv_heads, .head_dim = s.head_dim, .value_dim = s.value_dim, .dtype = fp8};
+  EXPECT_EQ(info.bytes(), (s.key_len + info.page_tokens() - 1) / info.page_tokens() *
+                              info.page_tokens() * TokenBytes(layout));
+  // The float64 reference on what was sent: fp32 tokens, then the bf16-rounded ones.
+  HostProblem sent = p;
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    for (int64_t t = 300; t < s.key_len; ++t) {
+      for (int64_t c = 0; c < s.head_dim; ++c) {
+        const int64_t i = (h * s.key_len + t) * s.head_dim + c;
+        sent.key[i] = half.key[i];
+      }
+      for (int64_t c = 0; c < s.value_dim; ++c) {
+        const int64_t i = (h * s.key_len + t) * s.value_dim + c;
+        sent.value[i] = half.value[i];
+      }
+    }
+  }
+  const testing::Reference ref = testing::ReferenceAttention(sent);
+
+  const v1::AttentionRequest request = OverCache(p, created.cache_id());
+  v1::AttentionResponse naive, tiled;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::Naive, request, &naive).ok());
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, request, &tiled).ok());
+  v1::DecodeRequest decode;
+  *decode.mutable_options() = request.options();
+  v1::DecodeItem* item = decode.add_items();
+  item->set_cache_id(created.cache_id());
+  item->set_expected_length(s.key_len);
+  *item->mutable_query() = request.query();
+  v1::DecodeResponse decoded;
+  const grpc::Status status = Call(&v1::AttentionService::Stub::Decode, decode, &decoded);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const std::vector<float> out = Floats(tiled.output());
+  const double magnitude = testing::MaxAbs(ref.output);
+  const double error = testing::MaxAbsError(out, ref.output) / magnitude;
+  EXPECT_LE(error, 0.05);
+  EXPECT_GT(error, 1e-5) << "the cache holds the tokens unquantized";
+  const std::vector<double> tiled_out(out.begin(), out.end());
+  EXPECT_LE(testing::MaxAbsError(Floats(naive.output()), tiled_out), 1e-5 * magnitude);
+  EXPECT_LE(testing::MaxAbsError(Floats(decoded.outputs(0)), tiled_out), 1e-5 * magnitude);
+
+  // Trace reads a snapshot of the rows (with their scales): its row is Tiled's, bit for bit.
+  v1::TraceRequest trace;
+  *trace.mutable_attention() = request;
+  v1::RowRef* row = trace.add_rows();
+  row->set_head(5);
+  row->set_row(2);
+  {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
+    v1::TraceEvent event;
+    std::vector<float> traced;
+    while (reader->Read(&event)) {
+      if (event.has_row_done()) {
+        traced.assign(event.row_done().output().begin(), event.row_done().output().end());
+      }
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
+    for (int64_t c = 0; c < s.value_dim; ++c) {
+      EXPECT_EQ(traced[c], out[(5 * s.query_len + 2) * s.value_dim + c]) << c;
+    }
+  }
+
+  // Exported and imported (under a new id): the stored rows, so the same bits.
+  std::vector<v1::CacheChunk> chunks;
+  {
+    grpc::ClientContext context;
+    v1::ExportCacheRequest export_request;
+    export_request.set_cache_id(created.cache_id());
+    std::unique_ptr<grpc::ClientReader<v1::CacheChunk>> reader =
+        stub_->ExportCache(&context, export_request);
+    v1::CacheChunk chunk;
+    while (reader->Read(&chunk)) chunks.push_back(chunk);
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_FALSE(chunks.empty());
+  EXPECT_EQ(chunks[0].info().dtype(), v1::DTYPE_FLOAT8_E4M3);
+  EXPECT_EQ(chunks[0].key().dtype(), v1::DTYPE_FLOAT8_E4M3);
+  EXPECT_EQ(static_cast<int64_t>(chunks[0].key().data().size()),
+            s.kv_heads * chunks[0].key().shape(1) * StoredRowBytes(fp8, s.head_dim));
+  v1::CacheInfo imported;
+  {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientWriter<v1::CacheChunk>> writer =
+        stub_->ImportCache(&context, &imported);
+    chunks[0].set_new_id_if_taken(true);
+    for (const v1::CacheChunk& chunk : chunks) ASSERT_TRUE(writer->Write(chunk));
+    writer->WritesDone();
+    const grpc::Status done = writer->Finish();
+    ASSERT_TRUE(done.ok()) << done.error_message();
+  }
+  EXPECT_NE(imported.cache_id(), created.cache_id());
+  EXPECT_EQ(imported.dtype(), v1::DTYPE_FLOAT8_E4M3);
+  v1::AttentionResponse again;
+  ASSERT_TRUE(
+      Call(&v1::AttentionService::Stub::Tiled, OverCache(p, imported.cache_id()), &again).ok());
+  EXPECT_EQ(again.output().data(), tiled.output().data());
+
+  // fp8 is a cache's dtype only.
+  v1::AttentionRequest bad = request;
+  bad.mutable_query()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  grpc::Status refused = Call(&v1::AttentionService::Stub::Tiled, bad, &naive);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("query.dtype"), std::string::npos)
+      << refused.error_message();
+  bad = request;
+  bad.mutable_options()->set_output_dtype(v1::DTYPE_FLOAT8_E4M3);
+  refused = Call(&v1::AttentionService::Stub::Tiled, bad, &naive);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("options.output_dtype"), std::string::npos)
+      << refused.error_message();
+  v1::AppendCacheRequest append;
+  append.set_cache_id(bf16.cache_id());
+  *append.mutable_key() =
+      Tokens(half.key_bytes, DType::kBFloat16, s.kv_heads, s.key_len, s.head_dim, 0, 1);
+  *append.mutable_value() =
+      Tokens(half.value_bytes, DType::kBFloat16, s.kv_heads, s.key_len, s.value_dim, 0, 1);
+  append.mutable_key()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  refused = Call(&v1::AttentionService::Stub::AppendCache, append, &info);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("key.dtype"), std::string::npos)
+      << refused.error_message();
+  v1::CreateCacheRequest unknown;
+  unknown.set_kv_heads(1);
+  unknown.set_head_dim(8);
+  unknown.set_dtype(static_cast<v1::DType>(5));
+  refused = Call(&v1::AttentionService::Stub::CreateCache, unknown, &info);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("DTYPE_FLOAT8_E4M3"), std::string::npos)
+      << refused.error_message();
+  EXPECT_EQ(LengthOf(bf16.cache_id()), 0);
 }
 
 // A latent cache (values_from_keys, MLA): keys only, each value its key's first value_dim

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/fp32_rows.h"
 
 namespace attn::testing {
 
@@ -149,14 +150,15 @@ double LargestOutputDifference(const Reference& a, const Reference& b) {
 }
 
 absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
-                                    const std::vector<int64_t>& pieces, const DType* input_dtype) {
+                                    const std::vector<int64_t>& pieces, const DType* input_dtype,
+                                    const DType* store_dtype) {
   const Shape& s = host.shape;
   if (s.batch != 1) return absl::InvalidArgumentError("a cache holds one sequence (batch 1)");
   absl::StatusOr<std::unique_ptr<KvStore>> store =
       backend.CreateKvStore(KvLayout{.kv_heads = s.kv_heads,
                                      .head_dim = s.head_dim,
                                      .value_dim = s.value_dim,
-                                     .dtype = host.dtype,
+                                     .dtype = store_dtype != nullptr ? *store_dtype : host.dtype,
                                      .values_from_keys = host.values_from_keys});
   if (!store.ok()) return store.status();
   const DType dtype = input_dtype != nullptr ? *input_dtype : host.dtype;
@@ -225,6 +227,8 @@ double UnitRoundoff(DType dtype) {
       return std::ldexp(1.0, -11);
     case DType::kBFloat16:
       return std::ldexp(1.0, -8);
+    case DType::kFloat8E4M3:
+      return std::ldexp(1.0, -4);
   }
   return 1;
 }
@@ -241,6 +245,31 @@ double ProbabilityRoundingBound(const HostProblem& host) {
                                ? double(host.shape.key_len) * std::ldexp(1.0, -25) * max_value
                                : 0;
   return UnitRoundoff(host.dtype) * max_value + subnormal;
+}
+
+HostProblem DequantizedFrom(const KvStore& store, const HostProblem& host) {
+  HostProblem out = host;
+  const KvLayout& l = store.layout();
+  const Shape& s = host.shape;
+  const int64_t n = store.length();
+  const int64_t key_row = KeyRowBytes(l), value_row = StoredRowBytes(l.dtype, l.value_dim);
+  std::vector<uint8_t> key(KeyBytes(l, n)), value(l.kv_heads * n * value_row);
+  const absl::Status copied = store.CopyOut(0, n, key.data(), value.data());
+  EXPECT_TRUE(copied.ok()) << copied;
+  for (int64_t h = 0; h < l.kv_heads; ++h) {
+    for (int64_t t = 0; t < n; ++t) {
+      DequantizeFp8Row(key.data() + (h * n + t) * key_row, l.head_dim, key_row,
+                       out.key.data() + (h * s.key_len + t) * s.head_dim);
+      DequantizeFp8Row(value.data() + (h * n + t) * value_row, l.value_dim, value_row,
+                       out.value.data() + (h * s.key_len + t) * s.value_dim);
+    }
+  }
+  for (size_t i = 0; i < out.key.size(); ++i)
+    StoreElement(out.key_bytes.data(), out.dtype, i, out.key[i]);
+  for (size_t i = 0; i < out.value.size(); ++i) {
+    StoreElement(out.value_bytes.data(), out.dtype, i, out.value[i]);
+  }
+  return out;
 }
 
 }  // namespace attn::testing

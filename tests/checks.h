@@ -61,10 +61,15 @@ struct PagedCopy {
 
 // Appends host's keys and values (batch 1) to a new store of the backend in appends of the
 // given token counts (the rest in a last one), in `input_dtype` (the host's dtype: default),
-// stored in the host's dtype.
+// stored in `store_dtype` (the host's dtype: default).
 absl::StatusOr<PagedCopy> MakePaged(Backend& backend, const HostProblem& host,
                                     const std::vector<int64_t>& pieces = {},
-                                    const DType* input_dtype = nullptr);
+                                    const DType* input_dtype = nullptr,
+                                    const DType* store_dtype = nullptr);
+
+// `host` (fp32) with its keys and values replaced by what an fp8 store of them holds, code ·
+// scale (read back through CopyOut): the exact inputs of a kernel reading the store.
+HostProblem DequantizedFrom(const KvStore& store, const HostProblem& host);
 
 // `host` through Backend::Decode, outputs poisoned first: over a KV store's pages (MakePaged, in
 // two appends) when batch is 1, else over the contiguous tensors. A failed Decode is a test

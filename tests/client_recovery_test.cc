@@ -442,6 +442,45 @@ TEST_F(ClientRecoveryTest, RefreshSlicesTheAppendThatStraddlesTheServersLength) 
   EXPECT_EQ(cache.kept_from(), 50);
 }
 
+// An fp8 cache takes tokens of any dtype, so a Cache's tail may hold fp32 and bf16 appends side
+// by side: Refresh sends each run in its own dtype (never one dtype's bytes read as another's),
+// and the server that lost everything quantizes them into the same rows: the same Tiled bits.
+TEST_F(ClientRecoveryTest, RefreshResendsAnFp8CachesTokensEachInTheDtypeItWasSent) {
+  std::unique_ptr<Server> one = StartServer(TempDir());
+  std::unique_ptr<Server> two = StartServer();
+  const Sequence f32(2, 16, 12, 60, v1::DTYPE_FLOAT32, 5);
+  const Sequence bf16(2, 16, 12, 60, v1::DTYPE_BFLOAT16, 5);  // The same values, rounded.
+  v1::CreateCacheRequest create = f32.Create();
+  create.set_dtype(v1::DTYPE_FLOAT8_E4M3);
+  absl::StatusOr<client::Cache> cache = client::Cache::Create(*one->client, create);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(cache->Append(f32.Keys(0, 20), f32.Values(0, 20)).ok());
+  ASSERT_TRUE(cache->Append(bf16.Keys(20, 45), bf16.Values(20, 45)).ok());
+  ASSERT_TRUE(cache->Append(f32.Keys(45, 60), f32.Values(45, 60)).ok());
+  EXPECT_EQ(cache->kept_from(), 0);
+  // Server two has the cache, empty (an import of no tokens).
+  v1::CacheChunk chunk;
+  *chunk.mutable_info() = cache->info();
+  chunk.mutable_info()->set_length(0);
+  chunk.mutable_info()->clear_durable_length();
+  chunk.set_crc32c(0);
+  bool sent = false;
+  const absl::StatusOr<v1::CacheInfo> empty =
+      two->client->ImportCache([&](v1::CacheChunk* next) -> absl::StatusOr<bool> {
+        if (sent) return false;
+        *next = chunk;
+        sent = true;
+        return true;
+      });
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  cache->Rebind(*two->client);
+  const absl::StatusOr<v1::CacheInfo> refreshed = cache->Refresh();
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->length(), 60);
+  EXPECT_EQ(refreshed->dtype(), v1::DTYPE_FLOAT8_E4M3);
+  EXPECT_EQ(TiledBytes(*two->client, cache->id(), f32), TiledBytes(*one->client, cache->id(), f32));
+}
+
 TEST_F(ClientRecoveryTest, RefreshSendsALongTailInSeveralAppends) {
   std::unique_ptr<Server> one = StartServer(TempDir());
   std::unique_ptr<Server> two = StartServer();

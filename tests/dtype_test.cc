@@ -1,7 +1,7 @@
-// fp16 and bf16 conversions (kernels/dtype.h) against a slow reference written here: decode by
-// the format's definition, encode by searching the table of every representable value for the
-// nearest one, ties to the even bit pattern, overflow to ±inf past the largest finite value plus
-// half an ulp.
+// fp16, bf16 and fp8 E4M3 conversions (kernels/dtype.h) against a slow reference written here:
+// decode by the format's definition, encode by searching the table of every representable value for
+// the nearest one, ties to the even bit pattern, overflow to ±inf past the largest finite value
+// plus half an ulp.
 #include "kernels/dtype.h"
 
 #include <cfloat>
@@ -327,5 +327,85 @@ TEST(ReferenceEncoderTest, AgreesWithHandCheckedCases) {
 TEST(HalfTest, MillionRandomFloatsMatchSlowReference) { Sweep(kHalf, 1, FloatToHalf); }
 
 TEST(BFloat16Test, MillionRandomFloatsMatchSlowReference) { Sweep(kBFloat16, 2, FloatToBFloat16); }
+
+// --- fp8 E4M3 (OCP e4m3fn): bias 7, 3 mantissa bits, no infinities, 0x7f/0xff NaN --------------
+
+// A code's value by the format's definition (NaN codes excluded).
+double Fp8ReferenceDecode(uint8_t code) {
+  const int exponent = (code >> 3) & 0xf, mantissa = code & 7;
+  const double magnitude =
+      exponent == 0 ? std::ldexp(mantissa, -9) : std::ldexp(8 + mantissa, exponent - 7 - 3);
+  return (code & 0x80) ? -magnitude : magnitude;
+}
+
+TEST(Fp8Test, EveryCodeDecodesByDefinitionAndRoundTrips) {
+  for (int code = 0; code < 256; ++code) {
+    SCOPED_TRACE(code);
+    const float value = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(value));
+      continue;
+    }
+    EXPECT_EQ(double(value), Fp8ReferenceDecode(static_cast<uint8_t>(code)));
+    EXPECT_EQ(FloatToFp8E4M3(value), code);
+  }
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0.001953125f);  // 2^-9, the smallest subnormal.
+}
+
+// Between every two neighbouring codes: just below the midpoint rounds down, just above rounds
+// up, the midpoint itself to the even code; past 448 saturates (no infinity); NaN stays NaN.
+TEST(Fp8Test, RoundsToNearestEvenAndSaturates) {
+  for (int code = 0; code < 0x7e; ++code) {
+    SCOPED_TRACE(code);
+    const float low = Fp8E4M3ToFloat(static_cast<uint8_t>(code));
+    const float high = Fp8E4M3ToFloat(static_cast<uint8_t>(code + 1));
+    const float middle = (low + high) / 2;  // Exact in fp32.
+    EXPECT_EQ(FloatToFp8E4M3(middle), code % 2 == 0 ? code : code + 1);
+    EXPECT_EQ(FloatToFp8E4M3(std::nextafter(middle, 0.f)), code);
+    EXPECT_EQ(FloatToFp8E4M3(std::nextafter(middle, 1e9f)), code + 1);
+    EXPECT_EQ(FloatToFp8E4M3(-middle), (code % 2 == 0 ? code : code + 1) | 0x80);
+  }
+  for (float big : {448.f, 463.99f, 464.f, 1e6f, 3e38f, std::numeric_limits<float>::infinity()}) {
+    EXPECT_EQ(FloatToFp8E4M3(big), 0x7e) << big;
+    EXPECT_EQ(FloatToFp8E4M3(-big), 0xfe) << big;
+  }
+  EXPECT_EQ(FloatToFp8E4M3(std::ldexp(1.f, -11)), 0);  // A quarter unit: zero.
+  EXPECT_EQ(FloatToFp8E4M3(-0.f), 0x80);
+  EXPECT_EQ(FloatToFp8E4M3(std::nanf("")) & 0x7f, 0x7f);
+}
+
+// A stored row (Fp8RowBytes: codes, zero padding to 4 bytes, the fp32 scale): scale = max |x| /
+// 448, the largest element at code ±448, each code the nearest of x / scale; a row of zeros has
+// scale 0 and reads as zeros.
+TEST(Fp8Test, AQuantizedRowCarriesItsScaleAndEachCodeIsTheNearest) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  for (int64_t width : {1, 3, 4, 17, 128}) {
+    SCOPED_TRACE(width);
+    std::vector<float> x(width);
+    for (float& v : x) v = normal(rng);
+    x[width / 2] = 9.5f;  // The largest magnitude.
+    std::vector<uint8_t> row(Fp8RowBytes(width), 0xcd);
+    EXPECT_EQ(QuantizeFp8Row(x.data(), width, row.data()), 9.5f);
+    ASSERT_EQ(row.size() % 4, 0u);
+    const float scale = Fp8RowScale(row.data(), row.size());
+    EXPECT_EQ(scale, 9.5f / 448.f);
+    EXPECT_EQ(row[width / 2], 0x7e);
+    for (int64_t i = 0; i < width; ++i) {
+      EXPECT_EQ(row[i], FloatToFp8E4M3(x[i] / scale)) << i;
+      EXPECT_LE(std::abs(Fp8E4M3ToFloat(row[i]) * scale - x[i]), 9.5f / 16) << i;
+    }
+    for (size_t i = width; i < row.size() - 4; ++i) EXPECT_EQ(row[i], 0) << "padding " << i;
+  }
+  const std::vector<float> zeros(5, 0.f);
+  std::vector<uint8_t> row(Fp8RowBytes(5), 0xcd);
+  EXPECT_EQ(QuantizeFp8Row(zeros.data(), 5, row.data()), 0.f);
+  EXPECT_EQ(Fp8RowScale(row.data(), row.size()), 0.f);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(row[i], 0);
+  EXPECT_EQ(StoredRowBytes(DType::kFloat8E4M3, 128), 132);
+  EXPECT_EQ(StoredRowBytes(DType::kFloat8E4M3, 5), 12);
+  EXPECT_EQ(StoredRowBytes(DType::kBFloat16, 128), 256);
+}
 
 }  // namespace

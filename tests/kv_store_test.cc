@@ -102,6 +102,82 @@ TEST(KvStoreTest, AppendsConvertEveryInputDtypeAndPagesHoldTheTokens) {
   }
 }
 
+// An fp8 store (dtype.h): tokens of every input dtype quantized a row at a time, each row's
+// codes and scale as QuantizeFp8Row makes them from the fp32 values; about half a bf16 store's
+// bytes at d 128; its CopyOut appended to another fp8 store is copied, not quantized again
+// (the same bytes), and a fork copies a shared partly filled page with its scales.
+TEST(KvStoreTest, AnFp8StoreQuantizesEachRowAndCopiesStoredRowsAsTheyAre) {
+  const KvLayout wide{
+      .kv_heads = 8, .head_dim = 128, .value_dim = 128, .dtype = DType::kFloat8E4M3};
+  KvLayout bf16 = wide;
+  bf16.dtype = DType::kBFloat16;
+  EXPECT_EQ(TokenBytes(wide), 8 * 2 * 132);
+  EXPECT_LE(static_cast<double>(TokenBytes(wide)) / TokenBytes(bf16), 0.55);
+
+  KvLayout layout = kLayout;
+  layout.dtype = DType::kFloat8E4M3;
+  CpuKvStore store(layout, 4);
+  int64_t length = 0;
+  uint64_t seed = 90;
+  std::vector<float> keys, values;  // Every appended token's fp32 values, [n][kv_heads][width].
+  for (DType input : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(input));
+    const int64_t n = 5 + static_cast<int64_t>(seed % 7);
+    const Tensor key = RandomTensor(layout.kv_heads * n * layout.head_dim, input, seed++);
+    const Tensor value = RandomTensor(layout.kv_heads * n * layout.value_dim, input, seed++);
+    ASSERT_TRUE(store.Append(key.view(), value.view(), n).ok());
+    const int64_t key_row = KeyRowBytes(layout), value_row = StoredValueRowBytes(layout);
+    std::vector<uint8_t> k(KeyBytes(layout, n)), v(StoredValueBytes(layout, n));
+    ASSERT_TRUE(store.CopyOut(length, length + n, k.data(), v.data()).ok());
+    for (int64_t row = 0; row < layout.kv_heads * n; ++row) {
+      std::vector<uint8_t> expected(key_row);
+      QuantizeFp8Row(key.values.data() + row * layout.head_dim, layout.head_dim, expected.data());
+      ASSERT_EQ(std::memcmp(expected.data(), k.data() + row * key_row, key_row), 0) << row;
+      expected.assign(value_row, 0);
+      QuantizeFp8Row(value.values.data() + row * layout.value_dim, layout.value_dim,
+                     expected.data());
+      ASSERT_EQ(std::memcmp(expected.data(), v.data() + row * value_row, value_row), 0) << row;
+    }
+    length += n;
+  }
+  EXPECT_EQ(store.bytes(), store.BytesFor(length));
+  EXPECT_EQ(store.pages().key_width, StoredRowWidth(DType::kFloat8E4M3, layout.head_dim));
+
+  // Stored rows into a second store: the same bytes.
+  std::vector<uint8_t> k(KeyBytes(layout, length)), v(StoredValueBytes(layout, length));
+  ASSERT_TRUE(store.CopyOut(0, length, k.data(), v.data()).ok());
+  CpuKvStore copy(layout, 3);
+  ASSERT_TRUE(
+      copy.Append(TensorView{k.data(), layout.dtype}, TensorView{v.data(), layout.dtype}, length)
+          .ok());
+  std::vector<uint8_t> k2(k.size()), v2(v.size());
+  ASSERT_TRUE(copy.CopyOut(0, length, k2.data(), v2.data()).ok());
+  EXPECT_EQ(k2, k);
+  EXPECT_EQ(v2, v);
+
+  // A fork's append into the shared partly filled last page copies the page, scales and all.
+  const int64_t kept = length - 2;  // 23 of 25 tokens: a partly filled last page of 4.
+  ASSERT_NE(kept % 4, 0);
+  absl::StatusOr<std::unique_ptr<KvStore>> fork = store.Fork(kept);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  const Tensor key = RandomTensor(layout.kv_heads * layout.head_dim, DType::kFloat32, 7);
+  const Tensor value = RandomTensor(layout.kv_heads * layout.value_dim, DType::kFloat32, 8);
+  ASSERT_TRUE((*fork)->Append(key.view(), value.view(), 1).ok());
+  std::vector<uint8_t> after(k.size()), after_values(v.size());
+  ASSERT_TRUE(store.CopyOut(0, length, after.data(), after_values.data()).ok());
+  EXPECT_EQ(after, k) << "the fork wrote into the source's page";
+  EXPECT_EQ(after_values, v) << "the fork wrote into the source's page";
+  std::vector<uint8_t> forked(KeyBytes(layout, kept)),
+      forked_values(StoredValueBytes(layout, kept));
+  ASSERT_TRUE((*fork)->CopyOut(0, kept, forked.data(), forked_values.data()).ok());
+  const int64_t row = KeyRowBytes(layout);
+  for (int64_t h = 0; h < layout.kv_heads; ++h) {
+    EXPECT_EQ(std::memcmp(forked.data() + h * kept * row, k.data() + h * length * row, kept * row),
+              0)
+        << "head " << h;
+  }
+}
+
 TEST(KvStoreTest, BytesForCountsWholePages) {
   CpuKvStore store(kLayout, 7);
   const int64_t page = 3 * 7 * (5 + 7) * 2;

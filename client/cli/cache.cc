@@ -110,7 +110,7 @@ absl::Status Fill(const AppendFunction& append, const v1::CacheInfo& shape, int6
   const int64_t kv_heads = shape.kv_heads(), head_dim = shape.head_dim(),
                 value_dim = shape.value_dim();
   const bool latent = shape.values_from_keys();
-  const v1::DType dtype = shape.dtype();
+  const v1::DType dtype = TokenDTypeFor(shape.dtype());  // What the tokens travel in.
   const int64_t token_bytes =
       kv_heads * (head_dim + (latent ? 0 : value_dim)) * ElementBytes(dtype);
   const int64_t chunk = std::max<int64_t>(1, kFillChunkBytes / std::max<int64_t>(1, token_bytes));
@@ -186,8 +186,8 @@ int64_t StatelessRequestBytes(const v1::Tensor& query, const v1::AttentionOption
   for (const int64_t dim : {info.head_dim(), info.value_dim()}) {
     v1::Tensor tensor;  // Shape and dtype; the data's field is added by size.
     for (const int64_t extent : {info.kv_heads(), length, dim}) tensor.add_shape(extent);
-    tensor.set_dtype(info.dtype());
-    const int64_t data = info.kv_heads() * length * dim * ElementBytes(info.dtype());
+    tensor.set_dtype(TokenDTypeFor(info.dtype()));
+    const int64_t data = info.kv_heads() * length * dim * ElementBytes(TokenDTypeFor(info.dtype()));
     bytes += FieldBytes(static_cast<int64_t>(tensor.ByteSizeLong()) + FieldBytes(data));
   }
   return bytes;
@@ -319,10 +319,13 @@ absl::Status DecodeLoop(const DemoCache& cache, const CacheFlags& flags, int64_t
   int64_t sent_total = 0, stateless_total = 0;
   double worst = 0;
   for (int64_t step = 1; step <= flags.steps; ++step) {
-    const Tokens query = RandomTokens(rng, {heads, 1, head_dim}, flags.dtype);
-    const Tokens key = RandomTokens(rng, {kv_heads, 1, head_dim}, flags.dtype);
+    // Tensors in the cache's dtype (bf16 for an fp8 cache, whose error below then includes its
+    // quantization's: the reference is on the tokens as sent).
+    const v1::DType sent_dtype = TokenDTypeFor(flags.dtype);
+    const Tokens query = RandomTokens(rng, {heads, 1, head_dim}, sent_dtype);
+    const Tokens key = RandomTokens(rng, {kv_heads, 1, head_dim}, sent_dtype);
     const Tokens value =
-        latent ? Tokens() : RandomTokens(rng, {kv_heads, 1, value_dim}, flags.dtype);
+        latent ? Tokens() : RandomTokens(rng, {kv_heads, 1, value_dim}, sent_dtype);
     v1::Tensor output_tensor;
     v1::ExecutionStats stats;
     int64_t sent = 0;

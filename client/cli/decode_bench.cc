@@ -73,7 +73,10 @@ int64_t Elements(const std::vector<int64_t>& shape) {
   return elements;
 }
 
-DType HostDType(v1::DType dtype) { return FromProtoDType(dtype).value_or(DType::kFloat32); }
+// The dtype of the tensors sent for a cache of `dtype` (TokenDTypeFor: bf16 for an fp8 cache).
+DType HostDType(v1::DType dtype) {
+  return FromProtoDType(TokenDTypeFor(dtype)).value_or(DType::kFloat32);
+}
 
 // A tensor of uniform(−1, 1) values stored in `dtype`.
 v1::Tensor RandomTensor(Random& random, const std::vector<int64_t>& shape, v1::DType dtype) {
@@ -117,7 +120,7 @@ int64_t StatelessBytes(const DecodeBenchConfig& config, int64_t batch, int64_t l
     v1::Tensor tensor;  // Shape and dtype; the data field is added by size.
     const std::vector<int64_t> shape = StatelessShape(batch, t.heads, t.n, t.dim);
     for (const int64_t extent : shape) tensor.add_shape(extent);
-    tensor.set_dtype(config.dtype);
+    tensor.set_dtype(TokenDTypeFor(config.dtype));
     const int64_t data = Elements(shape) * element;
     bytes += FieldBytes(static_cast<int64_t>(tensor.ByteSizeLong()) + FieldBytes(data));
   }
@@ -126,8 +129,9 @@ int64_t StatelessBytes(const DecodeBenchConfig& config, int64_t batch, int64_t l
 
 // The cache bytes one step's compute reads: every item's whole K and V.
 int64_t CacheReadBytes(const DecodeBenchConfig& config, int64_t tokens) {
-  return tokens * config.kv_heads * (config.head_dim + config.value_dim) *
-         ElementSize(HostDType(config.dtype));
+  const DType stored = FromProtoCacheDType(config.dtype).value_or(DType::kFloat32);
+  return tokens * config.kv_heads *
+         (StoredRowBytes(stored, config.head_dim) + StoredRowBytes(stored, config.value_dim));
 }
 
 uint64_t SumWords(const uint64_t* words, int64_t count) {
@@ -266,9 +270,9 @@ absl::Status Fill(client::Cache& cache, const DecodeBenchConfig& config, int64_t
   for (int64_t done = 0; done < tokens;) {
     const int64_t n = std::min(chunk, tokens - done);
     const v1::Tensor key =
-        RandomTensor(random, {config.kv_heads, n, config.head_dim}, config.dtype);
+        RandomTensor(random, {config.kv_heads, n, config.head_dim}, TokenDTypeFor(config.dtype));
     const v1::Tensor value =
-        RandomTensor(random, {config.kv_heads, n, config.value_dim}, config.dtype);
+        RandomTensor(random, {config.kv_heads, n, config.value_dim}, TokenDTypeFor(config.dtype));
     if (absl::StatusOr<v1::CacheInfo> appended = cache.Append(key, value); !appended.ok()) {
       return absl::Status(appended.status().code(),
                           absl::StrCat("appending tokens [", done, ", ", done + n, ") to cache ",
@@ -312,9 +316,12 @@ absl::Status Step(client::Client& client, std::vector<client::Cache>& caches,
                   Samples* samples) {
   v1::DecodeRequest request;
   for (size_t i = 0; i < caches.size(); ++i) {
-    v1::Tensor query = RandomTensor(random, {config.heads, 1, config.head_dim}, config.dtype);
-    v1::Tensor key = RandomTensor(random, {config.kv_heads, 1, config.head_dim}, config.dtype);
-    v1::Tensor value = RandomTensor(random, {config.kv_heads, 1, config.value_dim}, config.dtype);
+    v1::Tensor query =
+        RandomTensor(random, {config.heads, 1, config.head_dim}, TokenDTypeFor(config.dtype));
+    v1::Tensor key =
+        RandomTensor(random, {config.kv_heads, 1, config.head_dim}, TokenDTypeFor(config.dtype));
+    v1::Tensor value =
+        RandomTensor(random, {config.kv_heads, 1, config.value_dim}, TokenDTypeFor(config.dtype));
     if (io != nullptr) {  // The bytes go into the file, the request names them.
       const int64_t base = static_cast<int64_t>(i) * io->input_bytes();
       query = IntoShm(query, *io, base);
@@ -396,12 +403,15 @@ absl::Status TimeStateless(client::Client& client, const DecodeBenchConfig& conf
     return absl::OkStatus();
   }
   v1::AttentionRequest request;
-  *request.mutable_query() = RandomTensor(
-      random, StatelessShape(row.batch, config.heads, 1, config.head_dim), config.dtype);
-  *request.mutable_key() = RandomTensor(
-      random, StatelessShape(row.batch, config.kv_heads, length, config.head_dim), config.dtype);
-  *request.mutable_value() = RandomTensor(
-      random, StatelessShape(row.batch, config.kv_heads, length, config.value_dim), config.dtype);
+  *request.mutable_query() =
+      RandomTensor(random, StatelessShape(row.batch, config.heads, 1, config.head_dim),
+                   TokenDTypeFor(config.dtype));
+  *request.mutable_key() =
+      RandomTensor(random, StatelessShape(row.batch, config.kv_heads, length, config.head_dim),
+                   TokenDTypeFor(config.dtype));
+  *request.mutable_value() =
+      RandomTensor(random, StatelessShape(row.batch, config.kv_heads, length, config.value_dim),
+                   TokenDTypeFor(config.dtype));
   *request.mutable_options() = config.options;
   request.mutable_options()->set_return_lse(false);
   if (static_cast<int64_t>(request.ByteSizeLong()) != bytes) {
@@ -603,8 +613,9 @@ void PrintTable(std::FILE* out, const DecodeBenchConfig& config, const v1::Serve
                 int64_t floor_ns) {
   absl::FPrintF(out,
                 "attn bench --decode: %d query heads over %d kv heads, head_dim %d, value_dim %d, "
-                "%s; 1 new token per step (q, k, v)\n",
+                "cache %s, tensors %s; 1 new token per step (q, k, v)\n",
                 config.heads, config.kv_heads, config.head_dim, config.value_dim,
+                DTypeName(FromProtoCacheDType(config.dtype).value_or(DType::kFloat32)),
                 DTypeName(HostDType(config.dtype)));
   absl::FPrintF(out, "client CPU: %s (%d hardware threads)\n", CpuModel(), memory.threads);
   absl::FPrintF(out, "server: attnd %s, %s on %s, at %s\n", server.version(), server.backend(),

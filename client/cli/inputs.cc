@@ -152,8 +152,19 @@ absl::StatusOr<v1::DType> ParseDType(const std::string& name) {
   if (name == "f32") return v1::DTYPE_FLOAT32;
   if (name == "f16") return v1::DTYPE_FLOAT16;
   if (name == "bf16") return v1::DTYPE_BFLOAT16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--dtype must be f32, f16 or bf16, got \"", name, "\""));
+  if (name == "fp8") return v1::DTYPE_FLOAT8_E4M3;  // A cache's dtype (the server refuses tensors).
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--dtype must be f32, f16, bf16 or fp8 (a cache's dtype only), got \"", name, "\""));
+}
+
+absl::StatusOr<v1::DType> ParseTensorDType(const std::string& name) {
+  absl::StatusOr<v1::DType> dtype = ParseDType(name);
+  if (dtype.ok() && *dtype == v1::DTYPE_FLOAT8_E4M3) {
+    return absl::InvalidArgumentError(
+        "--dtype fp8 is a KV cache's dtype only (attn cache create, attn decode, attn bench "
+        "--decode); a query and inline keys and values are f32, f16 or bf16");
+  }
+  return dtype;
 }
 
 absl::Status ParseSeqlens(const std::string& spec, std::vector<int64_t>* cu_seqlens_q,

@@ -29,6 +29,9 @@ absl::StatusOr<Inputs> RandomInputs(const std::string& spec, int64_t kv_heads, u
 
 // Parses "f32", "f16" or "bf16".
 absl::StatusOr<attention::v1::DType> ParseDType(const std::string& name);
+// ParseDType for tensors (a query, inline keys and values): fp8, a cache's dtype only, is
+// INVALID_ARGUMENT saying where it goes.
+absl::StatusOr<attention::v1::DType> ParseTensorDType(const std::string& name);
 
 // Parses a --window spec "L,R" into options' window_left and window_right (AttentionOptions:
 // a query at p sees keys at p − L … p + R): each side an integer ≥ 0, or empty or −1 for

@@ -19,7 +19,8 @@
 //   attn bench --decode [--lengths 1k,...,32k] [--batches 1,16] [--steps M] [--repeats R]
 //                     [--heads H --kv-heads K --head-dim D --value-dim V --dtype T]
 //                     (client/cli/decode_bench.h)
-//   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16] [--json]
+//   attn cache create --kv-heads K --head-dim D [--value-dim V] [--dtype f32|f16|bf16|fp8]
+//                     [--json]
 //                     [--values-from-keys]   a latent cache (MLA): keys only, values their first
 //                     V columns
 //   attn cache append ID --tokens N [--expected-length L] [--seed S]   (random tokens)
@@ -97,7 +98,9 @@ ABSL_FLAG(std::string, seqlens, "",
 ABSL_FLAG(int64_t, kv_heads, 0,
           "Key/value heads for --random, bench, cache create and decode (divides H; 0 = H, "
           "--heads for cache create and decode).");
-ABSL_FLAG(std::string, dtype, "f32", "Input dtype: f32, f16 or bf16.");
+ABSL_FLAG(std::string, dtype, "f32",
+          "Input dtype: f32, f16 or bf16; for a cache (attn cache create, attn decode, attn bench "
+          "--decode) also fp8, whose tokens are sent as bf16 and quantized by the server.");
 ABSL_FLAG(bool, causal, false,
           "Apply the causal mask: a query sees the keys at its position and before (bottom-right "
           "aligned unless --key-position/--query-position say otherwise).");
@@ -212,7 +215,7 @@ int Fail(const absl::Status& status) {
 absl::StatusOr<Inputs> ReadInputs() {
   const std::string example = absl::GetFlag(FLAGS_example);
   const std::string random = absl::GetFlag(FLAGS_random);
-  absl::StatusOr<v1::DType> dtype = attn::cli::ParseDType(absl::GetFlag(FLAGS_dtype));
+  absl::StatusOr<v1::DType> dtype = attn::cli::ParseTensorDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return dtype.status();
   if (!example.empty() && !random.empty()) {
     return absl::InvalidArgumentError("give --example or --random, not both");
@@ -518,7 +521,7 @@ int RunBench(attn::client::Client& client) {
   absl::StatusOr<std::vector<std::string>> methods =
       attn::cli::ParseMethods(absl::GetFlag(FLAGS_methods));
   if (!methods.ok()) return Fail(methods.status());
-  absl::StatusOr<v1::DType> dtype = attn::cli::ParseDType(absl::GetFlag(FLAGS_dtype));
+  absl::StatusOr<v1::DType> dtype = attn::cli::ParseTensorDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(dtype.status());
   config.ns = *std::move(ns);
   config.methods = *std::move(methods);

@@ -56,6 +56,22 @@
 //   await mla.append(tensor(cKv, [1, n, 576], 'bf16'));          // the key alone
 //   const step = await mla.decode(tensor(q, [128, 1, 576]), {key: cKv1});   // output [128, 1, 512]
 //
+// fp8 caches (attention.proto, DTYPE_FLOAT8_E4M3): createCache / openCache with dtype 'fp8'
+// ('fp8_e4m3', 'float8_e4m3', 'DTYPE_FLOAT8_E4M3' or 4 too; cacheDtypeName) store keys and
+// values as fp8 E4M3 (OCP e4m3fn: bias 7, largest ±448, no infinities), each row (one token of
+// one kv head, a key or a value) with its own float32 scale, max |x| / 448, the codes x / scale
+// rounded to nearest even: about half a bf16 cache's bytes. attnd quantizes the tokens it is
+// sent, in any tensor dtype: build them as float32 (cache.tokenDtype says which dtype to use for
+// any cache). fp8 is never a tensor's dtype: tensor(..., 'fp8') throws a TypeError saying so, and
+// attnd answers a Tensor or an outputDtype in it with INVALID_ARGUMENT naming the field. Export
+// chunks carry the stored rows, [kvHeads, n, width] of DTYPE_FLOAT8_E4M3: per row the width
+// codes, zero bytes up to a multiple of 4, then the row's little-endian float32 scale;
+// toFloat32Array() reads them as code · scale.
+//   const fp8 = await client.openCache({kvHeads: 8, headDim: 128, dtype: 'fp8'});
+//   const dtype = fp8.tokenDtype;                       // 'DTYPE_FLOAT32'
+//   await fp8.append(tensor(k, [8, n, 128], dtype), tensor(v, [8, n, 128], dtype));
+//   const step = await fp8.decode(tensor(q, [32, 1, 128]), {key: k1, value: v1});  // fp32 out
+//
 // Persistent caches (attnd --cache-dir; attention.proto, CacheInfo.durableLength): a Cache keeps
 // a replay tail, a copy of every token it sent (append, and decode / decodeBatch items with key
 // and value) past the last durableLength an answer reported, and drops the entries that end at
@@ -309,15 +325,45 @@ const DTYPES = {
   bfloat16: 'DTYPE_BFLOAT16', bf16: 'DTYPE_BFLOAT16',
 };
 const DTYPE_NUMBERS = {1: 'DTYPE_FLOAT32', 2: 'DTYPE_FLOAT16', 3: 'DTYPE_BFLOAT16'};
+// fp8 E4M3 (OCP e4m3fn, 4 on the wire): a KV cache's dtype only, never a tensor's or an output's.
+const FP8 = 'DTYPE_FLOAT8_E4M3';
+const FP8_NAMES = ['fp8', 'fp8_e4m3', 'float8_e4m3', 'float8_e4m3fn', 'dtype_float8_e4m3'];
+const isFp8 = (dtype) => dtype === 4 ||
+                         (typeof dtype === 'string' && FP8_NAMES.includes(dtype.toLowerCase()));
 
-// Canonical enum name for 'f32', 'float16', 'DTYPE_BFLOAT16', 2, ...; throws on anything else.
+// Canonical enum name of a tensor's dtype for 'f32', 'float16', 'DTYPE_BFLOAT16', 2, ...;
+// throws a TypeError on anything else (fp8 included: a cache's dtype only, cacheDtypeName).
 function dtypeName(dtype) {
   if (typeof dtype === 'number' && DTYPE_NUMBERS[dtype]) return DTYPE_NUMBERS[dtype];
   if (typeof dtype === 'string') {
     if (Object.values(DTYPES).includes(dtype)) return dtype;
     if (DTYPES[dtype.toLowerCase()]) return DTYPES[dtype.toLowerCase()];
   }
+  if (isFp8(dtype)) {
+    throw new TypeError(`dtype ${String(dtype)}: fp8 (DTYPE_FLOAT8_E4M3) is a KV cache's dtype ` +
+                        "only (createCache({dtype: 'fp8'})), never a tensor's or an output's; " +
+                        'use float32, float16 or bfloat16 (an fp8 cache quantizes them)');
+  }
   throw new TypeError(`unknown dtype ${String(dtype)}; expected float32, float16 or bfloat16`);
+}
+
+// Canonical enum name of a KV cache's dtype: a tensor's (dtypeName), or 'DTYPE_FLOAT8_E4M3' for
+// 'fp8', 'fp8_e4m3', 'float8_e4m3', 'DTYPE_FLOAT8_E4M3' or 4; throws a TypeError on anything else.
+function cacheDtypeName(dtype) {
+  if (isFp8(dtype)) return FP8;
+  try {
+    return dtypeName(dtype);
+  } catch {
+    throw new TypeError(`unknown cache dtype ${String(dtype)}; expected float32, float16, ` +
+                        'bfloat16 or fp8');
+  }
+}
+
+// The dtype a cache's new tokens are sent in (tensor()'s), for the cache's dtype: its own, or
+// float32 for an fp8 cache (attnd quantizes tokens of any tensor dtype).
+function tokenDtypeName(cacheDtype) {
+  const name = cacheDtypeName(cacheDtype);
+  return name === FP8 ? 'DTYPE_FLOAT32' : name;
 }
 
 // --- fp16 / bf16 conversions (storage formats; arithmetic is fp32) ---------------------------
@@ -375,8 +421,9 @@ function bfloat16BitsToFloat32(h) {
 const LITTLE_ENDIAN = os.endianness() === 'LE';
 
 // A Tensor message from values (Float32Array, or any array-like of numbers) and a shape.
-// dtype: 'float32' (default), 'float16' or 'bfloat16' (or the DTYPE_* names); values are
-// rounded to it. Throws a TypeError when the shape's product is not the number of values.
+// dtype: 'float32' (default), 'float16' or 'bfloat16' (or the DTYPE_* names; fp8 is a cache's
+// dtype only, a TypeError); values are rounded to it. Throws a TypeError when the shape's
+// product is not the number of values.
 function tensor(values, shape, dtype = 'float32') {
   const dims = Array.from(shape, Number);
   const count = dims.reduce((a, b) => a * b, 1);
@@ -402,10 +449,12 @@ function tensor(values, shape, dtype = 'float32') {
   return {shape: dims, dtype: name, data};
 }
 
-// A Tensor message's elements as a Float32Array (row-major), whatever its dtype.
+// A Tensor message's elements as a Float32Array (row-major), whatever its dtype: an fp8 cache's
+// stored rows (an export chunk's key or value) as code · scale (fp8RowsToFloat32).
 // Throws a TypeError on an unknown dtype or data whose length does not match the shape.
 function toFloat32Array(message) {
-  const name = dtypeName(message.dtype);
+  const name = cacheDtypeName(message.dtype);
+  if (name === FP8) return fp8RowsToFloat32(message);
   const count = message.shape.reduce((a, b) => a * Number(b), 1);
   const data = message.data;
   const size = name === 'DTYPE_FLOAT32' ? 4 : 2;
@@ -423,6 +472,36 @@ function toFloat32Array(message) {
   } else {
     const fromBits = name === 'DTYPE_FLOAT16' ? float16BitsToFloat32 : bfloat16BitsToFloat32;
     for (let i = 0; i < count; ++i) out[i] = fromBits(data.readUInt16LE(i * 2));
+  }
+  return out;
+}
+
+// The 256 E4M3 codes' values (bias 7, 3 mantissa bits, subnormals at exponent 0, S.1111.111 NaN).
+const FP8_VALUES = Float32Array.from({length: 256}, (_, code) => {
+  const exponent = (code >> 3) & 0xf, mantissa = code & 7;
+  let value = exponent === 0 ? mantissa * 2 ** -9 : (1 + mantissa / 8) * 2 ** (exponent - 7);
+  if (exponent === 15 && mantissa === 7) value = NaN;
+  return code & 0x80 ? -value : value;
+});
+
+// An fp8 cache's stored rows ([..., width] of DTYPE_FLOAT8_E4M3: per row the codes, zero bytes up
+// to a multiple of 4, a little-endian float32 scale) as a Float32Array of code · scale.
+function fp8RowsToFloat32(message) {
+  const shape = Array.from(message.shape, Number);
+  const width = shape.at(-1) ?? 1;
+  const rows = width === 0 ? 0 : shape.reduce((a, b) => a * b, 1) / width;
+  const rowBytes = rowBytesOf(FP8, width);
+  const data = message.data;
+  if (data.length !== rows * rowBytes) {
+    throw new TypeError(`tensor: ${data.length} bytes for shape [${shape.join(', ')}] of ${FP8}; ` +
+                        `expected ${rows * rowBytes} (rows of ${rowBytes} bytes)`);
+  }
+  const out = new Float32Array(rows * width);
+  for (let r = 0; r < rows; ++r) {
+    const scale = data.readFloatLE(r * rowBytes + rowBytes - 4);
+    for (let i = 0; i < width; ++i) {
+      out[r * width + i] = Math.fround(FP8_VALUES[data[r * rowBytes + i]] * scale);
+    }
   }
   return out;
 }
@@ -477,18 +556,26 @@ function crc32c(data, crc = 0) {
 // --- tokens of a cache's key / value Tensors ------------------------------------------------------
 const ELEMENT_BYTES = {DTYPE_FLOAT32: 4, DTYPE_FLOAT16: 2, DTYPE_BFLOAT16: 2};
 
-// A key or value Tensor of an append, [kvHeads, n, dim] or [n, dim] (one head), along its token
-// axis (axis 1, or 0 for rank 2): {heads, n, dim, rank, rowBytes (one token of one head), bytes}.
-// Throws a TypeError for another rank or data that does not match the shape.
+// Bytes of one row of `dim` elements (one token of one kv head) in dtype (a canonical name):
+// dim × the element's size, or for an fp8 cache's stored row (export chunks) its codes, zero
+// bytes up to a multiple of 4, then its little-endian float32 scale.
+function rowBytesOf(dtype, dim) {
+  return dtype === FP8 ? Math.ceil(dim / 4) * 4 + 4 : dim * ELEMENT_BYTES[dtype];
+}
+
+// A key or value Tensor of an append or an export chunk, [kvHeads, n, dim] or [n, dim] (one
+// head), along its token axis (axis 1, or 0 for rank 2): {heads, n, dim, rank, rowBytes (one
+// token of one head), bytes}. Throws a TypeError for another rank or data that does not match
+// the shape.
 function tokenLayout(t, what) {
   const shape = Array.from(t?.shape ?? [], Number);
   if (shape.length !== 2 && shape.length !== 3) {
     throw new TypeError(`${what}: shape [${shape}] is not [kvHeads, n, dim] or [n, dim]`);
   }
-  const dtype = dtypeName(t.dtype);
+  const dtype = cacheDtypeName(t.dtype);
   const heads = shape.length === 3 ? shape[0] : 1;
   const [n, dim] = shape.slice(-2);
-  const rowBytes = dim * ELEMENT_BYTES[dtype];
+  const rowBytes = rowBytesOf(dtype, dim);
   const bytes = bytesOf(t.data, `${what}.data`);
   if (bytes.length !== heads * n * rowBytes) {
     throw new TypeError(`${what}: ${bytes.length} bytes for shape [${shape}] of ${dtype}; ` +
@@ -531,7 +618,7 @@ function joinTokens(pieces, what) {
 // latent cache's value).
 function copyTensor(t) {
   if (t === undefined || t === null) return null;
-  return {shape: Array.from(t.shape, Number), dtype: dtypeName(t.dtype),
+  return {shape: Array.from(t.shape, Number), dtype: cacheDtypeName(t.dtype),
           data: Buffer.from(bytesOf(t.data))};
 }
 
@@ -914,6 +1001,7 @@ class Client {
 
   // --- KV caches (attention.proto documents each RPC's errors) ---
   // CreateCacheRequest ({kvHeads, headDim, valueDim, dtype, valuesFromKeys}) → CacheInfo.
+  // dtype: float32 (default), float16, bfloat16 or fp8 (cacheDtypeName; see the header).
   // valuesFromKeys: true makes a latent cache (keys only; see the header). Rejects with a
   // TypeError naming valuesFromKeys when it is given and not a boolean, before any call.
   createCache(request, options) {
@@ -921,8 +1009,8 @@ class Client {
       return Promise.reject(new TypeError(
           `createCache: valuesFromKeys must be a boolean, not ${typeof request.valuesFromKeys}`));
     }
-    return this.unary_('CreateCache', {...request, dtype: dtypeName(request.dtype ?? 'float32')},
-                       options);
+    return this.unary_('CreateCache',
+                       {...request, dtype: cacheDtypeName(request.dtype ?? 'float32')}, options);
   }
 
   // AppendCacheRequest ({cacheId, key, value, expectedLength}) → CacheInfo; a latent cache's
@@ -1211,6 +1299,9 @@ class Cache {
   // A latent cache (CacheInfo.valuesFromKeys): keys only, each value the first valueDim columns
   // of its key.
   get valuesFromKeys() { return !!this.info.valuesFromKeys; }
+  // The dtype to build its new tokens in (tensor(values, shape, cache.tokenDtype)): the cache's,
+  // or DTYPE_FLOAT32 for an fp8 cache.
+  get tokenDtype() { return tokenDtypeName(this.info.dtype); }
 
   // The replay tail, oldest first: [{start, key, value}] (its Tensors, value null for a latent
   // cache; do not modify them).
@@ -1682,6 +1773,7 @@ module.exports = {
   tensor,
   toFloat32Array,
   dtypeName,
+  cacheDtypeName,
   float32ToFloat16Bits,
   float16BitsToFloat32,
   float32ToBfloat16Bits,

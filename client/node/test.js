@@ -2,6 +2,10 @@
 // The Node client against a running attnd (tests/node_client_test.sh starts it): all four RPCs,
 // KV caches (create, append, a batched decode and tiled over a cache against float64, a stale
 // expectedLength, NOT_FOUND after delete),
+// fp8 caches (dtype 'fp8': float32 and bf16 tokens quantized per row, Decode and Tiled against
+// float64 over the unquantized tokens and, tightly, over the stored rows, the export's rows of
+// codes, padding and scale read by toFloat32Array, an import decoding bit for bit, fp8 refused as
+// a tensor's dtype by tensor() and as a query's or output's by attnd),
 // the seed example's out[0] and a random grouped-query causal problem against a float64
 // reference computed here, the trace's final estimate against Tiled's row, fp16/bf16 tensors,
 // error paths (INVALID_ARGUMENT naming the field, for a unary call and for a stream),
@@ -509,6 +513,87 @@ test('KV caches: create, append, batched decode and tiled over a cache vs float6
                        (e) => e.code === status.NOT_FOUND);
   const after = (await client.listCaches()).caches.map((c) => c.cacheId);
   for (const cache of caches) assert.ok(!after.includes(cache.id), `${cache.id} gone`);
+});
+
+test('fp8 caches: tokens quantized per row, Decode and Tiled vs float64, stored rows, export ' +
+     'and import, fp8 no tensor dtype', async () => {
+  const rnd = mulberry32(88);
+  const [kvHeads, headDim, valueDim, heads] = [2, 21, 13, 4];  // Rows padded: 21 → 24, 13 → 16.
+  const cache = await client.openCache({kvHeads, headDim, valueDim, dtype: 'fp8'});
+  assert.equal(cache.info.dtype, 'DTYPE_FLOAT8_E4M3');
+  assert.equal(cache.tokenDtype, 'DTYPE_FLOAT32');
+  const held = new HeldTokens(kvHeads, headDim, valueDim);
+  await cache.append(...held.tokens(40, rnd));  // float32, tensor()'s default
+  // Any tensor dtype: bf16 tokens (the held copy keeps their float32 values).
+  await cache.append(...held.tokens(3, rnd).map((t) => tensor(toFloat32Array(t), t.shape, 'bf16')));
+  const q = randomNormal(heads * headDim, rnd);
+  const [k1, v1] = held.tokens(1, rnd);
+  const step = await cache.decode(tensor(q, [heads, 1, headDim]), {key: k1, value: v1});
+  assert.equal(cache.length, 44);
+  const out = toFloat32Array(step.output);
+  assertClose(out, held.reference(q, heads, 1, false).out, 0.05, 'fp8 Decode vs the tokens sent');
+
+  // The stored rows: codes, zero bytes to a multiple of 4, a float32 scale; each element within
+  // half an E4M3 step (2^-4 relative, 2^-10 · scale below 2^-6) of the token sent.
+  const chunks = [];
+  for await (const chunk of client.exportCache(cache.id)) chunks.push(chunk);
+  const stored = {key: [[], []], value: [[], []]};
+  for (const chunk of chunks.filter((c) => c.key)) {
+    for (const [name, dim] of [['key', headDim], ['value', valueDim]]) {
+      const t = chunk[name], n = t.shape[1];
+      assert.equal(t.dtype, 'DTYPE_FLOAT8_E4M3');
+      assert.equal(t.data.length, kvHeads * n * (Math.ceil(dim / 4) * 4 + 4), `${name} bytes`);
+      const x = toFloat32Array(t);
+      for (let h = 0; h < kvHeads; ++h) {
+        stored[name][h].push(...x.subarray(h * n * dim, (h + 1) * n * dim));
+      }
+    }
+  }
+  for (const [name, dim, sent] of [['key', headDim, held.keys], ['value', valueDim, held.values]]) {
+    for (let h = 0; h < kvHeads; ++h) {
+      assert.equal(stored[name][h].length, sent[h].length, `${name} head ${h}`);
+      for (let r = 0; r * dim < sent[h].length; ++r) {
+        const row = sent[h].slice(r * dim, (r + 1) * dim);
+        const scale = Math.max(...row.map(Math.abs)) / 448;
+        row.forEach((x, i) => {
+          const got = stored[name][h][r * dim + i];
+          assert.ok(Math.abs(got - x) <= Math.abs(x) * (2 ** -4 + 2 ** -8) + scale * 2 ** -10,
+                    `${name}[${h}][${r}][${i}]: stored ${got}, sent ${x}`);
+        });
+      }
+    }
+  }
+  // Decode and Tiled over the cache: float64 over the stored rows.
+  const dims = {batch: 1, heads, kvHeads, queryLen: 1, keyLen: 44, headDim, valueDim};
+  const exact = referenceAttention({q, k: Float32Array.from(stored.key.flat()),
+                                    v: Float32Array.from(stored.value.flat()), dims},
+                                   1 / Math.sqrt(headDim), false);
+  assertClose(out, exact.out, 1e-5, 'fp8 Decode vs its stored rows');
+  const tiled = await client.tiled({query: tensor(q, [heads, 1, headDim]), cacheId: cache.id});
+  assertClose(toFloat32Array(tiled.output), exact.out, 1e-5, 'Tiled over an fp8 cache');
+
+  // Imported, it decodes bit for bit as the original.
+  const copy = await client.importCache(chunks, {newIdIfTaken: true});
+  assert.equal(copy.info.dtype, 'DTYPE_FLOAT8_E4M3');
+  assert.equal(copy.length, 44);
+  const q2 = tensor(randomNormal(heads * headDim, rnd), [heads, 1, headDim]);
+  const [k2, v2] = held.tokens(1, rnd);
+  const [a, b] = [await cache.decode(q2, {key: k2, value: v2}),
+                  await copy.decode(q2, {key: k2, value: v2})];
+  assert.ok(a.output.data.equals(b.output.data), 'the imported fp8 cache decodes differently');
+
+  // fp8 is a cache's dtype only: tensor() throws; attnd refuses a query or an output in it.
+  assert.throws(() => tensor(q, [heads, 1, headDim], 'fp8'), /a KV cache's dtype only/);
+  await assert.rejects(client.openCache({kvHeads, headDim, dtype: 5}), /unknown cache dtype 5/);
+  const fp8Query = {shape: [heads, 1, headDim], dtype: 'DTYPE_FLOAT8_E4M3',
+                    data: Buffer.alloc(heads * headDim)};
+  await assert.rejects(client.tiled({query: fp8Query, cacheId: cache.id}),
+                       (e) => e.code === status.INVALID_ARGUMENT && /query\.dtype/.test(e.details));
+  await assert.rejects(
+      client.tiled({query: q2, cacheId: cache.id, options: {outputDtype: 'DTYPE_FLOAT8_E4M3'}}),
+      (e) => e.code === status.INVALID_ARGUMENT && /output_dtype/.test(e.details));
+  await cache.delete();
+  await copy.delete();
 });
 
 // --- positions and mergeStates ------------------------------------------------------------------

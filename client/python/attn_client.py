@@ -29,7 +29,10 @@ heads, seq, dim] (key/value heads may divide query heads: grouped-query attentio
 `dtype=` ("fp32", "fp16", "bf16", or np.float32 / np.float16) converts all three inputs to that
 storage type instead: float arrays are rounded (to nearest even for bf16, like the server), so
 `client.naive(q, k, v, dtype="bf16")` on float32 arrays works too. Without `dtype=`, float64 and
-integer arrays are sent as float32. An attention_pb2.Tensor is passed through as it is.
+integer arrays are sent as float32. An attention_pb2.Tensor is passed through as it is. fp8
+("fp8", DTYPE_FLOAT8_E4M3) is a KV cache's dtype only: as a tensor's dtype= or output_dtype= it
+is a ValueError before any RPC (attnd answers a tensor sent in it INVALID_ARGUMENT naming the
+field).
 Arithmetic on the server is always fp32.
 
 Results (`Result`): `.output` is float32 for fp32 output, float16 for fp16, and uint16 bfloat16
@@ -66,10 +69,11 @@ A `Cache` tracks the length it believes the cache has and sends it as expected_l
 append, decode, truncate and fork (a retried call is then refused with FAILED_PRECONDITION
 instead of storing tokens twice; `refresh()` re-reads the length). Cache ids (str) work
 everywhere a Cache does, with expected_length passed explicitly. Keys and values for a Cache
-are sent in its dtype unless `dtype=` says otherwise. Cache infos are dicts of CacheInfo's
-fields (cache_id, kv_heads, head_dim, value_dim, dtype as a name, length, bytes, page_tokens,
-durable_length, crc32c, values_from_keys, shared_bytes; durable_length and crc32c None when the
-server did not send them).
+are sent in its dtype (an fp8 Cache's as float32) unless `dtype=` says otherwise. Cache infos are
+dicts of CacheInfo's fields (cache_id, kv_heads, head_dim, value_dim, dtype as a name ("fp32",
+"fp16", "bf16", "fp8_e4m3"), length, bytes, page_tokens, durable_length, crc32c,
+values_from_keys, shared_bytes; durable_length and crc32c None when the server did not send
+them).
 
 Latent caches (MLA, as DeepSeek-V3/R1 and Kimi K2 decode): create_cache(...,
 values_from_keys=True) makes a cache that stores keys only; a token's value is the first
@@ -87,6 +91,23 @@ any RPC (the server's answer for one sent anyway, e.g. with a cache id, is INVAL
 naming the field); value_dim > head_dim is INVALID_ARGUMENT naming value_dim.
 `cache.values_from_keys` (and the info dict's "values_from_keys") says which kind a cache is;
 its replay tail keeps keys only, and its exports carry keys only.
+
+fp8 caches: create_cache(..., dtype="fp8") ("fp8_e4m3", "float8_e4m3" or DTYPE_FLOAT8_E4M3
+too) stores keys and values as fp8 E4M3 (OCP e4m3fn: bias 7, largest ±448, no infinities), each
+row (one token of one kv head, a key or a value) with its own float32 scale, max |x| / 448, the
+codes x / scale rounded to nearest even: about half a bf16 cache's bytes. attnd quantizes the
+tokens it is sent, in any tensor dtype; a Cache sends its arrays as float32 (dtype="fp16" or
+"bf16" sends them so; SharedTensors go in their own dtype), and its replay tail keeps them as
+sent, so a refresh() re-quantizes the same values into the same bytes. `cache.dtype` is
+"fp8_e4m3"; queries and outputs stay fp32, fp16 or bf16:
+
+    cache = client.create_cache(kv_heads=8, head_dim=128, dtype="fp8")
+    cache.append(k, v)                     # float32 [8, n, 128]: quantized by attnd
+    step = cache.decode(q, k1, v1)         # q [32, 1, 128] → float32 output
+
+Its exports carry the stored rows: chunk Tensors [kv_heads, n, width] of DTYPE_FLOAT8_E4M3 whose
+data is, per row, the width codes, zero bytes up to a multiple of 4, then the row's
+little-endian float32 scale ((width + 3) // 4 * 4 + 4 bytes a row).
 
 Persistence and recovery: without attnd --cache-dir caches live in the server's memory only
 (NOT_FOUND after a restart, a delete, or --cache-idle-seconds unused). With it they are written
@@ -376,12 +397,18 @@ __all__ = ["Client", "Result", "Cache", "DecodeResult", "AttnError", "bf16_to_fl
 # Like the C++ client (client/client.h) and attnd's default --max-message-bytes.
 MAX_MESSAGE_BYTES = 1 << 30
 
+# A tensor's dtypes (inputs, outputs, and the tokens sent to any cache).
 _DTYPES = {
     "fp32": pb.DTYPE_FLOAT32, "float32": pb.DTYPE_FLOAT32,
     "fp16": pb.DTYPE_FLOAT16, "float16": pb.DTYPE_FLOAT16,
     "bf16": pb.DTYPE_BFLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
 }
-_DTYPE_NAMES = {pb.DTYPE_FLOAT32: "fp32", pb.DTYPE_FLOAT16: "fp16", pb.DTYPE_BFLOAT16: "bf16"}
+# fp8 E4M3 (OCP e4m3fn): a KV cache's storage dtype only, never a tensor's (stubs generated
+# before it lack the name; it is 4 on the wire).
+_FLOAT8 = getattr(pb, "DTYPE_FLOAT8_E4M3", 4)
+_FP8_NAMES = frozenset(("fp8", "fp8_e4m3", "float8_e4m3", "float8_e4m3fn"))
+_DTYPE_NAMES = {pb.DTYPE_FLOAT32: "fp32", pb.DTYPE_FLOAT16: "fp16", pb.DTYPE_BFLOAT16: "bf16",
+                _FLOAT8: "fp8_e4m3"}
 _HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
@@ -808,31 +835,43 @@ def _resident(tensor, source):
 
 # --- Encoding -----------------------------------------------------------------------------------
 
-def _dtype_enum(dtype, what):
-    """None, a name, a NumPy float type or a DType number → a DType number (None stays None)."""
+def _dtype_enum(dtype, what, cache=False):
+    """None, a name, a NumPy float type or a DType number → a DType number (None stays None).
+    fp8 ('fp8', 'fp8_e4m3', 'float8_e4m3', 'float8_e4m3fn' or DTYPE_FLOAT8_E4M3) only with
+    cache=True (a cache's storage type); for a tensor or an output it is a ValueError saying
+    so."""
     if dtype is None:
         return None
+    integral = isinstance(dtype, numbers.Integral) and not isinstance(dtype, bool)
+    if (isinstance(dtype, str) and dtype.lower() in _FP8_NAMES) or \
+            (integral and int(dtype) == _FLOAT8):
+        if cache:
+            return _FLOAT8
+        raise ValueError("%s %r: fp8 (DTYPE_FLOAT8_E4M3) is a KV cache's dtype only "
+                         "(create_cache(..., dtype='fp8')), never a tensor's or an output's; "
+                         "use 'fp32', 'fp16' or 'bf16' (an fp8 cache quantizes them)"
+                         % (what, dtype))
+    names = "'fp32', 'fp16', 'bf16' or 'fp8'" if cache else "'fp32', 'fp16' or 'bf16'"
     if isinstance(dtype, str):
         key = dtype.lower()
         if key in _DTYPES:
             return _DTYPES[key]
-        raise ValueError("%s %r: expected 'fp32', 'fp16' or 'bf16'" % (what, dtype))
-    if isinstance(dtype, numbers.Integral) and not isinstance(dtype, bool):
-        if int(dtype) in _DTYPE_NAMES:
+        raise ValueError("%s %r: expected %s" % (what, dtype, names))
+    if integral:
+        if int(dtype) in _DTYPES.values():
             return int(dtype)
-        raise ValueError("%s %r is not DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16"
-                         % (what, dtype))
+        raise ValueError("%s %r is not DTYPE_FLOAT32, DTYPE_FLOAT16 or DTYPE_BFLOAT16%s"
+                         % (what, dtype, " (or DTYPE_FLOAT8_E4M3)" if cache else ""))
     try:
         numpy_type = np.dtype(dtype)
     except TypeError:
-        raise TypeError("%s must be 'fp32', 'fp16', 'bf16' or a NumPy float type, not %r"
-                        % (what, dtype)) from None
+        raise TypeError("%s must be %s or a NumPy float type, not %r"
+                        % (what, names, dtype)) from None
     if numpy_type == np.float32:
         return pb.DTYPE_FLOAT32
     if numpy_type == np.float16:
         return pb.DTYPE_FLOAT16
-    raise ValueError("%s %s: NumPy has no bfloat16; use 'fp32', 'fp16' or 'bf16'"
-                     % (what, numpy_type))
+    raise ValueError("%s %s: NumPy has no bfloat16; use %s" % (what, numpy_type, names))
 
 
 def _encode(name, array, dtype):
@@ -1045,16 +1084,26 @@ _ELEMENT_BYTES = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2
 _REPLAY_APPEND_BYTES = 64 << 20
 
 
+def _row_bytes(dtype, width):
+    """Bytes of one row of `width` elements (one token of one kv head) in `dtype`: width × the
+    element's size; an fp8 cache's stored row (export chunks, cache files) is its codes, zero
+    bytes up to a multiple of 4, then its little-endian float32 scale."""
+    if dtype == _FLOAT8:
+        return (width + 3) // 4 * 4 + 4
+    return width * _ELEMENT_BYTES.get(dtype, 1)
+
+
 def _tokens_view(tensor):
-    """A cache-token Tensor ([kv_heads, n, dim], or [n, dim]) as a uint8 array [outer, n, bytes
-    per token and head], a view of its data."""
+    """A cache-token Tensor ([kv_heads, n, dim], or [n, dim]; tokens as sent, or an fp8
+    cache's stored rows) as a uint8 array [outer, n, bytes per token and head], a view of its
+    data."""
     shape = [int(x) for x in tensor.shape]
     if len(shape) not in (2, 3):
         raise ValueError("cache tokens must be [kv_heads, n, dim] or [n, dim], not shape %s"
                          % (shape,))
     outer, n, dim = ([1] + shape) if len(shape) == 2 else shape
     raw = np.frombuffer(tensor.data, dtype=np.uint8)
-    return raw.reshape(outer, n, dim * _ELEMENT_BYTES.get(tensor.dtype, 1))
+    return raw.reshape(outer, n, _row_bytes(tensor.dtype, dim))
 
 
 def _token_count(tensor):
@@ -1118,16 +1167,16 @@ class Cache:
     Client.open_cache for an existing id, Client.import_cache or Cache.fork). Not thread-safe:
     one sequence, one writer.
 
-    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16"), values_from_keys
-    (a latent cache: keys only, each value the first value_dim columns of its key), durable_length
-    (tokens on the server's disk, None when it does not persist), shared_bytes (of its bytes,
-    those in pages a fork or the cache it was forked from holds too, as of the last answer for
-    it: a fork made since shows after cache_info() or refresh()), info (the last CacheInfo dict
-    the server sent). `length` is what append(), decode(), truncate() and fork() send as
-    expected_length; each successful call on this cache sets it from the server's answer.
-    replay_tail: [(start, n), ...], the tokens kept to re-send (see refresh()); a cut
-    (truncate(), decode's truncate_to) cuts it too. `client` is the Client it calls (another
-    one once it followed a moved_to)."""
+    id, length, kv_heads, head_dim, value_dim, dtype ("fp32", "fp16", "bf16", "fp8_e4m3"),
+    values_from_keys (a latent cache: keys only, each value the first value_dim columns of its
+    key), durable_length (tokens on the server's disk, None when it does not persist),
+    shared_bytes (of its bytes, those in pages a fork or the cache it was forked from holds too,
+    as of the last answer for it: a fork made since shows after cache_info() or refresh()), info
+    (the last CacheInfo dict the server sent). `length` is what append(), decode(), truncate()
+    and fork() send as expected_length; each successful call on this cache sets it from the
+    server's answer. replay_tail: [(start, n), ...], the tokens kept to re-send (see refresh());
+    a cut (truncate(), decode's truncate_to) cuts it too. `client` is the Client it calls
+    (another one once it followed a moved_to)."""
 
     def __init__(self, client, info):
         self.client = client
@@ -1225,7 +1274,8 @@ class Cache:
         kv_heads is 1) at `length` → the new CacheInfo dict; a latent cache (values_from_keys)
         takes the key alone: cache.append(key). ValueError naming value, before any RPC, for a
         value given to a latent cache or none to one that stores values. dtype None: the
-        cache's. Follows a moved_to once (see the module docstring)."""
+        cache's (float32 for an fp8 cache, which quantizes them). Follows a moved_to once (see
+        the module docstring)."""
         return self._follow(lambda: self.client.append(self, key, value, dtype=dtype))
 
     def truncate(self, length, *, expected_length=None):
@@ -1824,7 +1874,9 @@ class Client:
     def create_cache(self, kv_heads, head_dim, value_dim=None, dtype="fp32", *,
                      values_from_keys=False):
         """CreateCache → a new, empty Cache. value_dim None: head_dim. dtype: the storage type
-        of its keys and values ("fp32", "fp16", "bf16"); appended tokens are converted to it.
+        of its keys and values ("fp32", "fp16", "bf16"; appended tokens are converted to it,
+        or "fp8" / "fp8_e4m3" / "float8_e4m3" / DTYPE_FLOAT8_E4M3: fp8 E4M3 rows with a float32
+        scale each, quantized by attnd from tokens sent as float32; see the module docstring).
         values_from_keys=True: a latent cache (MLA, as DeepSeek-V3 decodes) that stores keys
         only, a token's value being the first value_dim columns of its key (value_dim ≤
         head_dim: INVALID_ARGUMENT naming value_dim otherwise); its appends and decode items
@@ -1840,7 +1892,8 @@ class Client:
         request = pb.CreateCacheRequest(
             kv_heads=int(kv_heads), head_dim=int(head_dim),
             value_dim=int(head_dim if value_dim is None else value_dim),
-            dtype=_dtype_enum(dtype, "dtype"), values_from_keys=bool(values_from_keys))
+            dtype=_dtype_enum(dtype, "dtype", cache=True),
+            values_from_keys=bool(values_from_keys))
         return Cache(self, self._call("CreateCache", self._stub.CreateCache, request))
 
     def open_cache(self, cache_id):
@@ -1854,20 +1907,21 @@ class Client:
         latent Cache is a ValueError naming value (none given for a Cache that stores values,
         too), before any RPC. expected_length: the length the cache has before these tokens;
         None: a Cache's `length` (an id needs it given). FAILED_PRECONDITION, naming the actual
-        length, when it is wrong; the cache is then unchanged. dtype None: a Cache's dtype (an
-        id's arrays are sent as they are, see the module docstring). key and value may be
-        SharedTensors (in the cache's dtype: ValueError naming them otherwise); a Cache keeps a
-        copy of their bytes for its replay tail when it needs one (see Cache._record)."""
+        length, when it is wrong; the cache is then unchanged. dtype None: a Cache's dtype,
+        float32 for an fp8 Cache (an id's arrays are sent as they are, see the module
+        docstring); "fp8" is a ValueError (a cache's dtype only). key and value may be
+        SharedTensors (in the cache's dtype, any for an fp8 cache: ValueError naming them
+        otherwise); a Cache keeps a copy of their bytes for its replay tail when it needs one
+        (see Cache._record)."""
         cache_id = _cache_id(cache)
         _check_value(cache, "", key, value)
         expected = _expected_length(cache, expected_length)
-        input_dtype = _dtype_enum(dtype if dtype is not None or not isinstance(cache, Cache)
-                                  else cache.dtype, "dtype")
-        request = pb.AppendCacheRequest(cache_id=cache_id, key=_encode_tokens("key", key,
-                                                                            input_dtype),
-                                        expected_length=expected)
+        token_dtype, shared_as_is = _token_dtype(cache, _dtype_enum(dtype, "dtype"))
+        request = pb.AppendCacheRequest(
+            cache_id=cache_id, key=_encode_tokens("key", key, token_dtype, shared_as_is),
+            expected_length=expected)
         if value is not None:
-            request.value.CopyFrom(_encode_tokens("value", value, input_dtype))
+            request.value.CopyFrom(_encode_tokens("value", value, token_dtype, shared_as_is))
         info = _cache_dict(self._call("AppendCache", self._stub.AppendCache, request))
         if isinstance(cache, Cache):
             cache._record(expected, request.key,
@@ -1961,7 +2015,9 @@ class Client:
                 call.cancel()
 
     def export_cache(self, cache, path=None, *, verify=False):
-        """ExportCache of a Cache or id: its layout and tokens, bit-exact in its dtype.
+        """ExportCache of a Cache or id: its layout and tokens, bit-exact in its dtype (an fp8
+        cache's as its stored rows: codes, padding to 4 bytes, float32 scale; see the module
+        docstring).
 
         path None → the list of CacheChunk messages: the first carries info (CacheInfo: id,
         layout, length = the tokens exported), each tokens [start, start + n) as key [kv_heads,
@@ -2109,7 +2165,7 @@ class Client:
         its parts cannot share one batch with sinks: decode the first part with them and the
         others in a call without (then merge_states()).
         dtype converts every query, key and value (None: queries as they are, keys and values
-        of a Cache in its dtype); other options as for naive()."""
+        of a Cache in its dtype, float32 for an fp8 Cache); other options as for naive()."""
         if key_position is not None or query_position is not None:
             raise ValueError("decode takes positions per item, not for the batch: give each "
                              "item dict its own 'key_position' / 'query_position' (or "
@@ -2166,12 +2222,12 @@ class Client:
             if tree_parents is not None:
                 message.tree_parents.extend(_tree_parents(name + "tree_parents", tree_parents))
             if key is not None:
-                token_dtype = input_dtype
-                if token_dtype is None and isinstance(cache, Cache):
-                    token_dtype = _dtype_enum(cache.dtype, "dtype")
-                message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype))
+                token_dtype, shared_as_is = _token_dtype(cache, input_dtype)
+                message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype,
+                                                    shared_as_is))
             if value is not None:
-                message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype))
+                message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype,
+                                                      shared_as_is))
             if output_to is not None:
                 message.output_to.CopyFrom(_shared_ref(name + "output_to", output_to))
                 _check_output_to(name + "output_to", output_to, request.options, message.query)
@@ -2559,10 +2615,26 @@ def _expected_length(cache, expected_length):
     return int(expected_length)
 
 
-def _encode_tokens(name, array, dtype):
+def _token_dtype(cache, dtype):
+    """How new tokens for `cache` are sent, given the call's dtype (a DType number or None) →
+    (the dtype for _encode_tokens, whether a SharedTensor goes in its own dtype): the call's
+    dtype when given; else a Cache's dtype, or float32 for an fp8 Cache (the server quantizes
+    tokens of any tensor dtype, so a SharedTensor goes as it is); else (an id) as the arrays
+    are."""
+    if dtype is not None or not isinstance(cache, Cache):
+        return dtype, False
+    stored = _dtype_enum(cache.dtype, "dtype", cache=True)
+    if stored == _FLOAT8:
+        return pb.DTYPE_FLOAT32, True
+    return stored, False
+
+
+def _encode_tokens(name, array, dtype, shared_as_is=False):
     """Cache tokens [kv_heads, n, dim] (rank 2 [n, dim] when kv_heads is 1) as a Tensor (a
-    SharedTensor's naming its shared memory)."""
+    SharedTensor's naming its shared memory, in its own dtype when shared_as_is)."""
     if isinstance(array, (np.ndarray, SharedTensor)) and array.ndim == 4:
         raise ValueError("%s has rank 4 (shape %s); cache tokens are [kv_heads, n, dim] or "
                          "[n, dim]" % (name, array.shape))
+    if shared_as_is and isinstance(array, SharedTensor):
+        dtype = None
     return _encode(name, array, dtype)

@@ -218,6 +218,8 @@ void RunChunks(DType dtype, const DecodeRun& run, DecodeScratch& scratch) {
       return RunDispatched<DType::kFloat16>(run, scratch);
     case DType::kBFloat16:
       return RunDispatched<DType::kBFloat16>(run, scratch);
+    case DType::kFloat8E4M3:
+      return RunDispatched<DType::kFloat8E4M3>(run, scratch);
   }
 }
 

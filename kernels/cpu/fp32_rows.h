@@ -7,7 +7,8 @@
 // LoadKeys/LoadValues are the one view of a problem's keys and values for the kernels that work
 // in fp32 (Naive, Tiled, Trace): rows [begin, begin + count) of one kv head, from dense tensors
 // or from a cache's pages (Problem::pages). Paged rows in one page of an fp32 cache are used in
-// place; otherwise the page segments are gathered (and converted) into the buffer. The values
+// place; otherwise the page segments are gathered (and converted; fp8 rows dequantized, code ·
+// the row's scale) into the buffer. The values
 // are the same floats either way, so a kernel computes the same bits on both layouts.
 #pragma once
 
@@ -37,7 +38,20 @@ inline void ConvertToFloat(const void* src, DType dtype, int64_t count, float* d
       for (int64_t i = 0; i < count; ++i) dst[i] = HalfToFloat(h[i]);
       return;
     }
+    case DType::kFloat8E4M3: {  // The codes' values: the caller applies the row's scale.
+      const uint8_t* b = static_cast<const uint8_t*>(src);
+      for (int64_t i = 0; i < count; ++i) dst[i] = Fp8E4M3ToFloat(b[i]);
+      return;
+    }
   }
+}
+
+// dst[i] = element i of one stored fp8 row (row_bytes bytes: Fp8RowBytes) as fp32, i < width:
+// code · the row's scale.
+inline void DequantizeFp8Row(const void* row, int64_t width, int64_t row_bytes, float* dst) {
+  const float scale = Fp8RowScale(row, row_bytes);
+  const uint8_t* codes = static_cast<const uint8_t*>(row);
+  for (int64_t i = 0; i < width; ++i) dst[i] = Fp8E4M3ToFloat(codes[i]) * scale;
 }
 
 // dst[offset + i] = src[i] rounded to dst's dtype, for i < count.
@@ -57,6 +71,12 @@ inline void StoreFloats(const float* src, int64_t count, const MutableTensorView
     case DType::kFloat16: {
       uint16_t* h = static_cast<uint16_t*>(dst.data) + offset;
       for (int64_t i = 0; i < count; ++i) h[i] = FloatToHalf(src[i]);
+      return;
+    }
+    case DType::kFloat8E4M3: {  // Codes, unscaled (no output is fp8; a row's scale is the
+                                // caller's).
+      uint8_t* b = static_cast<uint8_t*>(dst.data) + offset;
+      for (int64_t i = 0; i < count; ++i) b[i] = FloatToFp8E4M3(src[i]);
       return;
     }
   }
@@ -117,7 +137,12 @@ class Fp32Rows {
       const int64_t rows =
           std::min(pages.page_tokens - token % pages.page_tokens, begin + count - token);
       const char* page = static_cast<const char*>(table[token / pages.page_tokens]);
-      if (row == width) {  // A segment of whole rows: one conversion.
+      if (pages.dtype == DType::kFloat8E4M3) {  // Each row with its own scale.
+        for (int64_t i = 0; i < rows; ++i) {
+          DequantizeFp8Row(page + offset(token + i), width, row,
+                           buffer_.data() + (token + i - begin) * width);
+        }
+      } else if (row == width) {  // A segment of whole rows: one conversion.
         ConvertToFloat(page + offset(token) * element, pages.dtype, rows * width,
                        buffer_.data() + (token - begin) * width);
       } else {

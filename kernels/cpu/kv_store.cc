@@ -19,13 +19,28 @@ void FreeAligned(void* block) {
   ::operator delete (block, std::align_val_t{CpuKvStore::kPageAlignment});
 }
 
-// count elements from src (any dtype) to dst (dtype `to`), through fp32 in chunks of `scratch`.
-void ConvertRows(const void* src, DType from, int64_t count, void* dst, DType to,
-                 std::vector<float>& scratch) {
+// `rows` rows of `width` elements from src (dense rows in dtype `from`) to dst as the store keeps
+// them (StoredRowBytes(to, width) each): copied when the dtypes match (an fp8 source holds
+// stored rows: a file's, an export's), quantized into fp8 rows, else converted through fp32 in
+// chunks of `scratch`.
+void StoreRows(const void* src, DType from, int64_t rows, int64_t width, void* dst, DType to,
+               std::vector<float>& scratch) {
   if (from == to) {
-    std::copy_n(static_cast<const char*>(src), count * ElementSize(from), static_cast<char*>(dst));
+    std::copy_n(static_cast<const char*>(src), rows * StoredRowBytes(from, width),
+                static_cast<char*>(dst));
     return;
   }
+  if (to == DType::kFloat8E4M3) {
+    scratch.resize(width);
+    const int64_t row_bytes = Fp8RowBytes(width);
+    for (int64_t r = 0; r < rows; ++r) {
+      ConvertToFloat(static_cast<const char*>(src) + r * width * ElementSize(from), from, width,
+                     scratch.data());
+      QuantizeFp8Row(scratch.data(), width, static_cast<char*>(dst) + r * row_bytes);
+    }
+    return;
+  }
+  const int64_t count = rows * width;
   constexpr int64_t kChunk = 4096;
   scratch.resize(kChunk);
   for (int64_t done = 0; done < count; done += kChunk) {
@@ -51,11 +66,11 @@ CpuKvStore::CpuKvStore(const KvLayout& layout, int64_t page_tokens, std::shared_
 CpuKvStore::~CpuKvStore() { Truncate(0); }
 
 int64_t CpuKvStore::KeyBlockBytes() const {
-  return layout_.kv_heads * page_tokens_ * layout_.head_dim * ElementSize(layout_.dtype);
+  return layout_.kv_heads * page_tokens_ * KeyRowBytes(layout_);
 }
 
 int64_t CpuKvStore::ValueBlockBytes() const {
-  return layout_.kv_heads * page_tokens_ * StoredValueDim(layout_) * ElementSize(layout_.dtype);
+  return layout_.kv_heads * page_tokens_ * StoredValueRowBytes(layout_);
 }
 
 int64_t CpuKvStore::BytesFor(int64_t length) const {
@@ -78,8 +93,8 @@ void CpuKvStore::RefreshTables() {
   paged_.key_pages = key_pages_.data();
   paged_.value_pages = latent ? key_pages_.data() : value_pages_.data();
   paged_.page_tokens = page_tokens_;
-  paged_.key_width = layout_.head_dim;
-  paged_.value_width = latent ? layout_.head_dim : layout_.value_dim;
+  paged_.key_width = StoredRowWidth(layout_.dtype, layout_.head_dim);
+  paged_.value_width = latent ? paged_.key_width : StoredRowWidth(layout_.dtype, layout_.value_dim);
   paged_.dtype = layout_.dtype;
 }
 
@@ -222,18 +237,17 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
   auto copy = [&](const TensorView& source, bool keys, int64_t width) {
     // Rows of `width` elements: the blocks hold nothing else (a latent store has no value
     // blocks, so its rows are always whole keys).
-    const int64_t source_element = ElementSize(source.dtype);
-    const int64_t element = ElementSize(layout_.dtype);
+    const int64_t source_row = StoredRowBytes(source.dtype, width);
+    const int64_t row = StoredRowBytes(layout_.dtype, width);
     for (int64_t head = 0; head < layout_.kv_heads; ++head) {
       for (int64_t t = 0; t < n;) {
         const int64_t token = length_ + t;
         const int64_t rows = std::min(page_tokens_ - token % page_tokens_, n - t);
-        const char* src =
-            static_cast<const char*>(source.data) + (head * n + t) * width * source_element;
+        const char* src = static_cast<const char*>(source.data) + (head * n + t) * source_row;
         Page* page = pages_[token / page_tokens_];
         char* dst = static_cast<char*>(keys ? page->key : page->value) +
-                    (head * page_tokens_ + token % page_tokens_) * width * element;
-        ConvertRows(src, source.dtype, rows * width, dst, layout_.dtype, scratch);
+                    (head * page_tokens_ + token % page_tokens_) * row;
+        StoreRows(src, source.dtype, rows, width, dst, layout_.dtype, scratch);
         t += rows;
       }
     }

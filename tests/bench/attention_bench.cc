@@ -209,18 +209,20 @@ bool DeadlinePassed() {
 }
 
 [[noreturn]] void Usage(const std::string& problem) {
-  std::fprintf(stderr,
-               "attention_bench: %s\n"
-               "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1\n"
-               "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-               "       --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
-               "--naive_budget_gib=G\n"
-               "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-               "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
-               "--decode_forks=OWN --memread_mib=M\n"
-               "       --memcopy_mib=M\n"
-               "       and Google Benchmark's --benchmark_* flags\n",
-               problem.c_str());
+  std::fprintf(
+      stderr,
+      "attention_bench: %s\n"
+      "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16,fp16,fp8 (fp8: decode rows "
+      "only) --causal=0,1\n"
+      "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
+      "       --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
+      "--naive_budget_gib=G\n"
+      "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+      "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
+      "--decode_forks=OWN --memread_mib=M\n"
+      "       --memcopy_mib=M\n"
+      "       and Google Benchmark's --benchmark_* flags\n",
+      problem.c_str());
   std::exit(2);
 }
 
@@ -309,6 +311,8 @@ Options ParseOptions(int* argc, char** argv) {
           options.dtypes.push_back(DType::kBFloat16);
         } else if (item == "fp16" || item == "f16") {
           options.dtypes.push_back(DType::kFloat16);
+        } else if (item == "fp8") {  // Decode rows only: a cache's dtype.
+          options.dtypes.push_back(DType::kFloat8E4M3);
         } else {
           Usage(absl::StrCat("unknown dtype ", item));
         }
@@ -567,8 +571,11 @@ struct DecodeCell {
   double CacheBytes() const {
     const double tokens =
         forks_own > 0 ? static_cast<double>(n + batch * forks_own) : static_cast<double>(batch) * n;
-    return tokens * kv_heads * (latent_dv > 0 ? 1 : 2) * d * attn::ElementSize(dtype);
+    return tokens * kv_heads * (latent_dv > 0 ? 1 : 2) * attn::StoredRowBytes(dtype, d);
   }
+  // The queries' and outputs' dtype: the cache's, or bf16 over an fp8 cache (fp8 is a cache's
+  // dtype only).
+  DType WireDType() const { return dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : dtype; }
 };
 
 void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell& cell) {
@@ -608,10 +615,11 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
       stores.push_back(*std::move(store));
     }
   }
-  const int64_t esize = attn::ElementSize(cell.dtype);
+  const DType wire = cell.WireDType();
+  const int64_t esize = attn::ElementSize(wire);
   std::vector<uint8_t> queries(cell.batch * cell.heads * cell.d * esize);
   for (int64_t i = 0; i < cell.batch * cell.heads * cell.d; ++i) {
-    attn::StoreElement(queries.data(), cell.dtype, i, uniform(rng));
+    attn::StoreElement(queries.data(), wire, i, uniform(rng));
   }
   std::vector<std::vector<uint8_t>> output_bytes(cell.batch);
   std::vector<std::vector<float>> lse(cell.batch);
@@ -621,19 +629,18 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
     attn::Problem& p = problems[b];
     p.shape = attn::testing::MakeShape(1, cell.heads, cell.kv_heads, 1, cell.Length(), cell.d,
                                        cell.ValueDim());
-    p.query = attn::TensorView{queries.data() + b * cell.heads * cell.d * esize, cell.dtype};
+    p.query = attn::TensorView{queries.data() + b * cell.heads * cell.d * esize, wire};
     p.pages = &stores[b]->pages();
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(cell.d)));
     p.block_k = backend->default_block_k();
     p.return_lse = true;
-    p.output_dtype = cell.dtype;
+    p.output_dtype = wire;
     output_bytes[b].resize(p.OutputElements() * esize);  // [heads, 1, value_dim]
     for (int64_t i = 0; i < p.OutputElements(); ++i) {
-      attn::StoreElement(output_bytes[b].data(), cell.dtype, i,
-                         std::numeric_limits<float>::quiet_NaN());
+      attn::StoreElement(output_bytes[b].data(), wire, i, std::numeric_limits<float>::quiet_NaN());
     }
     lse[b].resize(p.LseElements());
-    outputs[b].output = attn::MutableTensorView{output_bytes[b].data(), cell.dtype};
+    outputs[b].output = attn::MutableTensorView{output_bytes[b].data(), wire};
     outputs[b].lse = lse[b].data();
   }
   auto call = [&] {
@@ -654,7 +661,7 @@ void RunDecode(benchmark::State& state, attn::Backend* backend, const DecodeCell
   if (!stats.ok()) return;
   for (int64_t b = 0; b < cell.batch; ++b) {
     for (int64_t i = 0; i < problems[b].OutputElements(); ++i) {
-      if (!std::isfinite(attn::LoadElement(output_bytes[b].data(), cell.dtype, i))) {
+      if (!std::isfinite(attn::LoadElement(output_bytes[b].data(), wire, i))) {
         return Skip(state, absl::StrCat("bad: output ", b, " element ", i, " is not finite"));
       }
     }
@@ -997,6 +1004,7 @@ int main(int argc, char** argv) {
     for (int64_t length : options.ragged) total += length;
     for (int64_t d : options.dims) {
       for (DType dtype : options.dtypes) {
+        if (dtype == DType::kFloat8E4M3) continue;  // Decode rows only.
         for (int64_t causal : options.causal) {
           for (bool packed : {true, false}) {
             const Cell cell{"ragged", dtype, causal != 0, total, HeadsFor(options, total), d};
@@ -1022,6 +1030,7 @@ int main(int argc, char** argv) {
   std::sort(seqs.begin(), seqs.end());
   for (int64_t d : options.dims) {
     for (DType dtype : options.dtypes) {
+      if (dtype == DType::kFloat8E4M3) continue;  // Decode rows only.
       for (int64_t causal : options.causal) {
         for (int64_t n : seqs) {
           for (const std::string& method : options.methods) {
