@@ -92,8 +92,10 @@ check random-bf16 0 'output \[1, 2, 33, 8\] DTYPE_BFLOAT16' -- \
 check random-gqa 0 'output \[2, 4, 17, 5\]' -- \
   "$attn" "${target[@]}" naive --random 2,4,17,5 --kv-heads 2 --seed 7
 check bad-random 1 '--random expects B,H,N,D' -- "$attn" "${target[@]}" tiled --random 1,2,3
-check bad-dtype 1 '--dtype must be f32, f16 or bf16' -- \
+check bad-dtype 1 '--dtype must be f32, f16, bf16 or fp8' -- \
   "$attn" "${target[@]}" tiled --example seed --dtype f64
+check fp8-tensor 1 "--dtype fp8 is a KV cache's dtype only" -- \
+  "$attn" "${target[@]}" tiled --random 1,2,9,8 --dtype fp8
 check no-inputs 1 'give inputs' -- "$attn" "${target[@]}" tiled
 check bad-row 1 'INVALID_ARGUMENT: rows\[0\]\.row' -- \
   "$attn" "${target[@]}" trace --example seed --rows 0:0:99
