@@ -146,7 +146,7 @@ constexpr int kLanes = 8;
 }  // namespace portable
 
 #if defined(__x86_64__) && defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 namespace avx2 {
 using Floats = lanes::Floats;
 using UInts = lanes::UInts;
@@ -156,8 +156,9 @@ constexpr int kLanes = 8;
 #undef ATTN_DECODE_ISA
 }  // namespace avx2
 #pragma clang attribute pop
-#pragma clang attribute push( \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"))), apply_to = function)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"))), \
+    apply_to = function)
 namespace avx512 {
 using Floats = lanes::Floats16;
 using UInts = lanes::UInts16;
@@ -170,7 +171,7 @@ constexpr int kLanes = 16;
 #define ATTN_DECODE_X86 1
 #elif defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 using Floats = lanes::Floats;
 using UInts = lanes::UInts;
@@ -181,7 +182,7 @@ constexpr int kLanes = 8;
 }  // namespace avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 namespace avx512 {
 using Floats = lanes::Floats16;
 using UInts = lanes::UInts16;
@@ -498,8 +499,9 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     scratch.acc.resize(rows * AccStride(static_cast<int>(run.value_dim)));
     scratch.states.resize(rows);
     if (!run.gemm) {  // A ring of tiles' row pointers.
-      scratch.key_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
-      scratch.value_rows.resize((kDecodePrefetchTiles + 1) * kDecodeTile);
+      constexpr int kMostAhead = std::max(kDecodePrefetchTiles, kDecodeFp8PrefetchTiles);
+      scratch.key_rows.resize((kMostAhead + 1) * kDecodeTile);
+      scratch.value_rows.resize((kMostAhead + 1) * kDecodeTile);
     }
     // The kernel reads keys and values of one dtype: the keys' (both layouts the server builds
     // give the values the same).

@@ -55,6 +55,11 @@ inline constexpr int64_t kDecodeMaxRunChunks = 64;
 inline constexpr int kDecodeTile = 64;
 // Tiles ahead of the one computing whose rows are prefetched (decode_kernels.inc).
 inline constexpr int kDecodePrefetchTiles = 2;
+// The same for an fp8 cache, whose rows are half a bf16 row: as many bytes in flight.
+inline constexpr int kDecodeFp8PrefetchTiles = 4;
+constexpr int DecodePrefetchTilesOf(DType dtype) {
+  return dtype == DType::kFloat8E4M3 ? kDecodeFp8PrefetchTiles : kDecodePrefetchTiles;
+}
 // Rows of a GQA group (query_len · heads / kv_heads) up to which a chunk runs the vector loops
 // above (each key and value read in place, once for the group's rows: bound by memory). A larger
 // group (MLA's 128 query heads over one latent head; a wide verify step) is bound by compute
