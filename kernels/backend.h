@@ -169,6 +169,8 @@ class Backend {
         absl::StrCat("the ", name(), " backend of this attnd keeps no KV caches"));
   }
   virtual int64_t kv_page_tokens() const { return 256; }
+  // Whether CreateKvStore takes DType::kFloat8E4M3 (ServerInfo.cache_dtypes). Default: no.
+  virtual bool keeps_fp8_caches() const { return false; }
   // One decode step of a batch: Tiled attention for each problem (usually over a store's pages,
   // with few query rows) into outputs[i], in one call so that the backend can spread the whole
   // batch's work over its device. problems.size() == outputs.size(). Default: Tiled on each in

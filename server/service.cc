@@ -350,6 +350,8 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   response->add_dtypes(v1::DTYPE_FLOAT32);
   response->add_dtypes(v1::DTYPE_FLOAT16);
   response->add_dtypes(v1::DTYPE_BFLOAT16);
+  *response->mutable_cache_dtypes() = response->dtypes();
+  if (backend_.keeps_fp8_caches()) response->add_cache_dtypes(v1::DTYPE_FLOAT8_E4M3);
   response->set_max_message_bytes(config_.max_message_bytes);
   response->set_max_naive_bytes(backend_.max_naive_bytes());
   response->set_default_block_k(backend_.default_block_k());

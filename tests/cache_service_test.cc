@@ -1330,6 +1330,9 @@ TEST_F(CacheServiceTest, ServerInfoReportsTheCacheLimits) {
   EXPECT_EQ(info.cache_bytes(), int64_t{256} << 20);
   EXPECT_EQ(info.cache_page_tokens(), backend_->kv_page_tokens());
   EXPECT_EQ(info.cache_idle_seconds(), 0);
+  // The CPU backend keeps fp8 caches: the tensor dtypes, and fp8.
+  ASSERT_EQ(info.cache_dtypes_size(), info.dtypes_size() + 1);
+  EXPECT_EQ(info.cache_dtypes(info.cache_dtypes_size() - 1), v1::DTYPE_FLOAT8_E4M3);
 }
 
 // --- The registry itself -------------------------------------------------------------------

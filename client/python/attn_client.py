@@ -1742,10 +1742,12 @@ class Client:
                 call.cancel()  # no-op once the stream has finished
 
     def info(self):
-        """GetServerInfo → a dict of ServerInfo's fields, dtypes as names ("fp32", ...)."""
+        """GetServerInfo → a dict of ServerInfo's fields, dtypes and cache_dtypes as names
+        ("fp32", ..., "fp8_e4m3": cache_dtypes lists it where the server keeps fp8 caches)."""
         info = _message_dict(self._call("GetServerInfo", self._stub.GetServerInfo,
                                         pb.GetServerInfoRequest()))
-        info["dtypes"] = [_DTYPE_NAMES.get(d, str(d)) for d in info["dtypes"]]
+        for field in ("dtypes", "cache_dtypes"):
+            info[field] = [_DTYPE_NAMES.get(d, str(d)) for d in info.get(field, [])]
         return info
 
     def health(self, service=""):

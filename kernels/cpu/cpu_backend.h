@@ -48,6 +48,7 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<std::unique_ptr<KvStore>> CreateKvStore(const KvLayout& layout) override;
   int64_t kv_page_tokens() const override { return kv_page_tokens_; }
+  bool keeps_fp8_caches() const override { return true; }
   // Decode-shaped problems (DecodeRowsOf ≤ kDecodeGemmMaxRows, decode.h) through the decode kernel,
   // all in one pool run; any others through Tiled.
   absl::StatusOr<Stats> Decode(const std::vector<Problem>& problems,

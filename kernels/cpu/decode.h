@@ -5,8 +5,9 @@
 // (query_len · heads / kv_heads rows, consecutive in the query and output tensors) against that
 // kv head's keys, split into chunks of kDecodeChunkTokens keys. A task for the pool is a run of
 // consecutive chunks of one (problem, batch, kv head); it reads their keys and values once for
-// all the group's rows, in place in the stored dtype (fp16/bf16 converted in vector registers,
-// never copied to fp32), a tile of kDecodeTile keys at a time through the online-softmax step of
+// all the group's rows, in place in the stored dtype (fp16/bf16/fp8 converted in vector
+// registers, never copied to fp32; an fp8 row's scale applied to its key's scores and its value's
+// weights), a tile of kDecodeTile keys at a time through the online-softmax step of
 // online_softmax.h, as one stream (the prefetching runs on across chunk boundaries), and leaves
 // each chunk's state {max, denominator, accumulator} for each row. A second pass
 // merges each row's chunk states in chunk order with OnlineSoftmax::MergeInto — exact: the same

@@ -8,8 +8,8 @@
 // in fp32 (Naive, Tiled, Trace): rows [begin, begin + count) of one kv head, from dense tensors
 // or from a cache's pages (Problem::pages). Paged rows in one page of an fp32 cache are used in
 // place; otherwise the page segments are gathered (and converted; fp8 rows dequantized, code ·
-// the row's scale) into the buffer. The values
-// are the same floats either way, so a kernel computes the same bits on both layouts.
+// the row's scale) into the buffer. The values are the same floats either way, so a kernel
+// computes the same bits on both layouts.
 #pragma once
 
 #include <algorithm>
@@ -73,8 +73,7 @@ inline void StoreFloats(const float* src, int64_t count, const MutableTensorView
       for (int64_t i = 0; i < count; ++i) h[i] = FloatToHalf(src[i]);
       return;
     }
-    case DType::kFloat8E4M3: {  // Codes, unscaled (no output is fp8; a row's scale is the
-                                // caller's).
+    case DType::kFloat8E4M3: {  // Codes, unscaled (no output is fp8; scales are the caller's).
       uint8_t* b = static_cast<uint8_t*>(dst.data) + offset;
       for (int64_t i = 0; i < count; ++i) b[i] = FloatToFp8E4M3(src[i]);
       return;

@@ -336,6 +336,10 @@ class Fp8CacheTest(ServerCase):
         self.assertLessEqual(fp8_bytes, BYTES_BOUND * bf16_bytes)
         fp8.delete()
         bf16.delete()
+        # The server says it keeps fp8 caches, and takes fp8 for no tensor.
+        info = self.client.info()
+        self.assertIn("fp8_e4m3", info["cache_dtypes"])
+        self.assertNotIn("fp8_e4m3", info["dtypes"])
 
     def test_d_fp8_is_no_tensor_dtype(self):
         """(d) DTYPE_FLOAT8_E4M3 as a tensor's or an output's dtype: INVALID_ARGUMENT naming
