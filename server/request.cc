@@ -234,6 +234,14 @@ absl::Status CheckBounds(const Problem& problem, double max_q, double max_k, dou
                      s.head_dim, " and scale ", problem.scale, " allow scores up to ", score_bound,
                      ", past fp32's largest value ", kFloatMax, "; scale the inputs down"));
   }
+  // Over an fp8 cache the decode kernel sums q · codes (each code at most 448, read as 2^-8 of
+  // it: kernels/cpu/decode_kernels.inc) before a key's scale: that sum must stay finite too.
+  if (problem.pages != nullptr && problem.pages->dtype == DType::kFloat8E4M3 &&
+      static_cast<double>(s.head_dim) * max_q * 1.75 > kFloatMax) {
+    return Invalid(query, absl::StrCat("max |query| = ", max_q, " with head_dim ", s.head_dim,
+                                       " passes what a dot product with an fp8 cache's codes may "
+                                       "reach in fp32 before the keys' scales; scale it down"));
+  }
   if (problem.alibi_slopes != nullptr) {
     // |p − t| is largest at a corner of a sequence's (row, key) grid: it is linear in row − key.
     const Geometry g = problem.geometry();

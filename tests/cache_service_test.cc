@@ -444,10 +444,20 @@ TEST_F(CacheServiceTest, AnFp8CacheQuantizesTokensOfAnyDtypeAndEveryMethodReadsT
       Call(&v1::AttentionService::Stub::Tiled, OverCache(p, imported.cache_id()), &again).ok());
   EXPECT_EQ(again.output().data(), tiled.output().data());
 
+  // A query whose dot product with an fp8 cache's codes could pass fp32 before the keys' scales
+  // is refused (a bf16 cache's bound alone would let this one through), naming the query.
+  v1::AttentionRequest huge = request;
+  const float big = 1e37f;
+  std::memcpy(huge.mutable_query()->mutable_data()->data(), &big, sizeof big);
+  grpc::Status refused = Call(&v1::AttentionService::Stub::Tiled, huge, &naive);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("fp8 cache"), std::string::npos)
+      << refused.error_message();
+
   // fp8 is a cache's dtype only.
   v1::AttentionRequest bad = request;
   bad.mutable_query()->set_dtype(v1::DTYPE_FLOAT8_E4M3);
-  grpc::Status refused = Call(&v1::AttentionService::Stub::Tiled, bad, &naive);
+  refused = Call(&v1::AttentionService::Stub::Tiled, bad, &naive);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(refused.error_message().find("query.dtype"), std::string::npos)
       << refused.error_message();

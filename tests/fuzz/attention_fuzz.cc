@@ -46,6 +46,7 @@
 #include "attention/v1/attention.pb.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/fp32_rows.h"
 #include "kernels/make_backend.h"
 #include "kernels/problem.h"
 #include "server/request.h"
@@ -604,6 +605,20 @@ void FuzzCacheStep(const v1::CreateCacheRequest& create, const v1::DecodeRequest
         values[at * dv + c] =
             l.values_from_keys ? tokens.key[token * d + c] : tokens.value[token * dv + c];
       }
+    }
+  }
+  if (l.dtype == DType::kFloat8E4M3) {
+    // An fp8 cache holds its tokens quantized: the reference reads what it stores, code · scale
+    // (the kernels' exactness; the quantization's own error is tests/decode_test.cc's).
+    const int64_t key_row = KeyRowBytes(l), value_row = StoredRowBytes(l.dtype, dv);
+    std::vector<char> stored(KeyBytes(l, length) + l.kv_heads * length * value_row);
+    if (!cache->CopyOut(0, length, stored.data(), stored.data() + KeyBytes(l, length)).ok()) {
+      Fail("KvStore::CopyOut of an fp8 cache failed");
+    }
+    const char* stored_values = stored.data() + KeyBytes(l, length);
+    for (int64_t row = 0; row < l.kv_heads * length; ++row) {
+      DequantizeFp8Row(stored.data() + row * key_row, d, key_row, keys.data() + row * d);
+      DequantizeFp8Row(stored_values + row * value_row, dv, value_row, values.data() + row * dv);
     }
   }
   Problem dense = p;

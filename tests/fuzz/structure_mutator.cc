@@ -366,7 +366,8 @@ bool MutateCacheStep(v1::CreateCacheRequest* create, v1::DecodeRequest* decode, 
   if (decode->items_size() == 0) decode->add_items()->set_cache_id("c");
   v1::DecodeItem* item = decode->mutable_items(0);
   const std::optional<DType> query_dtype = FromProtoDType(item->query().dtype());
-  std::optional<DType> dtype = FromProtoDType(create->dtype());
+  // The tokens' dtype: the cache's, or bf16 for an fp8 cache (which quantizes them).
+  std::optional<DType> dtype = FromProtoDType(TokenDTypeFor(create->dtype()));
   if (!dtype) dtype = DType::kFloat32;
   int64_t kv_heads = std::max<int64_t>(1, create->kv_heads());
   int64_t group = std::max<int64_t>(1, DimOf(item->query(), 3) / kv_heads);
@@ -399,9 +400,10 @@ bool MutateCacheStep(v1::CreateCacheRequest* create, v1::DecodeRequest* decode, 
       }
       if (Pick(rng, 8) == 0) send_value = !send_value;
       break;
-    case 4:  // the cache's dtype, the tokens' with it
+    case 4:  // the cache's dtype, the tokens' with it (an fp8 cache's: bf16)
       dtype = AnyDType(rng);
-      create->set_dtype(ToProtoDType(*dtype));
+      create->set_dtype(Pick(rng, 4) == 0 ? v1::DTYPE_FLOAT8_E4M3 : ToProtoDType(*dtype));
+      dtype = FromProtoDType(TokenDTypeFor(create->dtype()));
       break;
     case 5:  // new tokens: none, or a new count (a tree keeps one per token, one row each)
       n = Pick(rng, 6) == 0 ? 0 : NewDim(rng, std::max<int64_t>(n, 1)) % 300;
