@@ -311,11 +311,12 @@ TEST(DecodeFp8Test, EveryPathReadsTheStoredCodesTimesTheirScales) {
 // The accuracy target: a cache of 4096 standard-normal tokens (8 kv heads, d 128) in fp8,
 // decoded for 32 query heads, against the float64 reference on the unquantized tokens: max |out −
 // ref| / max |ref| is 0.03–0.06 from draw to draw (E4M3's 3 mantissa bits: each stored element
-// off by about 2.6% RMS, in keys and values alike). So over four fresh draws (seeds printed) the
-// mean is ≤ 0.05 and each ≤ 0.08; a bf16 cache of the same tokens beside it for scale.
+// off by about 2.6% RMS, in keys and values alike; over 30 draws a mean of 0.040, σ 0.007). So
+// over eight fresh draws (seeds printed) the mean is ≤ 0.05 (3.8 σ of the mean away) and each
+// ≤ 0.08; a bf16 cache of the same tokens beside it for scale.
 TEST(DecodeFp8Test, StandardNormalTokensStayWithinFivePercentOfTheUnquantizedReference) {
   CpuBackend backend(2, 0, CpuBackend::kDefaultMaxPackedHeadBytes, 16);
-  constexpr int kDraws = 4;
+  constexpr int kDraws = 8;
   double fp8_sum = 0;
   for (int draw = 0; draw < kDraws; ++draw) {
     const uint64_t seed = std::random_device{}();
