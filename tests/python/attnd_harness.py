@@ -3,7 +3,8 @@
 What it gives: `parse_args` (the --attnd and --stubs arguments every test takes, as
 tests/CMakeLists.txt passes them, plus the test's own; it puts the generated stubs and the Python
 client on sys.path), `AttndProcess` (attnd on a free loopback port, read back from its startup
-line, with the HTTP side port off when the binary has one), tensor encoding and decoding for the
+line, with the HTTP side port off when the binary has one), `ServerCase` (a unittest class with
+its own attnd and a Python Client to it), tensor encoding and decoding for the
 three dtypes, a float64 reference, a grpc.health.v1 check without generated health stubs, and the
 output tolerances the tests share. The generated modules are imported lazily (`pb()`,
 `pb_grpc()`), so a test imports them only after `parse_args`.
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import unittest
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -180,6 +182,52 @@ class AttndProcess:
     def close(self):
         self.stop()
         self.stderr_file.close()
+
+
+class ServerCase(unittest.TestCase):
+    """A unittest class with its own attnd (`attnd`: the binary, which the test module sets;
+    `server_args` after --threads `server_threads`) and an attn_client.Client to it with
+    `rpc_timeout`; attnd's stderr is printed when a test of the class failed. assertCode: the
+    call raises an AttnError of that code, and its message is returned."""
+
+    attnd = None
+    server_args = ()
+    server_threads = 2
+    rpc_timeout = 60.0
+    server = None
+    client = None
+    _failed = False
+
+    @classmethod
+    def setUpClass(cls):
+        from attn_client import Client  # On sys.path once parse_args ran.
+        cls._failed = False
+        cls.server = AttndProcess(cls.attnd,
+                                  ("--threads", str(cls.server_threads)) + tuple(cls.server_args))
+        cls.client = Client(cls.server.address, timeout=cls.rpc_timeout)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        if cls._failed:
+            sys.stderr.write("\n--- attnd stderr (%s) ---\n%s--- end attnd stderr ---\n"
+                             % (cls.__name__, cls.server.stderr()))
+        cls.server.close()
+
+    def run(self, result=None):
+        before = len(result.failures) + len(result.errors) if result is not None else 0
+        result = super().run(result)
+        if result is not None and len(result.failures) + len(result.errors) > before:
+            type(self)._failed = True
+        return result
+
+    def assertCode(self, code, call, *args, **kwargs):
+        from attn_client import AttnError
+        with self.assertRaises(AttnError) as raised:
+            call(*args, **kwargs)
+        self.assertEqual(raised.exception.code, code, raised.exception.message)
+        return raised.exception.message
 
 
 def open_channel(address, max_message_bytes=256 * 1024 * 1024, own_connection=False,

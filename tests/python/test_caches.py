@@ -143,39 +143,10 @@ class Sequence:
         return out[0], lse[0], score_max
 
 
-class ServerCase(unittest.TestCase):
-    server_args = ()
-    server = None
-    client = None
-    _failed = False
+class ServerCase(harness.ServerCase):
+    attnd = ARGS.attnd
+    rpc_timeout = RPC_TIMEOUT_S
 
-    @classmethod
-    def setUpClass(cls):
-        cls._failed = False
-        cls.server = harness.AttndProcess(ARGS.attnd, ("--threads", "2") + tuple(cls.server_args))
-        cls.client = Client(cls.server.address, timeout=RPC_TIMEOUT_S)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        if cls._failed:
-            sys.stderr.write("\n--- attnd stderr (%s) ---\n%s--- end attnd stderr ---\n"
-                             % (cls.__name__, cls.server.stderr()))
-        cls.server.close()
-
-    def run(self, result=None):
-        before = len(result.failures) + len(result.errors) if result is not None else 0
-        result = super().run(result)
-        if result is not None and len(result.failures) + len(result.errors) > before:
-            type(self)._failed = True
-        return result
-
-    def assertCode(self, code, call, *args, **kwargs):
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
 
     def assertMatches(self, out, ref, dtype, score_max, what):
         self.assertEqual(harness.output_error(out.astype(np.float64), ref, DTYPE_NUMBER[dtype],

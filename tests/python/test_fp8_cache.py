@@ -54,7 +54,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attn_client  # noqa: E402
-from attn_client import AttnError, Client  # noqa: E402
+from attn_client import Client  # noqa: E402
 from attention.v1 import attention_pb2 as pb  # noqa: E402
 from attention.v1 import attention_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -148,46 +148,16 @@ def bf16_round(x):
     return attn_client.bf16_to_float32(attn_client.float32_to_bf16(x))
 
 
-class ServerCase(unittest.TestCase):
-    """attnd with `server_args` for the class and a Client to it; attnd's stderr is printed when
-    a test of the class failed."""
+class ServerCase(harness.ServerCase):
+    """attnd with `server_args` for the class and a Client to it (harness.ServerCase)."""
 
-    server_args = ()
-    server = None
-    client = None
-    _failed = False
-
-    @classmethod
-    def setUpClass(cls):
-        cls._failed = False
-        cls.server = harness.AttndProcess(ARGS.attnd, ("--threads", "4") + tuple(cls.server_args))
-        cls.client = Client(cls.server.address, timeout=RPC_TIMEOUT_S)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        if cls._failed:
-            sys.stderr.write("\n--- attnd stderr (%s) ---\n%s--- end attnd stderr ---\n"
-                             % (cls.__name__, cls.server.stderr()))
-        cls.server.close()
-
-    def run(self, result=None):
-        before = len(result.failures) + len(result.errors) if result is not None else 0
-        result = super().run(result)
-        if result is not None and len(result.failures) + len(result.errors) > before:
-            type(self)._failed = True
-        return result
+    attnd = ARGS.attnd
+    server_threads = 4
+    rpc_timeout = RPC_TIMEOUT_S
 
     def setUp(self):
         # Each test its own stream of the run's seed, so --seed repeats any one alone.
         self.rng = np.random.default_rng([SEED, sum(map(ord, self._testMethodName))])
-
-    def assertCode(self, code, call, *args, **kwargs):
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
 
     def check_stored(self, keys, values, k, v, what):
         """The export's rows (key and value Tensors) are k and v [kv_heads, N, ·] (float32, the

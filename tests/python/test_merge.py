@@ -55,8 +55,7 @@ ARGS = harness.parse_args(__doc__, unittest=True)
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
-import attn_client  # noqa: E402
-from attn_client import AttnError, Client, merge_states  # noqa: E402
+from attn_client import merge_states  # noqa: E402
 from attnd_harness import as4  # noqa: E402
 
 RPC_TIMEOUT_S = 60.0
@@ -152,35 +151,22 @@ def lse_miss(lse, ref):
 
 # --- The server ----------------------------------------------------------------------------------
 
-class ServerCase(unittest.TestCase):
-    server = None
-    client = None
-    _failed = False
+class ServerCase(harness.ServerCase):
+    """harness.ServerCase, with a raw stub beside the Client."""
+
+    attnd = ARGS.attnd
+    rpc_timeout = RPC_TIMEOUT_S
 
     @classmethod
     def setUpClass(cls):
-        cls._failed = False
-        cls.server = harness.AttndProcess(ARGS.attnd, ("--threads", "2"))
-        cls.client = Client(cls.server.address, timeout=RPC_TIMEOUT_S)
+        super().setUpClass()
         cls.channel = harness.open_channel(cls.server.address)
         cls.stub = harness.pb_grpc().AttentionServiceStub(cls.channel)
 
     @classmethod
     def tearDownClass(cls):
-        cls.client.close()
         cls.channel.close()
-        cls.server.stop()
-        if cls._failed:
-            sys.stderr.write("\n--- attnd stderr (%s) ---\n%s--- end attnd stderr ---\n"
-                             % (cls.__name__, cls.server.stderr()))
-        cls.server.close()
-
-    def run(self, result=None):
-        before = len(result.failures) + len(result.errors) if result is not None else 0
-        result = super().run(result)
-        if result is not None and len(result.failures) + len(result.errors) > before:
-            type(self)._failed = True
-        return result
+        super().tearDownClass()
 
     def setUp(self):
         self.rng = np.random.default_rng()

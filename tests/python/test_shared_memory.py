@@ -47,7 +47,6 @@ import gc
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import unittest
 from multiprocessing import shared_memory
@@ -76,36 +75,13 @@ def bits(array):
     return (str(array.dtype), tuple(array.shape), array.tobytes())
 
 
-class ServerCase(unittest.TestCase):
-    """attnd with `server_args` for the class; SharedMemory objects made by new_memory() are
+class ServerCase(harness.ServerCase):
+    """harness.ServerCase with `server_args`; SharedMemory objects made by new_memory() are
     closed and unlinked after each test, and every region of the class's client unregistered."""
 
+    attnd = ARGS.attnd
+    rpc_timeout = RPC_TIMEOUT_S
     server_args = ("--allow-shared-memory",)
-    server = None
-    client = None
-    _failed = False
-
-    @classmethod
-    def setUpClass(cls):
-        cls._failed = False
-        cls.server = harness.AttndProcess(ARGS.attnd, ("--threads", "2") + tuple(cls.server_args))
-        cls.client = Client(cls.server.address, timeout=RPC_TIMEOUT_S)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        if cls._failed:
-            sys.stderr.write("\n--- attnd stderr (%s) ---\n%s--- end attnd stderr ---\n"
-                             % (cls.__name__, cls.server.stderr()))
-        cls.server.close()
-
-    def run(self, result=None):
-        before = len(result.failures) + len(result.errors) if result is not None else 0
-        result = super().run(result)
-        if result is not None and len(result.failures) + len(result.errors) > before:
-            type(self)._failed = True
-        return result
 
     def setUp(self):
         self.rng = np.random.default_rng()
@@ -134,12 +110,6 @@ class ServerCase(unittest.TestCase):
             except FileNotFoundError:
                 pass
         self.memories = []
-
-    def assertCode(self, code, call, *args, **kwargs):
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
 
     def put(self, region, offset, array, dtype="fp32"):
         """`array` written into `region` at `offset` → the SharedTensor naming it."""
