@@ -161,6 +161,27 @@ class CacheServiceTest : public ::testing::Test {
     return request;
   }
 
+  // The RowDone output of a trace of one row (query head `head`, row `row`) of `request`; empty
+  // when the stream gave none (and a failure when it ended with an error).
+  std::vector<float> TracedRow(const v1::AttentionRequest& request, int64_t head, int64_t row) {
+    v1::TraceRequest trace;
+    *trace.mutable_attention() = request;
+    trace.add_rows()->set_head(head);
+    trace.mutable_rows(0)->set_row(row);
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
+    v1::TraceEvent event;
+    std::vector<float> traced;
+    while (reader->Read(&event)) {
+      if (event.has_row_done()) {
+        traced.assign(event.row_done().output().begin(), event.row_done().output().end());
+      }
+    }
+    const grpc::Status status = reader->Finish();
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return status.ok() ? traced : std::vector<float>();
+  }
+
   int64_t LengthOf(const std::string& id) {
     v1::GetCacheInfoRequest request;
     request.set_cache_id(id);
@@ -387,26 +408,10 @@ TEST_F(CacheServiceTest, AnFp8CacheQuantizesTokensOfAnyDtypeAndEveryMethodReadsT
   EXPECT_LE(testing::MaxAbsError(Floats(decoded.outputs(0)), tiled_out), 1e-5 * magnitude);
 
   // Trace reads a snapshot of the rows (with their scales): its row is Tiled's, bit for bit.
-  v1::TraceRequest trace;
-  *trace.mutable_attention() = request;
-  v1::RowRef* row = trace.add_rows();
-  row->set_head(5);
-  row->set_row(2);
-  {
-    grpc::ClientContext context;
-    std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
-    v1::TraceEvent event;
-    std::vector<float> traced;
-    while (reader->Read(&event)) {
-      if (event.has_row_done()) {
-        traced.assign(event.row_done().output().begin(), event.row_done().output().end());
-      }
-    }
-    ASSERT_TRUE(reader->Finish().ok());
-    ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
-    for (int64_t c = 0; c < s.value_dim; ++c) {
-      EXPECT_EQ(traced[c], out[(5 * s.query_len + 2) * s.value_dim + c]) << c;
-    }
+  const std::vector<float> traced = TracedRow(request, 5, 2);
+  ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
+  for (int64_t c = 0; c < s.value_dim; ++c) {
+    EXPECT_EQ(traced[c], out[(5 * s.query_len + 2) * s.value_dim + c]) << c;
   }
 
   // Exported and imported (under a new id): the stored rows, so the same bits.
@@ -580,20 +585,7 @@ TEST_F(CacheServiceTest, ALatentCacheStoresKeysOnlyAndEveryPathReadsItsValuesFro
     ASSERT_TRUE(Call(&v1::AttentionService::Stub::Tiled, request, &tiled).ok());
     ExpectMatches(naive.output(), p);
     ExpectMatches(tiled.output(), p);
-    v1::TraceRequest trace;
-    *trace.mutable_attention() = request;
-    trace.add_rows()->set_head(79);
-    trace.mutable_rows(0)->set_row(1);
-    grpc::ClientContext context;
-    std::unique_ptr<grpc::ClientReader<v1::TraceEvent>> reader = stub_->Trace(&context, trace);
-    v1::TraceEvent event;
-    std::vector<float> traced;
-    while (reader->Read(&event)) {
-      if (event.has_row_done()) {
-        traced.assign(event.row_done().output().begin(), event.row_done().output().end());
-      }
-    }
-    ASSERT_TRUE(reader->Finish().ok());
+    const std::vector<float> traced = TracedRow(request, 79, 1);
     ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
     for (int64_t c = 0; c < s.value_dim; ++c) {
       const double expected = ref.output[(79 * s.query_len + 1) * s.value_dim + c];

@@ -61,7 +61,8 @@
 //   --threads=N        worker threads for the backend and OpenBLAS (default $ATTN_BENCH_THREADS,
 //                      else 2)
 //   --quick            a smoke run of a few seconds: N 256,1024; d 64; sgemm 1024; short min time
-//   --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1
+//   --n=LIST --d=LIST --dtype=fp32,bf16 --causal=0,1   (--dtype also fp16, and fp8: a cache's
+//                      dtype, so decode rows only; their queries and outputs are bf16)
 //   --methods=LIST     of tiled, naive, naive_gemm, decode, decode_tiled, sgemm, memory (default
 //                      tiled,naive). sgemm alone: only the sgemm rows (run.sh's ceiling probes);
 //                      memory: the memory ceilings without decode rows. The sgemm rows are
@@ -208,21 +209,21 @@ bool DeadlinePassed() {
          std::chrono::duration<double>(Clock::now() - g_start).count() > g_deadline_s;
 }
 
+// The flags, for Usage and --help.
+constexpr char kFlags[] =
+    "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16,fp16,fp8 (fp8: decode rows "
+    "only) --causal=0,1\n"
+    "  --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
+    "  --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
+    "--naive_budget_gib=G\n"
+    "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
+    "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
+    "--decode_forks=OWN --memread_mib=M\n"
+    "  --memcopy_mib=M\n";
+
 [[noreturn]] void Usage(const std::string& problem) {
-  std::fprintf(
-      stderr,
-      "attention_bench: %s\n"
-      "flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16,fp16,fp8 (fp8: decode rows "
-      "only) --causal=0,1\n"
-      "       --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-      "       --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
-      "--naive_budget_gib=G\n"
-      "       --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-      "       --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
-      "--decode_forks=OWN --memread_mib=M\n"
-      "       --memcopy_mib=M\n"
-      "       and Google Benchmark's --benchmark_* flags\n",
-      problem.c_str());
+  std::fprintf(stderr, "attention_bench: %s\n%s  and Google Benchmark's --benchmark_* flags\n",
+               problem.c_str(), kFlags);
   std::exit(2);
 }
 
@@ -406,15 +407,9 @@ Options ParseOptions(int* argc, char** argv) {
       options.deadline_s = ParseDouble(flag, value);
     } else if (flag == "--help" || flag == "-h") {
       std::printf(
-          "attention_bench flags: --threads=N --quick --n=LIST --d=LIST --dtype=fp32,bf16\n"
-          "  --causal=0,1 --methods=tiled,naive,naive_gemm,decode,decode_tiled,sgemm,memory\n"
-          "  --heads=H --window_left=L --softcap=C --alibi --ragged=LIST --naive_max_n=N "
-          "--naive_budget_gib=G\n"
-          "  --sgemm_n=LIST --block_k=K --min_time=S --deadline_s=S --no_refusal\n"
-          "  --decode_shapes=BxN,... --decode_heads=HxKV --decode_d=D --decode_latent=DV "
-          "--decode_forks=OWN --memread_mib=M\n"
-          "  --memcopy_mib=M\n"
-          "  (see tests/bench/attention_bench.cc); Google Benchmark's own flags follow.\n\n");
+          "attention_bench %s  (see tests/bench/attention_bench.cc); Google Benchmark's own "
+          "flags follow.\n\n",
+          kFlags);
       argv[kept++] = argv[i];
     } else if (flag.rfind("--benchmark_", 0) == 0) {
       argv[kept++] = argv[i];
