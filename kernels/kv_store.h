@@ -59,6 +59,21 @@ inline int64_t StoredValueBytes(const KvLayout& layout, int64_t n) {
   return layout.kv_heads * n * StoredValueRowBytes(layout);
 }
 
+// A latent cache's stored value row (StoredRowBytes(dtype, value_dim) bytes, as CopyOut gives
+// it) from its token's stored key row: the key's first value_dim elements, and for fp8 zero
+// padding and the key row's scale (a latent value's elements are its codes times that scale).
+inline void LatentValueRow(const KvLayout& layout, const void* key_row, void* value_row) {
+  const int64_t element = ElementSize(layout.dtype);
+  char* to = static_cast<char*>(value_row);
+  std::memcpy(to, key_row, layout.value_dim * element);
+  if (layout.dtype != DType::kFloat8E4M3) return;
+  const int64_t value_bytes = StoredRowBytes(layout.dtype, layout.value_dim);
+  std::memset(to + layout.value_dim, 0, value_bytes - kFp8ScaleBytes - layout.value_dim);
+  std::memcpy(to + value_bytes - kFp8ScaleBytes,
+              static_cast<const char*>(key_row) + KeyRowBytes(layout) - kFp8ScaleBytes,
+              kFp8ScaleBytes);
+}
+
 class KvStore {
  public:
   virtual ~KvStore() = default;
@@ -122,23 +137,16 @@ class KvStore {
                     static_cast<const char*>(p.KeyPage(t)) + p.KeyOffsetInPage(h, t) * element,
                     run * key_row);
         if (value == nullptr) continue;
-        // A run of whole rows, or row by row where a value is part of its row (latent: its
-        // first value_dim elements, and for fp8 the row's scale).
-        const bool whole = p.value_width * element == value_row;
-        for (int64_t i = 0; i < (whole ? 1 : run); ++i) {
-          char* to = static_cast<char*>(value) + (h * n + t - begin + i) * value_row;
-          const char* from =
-              static_cast<const char*>(p.ValuePage(t)) + p.ValueOffsetInPage(h, t + i) * element;
-          if (whole) {
-            std::memcpy(to, from, run * value_row);
-            continue;
-          }
-          std::memcpy(to, from, l.value_dim * element);
-          if (l.dtype == DType::kFloat8E4M3) {
-            std::memset(to + l.value_dim, 0, value_row - kFp8ScaleBytes - l.value_dim);
-            std::memcpy(to + value_row - kFp8ScaleBytes, from + p.value_width - kFp8ScaleBytes,
-                        kFp8ScaleBytes);
-          }
+        // A run of whole rows, or row by row where a value is part of its key's row (latent).
+        const char* from =
+            static_cast<const char*>(p.ValuePage(t)) + p.ValueOffsetInPage(h, t) * element;
+        char* to = static_cast<char*>(value) + (h * n + t - begin) * value_row;
+        if (!l.values_from_keys) {
+          std::memcpy(to, from, run * value_row);
+          continue;
+        }
+        for (int64_t i = 0; i < run; ++i) {
+          LatentValueRow(l, from + i * p.value_width * element, to + i * value_row);
         }
       }
     }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/convert.h"
 #include "server/response.h"
 #include "server/security.h"
 #include "server/service.h"
@@ -71,20 +72,6 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   // Memory the stream's problem may view and that lives as long as the stream: a copy of a
   // cache's tokens, so the trace holds no lease on the cache while a reader takes its time.
   std::vector<char>& snapshot() { return snapshot_; }
-  // The snapshot (`tokens` tokens of `layout`, its keys' `key_bytes` bytes first, as CopyOut
-  // gives them) read as one page of the cache: how a problem reads an fp8 cache's rows, whose
-  // scales only a page view knows of. Lives as long as the stream.
-  const PagedKv* SnapshotAsPage(const KvLayout& layout, int64_t tokens, int64_t key_bytes) {
-    snapshot_tables_[0] = snapshot_.data();
-    snapshot_tables_[1] = snapshot_.data() + key_bytes;
-    snapshot_pages_.key_pages = &snapshot_tables_[0];
-    snapshot_pages_.value_pages = &snapshot_tables_[1];
-    snapshot_pages_.page_tokens = std::max<int64_t>(tokens, 1);
-    snapshot_pages_.key_width = StoredRowWidth(layout.dtype, layout.head_dim);
-    snapshot_pages_.value_width = StoredRowWidth(layout.dtype, layout.value_dim);
-    snapshot_pages_.dtype = layout.dtype;
-    return &snapshot_pages_;
-  }
   // Counts `bytes` of snapshot against `open` (every open trace's snapshots) until the stream
   // ends; RESOURCE_EXHAUSTED when together they would pass `budget` (--max-naive-bytes).
   absl::Status ReserveSnapshot(std::atomic<int64_t>& open, int64_t bytes, int64_t budget) {
@@ -159,8 +146,6 @@ class TraceWriter final : public grpc::ServerWriteReactor<v1::TraceEvent> {
   StreamWatch& watch_;
   const std::shared_ptr<StreamWatch::Stream> watched_;
   std::vector<char> snapshot_;
-  const void* snapshot_tables_[2] = {nullptr, nullptr};
-  PagedKv snapshot_pages_;
   std::atomic<int64_t>* snapshot_budget_ = nullptr;
   int64_t snapshot_reserved_ = 0;
 };
@@ -272,32 +257,50 @@ grpc::ServerWriteReactor<v1::TraceEvent>* AttentionService::TraceOverCache(
         return;
       }
       // The stream reads a copy of the tokens, taken now: the lease ends before the first
-      // write, so appends to the cache never wait for a slow reader.
+      // write, so appends to the cache never wait for a slow reader. An fp8 cache's copy is its
+      // rows dequantized to fp32 (code · scale, the values every kernel reads), dense: a backend
+      // reads dense tensors of any dtype, but only its own pages.
       const Shape& s = problem.shape;
+      const bool fp8 = layout.dtype == DType::kFloat8E4M3;
       const int64_t key_bytes = KeyBytes(layout, s.key_len);
       const int64_t value_bytes =
           s.kv_heads * s.key_len * StoredRowBytes(layout.dtype, s.value_dim);
-      if (absl::Status room = writer->ReserveSnapshot(snapshot_bytes_, key_bytes + value_bytes,
-                                                      backend_.max_naive_bytes());
+      const int64_t dequantized_bytes =
+          fp8 ? s.kv_heads * s.key_len * (s.head_dim + s.value_dim) * 4 : 0;
+      if (absl::Status room =
+              writer->ReserveSnapshot(snapshot_bytes_, key_bytes + value_bytes + dequantized_bytes,
+                                      backend_.max_naive_bytes());
           !room.ok()) {
         writer->Fail(room);
         return;
       }
-      std::vector<char>& snapshot = writer->snapshot();
-      snapshot.resize(key_bytes + value_bytes);
+      std::vector<char> stored(key_bytes + value_bytes);
       if (absl::Status copied =
-              lease->CopyOut(0, lease->length(), snapshot.data(), snapshot.data() + key_bytes);
+              lease->CopyOut(0, lease->length(), stored.data(), stored.data() + key_bytes);
           !copied.ok()) {
         writer->Fail(copied);
         return;
       }
-      if (layout.dtype == DType::kFloat8E4M3) {
-        problem.pages = writer->SnapshotAsPage(layout, s.key_len, key_bytes);
+      std::vector<char>& snapshot = writer->snapshot();
+      if (fp8) {
+        snapshot.resize(dequantized_bytes);
+        float* keys = reinterpret_cast<float*>(snapshot.data());
+        float* values = keys + s.kv_heads * s.key_len * s.head_dim;
+        const int64_t key_row = KeyRowBytes(layout);
+        const int64_t value_row = StoredRowBytes(layout.dtype, s.value_dim);
+        for (int64_t r = 0; r < s.kv_heads * s.key_len; ++r) {
+          DequantizeFp8Row(stored.data() + r * key_row, s.head_dim, key_row, keys + r * s.head_dim);
+          DequantizeFp8Row(stored.data() + key_bytes + r * value_row, s.value_dim, value_row,
+                           values + r * s.value_dim);
+        }
+        problem.key = TensorView{keys, DType::kFloat32};
+        problem.value = TensorView{values, DType::kFloat32};
       } else {
-        problem.pages = nullptr;
+        snapshot = std::move(stored);
         problem.key = TensorView{snapshot.data(), layout.dtype};
         problem.value = TensorView{snapshot.data() + key_bytes, layout.dtype};
       }
+      problem.pages = nullptr;
     }
     absl::StatusOr<std::unique_ptr<TraceCursor>> cursor = backend_.Trace(problem, *std::move(rows));
     if (!cursor.ok()) {

@@ -15,71 +15,11 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/convert.h"
 #include "kernels/cpu/aligned.h"
 #include "kernels/problem.h"
 
 namespace attn {
-
-// dst[i] = src[i] as fp32 for i < count: one loop per dtype, so each vectorizes.
-inline void ConvertToFloat(const void* src, DType dtype, int64_t count, float* dst) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      const float* f = static_cast<const float*>(src);
-      for (int64_t i = 0; i < count; ++i) dst[i] = f[i];
-      return;
-    }
-    case DType::kBFloat16: {
-      const uint16_t* b = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < count; ++i) dst[i] = BFloat16ToFloat(b[i]);
-      return;
-    }
-    case DType::kFloat16: {
-      const uint16_t* h = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < count; ++i) dst[i] = HalfToFloat(h[i]);
-      return;
-    }
-    case DType::kFloat8E4M3: {  // The codes' values: the caller applies the row's scale.
-      const uint8_t* b = static_cast<const uint8_t*>(src);
-      for (int64_t i = 0; i < count; ++i) dst[i] = Fp8E4M3ToFloat(b[i]);
-      return;
-    }
-  }
-}
-
-// dst[i] = element i of one stored fp8 row (row_bytes bytes: Fp8RowBytes) as fp32, i < width:
-// code · the row's scale.
-inline void DequantizeFp8Row(const void* row, int64_t width, int64_t row_bytes, float* dst) {
-  const float scale = Fp8RowScale(row, row_bytes);
-  const uint8_t* codes = static_cast<const uint8_t*>(row);
-  for (int64_t i = 0; i < width; ++i) dst[i] = Fp8E4M3ToFloat(codes[i]) * scale;
-}
-
-// dst[offset + i] = src[i] rounded to dst's dtype, for i < count.
-inline void StoreFloats(const float* src, int64_t count, const MutableTensorView& dst,
-                        int64_t offset) {
-  switch (dst.dtype) {
-    case DType::kFloat32: {
-      float* f = static_cast<float*>(dst.data) + offset;
-      for (int64_t i = 0; i < count; ++i) f[i] = src[i];
-      return;
-    }
-    case DType::kBFloat16: {
-      uint16_t* b = static_cast<uint16_t*>(dst.data) + offset;
-      for (int64_t i = 0; i < count; ++i) b[i] = FloatToBFloat16(src[i]);
-      return;
-    }
-    case DType::kFloat16: {
-      uint16_t* h = static_cast<uint16_t*>(dst.data) + offset;
-      for (int64_t i = 0; i < count; ++i) h[i] = FloatToHalf(src[i]);
-      return;
-    }
-    case DType::kFloat8E4M3: {  // Codes, unscaled (no output is fp8; scales are the caller's).
-      uint8_t* b = static_cast<uint8_t*>(dst.data) + offset;
-      for (int64_t i = 0; i < count; ++i) b[i] = FloatToFp8E4M3(src[i]);
-      return;
-    }
-  }
-}
 
 class Fp32Rows {
  public:

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/fp32_rows.h"
+#include "kernels/convert.h"
 
 namespace attn {
 namespace {
@@ -17,38 +17,6 @@ void* AllocateAligned(size_t bytes) {
 
 void FreeAligned(void* block) {
   ::operator delete (block, std::align_val_t{CpuKvStore::kPageAlignment});
-}
-
-// `rows` rows of `width` elements from src (dense rows in dtype `from`) to dst as the store keeps
-// them (StoredRowBytes(to, width) each): copied when the dtypes match (an fp8 source holds
-// stored rows: a file's, an export's), quantized into fp8 rows, else converted through fp32 in
-// chunks of `scratch`.
-void StoreRows(const void* src, DType from, int64_t rows, int64_t width, void* dst, DType to,
-               std::vector<float>& scratch) {
-  if (from == to) {
-    std::copy_n(static_cast<const char*>(src), rows * StoredRowBytes(from, width),
-                static_cast<char*>(dst));
-    return;
-  }
-  if (to == DType::kFloat8E4M3) {
-    scratch.resize(width);
-    const int64_t row_bytes = Fp8RowBytes(width);
-    for (int64_t r = 0; r < rows; ++r) {
-      ConvertToFloat(static_cast<const char*>(src) + r * width * ElementSize(from), from, width,
-                     scratch.data());
-      QuantizeFp8Row(scratch.data(), width, static_cast<char*>(dst) + r * row_bytes);
-    }
-    return;
-  }
-  const int64_t count = rows * width;
-  constexpr int64_t kChunk = 4096;
-  scratch.resize(kChunk);
-  for (int64_t done = 0; done < count; done += kChunk) {
-    const int64_t n = std::min(kChunk, count - done);
-    ConvertToFloat(static_cast<const char*>(src) + done * ElementSize(from), from, n,
-                   scratch.data());
-    StoreFloats(scratch.data(), n, MutableTensorView{dst, to}, done);
-  }
 }
 
 }  // namespace
@@ -247,7 +215,7 @@ absl::Status CpuKvStore::Append(const TensorView& key, const TensorView& value, 
         Page* page = pages_[token / page_tokens_];
         char* dst = static_cast<char*>(keys ? page->key : page->value) +
                     (head * page_tokens_ + token % page_tokens_) * row;
-        StoreRows(src, source.dtype, rows, width, dst, layout_.dtype, scratch);
+        ToStoredRows(src, source.dtype, rows, width, dst, layout_.dtype, scratch);
         t += rows;
       }
     }

@@ -56,6 +56,7 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<std::unique_ptr<KvStore>> CreateKvStore(const KvLayout& layout) override;
   int64_t kv_page_tokens() const override { return options_.kv_page_tokens; }
+  bool keeps_fp8_caches() const override { return true; }
   absl::StatusOr<Stats> Decode(const std::vector<Problem>& problems,
                                const std::vector<Outputs>& outputs) override;
 

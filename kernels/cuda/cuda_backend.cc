@@ -217,11 +217,6 @@ absl::StatusOr<int64_t> CudaBackend::ElapsedNs(const Slot& slot) {
 }
 
 absl::StatusOr<std::unique_ptr<KvStore>> CudaBackend::CreateKvStore(const KvLayout& layout) {
-  if (layout.dtype == DType::kFloat8E4M3) {
-    return absl::UnimplementedError(
-        "dtype: fp8 (DTYPE_FLOAT8_E4M3) KV caches are served by the CPU backend only so far; "
-        "create the cache as DTYPE_BFLOAT16 or DTYPE_FLOAT16 on this GPU server");
-  }
   ATTN_RETURN_IF_ERROR(device_->Start());
   return std::unique_ptr<KvStore>(
       std::make_unique<CudaKvStore>(device_, layout, options_.kv_page_tokens));

@@ -6,15 +6,17 @@
 // q·k_j, soft-capped and ALiBi-biased by the head's transform, −inf for a key the row does not
 // see under the item's geometry (the positions of the cache's keys and of the new rows, causal,
 // the windows: kernels/geometry.h). Inputs (launch.h):
-// queries fp32 [heads, nq, head_dim]; keys and values in their pages (PagedKv), fp32, fp16 or
-// bf16, rows of head_dim / value_dim elements. Outputs: [heads, nq, value_dim] in each item's
+// queries fp32 [heads, nq, head_dim]; keys and values in their pages (PagedKv), fp32, fp16,
+// bf16 or fp8 (E4M3 codes, each row with its scale: dtype.h), rows of key_width / value_width
+// elements. Outputs: [heads, nq, value_dim] in each item's
 // output dtype, lse fp32.
 //
 // Two kernels, one launch each for the whole batch:
 //   DecodeKernel<T, P>  one block per unit (item, kv head, group of ≤ R query rows of that kv
 //                       head's GQA group, key chunk): the chunk's keys and values are read from
 //                       global memory once, for all the rows, a tile of K keys at a time into
-//                       shared memory (fp32, rows padded to P); each warp owns up to R/4 rows.
+//                       shared memory (fp32, rows padded to P; an fp8 row's codes times its
+//                       scale); each warp owns up to R/4 rows.
 //                       Scoring: the 32/K lanes j, j + K, … of the warp each sum a part of key j's
 //                       dot product with the row, added across them by shuffles; the row's
 //                       OnlineSoftmax<WarpReduce> takes the tile (the one update step,
@@ -31,7 +33,8 @@
 // and the unit list covers the whole batch at once, whatever each cache's length.
 // Not yet done: double-buffered (cp.async) tiles and vector loads of the pages; the tiles are
 // loaded element by element, coalesced within each token's row; at P = 576 a latent cache's
-// value columns are loaded a second time (they are the key tile's first columns).
+// value columns are loaded a second time (they are the key tile's first columns); fp8 codes are
+// converted one at a time by Fp8E4M3ToFloat's arithmetic, not by sm_89's cvt of code pairs.
 // Measured: not yet on a GPU (docs/perf.md; tests/gpu/device_check.sh measures cache bytes read
 // per second against the same-run copy bandwidth). The static checks
 // (tests/static/cuda_static_check.sh) hold both kernels to no spills and no stack frame, and the
@@ -41,6 +44,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/portable.h"
@@ -81,9 +85,15 @@ constexpr bool DecodeFitsSmallestLimit() {
 }
 static_assert(DecodeFitsSmallestLimit());
 
+// An element of a stored row as fp32. An fp8 cache's rows are E4M3 codes (uint8_t here, a
+// type of its own to the instances); a code's value times its row's scale (dtype.h) is the
+// element: the tile loads multiply by the scale, which the other dtypes' rows do not have.
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToFloat(uint8_t code) { return Fp8E4M3ToFloat(code); }
+template <class T>
+constexpr bool kScaledRows = std::is_same_v<T, uint8_t>;
 
 // (kThreads, 1): without the minimum of one block per SM, ptxas for sm_90 caps the P = 64
 // kernels at 72 registers and spills; shared memory, not registers, bounds the blocks per SM.
@@ -99,6 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   float* value_tile = key_tile + kKeys * (P + 1);  // [kKeys][P]
   ATTN_SHARED_ARRAY(const T*, key_rows, kKeys);
   ATTN_SHARED_ARRAY(const T*, value_rows, kKeys);
+  ATTN_SHARED_ARRAY(float, key_scales, kScaledRows<T> ? kKeys : 1);  // fp8: the rows' scales.
+  ATTN_SHARED_ARRAY(float, value_scales, kScaledRows<T> ? kKeys : 1);
 
   const DecodeUnit unit = batch.units[blockIdx.x];
   const DecodeItem& item = batch.items[unit.item];
@@ -167,13 +179,23 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
                               item.pages.KeyOffsetInPage(unit.kv_head, token);
       value_rows[threadIdx.x] = static_cast<const T*>(item.pages.value_pages[page]) +
                                 item.pages.ValueOffsetInPage(unit.kv_head, token);
+      if constexpr (kScaledRows<T>) {
+        key_scales[threadIdx.x] = Fp8RowScale(key_rows[threadIdx.x], item.pages.key_width);
+        value_scales[threadIdx.x] = Fp8RowScale(value_rows[threadIdx.x], item.pages.value_width);
+      }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kKeys * P; i += kThreads) {
       const int j = i / P;
       const int c = i % P;
-      key_tile[j * (P + 1) + c] = j < n && c < head_dim ? ToFloat(key_rows[j][c]) : 0.f;
-      value_tile[i] = j < n && c < value_dim ? ToFloat(value_rows[j][c]) : 0.f;
+      float key = j < n && c < head_dim ? ToFloat(key_rows[j][c]) : 0.f;
+      float value = j < n && c < value_dim ? ToFloat(value_rows[j][c]) : 0.f;
+      if constexpr (kScaledRows<T>) {
+        key *= j < n ? key_scales[j] : 0.f;
+        value *= j < n ? value_scales[j] : 0.f;
+      }
+      key_tile[j * (P + 1) + c] = key;
+      value_tile[i] = value;
     }
     __syncthreads();
 
@@ -314,7 +336,8 @@ cudaError_t LaunchDecode(const DecodeBatch& batch, cudaStream_t stream) {
     case DType::kBFloat16:
       error = RunPitch<__nv_bfloat16>(batch, stream);
       break;
-    case DType::kFloat8E4M3:  // No CUDA cache holds fp8 yet (CudaBackend::CreateKvStore).
+    case DType::kFloat8E4M3:
+      error = RunPitch<uint8_t>(batch, stream);
       break;
   }
   if (error != cudaSuccess) return error;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/convert.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launch.h"
 
@@ -23,8 +24,9 @@ CudaKvStore::CudaKvStore(std::shared_ptr<Device> device, const KvLayout& layout,
       page_tokens_(page_tokens),
       pool_(std::move(pool)) {
   paged_.page_tokens = page_tokens_;
-  paged_.key_width = layout_.head_dim;
-  paged_.value_width = layout_.values_from_keys ? layout_.head_dim : layout_.value_dim;
+  paged_.key_width = StoredRowWidth(layout_.dtype, layout_.head_dim);
+  paged_.value_width = layout_.values_from_keys ? paged_.key_width
+                                                : StoredRowWidth(layout_.dtype, layout_.value_dim);
   paged_.dtype = layout_.dtype;
 }
 
@@ -137,10 +139,8 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   Slot& slot = lease.slot();
   MemoryBudget& budget = device_->budget();
   const DType dtype = layout_.dtype;
-  const int64_t element = ElementSize(dtype);
-  const int64_t key_elements = layout_.kv_heads * n * layout_.head_dim;
-  const int64_t value_elements = layout_.kv_heads * n * StoredValueDim(layout_);
-  const int64_t token_bytes = (key_elements + value_elements) * element;
+  const int64_t key_bytes = KeyBytes(layout_, n);
+  const int64_t token_bytes = key_bytes + StoredValueBytes(layout_, n);
   const int64_t old_pages = static_cast<int64_t>(pages_.size());
   const int64_t new_pages = PagesFor(length_ + n, page_tokens_);
   // Copy on write: a last page another store holds (or BytesToAppend counted as such) is copied
@@ -152,18 +152,17 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
       grow_tables ? std::max<int64_t>({new_pages, 2 * table_capacity_, 16}) : table_capacity_;
   const int64_t table_bytes = capacity * static_cast<int64_t>(sizeof(void*));
 
-  // Host side first: the tokens in the store's dtype, then the new table entries, all staged.
+  // Host side first: the tokens as the store keeps them (ToStoredRows: converted, or quantized
+  // into fp8 rows), then the new table entries, all staged.
   ATTN_RETURN_IF_ERROR(slot.ReserveStaging(token_bytes + 2 * table_bytes));
   char* staged = slot.staging;
-  auto stage = [&](const TensorView& view, int64_t count, char* target) {
-    if (view.dtype == dtype) {
-      std::memcpy(target, view.data, count * element);
-    } else {
-      for (int64_t i = 0; i < count; ++i) StoreElement(target, dtype, i, view[i]);
-    }
-  };
-  stage(key, key_elements, staged);
-  stage(value, value_elements, staged + key_elements * element);
+  std::vector<float> row_scratch;
+  ToStoredRows(key.data, key.dtype, layout_.kv_heads * n, layout_.head_dim, staged, dtype,
+               row_scratch);
+  if (!layout_.values_from_keys) {
+    ToStoredRows(value.data, value.dtype, layout_.kv_heads * n, layout_.value_dim,
+                 staged + key_bytes, dtype, row_scratch);
+  }
 
   // Everything the append needs, allocated before anything is written: on failure `added` and
   // the new tables are freed and the store is untouched.
@@ -226,16 +225,16 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   }
   if (status.ok()) {
     status = check(
-        LaunchScatter(*tokens, layout_.kv_heads, n, layout_.head_dim, static_cast<int>(element),
+        LaunchScatter(*tokens, layout_.kv_heads, n, KeyRowBytes(layout_),
                       static_cast<void* const*>(key_table), page_tokens_, length_, slot.stream),
         "LaunchScatter (keys)");
   }
-  if (status.ok() && value_elements > 0) {
-    status = check(
-        LaunchScatter(static_cast<char*>(*tokens) + key_elements * element, layout_.kv_heads, n,
-                      layout_.value_dim, static_cast<int>(element),
-                      static_cast<void* const*>(value_table), page_tokens_, length_, slot.stream),
-        "LaunchScatter (values)");
+  if (status.ok() && !layout_.values_from_keys) {
+    status =
+        check(LaunchScatter(static_cast<char*>(*tokens) + key_bytes, layout_.kv_heads, n,
+                            StoredValueRowBytes(layout_), static_cast<void* const*>(value_table),
+                            page_tokens_, length_, slot.stream),
+              "LaunchScatter (values)");
   }
   if (status.ok()) status = check(cudaStreamSynchronize(slot.stream), "KV cache append");
   if (!status.ok()) {
@@ -280,8 +279,8 @@ absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* v
   ATTN_RETURN_IF_ERROR(device_->Start());
   SlotPool::Lease lease(device_->slots());
   const cudaStream_t stream = lease.slot().stream;
-  const int64_t element = ElementSize(layout_.dtype);
-  const int64_t key_row = layout_.head_dim * element, value_row = layout_.value_dim * element;
+  // Stored rows (an fp8 row carries its scale); a latent value is made from its key, below.
+  const int64_t key_row = KeyRowBytes(layout_), value_row = StoredValueRowBytes(layout_);
   const int64_t n = end - begin;
   for (int64_t h = 0; h < layout_.kv_heads; ++h) {
     for (int64_t t = begin; t < end;) {
@@ -292,7 +291,7 @@ absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* v
           cudaMemcpyAsync(static_cast<char*>(key) + (h * n + t - begin) * key_row,
                           static_cast<const char*>(key_entries_[page]) + row_in_page * key_row,
                           run * key_row, cudaMemcpyDeviceToHost, stream));
-      if (value == nullptr || layout_.values_from_keys) {  // A latent value: from its key, below.
+      if (value == nullptr || layout_.values_from_keys) {
         t += run;
         continue;
       }
@@ -305,9 +304,10 @@ absl::Status CudaKvStore::CopyOut(int64_t begin, int64_t end, void* key, void* v
   }
   ATTN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   if (value != nullptr && layout_.values_from_keys) {
+    const int64_t latent_row = StoredRowBytes(layout_.dtype, layout_.value_dim);
     for (int64_t row = 0; row < layout_.kv_heads * n; ++row) {
-      std::memcpy(static_cast<char*>(value) + row * value_row,
-                  static_cast<const char*>(key) + row * key_row, value_row);
+      LatentValueRow(layout_, static_cast<const char*>(key) + row * key_row,
+                     static_cast<char*>(value) + row * latent_row);
     }
   }
   return absl::OkStatus();

@@ -1,24 +1,25 @@
 // CudaKvStore: a KvStore (kernels/kv_store.h) in device memory.
 //
-// Each page is one device allocation — its key block [kv_heads, page_tokens, head_dim], then its
-// value block [kv_heads, page_tokens, value_dim] (none in a latent store, whose value table
-// repeats the key table), in the store's dtype — charged to the
-// device's memory budget (device_memory.h) like every other allocation of the backend. The page
-// tables (PagedKv::key_pages and value_pages) are device arrays of pointers kept in step with
-// the pages: an append writes the new pages' entries (or, when the tables are full, new tables
-// twice as large) before it commits, so pages() always describes exactly the stored tokens.
+// Each page is one device allocation — its key block [kv_heads, page_tokens] of stored key rows,
+// then its value block [kv_heads, page_tokens] of stored value rows (none in a latent store, whose
+// value table repeats the key table), rows in the store's dtype (StoredRowBytes: an fp8 row
+// carries its scale) — charged to the device's memory budget (device_memory.h) like every other
+// allocation of the backend. The page tables (PagedKv::key_pages and value_pages) are device arrays
+// of pointers kept in step with the pages: an append writes the new pages' entries (or, when the
+// tables are full, new tables twice as large) before it commits, so pages() always describes
+// exactly the stored tokens.
 //
-// Append: the tokens are converted to the store's dtype on the host (into the slot's pinned
-// staging memory), copied to the device once, and scattered into their pages by one kernel
-// (LaunchScatter, pages.cu); new pages and tables are allocated first, so any failure (the
-// budget, the device) frees them and leaves the store exactly as it was. Truncate frees whole
-// pages past the new length. A fork (Fork) holds its source's pages, not copies, with tables of
-// its own; a page is freed when the last store holding it lets go, and a store never writes
-// into a page another holds (an append into a shared partly filled last page copies it on the
-// device first, in the append's stream, before the new tokens are scattered). Every call leases one
-// of the device's stream slots and waits for its work before returning, so a kernel reading pages()
-// after an Append sees all of it. Not thread-safe (the registry orders calls on one store); holds
-// the Device, so it may outlive the backend.
+// Append: the tokens are made stored rows on the host (ToStoredRows, kernels/convert.h:
+// converted, or quantized into fp8 rows, into the slot's pinned staging memory), copied to the
+// device once, and scattered into their pages by one kernel (LaunchScatter, pages.cu); new pages
+// and tables are allocated first, so any failure (the budget, the device) frees them and leaves the
+// store exactly as it was. Truncate frees whole pages past the new length. A fork (Fork) holds its
+// source's pages, not copies, with tables of its own; a page is freed when the last store holding
+// it lets go, and a store never writes into a page another holds (an append into a shared partly
+// filled last page copies it on the device first, in the append's stream, before the new tokens are
+// scattered). Every call leases one of the device's stream slots and waits for its work before
+// returning, so a kernel reading pages() after an Append sees all of it. Not thread-safe (the
+// registry orders calls on one store); holds the Device, so it may outlive the backend.
 #pragma once
 
 #include <atomic>
@@ -82,9 +83,7 @@ class CudaKvStore final : public KvStore {
   absl::Status UploadEntries(const std::vector<const void*>& key_entries,
                              const std::vector<const void*>& value_entries, int64_t first,
                              void* key_table, void* value_table, char* staged, Slot& slot) const;
-  int64_t KeyBlockBytes() const {
-    return layout_.kv_heads * page_tokens_ * layout_.head_dim * ElementSize(layout_.dtype);
-  }
+  int64_t KeyBlockBytes() const { return layout_.kv_heads * page_tokens_ * KeyRowBytes(layout_); }
   int64_t PageBytes() const { return page_tokens_ * TokenBytes(layout_); }
 
   const std::shared_ptr<Device> device_;

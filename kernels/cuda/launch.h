@@ -140,11 +140,12 @@ cudaError_t LaunchGather(const PagedKv& pages, bool keys, int64_t kv_heads, int6
                          int64_t width, void* out, DType out_dtype, int64_t pitch,
                          cudaStream_t stream);
 
-// Writes dense tokens [kv_heads, n, width] (element_size bytes each, 2 or 4, already in the
-// pages' dtype; device memory) as tokens first … first + n − 1 of the pages in `table` (a device
-// array of blocks [kv_heads, page_tokens, width]). How a KV store appends.
-cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64_t width,
-                          int element_size, void* const* table, int64_t page_tokens, int64_t first,
+// Writes dense stored rows [kv_heads, n] of row_bytes bytes each (an even count: StoredRowBytes;
+// already as the pages keep them, device memory) as tokens first … first + n − 1 of the pages in
+// `table` (a device array of blocks [kv_heads, page_tokens] of such rows). How a KV store
+// appends.
+cudaError_t LaunchScatter(const void* tokens, int64_t kv_heads, int64_t n, int64_t row_bytes,
+                          void* const* table, int64_t page_tokens, int64_t first,
                           cudaStream_t stream);
 
 // --- Decode (decode.cu): split-KV attention over the pages of a batch of caches --------------
@@ -180,8 +181,9 @@ constexpr int DecodeSharedBytes(int pitch) {
   return 4 * (tile.rows * pitch + tile.keys * (pitch + 1) + tile.keys * pitch);
 }
 
-// Its static shared memory, bytes: the tile's key and value row pointers.
-constexpr int DecodeStaticSharedBytes(int pitch) { return 2 * DecodeTileOf(pitch).keys * 8; }
+// Its static shared memory at most, bytes: the tile's key and value row pointers, and their rows'
+// scales (fp8 caches' instances; the others do not use them).
+constexpr int DecodeStaticSharedBytes(int pitch) { return 2 * DecodeTileOf(pitch).keys * (8 + 4); }
 
 // One sequence of the batch (device memory, read by both kernels). Its rows are
 // flat = head · query_len + row; its keys split into `chunks` of chunk_keys (a multiple of the

@@ -579,7 +579,7 @@ cudaError_t LaunchTiled(const DeviceProblem& problem, const TiledPlan& plan, flo
         return run(MmaKernel<__half, kDim>);
       case DType::kBFloat16:
         return run(MmaKernel<__nv_bfloat16, kDim>);
-      case DType::kFloat8E4M3:  // A cache's dtype only; no CUDA cache holds it (CreateKvStore).
+      case DType::kFloat8E4M3:  // A cache's dtype only: an fp8 cache is gathered as fp32.
         break;
     }
     return cudaErrorInvalidValue;

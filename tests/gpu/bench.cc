@@ -17,8 +17,10 @@
 //       <rel_err>,<status>
 //       (--method decode) Backend::Decode of one query row per sequence over server-resident
 //       KV caches (the split-KV kernels, kernels/cuda/decode.cu): ms as above; cache_gb_s =
-//       bytes of cache read (batch · key_len · kv_heads · 2d · element size) / median time, to
-//       be read against copy_d2d of the same run; rel_err against Tiled over the same pages.
+//       bytes of cache read (batch · key_len · kv_heads · 2 stored rows of d: d · element size,
+//       or an fp8 row's d codes and scale) / median time, to be read against copy_d2d of the same
+//       run; rel_err against Tiled over the same pages. dtype fp8: an fp8 cache (the tokens sent
+//       as bf16 and quantized), queries and outputs bf16.
 // Lines starting with '#' are comments (the header lines among them).
 //
 // Shapes: batch·heads = tokens / seq with a fixed token count (default 256k), so every launch
@@ -169,7 +171,10 @@ Options ParseOptions(int argc, char** argv) {
     if (m != "tiled" && m != "naive" && m != "decode") Usage(("unknown method " + m).c_str());
   }
   for (const std::string& d : o.dtypes) {
-    if (d != "bf16" && d != "fp16" && d != "fp32") Usage(("unknown dtype " + d).c_str());
+    if (d == "fp8" && o.methods == std::vector<std::string>{"decode"}) continue;
+    if (d != "bf16" && d != "fp16" && d != "fp32") {
+      Usage(("unknown dtype " + d + " (fp8: --method decode alone)").c_str());
+    }
   }
   for (int64_t d : o.dims) {
     if (d < 1 || d > 256) Usage("--dim must be in 1..256");
@@ -186,6 +191,7 @@ Options ParseOptions(int argc, char** argv) {
 attn::DType ParseDType(const std::string& name) {
   if (name == "bf16") return attn::DType::kBFloat16;
   if (name == "fp16") return attn::DType::kFloat16;
+  if (name == "fp8") return attn::DType::kFloat8E4M3;
   return attn::DType::kFloat32;
 }
 
@@ -465,7 +471,10 @@ bool RunDecode(attn::Backend& backend, const Options& o, double deadline_s,
       {1, 1024}, {1, 4096}, {1, 16384}, {1, 32768}, {16, 4096}};
   bool ok = true;
   for (const std::string& dtype_name : o.dtypes) {
-    const attn::DType dtype = ParseDType(dtype_name);
+    // The cache's dtype; the tensors' (tokens, queries, outputs) the same, or bf16 for fp8.
+    const attn::DType cache_dtype = ParseDType(dtype_name);
+    const attn::DType dtype =
+        cache_dtype == attn::DType::kFloat8E4M3 ? attn::DType::kBFloat16 : cache_dtype;
     const int64_t element = attn::ElementSize(dtype);
     for (const auto& [batch, key_len] : shapes) {
       const std::string cell = Format(
@@ -491,7 +500,7 @@ bool RunDecode(attn::Backend& backend, const Options& o, double deadline_s,
       absl::Status status;
       for (int64_t b = 0; b < batch && status.ok(); ++b) {
         absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
-            backend.CreateKvStore(attn::KvLayout{kKvHeads, kDim, kDim, dtype});
+            backend.CreateKvStore(attn::KvLayout{kKvHeads, kDim, kDim, cache_dtype});
         if (!store.ok()) {
           status = store.status();
           break;
@@ -550,7 +559,8 @@ bool RunDecode(attn::Backend& backend, const Options& o, double deadline_s,
       }
       if (verdict != "ok") ok = false;
       const double median = Median(times_ms);
-      const double bytes = static_cast<double>(batch * key_len * kKvHeads * 2 * kDim * element);
+      const double bytes = static_cast<double>(batch * key_len * kKvHeads * 2 *
+                                               attn::StoredRowBytes(cache_dtype, kDim));
       Line(cell + Format(",%zu,%.4f,%.1f,%.2e,%s", times_ms.size(), median,
                          bytes / (median * 1e-3) / 1e9, rel_err, verdict.c_str()));
     }

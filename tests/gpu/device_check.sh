@@ -10,8 +10,9 @@
 #    static libraries come from build/gpu-carry). Without either, only the SDPA column runs.
 # 2. gpu_test (its summary);
 # 3. gpu_bench: the device's ceilings (copy GB/s, cuBLAS GEMM TFLOP/s), then Tiled; then
-#    Decode over KV caches (bf16, 32 query heads over 8 kv heads, d 128, 1 × 1k…32k and
-#    16 × 4k tokens): cache bytes read per second beside the copy bandwidth of this run;
+#    Decode over KV caches (bf16 and fp8, 32 query heads over 8 kv heads, d 128, 1 × 1k…32k
+#    and 16 × 4k tokens): cache bytes read per second beside the copy bandwidth of this run,
+#    and the fp8 step's speed over bf16's per shape;
 # 4. sdpa_bench.py: torch SDPA on the same shapes (skipped without torch or CUDA);
 # 5. gpu_bench: Naive (last: the least important and the heaviest on memory);
 # 6. one table: TFLOP/s of Naive, Tiled and SDPA, ratios to SDPA and Tiled / GEMM peak.
@@ -336,7 +337,7 @@ if [ -n "$BIN" ] && [ -x "$BIN/gpu_bench" ]; then
   grep -q '^SKIPPED' "$RESULTS/bench.csv" 2> /dev/null && note "gpu_bench: $(grep -m1 '^SKIPPED' "$RESULTS/bench.csv")"
   if ! grep -q '^SKIPPED' "$RESULTS/bench.csv" 2> /dev/null; then
     stage "gpu_bench: Decode over KV caches"
-    run_bench 60 200 --method decode --dtype bf16 --ceilings 0
+    run_bench 90 200 --method decode --dtype bf16,fp8 --ceilings 0
   fi
   run_sdpa 60
   if ! grep -q '^SKIPPED' "$RESULTS/bench.csv" 2> /dev/null; then
@@ -440,6 +441,12 @@ if decodes:
         lines.append(f"{r[1]:5}  {r[2]:>5}  {r[3]:>7}  {r[4]:>5}/{r[5]:<2}  {r[6]:>3}  "
                      f"{r[8] or '-':>7}  {r[9] or '-':>10}  {ratio(gbs, copy):>7}  "
                      f"{r[10] or '-':>7}  {r[11]}")
+    # An fp8 cache's step against bf16's, same shape, same run (issue 32: ≥ 1.7× at 1 × 32768).
+    step = {(r[1], r[2], r[3]): float(r[8]) for r in decodes if r[11] == "ok" and r[8]}
+    for (dtype, batch, key_len), ms in step.items():
+        if dtype == "fp8" and ("bf16", batch, key_len) in step:
+            lines.append(f"fp8 step speed / bf16 at {batch} x {key_len}: "
+                         f"{step[('bf16', batch, key_len)] / ms:.2f}x")
 text = "\n".join(lines)
 open(os.path.join(results, "table.txt"), "w").write(text + "\n")
 with open(os.path.join(results, "table.csv"), "w", newline="") as f:

@@ -3,12 +3,15 @@
 // through tables of their own, copy on write, each page freed by its last holder); Decode's
 // split-KV kernels (kernels/cuda/decode.cu) against the float64 reference (tests/reference.h) — odd
 // page sizes, GQA, causal with several query rows, a batch of different lengths, fp32/fp16/bf16 by
-// the project's rules (DESIGN.md, Numerics), small chunks that exercise the merge and the
+// the project's rules (DESIGN.md, Numerics), fp8 caches against the reference on the rows they
+// store (code · scale, to fp32's bound), small chunks that exercise the merge and the
 // backend's own choice, DeepSeek-V3's MLA shape (128 heads over one latent kv head, head_dim
 // 576, values the first 512 columns of each key) and other widths the wide (576) instance takes,
 // which widths Decode takes and which it refuses; and Naive, Tiled and Trace over a cache against
 // the same problem with contiguous keys (the gather makes the same device layout, so they agree
-// bit for bit).
+// bit for bit; an fp8 cache's gather gives its rows' code · scale, so it agrees with the
+// dequantized keys and values). fp8 stores: every append quantized into rows with their scales,
+// the rows copied out and in byte for byte.
 //
 // As in gpu_test.cc: without a CUDA device every test reports SKIPPED with the reason (fails
 // with ATTN_REQUIRE_GPU=1, tests/backend_suite.h's GpuRequired); outputs are poisoned with NaN;
@@ -22,6 +25,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -30,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/convert.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/kv_store.h"
@@ -81,10 +86,24 @@ class CudaKvTest : public ::testing::Test {
   static inline absl::StatusOr<std::unique_ptr<Backend>>* plain_ = nullptr;
 };
 
-// A store's layout for the problem's keys and values (a latent one after SetValuesFromKeys).
-KvLayout LayoutOf(const HostProblem& host) {
-  return KvLayout{host.shape.kv_heads, host.shape.head_dim, host.shape.value_dim, host.dtype,
-                  host.values_from_keys};
+// A store's layout for the problem's keys and values (a latent one after SetValuesFromKeys), in
+// the problem's dtype or `stored`.
+KvLayout LayoutOf(const HostProblem& host, std::optional<DType> stored = std::nullopt) {
+  return KvLayout{host.shape.kv_heads, host.shape.head_dim, host.shape.value_dim,
+                  stored.value_or(host.dtype), host.values_from_keys};
+}
+
+// `rows` rows of `width` values as a store of `dtype` holds them: fp8 rows quantized
+// (QuantizeFp8Row) and read back (code · scale); other dtypes' values are already rounded to it.
+std::vector<float> AsStored(const std::vector<float>& values, int64_t width, DType dtype) {
+  if (dtype != DType::kFloat8E4M3) return values;
+  std::vector<float> out(values.size());
+  std::vector<uint8_t> row(Fp8RowBytes(width));
+  for (size_t r = 0; r * width < values.size(); ++r) {
+    QuantizeFp8Row(values.data() + r * width, width, row.data());
+    DequantizeFp8Row(row.data(), width, Fp8RowBytes(width), out.data() + r * width);
+  }
+  return out;
 }
 
 // Tokens [first, first + n) of a dense [kv_heads, len, width] tensor, dense [kv_heads, n, width]:
@@ -131,7 +150,7 @@ void AppendAll(KvStore& store, const HostProblem& host, std::vector<int64_t> pie
 }
 
 // The store's first `length` tokens, read back from the device as fp32 [kv_heads, length,
-// width] (keys or values).
+// width] (keys or values; an fp8 row's codes times its scale).
 std::vector<float> ReadBack(const KvStore& store, bool keys, int64_t length) {
   const KvLayout& layout = store.layout();
   const PagedKv& pages = store.pages();
@@ -151,10 +170,13 @@ std::vector<float> ReadBack(const KvStore& store, bool keys, int64_t length) {
     for (int64_t h = 0; h < layout.kv_heads; ++h) {
       for (int64_t t = p * store.page_tokens(); t < std::min(length, (p + 1) * store.page_tokens());
            ++t) {
+        const int64_t row = keys ? pages.KeyOffsetInPage(h, t) : pages.ValueOffsetInPage(h, t);
         for (int64_t c = 0; c < width; ++c) {
-          out[(h * length + t) * width + c] =
-              LoadElement(page.data(), layout.dtype,
-                          (keys ? pages.KeyOffsetInPage(h, t) : pages.ValueOffsetInPage(h, t)) + c);
+          float x = LoadElement(page.data(), layout.dtype, row + c);
+          if (layout.dtype == DType::kFloat8E4M3) {  // The code times its row's scale.
+            x *= Fp8RowScale(page.data() + row, keys ? pages.key_width : pages.value_width);
+          }
+          out[(h * length + t) * width + c] = x;
         }
       }
     }
@@ -220,24 +242,96 @@ TEST_F(CudaKvTest, AppendTruncateAndReadBackInEveryDtype) {
   }
 }
 
+// fp8 stores (kernels/dtype.h): every append, in bf16 or fp32 pieces across pages, quantized into
+// rows of codes, zero padding and the row's scale — exactly the bytes QuantizeFp8Row makes of each
+// token's row — which CopyOut gives back for any range, and which an append of stored rows (a
+// restore's, an import's) copies bit for bit; a latent store's value rows are its keys' first
+// codes with the key's scale; a page's bytes are its stored rows'.
+TEST_F(CudaKvTest, Fp8StoreQuantizesEveryAppendAndCopiesStoredRowsExactly) {
+  const DType fp8 = DType::kFloat8E4M3;
+  for (bool latent : {false, true}) {
+    SCOPED_TRACE(latent ? "latent" : "keys and values");
+    HostProblem host =
+        RandomProblem(MakeShape(1, 3, 3, 1, 40, 17, 11), DType::kBFloat16, false, 8, 77 + latent);
+    if (latent) host.SetValuesFromKeys();
+    absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(LayoutOf(host, fp8));
+    ASSERT_TRUE(store.ok()) << store.status();
+    KvStore& kv = **store;
+    const int64_t key_row = Fp8RowBytes(17), value_row = Fp8RowBytes(11);
+    EXPECT_EQ(key_row, 24);  // 17 codes, 3 bytes of padding, the scale.
+    EXPECT_EQ(kv.BytesFor(15), 3 * 3 * 7 * (key_row + (latent ? 0 : value_row)));
+    AppendAll(kv, host, {1, 5, 9, 13});  // bf16 and fp32 pieces, across page boundaries.
+    ASSERT_EQ(kv.length(), 40);
+
+    // Every key row is QuantizeFp8Row's bytes of that token's keys; CopyOut of any range too.
+    std::vector<uint8_t> want_keys(3 * 40 * key_row), want_values(3 * 40 * value_row);
+    for (int64_t r = 0; r < 3 * 40; ++r) {
+      QuantizeFp8Row(host.key.data() + r * 17, 17, want_keys.data() + r * key_row);
+      if (latent) {  // The key's first 11 codes, zero padding, the key's scale.
+        std::memcpy(want_values.data() + r * value_row, want_keys.data() + r * key_row, 11);
+        std::memcpy(want_values.data() + (r + 1) * value_row - 4,
+                    want_keys.data() + (r + 1) * key_row - 4, 4);
+      } else {
+        QuantizeFp8Row(host.value.data() + r * 11, 11, want_values.data() + r * value_row);
+      }
+    }
+    for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, 40}, {5, 33}, {39, 40}}) {
+      SCOPED_TRACE(::testing::Message() << "CopyOut " << begin << " … " << end);
+      const int64_t n = end - begin;
+      std::vector<uint8_t> keys(3 * n * key_row, 0xa5), values(3 * n * value_row, 0xa5);
+      ASSERT_TRUE(kv.CopyOut(begin, end, keys.data(), values.data()).ok());
+      for (int64_t h = 0; h < 3; ++h) {
+        EXPECT_EQ(0, std::memcmp(keys.data() + h * n * key_row,
+                                 want_keys.data() + (h * 40 + begin) * key_row, n * key_row));
+        EXPECT_EQ(0, std::memcmp(values.data() + h * n * value_row,
+                                 want_values.data() + (h * 40 + begin) * value_row, n * value_row));
+      }
+    }
+    // Read through the pages as the kernels do: code · scale, which quantizing really changed.
+    const std::vector<float> keys = ReadBack(kv, true, 40);
+    EXPECT_EQ(keys, AsStored(host.key, 17, fp8));
+    EXPECT_GT(MaxAbsError(keys, host.key), 1e-3);
+    if (!latent) EXPECT_EQ(ReadBack(kv, false, 40), AsStored(host.value, 11, fp8));
+
+    // Stored rows appended as they are (dtype fp8: a restore's or an import's), bit for bit.
+    absl::StatusOr<std::unique_ptr<KvStore>> copy = odd().CreateKvStore(LayoutOf(host, fp8));
+    ASSERT_TRUE(copy.ok()) << copy.status();
+    ASSERT_TRUE((*copy)
+                    ->Append(TensorView{want_keys.data(), fp8},
+                             TensorView{latent ? nullptr : want_values.data(), fp8}, 40)
+                    .ok());
+    std::vector<uint8_t> copied_keys(want_keys.size()), copied_values(want_values.size());
+    ASSERT_TRUE((*copy)->CopyOut(0, 40, copied_keys.data(), copied_values.data()).ok());
+    EXPECT_EQ(copied_keys, want_keys);
+    EXPECT_EQ(copied_values, want_values);
+    EXPECT_EQ((*copy)->bytes(), kv.bytes());
+  }
+}
+
 // Forks (KvStore::Fork, ForkCache's): a fork names its source's pages in tables of its own (read
 // back through them from the device), an append into a shared partly filled page copies it on the
 // device first (the source reads as before), shared_bytes counts the pages another store holds,
 // and each page is freed, and reported, once: by the last store that lets go of it.
 TEST_F(CudaKvTest, AForkSharesPagesCopiesOnWriteAndFreesOnTheLastHolder) {
-  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    SCOPED_TRACE(DTypeName(dtype));
+  for (DType stored : {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3}) {
+    SCOPED_TRACE(DTypeName(stored));
+    // Tokens in the store's dtype; an fp8 store's in bf16 (it quantizes them).
+    const DType dtype = stored == DType::kFloat8E4M3 ? DType::kBFloat16 : stored;
     const HostProblem host =
         RandomProblem(MakeShape(1, 4, 2, 1, 30, 17, 11), dtype, false, 8, 31 + int(dtype));
     const HostProblem other =
         RandomProblem(MakeShape(1, 4, 2, 1, 5, 17, 11), dtype, false, 8, 41 + int(dtype));
-    absl::StatusOr<std::unique_ptr<KvStore>> made = odd().CreateKvStore(LayoutOf(host));
+    absl::StatusOr<std::unique_ptr<KvStore>> made = odd().CreateKvStore(LayoutOf(host, stored));
     ASSERT_TRUE(made.ok()) << made.status();
     std::unique_ptr<KvStore> source = *std::move(made);
     int64_t freed = 0;
     source->OnPageFreed([&freed](int64_t) { ++freed; });
     AppendAll(*source, host, {30});  // Pages of 7: four whole, the fifth holding 2 tokens.
-    const int64_t page_bytes = 2 * 7 * (17 + 11) * ElementSize(dtype);
+    const int64_t page_bytes = 2 * 7 * (StoredRowBytes(stored, 17) + StoredRowBytes(stored, 11));
+    // What the store holds: an fp8 store's rows quantized (scales and all, copied with a page).
+    const std::vector<float> host_key = AsStored(host.key, 17, stored);
+    const std::vector<float> host_value = AsStored(host.value, 11, stored);
+    const std::vector<float> other_key = AsStored(other.key, 17, stored);
     ASSERT_EQ(source->bytes(), 5 * page_bytes);
     absl::StatusOr<std::unique_ptr<KvStore>> whole = source->Fork(30);
     ASSERT_TRUE(whole.ok()) << whole.status();
@@ -247,9 +341,9 @@ TEST_F(CudaKvTest, AForkSharesPagesCopiesOnWriteAndFreesOnTheLastHolder) {
     EXPECT_EQ((*whole)->shared_bytes(), 5 * page_bytes);
     EXPECT_EQ((*prefix)->bytes(), 3 * page_bytes);
     EXPECT_EQ(source->shared_bytes(), 5 * page_bytes);
-    EXPECT_EQ(ReadBack(**whole, true, 30), host.key);
-    EXPECT_EQ(ReadBack(**whole, false, 30), host.value);
-    EXPECT_EQ(ReadBack(**prefix, true, 16), Prefix(host.key, 2, 30, 17, 16));
+    EXPECT_EQ(ReadBack(**whole, true, 30), host_key);
+    EXPECT_EQ(ReadBack(**whole, false, 30), host_value);
+    EXPECT_EQ(ReadBack(**prefix, true, 16), Prefix(host_key, 2, 30, 17, 16));
 
     // The whole fork's append: its last page copied, then written; the source as before.
     EXPECT_EQ((*whole)->BytesToAppend(5), page_bytes);
@@ -261,18 +355,18 @@ TEST_F(CudaKvTest, AForkSharesPagesCopiesOnWriteAndFreesOnTheLastHolder) {
     EXPECT_EQ(source->shared_bytes(), 4 * page_bytes);
     std::vector<float> expected;
     for (int64_t h = 0; h < 2; ++h) {
-      expected.insert(expected.end(), host.key.begin() + h * 30 * 17,
-                      host.key.begin() + (h + 1) * 30 * 17);
-      expected.insert(expected.end(), other.key.begin() + h * 5 * 17,
-                      other.key.begin() + (h + 1) * 5 * 17);
+      expected.insert(expected.end(), host_key.begin() + h * 30 * 17,
+                      host_key.begin() + (h + 1) * 30 * 17);
+      expected.insert(expected.end(), other_key.begin() + h * 5 * 17,
+                      other_key.begin() + (h + 1) * 5 * 17);
     }
     EXPECT_EQ(ReadBack(**whole, true, 35), expected);
-    EXPECT_EQ(ReadBack(*source, true, 30), host.key);
-    EXPECT_EQ(ReadBack(*source, false, 30), host.value);
+    EXPECT_EQ(ReadBack(*source, true, 30), host_key);
+    EXPECT_EQ(ReadBack(*source, false, 30), host_value);
     // The prefix fork's append copies page 2; the others read as before.
     ASSERT_TRUE((*prefix)->Append({key.data(), dtype}, {value.data(), dtype}, 3).ok());
     EXPECT_EQ((*prefix)->shared_bytes(), 2 * page_bytes);
-    EXPECT_EQ(ReadBack(*source, true, 30), host.key);
+    EXPECT_EQ(ReadBack(*source, true, 30), host_key);
     EXPECT_EQ(ReadBack(**whole, true, 35), expected);
 
     // Each page freed once, by its last holder: 5 of the source's and the 2 copies.
@@ -281,7 +375,7 @@ TEST_F(CudaKvTest, AForkSharesPagesCopiesOnWriteAndFreesOnTheLastHolder) {
     EXPECT_EQ(ReadBack(**whole, true, 35), expected);
     whole->reset();
     EXPECT_EQ(freed, 4);  // Pages 2, 3 and its copy of 4 (0 and 1 are the prefix fork's).
-    EXPECT_EQ(ReadBack(**prefix, true, 16), Prefix(host.key, 2, 30, 17, 16));
+    EXPECT_EQ(ReadBack(**prefix, true, 16), Prefix(host_key, 2, 30, 17, 16));
     prefix->reset();
     EXPECT_EQ(freed, 7);
   }
@@ -331,6 +425,9 @@ struct DecodeCase {
   std::vector<int32_t> tree = {};
   // Latent caches (KvLayout::values_from_keys): each value the first value_dim columns of its key.
   bool latent = false;
+  // fp8 caches of the (fp32) problem's tokens: the reference reads the rows they store (code ·
+  // scale, DequantizedFrom), and the outputs are held to fp32's bound.
+  bool fp8 = false;
 };
 
 // 70 new tokens, chains of five off the prefix and off token 3: masks of two 64-bit words.
@@ -365,10 +462,17 @@ void CheckDecode(Backend& backend, const DecodeCase& c, uint64_t seed) {
   std::vector<Problem> problems;
   std::vector<PoisonedOutputs> poisoned;
   poisoned.reserve(hosts.size());
-  for (const HostProblem& host : hosts) {
-    absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore(LayoutOf(host));
+  for (HostProblem& host : hosts) {
+    absl::StatusOr<std::unique_ptr<KvStore>> store = backend.CreateKvStore(
+        LayoutOf(host, c.fp8 ? std::optional(DType::kFloat8E4M3) : std::nullopt));
     ASSERT_TRUE(store.ok()) << store.status();
     AppendAll(**store, host, {3, 29, 1, 64});
+    if (c.fp8) {
+      ASSERT_EQ(c.dtype, DType::kFloat32);
+      HostProblem stored = DequantizedFrom(**store, host);
+      EXPECT_GT(MaxAbsError(stored.key, host.key), 1e-3) << "nothing was quantized";
+      host = std::move(stored);
+    }
     Problem problem = host.View();
     problem.key = {};
     problem.value = {};
@@ -515,7 +619,47 @@ INSTANTIATE_TEST_SUITE_P(
         // Not latent, odd widths padded to 576: GQA, causal, two rows.
         DecodeCase{
             "Wide320x300GqaBf16", DType::kBFloat16, {MakeShape(1, 12, 2, 2, 131, 320, 300)}, true},
-        DecodeCase{"Wide257x576F32", DType::kFloat32, {MakeShape(1, 3, 1, 1, 47, 257, 576)}}),
+        DecodeCase{"Wide257x576F32", DType::kFloat32, {MakeShape(1, 3, 1, 1, 47, 257, 576)}},
+        // fp8 caches: GQA at d 128; odd widths (rows padded to 4 bytes) with ALiBi and sinks over
+        // several causal rows; a batch of lengths; the MLA shape (a latent value's scale is its
+        // key row's) at the wide instance.
+        DecodeCase{"Fp8Gqa32Over8",
+                   DType::kFloat32,
+                   {MakeShape(1, 32, 8, 1, 517, 128, 128)},
+                   false,
+                   false,
+                   false,
+                   {},
+                   false,
+                   true},
+        DecodeCase{"Fp8OddWidthsCausalAlibiSinks",
+                   DType::kFloat32,
+                   {MakeShape(1, 6, 3, 3, 131, 17, 13)},
+                   true,
+                   true,
+                   true,
+                   {},
+                   false,
+                   true},
+        DecodeCase{"Fp8BatchOfLengths",
+                   DType::kFloat32,
+                   {MakeShape(1, 8, 2, 1, 1, 64, 64), MakeShape(1, 8, 2, 1, 200, 64, 64),
+                    MakeShape(1, 8, 2, 1, 700, 64, 40)},
+                   false,
+                   false,
+                   false,
+                   {},
+                   false,
+                   true},
+        DecodeCase{"Fp8MlaLatentSinks",
+                   DType::kFloat32,
+                   {MakeShape(1, 16, 1, 2, 131, 576, 512)},
+                   true,
+                   false,
+                   true,
+                   {},
+                   true,
+                   true}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
 
 // Which widths Decode takes: every head_dim and value_dim up to 576 in the decode kernel (a
@@ -583,18 +727,24 @@ TEST_F(CudaKvTest, NaiveTiledAndTraceOverPagesEqualContiguous) {
     bool causal;
     int block_k;
     bool latent = false;  // A latent cache: values read from the keys' rows.
+    bool fp8 = false;     // An fp8 cache: the contiguous problem holds its dequantized rows.
   };
   for (const Case& c :
        {Case{DType::kFloat32, MakeShape(1, 4, 2, 5, 61, 17, 13), true, 7},
         Case{DType::kBFloat16, MakeShape(1, 6, 3, 33, 100, 64, 64), false, 32},
         Case{DType::kFloat16, MakeShape(1, 2, 1, 3, 45, 100, 72), true, 32},
-        Case{DType::kBFloat16, MakeShape(1, 8, 2, 4, 70, 48, 30), true, 32, true}}) {
-    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << (c.latent ? " latent" : ""));
+        Case{DType::kBFloat16, MakeShape(1, 8, 2, 4, 70, 48, 30), true, 32, true},
+        Case{DType::kFloat32, MakeShape(1, 4, 2, 5, 61, 17, 13), true, 7, false, true},
+        Case{DType::kFloat32, MakeShape(1, 8, 2, 4, 70, 48, 30), true, 32, true, true}}) {
+    SCOPED_TRACE(::testing::Message() << DTypeName(c.dtype) << (c.latent ? " latent" : "")
+                                      << (c.fp8 ? " fp8 cache" : ""));
     HostProblem host = RandomProblem(c.shape, c.dtype, c.causal, c.block_k, 77);
     if (c.latent) host.SetValuesFromKeys();
-    absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(LayoutOf(host));
+    absl::StatusOr<std::unique_ptr<KvStore>> store = odd().CreateKvStore(
+        LayoutOf(host, c.fp8 ? std::optional(DType::kFloat8E4M3) : std::nullopt));
     ASSERT_TRUE(store.ok()) << store.status();
     AppendAll(**store, host, {10, 3});
+    if (c.fp8) host = DequantizedFrom(**store, host);
     Problem contiguous = host.View();
     Problem paged = contiguous;
     paged.key = {};

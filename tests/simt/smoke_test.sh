@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # attnd over the emulated CUDA backend (tests/simt): `attnd_simt --device cuda` serves the seed
 # example through gRPC as the CPU does — Tiled (the fused fp32 kernel at the default block_k, the
-# row kernel at block_k 3), Naive (cuBLAS and the softmax kernel), Trace — and a bf16 KV-cache
-# decode (the split-KV kernels over pages), a fork of a cache (shared pages, copy on write),
-# every answer from the CUDA kernels, then drains on SIGTERM. Usage: smoke_test.sh ATTND_SIMT ATTN
+# row kernel at block_k 3), Naive (cuBLAS and the softmax kernel), Trace — and a bf16 and an fp8
+# KV-cache decode (the split-KV kernels over pages), a fork of a cache (shared pages, copy on
+# write), Tiled and Trace over an fp8 cache, every answer from the CUDA kernels, then drains on
+# SIGTERM. Usage: smoke_test.sh ATTND_SIMT ATTN
 set -euo pipefail
 source "$(dirname "$0")/../attnd_lib.sh"
 attnd=$1
@@ -34,6 +35,16 @@ error=$(sed -n 's/^max |decode - float64 reference| \/ max |reference| = \([0-9.
 check decode 0 '^ok$' -- \
   awk -v e="${error:-nan}" 'BEGIN { if (e != "nan" && e + 0 <= 1e-2) print "ok"; else print "error " e }'
 [ -n "$error" ] || echo "$out"
+# An fp8 cache on the device: the tokens (sent as bf16) quantized into rows with their scales,
+# read by the decode kernel's fp8 instance; the error against float64 on the bf16 tokens is
+# E4M3's rounding, a few percent, and not 0 (something was quantized).
+out=$("$attn" "${target[@]}" decode --dtype fp8 --heads 4 --kv-heads 1 --head-dim 32 \
+  --tokens 300 --steps 3 --seed 5 2>&1) || true
+error=$(sed -n 's/^max |decode - float64 reference| \/ max |reference| = \([0-9.e+-]*\) over 3 steps$/\1/p' \
+  <<<"$out")
+check decode-fp8 0 '^ok$' -- \
+  awk -v e="${error:-nan}" 'BEGIN { if (e != "nan" && e + 0 <= 0.1 && e + 0 > 1e-4) print "ok"; else print "error " e }'
+[ -n "$error" ] || echo "$out"
 
 # A fork on the device (ForkCache): it shares the source's pages; Tiled over either gives the
 # same bytes; an append to the fork copies the shared partly filled page first, so the source
@@ -57,6 +68,18 @@ check fork-source-unchanged 0 '' -- cmp "$log.source" "$log.source2"
 check fork-delete-source 0 "^deleted cache $source_id$" -- "${cache[@]}" delete "$source_id"
 check fork-outlives-source 0 'length 310 tokens' -- "${cache[@]}" info "$fork_id"
 rm -f "$log".source "$log".fork "$log".source2
+
+# Tiled and Trace over an fp8 cache: the pages gathered as code · scale on the device; the trace
+# reads a dequantized copy taken on the host (a GPU reads only its own pages), and its online
+# rows agree with its full-matrix rows.
+created=$("${cache[@]}" create --kv-heads 1 --head-dim 8 --dtype fp8 2>&1) || true
+fp8_id=$(sed -n 's/^cache \([0-9a-f]\{32\}\)$/\1/p' <<<"$created")
+check fp8-append 0 'length 100 tokens' -- "${cache[@]}" append "$fp8_id" --tokens 100
+check fp8-tiled 0 'Tiled on cuda' -- \
+  bash -c 'out=$("$@") && tr "\n" " " <<<"$out"' _ "$attn" "${target[@]}" tiled --cache "$fp8_id" \
+  --random 1,2,1,8
+check fp8-trace 0 'max \|online − full\| = [0-9.e-]+, lse' -- \
+  "$attn" "${target[@]}" trace --cache "$fp8_id" --random 1,2,1,8 --block-k 16
 
 kill -TERM "$server"
 rc=0

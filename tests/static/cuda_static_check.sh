@@ -18,8 +18,8 @@
 #          entry body) fails too, since no entry could be credited or blamed for it.
 #   smem   the dynamic shared memory tiled_shared_bytes reports (FusedSharedBytes) plus the
 #          static shared memory ptxas reports fits the architecture's opt-in maximum per block.
-#   decode decode.cu compiled the same way: DecodeKernel<T, P> (3 dtypes × 5 pitches, 32 … 256
-#          and the wide 576; exactly 15 entries, each one that `tiled_shared_bytes --decode`
+#   decode decode.cu compiled the same way: DecodeKernel<T, P> (4 dtypes, fp8's codes as
+#          unsigned char, × 5 pitches, 32 … 256 and the wide 576; exactly 20 entries, each one that `tiled_shared_bytes --decode`
 #          lists) and MergeKernel (once): 0 bytes stack frame, 0 spill stores, 0 spill loads
 #          each, and no mma in either; each DecodeKernel's dynamic shared memory
 #          (DecodeSharedBytes, from `tiled_shared_bytes --decode`) plus the static shared memory
@@ -78,7 +78,7 @@ optin_limit() {
 }
 
 readonly kExpectedKernels=12  # 3 dtypes (f32, f16, bf16) × 4 pitches (32, 64, 128, 256).
-readonly kExpectedDecodeKernels=15  # 3 dtypes × 5 pitches (32, 64, 128, 256, 576).
+readonly kExpectedDecodeKernels=20  # 4 dtypes (f32, f16, bf16, fp8) × 5 pitches (32, 64, 128, 256, 576).
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/cuda_static_check.XXXXXX")
 cleanup() {
@@ -156,7 +156,7 @@ if ! "$footprint" --decode >"$work/decode_footprint.txt" 2>"$work/decode_footpri
   fail "tiled_shared_bytes --decode: exited with an error: $(tr '\n' ' ' <"$work/decode_footprint.err")"
   decode_footprint_ok=0
 elif ! awk -v want="$kExpectedDecodeKernels" '
-            NF != 5 || $1 !~ /^(f32|f16|bf16)$/ || $2 !~ /^(32|64|128|256|576)$/ ||
+            NF != 5 || $1 !~ /^(f32|f16|bf16|fp8_e4m3)$/ || $2 !~ /^(32|64|128|256|576)$/ ||
             $3 !~ /^[0-9]+$/ || $4 !~ /^[1-9][0-9]*$/ || $5 !~ /^[1-9][0-9]*$/ { bad = 1 }
             { seen[$1 " " $2]++ }
             END { exit bad || NR != want || length(seen) != want }' \
@@ -165,7 +165,7 @@ elif ! awk -v want="$kExpectedDecodeKernels" '
     "'dtype pitch shared_bytes rows keys', got: $(tr '\n' '|' <"$work/decode_footprint.txt")"
   decode_footprint_ok=0
 else
-  pass "tiled_shared_bytes --decode: $kExpectedDecodeKernels kernels (f32, f16, bf16 × 32, 64, 128, 256, 576)"
+  pass "tiled_shared_bytes --decode: $kExpectedDecodeKernels kernels (f32, f16, bf16, fp8_e4m3 × 32, 64, 128, 256, 576)"
 fi
 
 # The kernel a footprint line describes: a readable label, and a fragment of its mangled name
@@ -189,6 +189,7 @@ decode_label() {
     f32) echo "DecodeKernel<float,$2>" ;;
     f16) echo "DecodeKernel<__half,$2>" ;;
     bf16) echo "DecodeKernel<__nv_bfloat16,$2>" ;;
+    fp8_e4m3) echo "DecodeKernel<unsigned char,$2>" ;;
   esac
 }
 decode_fragment() {
@@ -196,6 +197,7 @@ decode_fragment() {
     f32) echo "12DecodeKernelIfLi${2}EE" ;;
     f16) echo "12DecodeKernelI6__halfLi${2}EE" ;;
     bf16) echo "12DecodeKernelI13__nv_bfloat16Li${2}EE" ;;
+    fp8_e4m3) echo "12DecodeKernelIhLi${2}EE" ;;
   esac
 }
 
@@ -312,7 +314,7 @@ check_decode() {
     pass "$tag ptxas: $entries DecodeKernel entry functions reported (expected $kExpectedDecodeKernels)"
   else
     fail "$tag ptxas: $entries DecodeKernel entry functions reported (expected" \
-      "$kExpectedDecodeKernels: DecodeKernel<float|__half|__nv_bfloat16, P>, P = 32, 64, 128, 256, 576)"
+      "$kExpectedDecodeKernels: DecodeKernel<float|__half|__nv_bfloat16|unsigned char, P>, P = 32, 64, 128, 256, 576)"
   fi
 
   # Each instance the footprint lists: no stack frame, no spills; shared memory within the limit.

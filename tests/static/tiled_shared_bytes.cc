@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s [--decode]\n", argv[0]);
     return 2;
   }
-  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
+    if (dtype == DType::kFloat8E4M3 && !decode) continue;  // fp8 is a cache's: Decode reads it.
     if (decode) {
       for (int pitch : attn::cuda::kDecodeDims) {
         const attn::cuda::DecodeTile tile = attn::cuda::DecodeTileOf(pitch);
