@@ -49,6 +49,11 @@ struct MutableTensorView {
 struct PagedKv {
   const void* const* key_pages = nullptr;    // [pages] → key block
   const void* const* value_pages = nullptr;  // [pages] → value block (key_pages: latent)
+  // The same tables in host memory, for the host's plans (which caches share pages: cascade.h):
+  // key_pages and value_pages themselves where those are in host memory; a copy the store keeps
+  // in step where they are not (a GPU's).
+  const void* const* host_key_pages = nullptr;
+  const void* const* host_value_pages = nullptr;
   int64_t page_tokens = 1;
   // Elements per row of a key block, StoredRowWidth(dtype, head_dim): head_dim, or for fp8 its
   // padded codes and scale.

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -12,6 +11,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cascade.h"
 #include "kernels/cpu/aligned.h"
 #include "kernels/cpu/cpu_dispatch.h"
 #include "kernels/cpu/fp32_rows.h"
@@ -239,9 +239,8 @@ struct Item {
 // Problems of the batch whose caches share their first pages (forks of one prompt: ForkCache),
 // whose first `chunks` chunks run as one task list for all their rows (cascade attention, as
 // FlashInfer calls it): each key of those pages read once per step, not once per problem.
-struct Cascade {
-  std::vector<size_t> members;  // Items, in batch order.
-  int64_t chunks = 0, rows = 0, kv_heads = 0;
+struct Cascade : CascadeGroup {  // Its members are items.
+  int64_t kv_heads = 0;
   int64_t runs = 0, first_task = 0;
 };
 
@@ -272,79 +271,33 @@ void GroupRows(const Problem& p, const Geometry& geometry, int64_t batch, int64_
   for (int64_t i = 0; i < rows * s.head_dim; ++i) to[i] *= p.scale;
 }
 
-// The chunks a problem may run in a cascade: those every row sees whole, from key 0 (so that its
-// tiles there are the ones its own run would take), on the vector path without a token tree;
-// 0 when it may not.
+// The chunks a problem may run in a cascade: those every row sees whole, from key 0
+// (KeysEveryRowSees: so that its tiles there are the ones its own run would take), on the vector
+// path; 0 when it may not.
 int64_t CascadableChunks(const Item& item) {
-  const Problem& p = *item.problem;
-  if (p.pages == nullptr || p.shape.batch != 1 || item.rows > kDecodeMaxRows || p.tree_count > 0) {
-    return 0;
-  }
-  const Geometry geometry = p.geometry();
-  if (geometry.sequences > 0) return 0;
-  int64_t end = p.shape.key_len;
-  for (int64_t q = 0; q < p.shape.query_len; ++q) {
-    const KeyRange visible = geometry.Visible(q);
-    if (visible.begin != 0) return 0;
-    end = std::min(end, visible.end);
-  }
-  return end / item.chunk_tokens;
+  if (item.rows > kDecodeMaxRows) return 0;
+  return KeysEveryRowSees(*item.problem) / item.chunk_tokens;
 }
 
-// Leading tokens of two problems' caches in the same pages (whole pages of both).
-int64_t SharedTokens(const Problem& a, const Problem& b) {
-  const PagedKv &x = *a.pages, &y = *b.pages;
-  if (x.page_tokens != y.page_tokens || x.dtype != y.dtype || x.key_width != y.key_width ||
-      x.value_width != y.value_width || a.shape.kv_heads != b.shape.kv_heads ||
-      a.shape.head_dim != b.shape.head_dim || a.shape.value_dim != b.shape.value_dim ||
-      a.key_dtype() != b.key_dtype()) {
-    return 0;
-  }
-  const int64_t pages = std::min(a.shape.key_len, b.shape.key_len) / x.page_tokens;
-  int64_t same = 0;
-  while (same < pages && x.key_pages[same] == y.key_pages[same] &&
-         x.value_pages[same] == y.value_pages[same]) {
-    ++same;
-  }
-  return same * x.page_tokens;
-}
-
-// The batch's cascades: problems grouped by their cache's first page, each group's shared chunks
-// the fewest any member shares with its first (members sharing none left out), at most
-// kCascadeMaxRows rows a cascade. Sets their items' shared_chunks.
-std::vector<Cascade> PlanCascades(std::vector<Item>& items) {
-  std::map<const void*, std::vector<size_t>> by_first_page;
-  std::vector<int64_t> cascadable(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    cascadable[i] = CascadableChunks(items[i]);
-    if (cascadable[i] > 0) by_first_page[items[i].problem->pages->key_pages[0]].push_back(i);
+// The batch's cascades (PlanCascades, kernels/cascade.h), at most kCascadeMaxRows rows each.
+// Sets their items' shared_chunks.
+std::vector<Cascade> CascadesOf(std::vector<Item>& items) {
+  std::vector<const Problem*> problems;
+  std::vector<int64_t> cascadable, chunk_tokens, rows;
+  for (const Item& item : items) {
+    problems.push_back(item.problem);
+    cascadable.push_back(CascadableChunks(item));
+    chunk_tokens.push_back(item.chunk_tokens);
+    rows.push_back(item.rows);
   }
   std::vector<Cascade> cascades;
-  for (const auto& [page, members] : by_first_page) {
+  for (CascadeGroup& group :
+       PlanCascades(problems, cascadable, chunk_tokens, rows, kCascadeMaxRows)) {
     Cascade cascade;
-    auto close = [&] {
-      if (cascade.members.size() >= 2) {
-        for (size_t i : cascade.members) items[i].shared_chunks = cascade.chunks;
-        cascades.push_back(cascade);
-      }
-      cascade = Cascade{};
-    };
-    for (size_t i : members) {
-      const Item& item = items[i];
-      if (!cascade.members.empty() && cascade.rows + item.rows > kCascadeMaxRows) close();
-      const int64_t chunks =
-          cascade.members.empty()
-              ? cascadable[i]
-              : std::min(cascadable[i],
-                         SharedTokens(*items[cascade.members[0]].problem, *item.problem) /
-                             item.chunk_tokens);
-      if (chunks == 0) continue;
-      cascade.chunks = cascade.members.empty() ? chunks : std::min(cascade.chunks, chunks);
-      cascade.members.push_back(i);
-      cascade.rows += item.rows;
-      cascade.kv_heads = item.problem->shape.kv_heads;
-    }
-    close();
+    static_cast<CascadeGroup&>(cascade) = std::move(group);
+    cascade.kv_heads = items[cascade.members[0]].problem->shape.kv_heads;
+    for (size_t i : cascade.members) items[i].shared_chunks = cascade.chunks;
+    cascades.push_back(std::move(cascade));
   }
   return cascades;
 }
@@ -373,7 +326,7 @@ absl::StatusOr<Stats> DecodeAttention(const std::vector<const Problem*>& problem
     partial_floats += item.heads * item.chunks * item.rows * (p.shape.value_dim + 2);
     items.push_back(item);
   }
-  std::vector<Cascade> cascades = PlanCascades(items);
+  std::vector<Cascade> cascades = CascadesOf(items);
   // Chunks per task: as many as leave every worker kDecodeTasksPerWorker tasks, at most
   // kDecodeMaxRunChunks (a run never spans two heads). Runs only group the chunks, so they may
   // depend on the thread count.

@@ -58,8 +58,8 @@ void CpuKvStore::RefreshTables() {
     key_pages_[p] = pages_[p]->key;
     if (!latent) value_pages_[p] = pages_[p]->value;
   }
-  paged_.key_pages = key_pages_.data();
-  paged_.value_pages = latent ? key_pages_.data() : value_pages_.data();
+  paged_.key_pages = paged_.host_key_pages = key_pages_.data();
+  paged_.value_pages = paged_.host_value_pages = latent ? key_pages_.data() : value_pages_.data();
   paged_.page_tokens = page_tokens_;
   paged_.key_width = StoredRowWidth(layout_.dtype, layout_.head_dim);
   paged_.value_width = latent ? paged_.key_width : StoredRowWidth(layout_.dtype, layout_.value_dim);

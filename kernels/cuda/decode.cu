@@ -13,12 +13,13 @@
 //
 // Two kernels, one launch each for the whole batch:
 //   DecodeKernel<T, P>  one block per unit (item, kv head, group of ≤ R query rows of that kv
-//                       head's GQA group, key chunk): the chunk's keys and values are read from
-//                       global memory once, for all the rows, a tile of K keys at a time into
-//                       shared memory (fp32, rows padded to P; an fp8 row's codes times its
-//                       scale); each warp owns up to R/4 rows.
-//                       Scoring: the 32/K lanes j, j + K, … of the warp each sum a part of key j's
-//                       dot product with the row, added across them by shuffles; the row's
+//                       head's GQA group, key chunk; in a cascade's unit, of the GQA groups of
+//                       several forks over a chunk of the pages they share: DecodeUnit): the
+//                       chunk's keys and values are read from global memory once, for all the rows,
+//                       a tile of K keys at a time into shared memory (fp32, rows padded to P; an
+//                       fp8 row's codes times its scale); each warp owns up to R/4 rows. Scoring:
+//                       the 32/K lanes j, j + K, … of the warp each sum a part of key j's dot
+//                       product with the row, added across them by shuffles; the row's
 //                       OnlineSoftmax<WarpReduce> takes the tile (the one update step,
 //                       online_softmax.h; lanes ≥ K hold no key); then every lane accumulates its
 //                       P/32 value columns in fp32 registers. The chunk's unnormalized (acc, max,
@@ -95,6 +96,14 @@ __device__ __forceinline__ float ToFloat(uint8_t code) { return Fp8E4M3ToFloat(c
 template <class T>
 constexpr bool kScaledRows = std::is_same_v<T, uint8_t>;
 
+// One query row of a block: its item (−1: none), its row i among that item's rows of the unit's
+// kv head (DecodeUnit), and the keys [begin, end) it sees. No initializers: it lives in shared
+// memory.
+struct BlockRow {
+  int32_t item, row;
+  int64_t begin, end;
+};
+
 // (kThreads, 1): without the minimum of one block per SM, ptxas for sm_90 caps the P = 64
 // kernels at 72 registers and spills; shared memory, not registers, bounds the blocks per SM.
 template <class T, int P>
@@ -112,59 +121,90 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   ATTN_SHARED_ARRAY(float, key_scales, kScaledRows<T> ? kKeys : 1);  // fp8: the rows' scales.
   ATTN_SHARED_ARRAY(float, value_scales, kScaledRows<T> ? kKeys : 1);
 
+  // The block's rows (DecodeUnit): row0 + r of the unit's item, or in a cascade of its members'
+  // rows stacked in item order; past them, item −1.
+  ATTN_SHARED_ARRAY(BlockRow, block_rows, kRows);
+
   const DecodeUnit unit = batch.units[blockIdx.x];
+  // The unit's (first) item: the pages, the widths and the chunks' keys, which a cascade's
+  // members share.
   const DecodeItem& item = batch.items[unit.item];
-  const int64_t nq = item.query_len;
-  const int64_t key_len = item.key_len;
   const int64_t head_dim = item.head_dim;
   const int64_t value_dim = item.value_dim;
-  const int64_t group = QueryHeadsPerKvHead(item.heads, item.kv_heads);
   const int64_t row0 = int64_t{unit.row_group} * kRows;
-  const int rows = static_cast<int>(min(int64_t{kRows}, group * nq - row0));
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   // While scoring: the tile's key this lane works on, and which part of its columns.
   const int key_lane = lane % kKeys;
   const int part = Layout::kLanesPerKey == 1 ? 0 : lane / kKeys;
 
-  // The block's query rows, zero-padded to P; rows past `rows` all zeros.
+  if (threadIdx.x < kRows) {
+    int64_t i = row0 + threadIdx.x;
+    BlockRow row{-1, 0, 0, 0};
+    for (int32_t m = 0; m < unit.members; ++m) {
+      const DecodeItem& member = batch.items[unit.item + m];
+      const int64_t member_rows =
+          QueryHeadsPerKvHead(member.heads, member.kv_heads) * member.query_len;
+      if (i < member_rows) {
+        const KeyRange seen = member.geometry.Visible(i % member.query_len);
+        row = BlockRow{unit.item + m, static_cast<int32_t>(i), seen.begin, seen.end};
+        break;
+      }
+      i -= member_rows;
+    }
+    block_rows[threadIdx.x] = row;
+  }
+  __syncthreads();
+  // The chunk's keys, cut to those some row of the block sees.
+  int rows = 0;
+  int64_t seen_begin = INT64_MAX, seen_end = 0;
+  for (int r = 0; r < kRows && block_rows[r].item >= 0; ++r, ++rows) {
+    seen_begin = min(seen_begin, block_rows[r].begin);
+    seen_end = max(seen_end, block_rows[r].end);
+  }
+  const int64_t chunk_begin = unit.chunk * item.chunk_keys;
+  const int64_t begin = max(chunk_begin, seen_begin);
+  const int64_t end = min(min(chunk_begin + item.chunk_keys, item.key_len), seen_end);
+
+  // The block's query rows, each times its item's scale, zero-padded to P; rows past `rows` all
+  // zeros.
   for (int i = threadIdx.x; i < kRows * P; i += kThreads) {
     const int r = i / P;
     const int c = i % P;
     float q = 0.f;
     if (r < rows && c < head_dim) {
-      const int64_t group_row = row0 + r;
-      const int64_t head = unit.kv_head * group + group_row / nq;
-      q = item.query[(head * nq + group_row % nq) * head_dim + c];
+      const DecodeItem& row_item = batch.items[block_rows[r].item];
+      const int64_t nq = row_item.query_len;
+      const int64_t head = unit.kv_head * QueryHeadsPerKvHead(row_item.heads, row_item.kv_heads) +
+                           block_rows[r].row / nq;
+      q = row_item.query[(head * nq + block_rows[r].row % nq) * head_dim + c] * row_item.scale;
     }
     query_tile[i] = q;
   }
-
-  // The chunk's keys, cut to those some row of the block sees: the ends of a row's visible range
-  // never decrease with the row (kernels/geometry.h), so its first and last query rows bound them.
-  int64_t first_query_row = nq, last_query_row = 0;
-  for (int r = 0; r < rows; ++r) {
-    first_query_row = min(first_query_row, (row0 + r) % nq);
-    last_query_row = max(last_query_row, (row0 + r) % nq);
-  }
-  const int64_t chunk_begin = unit.chunk * item.chunk_keys;
-  const int64_t begin = max(chunk_begin, item.geometry.Visible(first_query_row).begin);
-  const int64_t end =
-      min(min(chunk_begin + item.chunk_keys, key_len), item.geometry.Visible(last_query_row).end);
 
   OnlineSoftmax<WarpReduce> state[kRowsPerWarp];
   float acc[kRowsPerWarp][P / 32];
   KeyRange visible[kRowsPerWarp];  // The chunk's keys [begin, end) the row sees.
   ScoreTransform transform[kRowsPerWarp];
   int64_t distance[kRowsPerWarp];  // p − t of key 0 (Geometry::Distance).
+  int query_row[kRowsPerWarp];     // Its row among its item's new tokens (a tree's row).
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int r = warp + kWarps * k;
-    const KeyRange row_visible = r < rows ? item.geometry.Visible((row0 + r) % nq) : KeyRange{};
-    visible[k] = KeyRange{max(row_visible.begin, begin), min(row_visible.end, end)};
-    transform[k] = r < rows ? item.transforms.ForHead(unit.kv_head * group + (row0 + r) / nq)
-                            : ScoreTransform{};
-    distance[k] = item.geometry.Distance((row0 + r) % nq, 0);
+    visible[k] = KeyRange{};
+    transform[k] = ScoreTransform{};
+    distance[k] = 0;
+    query_row[k] = 0;
+    if (r < rows) {
+      const BlockRow row = block_rows[r];
+      const DecodeItem& row_item = batch.items[row.item];
+      const int64_t nq = row_item.query_len;
+      query_row[k] = static_cast<int>(row.row % nq);
+      visible[k] = KeyRange{max(row.begin, begin), min(row.end, end)};
+      transform[k] = row_item.transforms.ForHead(
+          unit.kv_head * QueryHeadsPerKvHead(row_item.heads, row_item.kv_heads) + row.row / nq);
+      distance[k] = row_item.geometry.Distance(query_row[k], 0);
+    }
 #pragma unroll
     for (int m = 0; m < P / 32; ++m) acc[k][m] = 0.f;
   }
@@ -222,11 +262,11 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       // Lanes past the tile's n keys hold keys past `end`, which visible[k] excludes; lanes ≥ kKeys
       // hold no key (their copies of the dot products are not scores); a token tree hides the new
       // tokens off the row's branch.
+      // (A cascade's members have no tree: its first item's TreeHides hides nothing.)
       const int64_t token = tile + key_lane;
-      const float score =
-          lane >= kKeys || item.geometry.TreeHides((row0 + r) % nq, token)
-              ? -INFINITY
-              : ScoreOrHidden(transform[k], visible[k], distance[k], token, item.scale * dot);
+      const float score = lane >= kKeys || item.geometry.TreeHides(query_row[k], token)
+                              ? -INFINITY
+                              : ScoreOrHidden(transform[k], visible[k], distance[k], token, dot);
       // max, rescale, exp, sum: the one update step.
       const float rescale = state[k].Rescale(score);
       const float weight = state[k].AddScore(score);
@@ -248,17 +288,20 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
     const int r = warp + kWarps * k;
     if (r >= rows) continue;
     state[k].Finish();
-    const int64_t group_row = row0 + r;
-    const int64_t flat = (unit.kv_head * group + group_row / nq) * nq + group_row % nq;
-    const int64_t slot = flat * item.chunks + unit.chunk;
-    float* out = batch.partial_acc + item.partial_acc + slot * value_dim;
+    // Slot (row, chunk) of the row's item: flat row kv_head · group · query_len + its row.
+    const DecodeItem& row_item = batch.items[block_rows[r].item];
+    const int64_t flat =
+        unit.kv_head * QueryHeadsPerKvHead(row_item.heads, row_item.kv_heads) * row_item.query_len +
+        block_rows[r].row;
+    const int64_t slot = flat * row_item.chunks + unit.chunk;
+    float* out = batch.partial_acc + row_item.partial_acc + slot * value_dim;
 #pragma unroll
     for (int m = 0; m < P / 32; ++m) {
       const int64_t c = lane + 32 * m;
       if (c < value_dim) out[c] = acc[k][m];
     }
     if (lane == 0) {
-      float* partial = batch.partial_state + item.partial_state + 2 * slot;
+      float* partial = batch.partial_state + row_item.partial_state + 2 * slot;
       partial[0] = state[k].max;
       partial[1] = state[k].denominator;
     }

@@ -7,7 +7,10 @@
 // chunks of at least kMinChunkKeys, a multiple of the instance's keys per tile), list the units
 // (item, kv head, row group of the instance's rows, chunk: DecodeTileOf in launch.h, as the
 // kernel takes them), stage the queries (as fp32), the items and the units in one upload,
-// launch, and bring every output and lse back in one download.
+// launch, and bring every output and lse back in one download. Forks of one prompt in the batch
+// (caches sharing their first pages, kernels/cascade.h) run the chunks of those pages in cascade
+// units (DecodeUnit), every fork's rows in the same blocks, so each such chunk is read once per
+// row group of all of them rather than once per fork; their other chunks in units of their own.
 // Problems the kernels do not take (not over a cache, batch > 1, wider than kMaxDecodeDim, or a
 // device whose shared memory is too small) run as Tiled, one by one (which refuses widths over
 // kMaxHeadDim); one with a token tree is refused, UNIMPLEMENTED, since Tiled takes no tree.
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cascade.h"
 #include "kernels/cuda/backend_impl.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launch.h"
@@ -30,6 +34,9 @@ namespace {
 
 constexpr int64_t kBlocksPerMultiprocessor = 4;
 constexpr int64_t kMinChunkKeys = 128;
+// Rows of one kv head a cascade stacks at most (each of its blocks finds its rows' items by
+// walking its members).
+constexpr int64_t kCascadeMaxRows = 256;
 constexpr int kMaxItemsPerLaunch = 65535;  // The merge kernel's grid.y.
 
 int64_t RoundUp(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
@@ -86,17 +93,17 @@ absl::StatusOr<Stats> CudaBackend::Decode(const std::vector<Problem>& problems,
   return total;
 }
 
-absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>& problems,
-                                               const std::vector<const Outputs*>& outputs,
+absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>& group_problems,
+                                               const std::vector<const Outputs*>& group_outputs,
                                                int pitch) {
-  const int64_t count = static_cast<int64_t>(problems.size());
+  const int64_t count = static_cast<int64_t>(group_problems.size());
   const DecodeTile tile = DecodeTileOf(pitch);  // The kernel's, at this pitch.
   // The chunk size: the batch's (kv head, row group) pairs, each cache cut so that the units
   // come to about kBlocksPerMultiprocessor per SM.
   int64_t chunk_keys = options_.decode_chunk_keys;
   if (chunk_keys <= 0) {
     double key_work = 0;  // Σ pairs · key_len
-    for (const Problem* p : problems) {
+    for (const Problem* p : group_problems) {
       const Shape& s = p->shape;
       const int64_t row_groups =
           (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + tile.rows - 1) / tile.rows;
@@ -106,6 +113,36 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
     chunk_keys = std::max<int64_t>(kMinChunkKeys, static_cast<int64_t>(key_work / target));
   }
   chunk_keys = RoundUp(chunk_keys, tile.keys);
+
+  // Cascades (kernels/cascade.h): forks of one prompt whose rows all see its first chunks run
+  // those chunks in units of their own, every member's rows together. The batch is laid out
+  // with each cascade's members first, side by side; then the rest in order.
+  std::vector<int64_t> cascadable(count), chunk_tokens(count, chunk_keys), group_rows(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const Shape& s = group_problems[i]->shape;
+    group_rows[i] = QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len;
+    cascadable[i] = KeysEveryRowSees(*group_problems[i]) / chunk_keys;
+  }
+  const std::vector<CascadeGroup> cascades =
+      PlanCascades(group_problems, cascadable, chunk_tokens, group_rows, kCascadeMaxRows);
+  std::vector<const Problem*> problems;
+  std::vector<const Outputs*> outputs;
+  std::vector<int64_t> shared_chunks;  // Of each item: its first chunks, run by its cascade.
+  std::vector<bool> placed(count);
+  for (const CascadeGroup& cascade : cascades) {
+    for (size_t m : cascade.members) {
+      problems.push_back(group_problems[m]);
+      outputs.push_back(group_outputs[m]);
+      shared_chunks.push_back(cascade.chunks);
+      placed[m] = true;
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    if (placed[i]) continue;
+    problems.push_back(group_problems[i]);
+    outputs.push_back(group_outputs[i]);
+    shared_chunks.push_back(0);
+  }
 
   // Layout of the upload (queries and slopes, items, units), the download (outputs, lse) and the
   // scratch.
@@ -165,13 +202,29 @@ absl::StatusOr<Stats> CudaBackend::DecodeGroup(const std::vector<const Problem*>
         (QueryHeadsPerKvHead(s.heads, s.kv_heads) * s.query_len + tile.rows - 1) / tile.rows;
     for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head) {
       for (int64_t group = 0; group < row_groups; ++group) {
-        for (int64_t chunk = 0; chunk < item.chunks; ++chunk) {
+        for (int64_t chunk = shared_chunks[i]; chunk < item.chunks; ++chunk) {
           units.push_back(DecodeUnit{static_cast<int32_t>(i), static_cast<int32_t>(kv_head),
-                                     static_cast<int32_t>(group), static_cast<int32_t>(chunk)});
+                                     static_cast<int32_t>(group), static_cast<int32_t>(chunk), 1});
         }
       }
     }
     flops += p.Flops();
+  }
+  // Each cascade's units: its members' rows (consecutive items from `first`) over its chunks.
+  for (int64_t c = 0, first = 0; c < static_cast<int64_t>(cascades.size()); ++c) {
+    const CascadeGroup& cascade = cascades[c];
+    const int64_t members = static_cast<int64_t>(cascade.members.size());
+    const int64_t row_groups = (cascade.rows + tile.rows - 1) / tile.rows;
+    for (int64_t kv_head = 0; kv_head < problems[first]->shape.kv_heads; ++kv_head) {
+      for (int64_t group = 0; group < row_groups; ++group) {
+        for (int64_t chunk = 0; chunk < cascade.chunks; ++chunk) {
+          units.push_back(DecodeUnit{static_cast<int32_t>(first), static_cast<int32_t>(kv_head),
+                                     static_cast<int32_t>(group), static_cast<int32_t>(chunk),
+                                     static_cast<int32_t>(members)});
+        }
+      }
+    }
+    first += members;
   }
   if (units.size() > static_cast<size_t>(INT32_MAX) || max_rows > INT32_MAX) {
     return absl::InvalidArgumentError(

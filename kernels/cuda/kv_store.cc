@@ -51,6 +51,13 @@ void CudaKvStore::Unhold(Page* page, cudaStream_t stream, bool device_ok) const 
   if (pool_->freed) pool_->freed(PageBytes());
 }
 
+void CudaKvStore::RefreshTables() {
+  paged_.key_pages = static_cast<const void* const*>(key_table_.get());
+  paged_.value_pages = static_cast<const void* const*>(value_table_.get());
+  paged_.host_key_pages = key_entries_.data();
+  paged_.host_value_pages = value_entries_.data();
+}
+
 bool CudaKvStore::LastPageShared() const {
   return length_ % page_tokens_ != 0 && pages_.back()->holders.load(std::memory_order_acquire) > 1;
 }
@@ -127,8 +134,7 @@ absl::StatusOr<std::unique_ptr<KvStore>> CudaKvStore::Fork(int64_t length) const
     fork->pages_.push_back(pages_[p]);
   }
   fork->length_ = length;
-  fork->paged_.key_pages = static_cast<const void* const*>(fork->key_table_.get());
-  fork->paged_.value_pages = static_cast<const void* const*>(fork->value_table_.get());
+  fork->RefreshTables();
   return std::unique_ptr<KvStore>(std::move(fork));
 }
 
@@ -270,8 +276,7 @@ absl::Status CudaKvStore::Append(const TensorView& key, const TensorView& value,
   key_entries_ = std::move(key_entries);
   value_entries_ = std::move(value_entries);
   length_ += n;
-  paged_.key_pages = static_cast<const void* const*>(key_table_.get());
-  paged_.value_pages = static_cast<const void* const*>(value_table_.get());
+  RefreshTables();
   return absl::OkStatus();
 }
 
@@ -330,6 +335,7 @@ void CudaKvStore::Truncate(int64_t length) {
     value_entries_.resize(keep);
   }
   length_ = length;
+  RefreshTables();
 }
 
 }  // namespace attn::cuda

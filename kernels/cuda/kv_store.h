@@ -77,6 +77,8 @@ class CudaKvStore final : public KvStore {
   // Lets go of a page; the last holder frees it in `stream`'s order (a null stream: the device
   // is lost, the memory only forgotten) and reports it.
   void Unhold(Page* page, cudaStream_t stream, bool device_ok) const;
+  // Points pages()'s tables at the device tables and their host copies (key_entries_, …).
+  void RefreshTables();
   // Whether the next append writes into the last page while another store holds it.
   bool LastPageShared() const;
   // Uploads host entries [first, count) of both tables to `key_table`/`value_table` in `stream`.

@@ -182,8 +182,11 @@ constexpr int DecodeSharedBytes(int pitch) {
 }
 
 // Its static shared memory at most, bytes: the tile's key and value row pointers, and their rows'
-// scales (fp8 caches' instances; the others do not use them).
-constexpr int DecodeStaticSharedBytes(int pitch) { return 2 * DecodeTileOf(pitch).keys * (8 + 4); }
+// scales (fp8 caches' instances; the others do not use them); each query row's item, row and
+// visible keys (decode.cu's BlockRow).
+constexpr int DecodeStaticSharedBytes(int pitch) {
+  return 2 * DecodeTileOf(pitch).keys * (8 + 4) + DecodeTileOf(pitch).rows * 24;
+}
 
 // One sequence of the batch (device memory, read by both kernels). Its rows are
 // flat = head · query_len + row; its keys split into `chunks` of chunk_keys (a multiple of the
@@ -207,9 +210,13 @@ struct DecodeItem {
 
 // One block of the split kernel: item, kv head, row group (DecodeTileOf(pitch).rows query rows
 // of that kv head: row r of row group g is flat row (kv_head · group + i / query_len) ·
-// query_len + i % query_len, i = g · rows + r, group = heads / kv_heads), key chunk.
+// query_len + i % query_len, i = g · rows + r, group = heads / kv_heads), key chunk; `members`
+// items from `item` on. A cascade's unit (members ≥ 2: forks of one prompt, kernels/cascade.h)
+// takes the rows of its members, each item's rows of the kv head after the previous one's (i
+// counts through them), over a chunk of the pages they share, read once for all of them; each
+// row's state goes to its own item's slot for that chunk, which that item's own units skip.
 struct DecodeUnit {
-  int32_t item, kv_head, row_group, chunk;
+  int32_t item, kv_head, row_group, chunk, members;
 };
 
 struct DecodeBatch {

@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cascade.h"
 #include "kernels/convert.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/launch.h"
@@ -661,6 +662,117 @@ INSTANTIATE_TEST_SUITE_P(
                    true,
                    true}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
+
+// Forks of one prompt (KvStore::Fork, as ForkCache makes them) in one Decode batch, beside a
+// cache of their own, a fork at a shorter length and forks the cascade may not take (a token
+// tree; a window whose rows do not all see key 0): the kernel runs the chunks of the pages they
+// share in cascade units, the rows of every fork in the same blocks (GQA groups of 3 rows, so row
+// groups of 16 straddle forks; steps of 1 and 2 causal rows; ALiBi, softcap and another scale
+// through each row's own item), and each fork answers bit for bit as when decoded alone (the
+// same 64-key chunks), and as the float64 reference says. The host sees the shared pages through
+// the stores' host tables.
+TEST_F(CudaKvTest, ForksOfOnePromptReadTheirSharedChunksTogetherAndAnswerAsEachAlone) {
+  const DType dtype = DType::kBFloat16;
+  const int64_t prompt = 300;  // 42 whole pages of 7 (294 tokens): 4 chunks of 64 shared.
+  const std::vector<int64_t> own = {7, 100, 41, 0, 150, 9, 20};
+  const HostProblem source_host =
+      RandomProblem(MakeShape(1, 6, 2, 1, prompt, 40, 24), dtype, true, 16, 950);
+  absl::StatusOr<std::unique_ptr<KvStore>> source = odd().CreateKvStore(LayoutOf(source_host));
+  ASSERT_TRUE(source.ok()) << source.status();
+  AppendAll(**source, source_host, {100});
+  std::vector<HostProblem> hosts;
+  std::vector<std::unique_ptr<KvStore>> stores;
+  for (size_t i = 0; i <= own.size(); ++i) {
+    // The last one forks the prompt's first 150 tokens only, then adds 50 of its own.
+    const int64_t kept = i < own.size() ? prompt : 150;
+    const int64_t length = kept + (i < own.size() ? own[i] : 50);
+    const int64_t nq = 1 + i % 2;
+    HostProblem host =
+        RandomProblem(MakeShape(1, 6, 2, nq, length, 40, 24), dtype, true, 16, 960 + i);
+    if (i == 2) host.alibi_slopes = {0.5f, 0.25f, 0.125f, 0.0625f, 0.03125f, 0.015625f};
+    if (i == 3) host.softcap = 20.f;
+    if (i == 4) host.scale = 0.3f;
+    if (i == 5) host.SetTree({-1, 0});   // Not in the cascade: a tree.
+    if (i == 6) host.window_left = 200;  // Not in the cascade: its row does not see key 0.
+    for (bool keys : {true, false}) {    // Its first `kept` tokens are the prompt's.
+      const int64_t width = keys ? 40 : 24;
+      std::vector<float>& to = keys ? host.key : host.value;
+      const std::vector<float>& from = keys ? source_host.key : source_host.value;
+      for (int64_t h = 0; h < 2; ++h) {
+        std::copy(from.begin() + h * prompt * width, from.begin() + (h * prompt + kept) * width,
+                  to.begin() + h * length * width);
+      }
+      std::vector<uint8_t>& bytes = keys ? host.key_bytes : host.value_bytes;
+      for (size_t e = 0; e < to.size(); ++e) StoreElement(bytes.data(), dtype, e, to[e]);
+    }
+    absl::StatusOr<std::unique_ptr<KvStore>> fork = (*source)->Fork(kept);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    if (length > kept) {
+      const std::vector<uint8_t> key = Slice(host.key, 2, length, 40, kept, length - kept, dtype);
+      const std::vector<uint8_t> value =
+          Slice(host.value, 2, length, 24, kept, length - kept, dtype);
+      ASSERT_TRUE((*fork)->Append({key.data(), dtype}, {value.data(), dtype}, length - kept).ok());
+    }
+    hosts.push_back(std::move(host));
+    stores.push_back(*std::move(fork));
+  }
+  hosts.push_back(RandomProblem(MakeShape(1, 6, 2, 1, 400, 40, 24), dtype, true, 16, 990));
+  absl::StatusOr<std::unique_ptr<KvStore>> unrelated = odd().CreateKvStore(LayoutOf(hosts.back()));
+  ASSERT_TRUE(unrelated.ok()) << unrelated.status();
+  AppendAll(**unrelated, hosts.back(), {});
+  stores.push_back(*std::move(unrelated));
+
+  std::vector<Problem> problems;
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    Problem problem = hosts[i].View();
+    problem.key = problem.value = TensorView{};
+    problem.pages = &stores[i]->pages();
+    problems.push_back(problem);
+  }
+  // What the planner sees (kernels/cascade.h): the forks' whole shared pages, through the host
+  // copies of the device tables; which rows see the shared keys.
+  EXPECT_EQ(SharedTokens(problems[0], problems[1]), 294);
+  EXPECT_EQ(SharedTokens(problems[0], problems[own.size()]), 147);
+  EXPECT_EQ(SharedTokens(problems[0], problems.back()), 0);
+  EXPECT_GE(KeysEveryRowSees(problems[1]), prompt);
+  EXPECT_EQ(KeysEveryRowSees(problems[5]), 0);
+  EXPECT_EQ(KeysEveryRowSees(problems[6]), 0);
+
+  auto decode = [](const std::vector<Problem>& batch, const std::vector<HostProblem*>& of) {
+    std::vector<std::unique_ptr<PoisonedOutputs>> poisoned;
+    std::vector<Outputs> outputs;
+    for (HostProblem* host : of) {
+      poisoned.push_back(std::make_unique<PoisonedOutputs>(*host));
+      outputs.push_back(poisoned.back()->outputs());
+    }
+    const absl::StatusOr<Stats> stats = odd().Decode(batch, outputs);
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    std::vector<KernelRun> runs;
+    for (const auto& p : poisoned) {
+      KernelRun run;
+      run.output_bytes = p->output_bytes;
+      run.output = p->Output();
+      run.lse = p->lse;
+      runs.push_back(std::move(run));
+    }
+    return runs;
+  };
+  std::vector<HostProblem*> all;
+  for (HostProblem& host : hosts) all.push_back(&host);
+  const std::vector<KernelRun> together = decode(problems, all);
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "item " << i);
+    const std::vector<KernelRun> alone = decode({problems[i]}, {&hosts[i]});
+    EXPECT_EQ(together[i].output_bytes, alone[0].output_bytes);
+    EXPECT_EQ(0, std::memcmp(together[i].lse.data(), alone[0].lse.data(),
+                             together[i].lse.size() * sizeof(float)));
+    const Reference ref = ReferenceAttention(hosts[i]);
+    EXPECT_LE(MaxAbsError(together[i].output, ref.output),
+              2 * MaxAbsError(LowPrecisionBaseline(hosts[i], dtype), ref.output) +
+                  LowPrecisionAtol(hosts[i], ref));
+    ExpectLseMatches(together[i], ref, 1e-5);
+  }
+}
 
 // Which widths Decode takes: every head_dim and value_dim up to 576 in the decode kernel (a
 // token tree too: Tiled, which stops at 256, would refuse it), one tile size per instance; past
