@@ -8,8 +8,7 @@
 // the windows: kernels/geometry.h). Inputs (launch.h):
 // queries fp32 [heads, nq, head_dim]; keys and values in their pages (PagedKv), fp32, fp16,
 // bf16 or fp8 (E4M3 codes, each row with its scale: dtype.h), rows of key_width / value_width
-// elements. Outputs: [heads, nq, value_dim] in each item's
-// output dtype, lse fp32.
+// elements. Outputs: [heads, nq, value_dim] in each item's output dtype, lse fp32.
 //
 // Two kernels, one launch each for the whole batch:
 //   DecodeKernel<T, P>  one block per unit (item, kv head, group of ≤ R query rows of that kv
