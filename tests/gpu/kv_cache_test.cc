@@ -11,7 +11,8 @@
 // the same problem with contiguous keys (the gather makes the same device layout, so they agree
 // bit for bit; an fp8 cache's gather gives its rows' code · scale, so it agrees with the
 // dequantized keys and values). fp8 stores: every append quantized into rows with their scales,
-// the rows copied out and in byte for byte.
+// the rows copied out and in byte for byte. Forks of one prompt in one Decode batch: their shared
+// chunks in cascade units, each fork's bits those of its decode alone.
 //
 // As in gpu_test.cc: without a CUDA device every test reports SKIPPED with the reason (fails
 // with ATTN_REQUIRE_GPU=1, tests/backend_suite.h's GpuRequired); outputs are poisoned with NaN;
@@ -94,7 +95,7 @@ KvLayout LayoutOf(const HostProblem& host, std::optional<DType> stored = std::nu
                   stored.value_or(host.dtype), host.values_from_keys};
 }
 
-// `rows` rows of `width` values as a store of `dtype` holds them: fp8 rows quantized
+// Rows of `width` values as a store of `dtype` holds them: fp8 rows quantized
 // (QuantizeFp8Row) and read back (code · scale); other dtypes' values are already rounded to it.
 std::vector<float> AsStored(const std::vector<float>& values, int64_t width, DType dtype) {
   if (dtype != DType::kFloat8E4M3) return values;
