@@ -407,7 +407,7 @@ TEST_F(CacheServiceTest, AnFp8CacheQuantizesTokensOfAnyDtypeAndEveryMethodReadsT
   EXPECT_LE(testing::MaxAbsError(Floats(naive.output()), tiled_out), 1e-5 * magnitude);
   EXPECT_LE(testing::MaxAbsError(Floats(decoded.outputs(0)), tiled_out), 1e-5 * magnitude);
 
-  // Trace reads a snapshot of the rows (with their scales): its row is Tiled's, bit for bit.
+  // Trace reads a copy of the rows dequantized (code · scale): its row is Tiled's, bit for bit.
   const std::vector<float> traced = TracedRow(request, 5, 2);
   ASSERT_EQ(traced.size(), static_cast<size_t>(s.value_dim));
   for (int64_t c = 0; c < s.value_dim; ++c) {

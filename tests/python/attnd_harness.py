@@ -184,11 +184,23 @@ class AttndProcess:
         self.stderr_file.close()
 
 
-class ServerCase(unittest.TestCase):
+class CodeAssertions:
+    """assertCode for a unittest class: the call raises an AttnError of that code, and its
+    message is returned."""
+
+    def assertCode(self, code, call, *args, **kwargs):
+        from attn_client import AttnError
+        with self.assertRaises(AttnError) as raised:
+            call(*args, **kwargs)
+        self.assertEqual(raised.exception.code, code, raised.exception.message)
+        return raised.exception.message
+
+
+class ServerCase(CodeAssertions, unittest.TestCase):
     """A unittest class with its own attnd (`attnd`: the binary, which the test module sets;
     `server_args` after --threads `server_threads`) and an attn_client.Client to it with
-    `rpc_timeout`; attnd's stderr is printed when a test of the class failed. assertCode: the
-    call raises an AttnError of that code, and its message is returned."""
+    `rpc_timeout`; attnd's stderr is printed when a test of the class failed; assertCode
+    (CodeAssertions)."""
 
     attnd = None
     server_args = ()
@@ -221,13 +233,6 @@ class ServerCase(unittest.TestCase):
         if result is not None and len(result.failures) + len(result.errors) > before:
             type(self)._failed = True
         return result
-
-    def assertCode(self, code, call, *args, **kwargs):
-        from attn_client import AttnError
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
 
 
 def open_channel(address, max_message_bytes=256 * 1024 * 1024, own_connection=False,

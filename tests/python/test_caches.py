@@ -1575,7 +1575,7 @@ class RefusingClient(Client):
         raise AttnError(name, grpc.StatusCode.UNAVAILABLE, "refused (a test)")
 
 
-class PersistenceCase(unittest.TestCase):
+class PersistenceCase(harness.CodeAssertions, unittest.TestCase):
     """Helpers for tests with attnd --cache-dir (no tests of its own): each test starts its own
     attnd processes on one directory with --cache-sync-seconds 86400, so no write-behind pass
     runs during a test: tokens are durable only where a SIGTERM's flush or a cut (fsynced before
@@ -1644,12 +1644,6 @@ class PersistenceCase(unittest.TestCase):
         self.assertTrue(same_bytes(got_keys, keys), "%s: keys differ" % what)
         self.assertTrue(same_bytes(got_values, values), "%s: values differ" % what)
         return length
-
-    def assertCode(self, code, call, *args, **kwargs):
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
 
 
 class TruncatePersistenceTest(PersistenceCase):

@@ -144,7 +144,7 @@ def flip_byte(path, offset):
 
 # --- The servers --------------------------------------------------------------------------------
 
-class PersistenceCase(unittest.TestCase):
+class PersistenceCase(harness.CodeAssertions, unittest.TestCase):
     """Starts attnd processes for one test, closes them after it and, when it failed, prints
     their output."""
 
@@ -239,12 +239,6 @@ class PersistenceCase(unittest.TestCase):
                     break
                 self.assertLess(time.monotonic(), deadline, "not durable: %r" % info)
                 time.sleep(0.05)
-
-    def assertCode(self, code, call, *args, **kwargs):
-        with self.assertRaises(AttnError) as raised:
-            call(*args, **kwargs)
-        self.assertEqual(raised.exception.code, code, raised.exception.message)
-        return raised.exception.message
 
     def assertHolds(self, client, cache, keys, values, length=None, what=""):
         """The server's copy of `cache` is exactly the tokens keys/values (lists as sent; only
