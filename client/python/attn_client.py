@@ -455,16 +455,23 @@ def float32_to_bf16(values):
     NaNs stay NaN (quiet)."""
     values = np.ascontiguousarray(values, dtype="<f4")
     bits = values.view("<u4")
-    rounded = bits >> 16  # In place from here: one temporary, 32-bit (8× faster than 64-bit).
-    rounded &= 1
-    rounded += bits
-    rounded += 0x7FFF  # Below 2^32 for every non-NaN: at most 0xFF800000 + 0x8000.
-    rounded >>= 16
-    result = rounded.astype("<u2")
+    # In place from here: one temporary, 32-bit (8× faster than 64-bit on large arrays), the
+    # ufuncs called with NumPy scalars (a Python int costs each call a type resolution: on a
+    # decode step's few thousand elements the calls, not the elements, are the cost).
+    rounded = np.right_shift(bits, _U32_16)
+    np.bitwise_and(rounded, _U32_1, out=rounded)
+    np.add(rounded, bits, out=rounded)
+    # Below 2^32 for every non-NaN: at most 0xFF800000 + 0x8000.
+    np.add(rounded, _U32_ROUNDING, out=rounded)
+    # The rounded high halves: the odd uint16s of little-endian uint32s.
+    result = rounded.view("<u2")[..., 1::2].copy()
     nan = np.isnan(values)
-    if nan.any():
+    if np.logical_or.reduce(nan, axis=None):
         result[nan] = (bits[nan] >> 16) | 0x40
     return result
+
+
+_U32_1, _U32_16, _U32_ROUNDING = np.uint32(1), np.uint32(16), np.uint32(0x7FFF)
 
 
 # --- CRC32C -------------------------------------------------------------------------------------
@@ -874,12 +881,17 @@ def _dtype_enum(dtype, what, cache=False):
     raise ValueError("%s %s: NumPy has no bfloat16; use %s" % (what, numpy_type, names))
 
 
-def _encode(name, array, dtype):
-    """One input as a Tensor, `dtype` being a DType number or None (infer from the array). A
-    SharedTensor becomes a Tensor naming its shared memory (data empty): its dtype is what it
-    is, so another `dtype` is a ValueError naming it."""
+def _encode(name, array, dtype, into=None):
+    """One input as a Tensor, `dtype` being a DType number or None (infer from the array): a
+    new Tensor, or `into` (an empty Tensor field of a request being built) filled in place,
+    which spares a decode step a copy of each tensor. A SharedTensor becomes a Tensor naming its
+    shared memory (data empty): its dtype is what it is, so another `dtype` is a ValueError
+    naming it."""
     if isinstance(array, pb.Tensor):
-        return array
+        if into is None:
+            return array
+        into.CopyFrom(array)
+        return into
     if isinstance(array, SharedTensor):
         if not 2 <= array.ndim <= 4:
             raise ValueError("%s has rank %d (shape %s); expected rank 2 [seq, dim], 3 [heads, "
@@ -889,8 +901,7 @@ def _encode(name, array, dtype):
             raise ValueError("%s is a SharedTensor of %s, not %s (the call's dtype=, or a "
                              "Cache's dtype): shared memory is sent as it is, not converted"
                              % (name, array.dtype, _DTYPE_NAMES.get(dtype, dtype)))
-        return pb.Tensor(shape=list(array.shape), dtype=array._dtype,
-                         shared_memory=array.ref())
+        return _tensor(into, array.shape, array._dtype, shared_memory=array.ref())
     if not isinstance(array, np.ndarray):
         if isinstance(array, (list, tuple)):
             array = np.asarray(array)
@@ -921,7 +932,20 @@ def _encode(name, array, dtype):
             data = np.ascontiguousarray(array, dtype="<u2")
         else:
             data = float32_to_bf16(array)
-    return pb.Tensor(shape=[int(n) for n in array.shape], dtype=dtype, data=data.tobytes())
+    return _tensor(into, array.shape, dtype, data=data.tobytes())
+
+
+def _tensor(into, shape, dtype, data=None, shared_memory=None):
+    """A Tensor of these fields: a new one when `into` is None, else `into` (empty) set."""
+    if into is None:
+        into = pb.Tensor()
+    into.shape.extend(shape)
+    into.dtype = dtype
+    if data is not None:
+        into.data = data
+    if shared_memory is not None:
+        into.shared_memory.CopyFrom(shared_memory)
+    return into
 
 
 def _decode(tensor, regions=None):
@@ -930,34 +954,50 @@ def _decode(tensor, regions=None):
     SharedRegion) holds its region with memory, else None (_shared_output)."""
     if tensor.HasField("shared_memory"):
         return _shared_output(tensor, regions)
-    shape = tuple(int(n) for n in tensor.shape)
-    if tensor.dtype == pb.DTYPE_FLOAT32:
-        values = np.frombuffer(tensor.data, dtype="<f4")
-    elif tensor.dtype == pb.DTYPE_FLOAT16:
-        values = np.frombuffer(tensor.data, dtype="<f2")
-    elif tensor.dtype == pb.DTYPE_BFLOAT16:
-        values = np.frombuffer(tensor.data, dtype="<u2")
-    else:
+    shape = tuple(tensor.shape)
+    wire, native = _WIRE_TYPES.get(tensor.dtype, (None, None))
+    if wire is None:
         raise AttnError("decode", grpc.StatusCode.INTERNAL,
                         "response tensor has unknown dtype %d" % tensor.dtype)
-    count = int(np.prod(shape)) if shape else 0
-    if values.size != count:
+    # One copy of the bytes, writable (protobuf hands out immutable bytes), viewed in place.
+    data = bytearray(tensor.data)
+    count = math.prod(shape) if shape else 0
+    if len(data) != count * wire.itemsize:
         raise AttnError("decode", grpc.StatusCode.INTERNAL,
-                        "response tensor has %d elements for shape %s" % (values.size, shape))
-    # frombuffer views immutable bytes; copy so callers get an ordinary writable array.
-    return values.reshape(shape).astype(values.dtype.newbyteorder("="), copy=True)
+                        "response tensor has %d bytes for shape %s of %d-byte elements"
+                        % (len(data), shape, wire.itemsize))
+    values = np.ndarray(shape if shape else (0,), dtype=wire, buffer=data)
+    return values if wire == native else values.astype(native)
+
+
+# A response tensor's element type → (its little-endian wire type, the same in native order).
+_WIRE_TYPES = {dtype: (np.dtype(wire), np.dtype(wire).newbyteorder("="))
+               for dtype, wire in ((pb.DTYPE_FLOAT32, "<f4"), (pb.DTYPE_FLOAT16, "<f2"),
+                                   (pb.DTYPE_BFLOAT16, "<u2"))}
 
 
 def _message_dict(message):
     """A protobuf message (ExecutionStats, ServerInfo) → {field name: value}, a message field
     (ExecutionStats.stages) as a dict of its own."""
     result = {}
-    for field in message.DESCRIPTOR.fields:
-        value = getattr(message, field.name)
-        if field.message_type is not None and field.label != field.LABEL_REPEATED:
-            value = _message_dict(value)
-        result[field.name] = value
+    for name, nested in _dict_fields(message.DESCRIPTOR):
+        value = getattr(message, name)
+        result[name] = _message_dict(value) if nested else value
     return result
+
+
+_DICT_FIELDS = {}
+
+
+def _dict_fields(descriptor):
+    """(name, whether it is a single message) of each field of a message type, in order: read
+    from the descriptor once per type (every answer's stats and CacheInfo go through here)."""
+    fields = _DICT_FIELDS.get(descriptor)
+    if fields is None:
+        fields = tuple((field.name, field.message_type is not None and
+                        field.label != field.LABEL_REPEATED) for field in descriptor.fields)
+        _DICT_FIELDS[descriptor] = fields
+    return fields
 
 
 def _row_tuple(row):
@@ -1031,10 +1071,15 @@ def _cache_dict(info):
     field (durable_length without --cache-dir, crc32c but from ImportCache) None."""
     result = _message_dict(info)
     result["dtype"] = _DTYPE_NAMES.get(result["dtype"], str(result["dtype"]))
-    for field in info.DESCRIPTOR.fields:
-        if field.containing_oneof is not None and not info.HasField(field.name):
-            result[field.name] = None
+    for name in _CACHE_OPTIONAL_FIELDS:
+        if not info.HasField(name):
+            result[name] = None
     return result
+
+
+# CacheInfo's optional fields (their oneofs are synthetic): None in a dict when unset.
+_CACHE_OPTIONAL_FIELDS = tuple(field.name for field in pb.CacheInfo.DESCRIPTOR.fields
+                               if field.containing_oneof is not None)
 
 
 class DecodeResult:
@@ -1535,9 +1580,11 @@ class Client:
     @staticmethod
     def _options(causal, scale, block_k, return_lse, output_dtype, key_position=0,
                  query_position=None, window_left=None, window_right=None, softcap=0.0,
-                 alibi_slopes=None, query=None, sinks=None):
-        """The AttentionOptions of a call; `query` (the call's query, for decode its first
-        item's) gives the head count for alibi_slopes="standard"."""
+                 alibi_slopes=None, query=None, sinks=None, into=None):
+        """The AttentionOptions of a call, new or `into` (the empty options of a request being
+        built) set in place; `query` (the call's query, for decode its first item's) gives the
+        head count for alibi_slopes="standard". Fields at their defaults are left unset (the
+        same message, fewer calls into protobuf)."""
         out_dtype = _dtype_enum(output_dtype, "output_dtype")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError("causal must be a bool, not %s" % type(causal).__name__)
@@ -1547,8 +1594,13 @@ class Client:
             raise TypeError("block_k must be an int, not %s" % type(block_k).__name__)
         if block_k < 0 or block_k > 2 ** 31 - 1:
             raise ValueError("block_k must be ≥ 0 (0: the server's default), got %d" % block_k)
-        options = pb.AttentionOptions(causal=bool(causal), block_k=int(block_k),
-                                      return_lse=bool(return_lse))
+        options = pb.AttentionOptions() if into is None else into
+        if causal:
+            options.causal = True
+        if block_k:
+            options.block_k = int(block_k)
+        if return_lse:
+            options.return_lse = True
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
                 raise TypeError("scale must be a number or None, not %s" % type(scale).__name__)
@@ -1557,16 +1609,22 @@ class Client:
             options.scale = float(scale)
         if out_dtype is not None:
             options.output_dtype = out_dtype
-        options.key_position = _position("key_position", key_position)
+        key_position = _position("key_position", key_position)
+        if key_position:
+            options.key_position = key_position
         if query_position is not None:
             options.query_position = _position("query_position", query_position)
         if window_left is not None:
             options.window_left = _position("window_left", window_left)
         if window_right is not None:
             options.window_right = _position("window_right", window_right)
-        options.softcap = _softcap(softcap)
-        options.alibi_slopes.extend(_alibi_slopes(alibi_slopes, query))
-        options.sinks.extend(_sinks(sinks))
+        softcap = _softcap(softcap)
+        if softcap:
+            options.softcap = softcap
+        if alibi_slopes is not None:
+            options.alibi_slopes.extend(_alibi_slopes(alibi_slopes, query))
+        if sinks is not None:
+            options.sinks.extend(_sinks(sinks))
         return options
 
     @classmethod
@@ -1863,6 +1921,8 @@ class Client:
     def _known_regions(self, targets=()):
         """name → SharedRegion for the answer's shared-memory outputs: the regions registered
         through this Client, and those of the SharedTensors given (output_to) that have memory."""
+        if not targets and not self._regions:
+            return {}  # Nothing registered (read without the lock: the request is built).
         with self._regions_lock:
             regions = dict(self._regions)
         for target in targets:
@@ -2176,19 +2236,16 @@ class Client:
             raise TypeError("items must be a list of (cache, query[, key, value]) tuples or dicts")
         items = list(items)
         input_dtype = _dtype_enum(dtype, "dtype")
-        request = pb.DecodeRequest(
-            options=self._options(causal, scale, block_k, return_lse, output_dtype,
-                                  window_left=window_left, window_right=window_right,
-                                  softcap=softcap, alibi_slopes=alibi_slopes,
-                                  query=_item_query(items[0]) if items else None,
-                                  sinks=sinks))
+        request = pb.DecodeRequest()
+        self._options(causal, scale, block_k, return_lse, output_dtype,
+                      window_left=window_left, window_right=window_right, softcap=softcap,
+                      alibi_slopes=alibi_slopes, query=_item_query(items[0]) if items else None,
+                      sinks=sinks, into=request.options)
         caches, sent, sources, targets = [], [], [], []
         for index, item in enumerate(items):
             item_key_position, item_query_position = 0, None
             if isinstance(item, dict):
-                unknown = set(item) - {"cache", "query", "key", "value", "expected_length",
-                                       "key_position", "query_position", "truncate_to",
-                                       "tree_parents", "output_to"}
+                unknown = item.keys() - _DECODE_ITEM_KEYS
                 if unknown or "cache" not in item or "query" not in item:
                     raise TypeError("items[%d]: a dict with 'cache' and 'query' (and optionally "
                                     "'key', 'value', 'expected_length', 'key_position', "
@@ -2213,10 +2270,13 @@ class Client:
                                 % (index, type(item).__name__))
             name = "items[%d]." % index
             _check_value(cache, name, key, value)
-            message = request.items.add(cache_id=_cache_id(cache),
-                                        expected_length=_expected_length(cache, expected),
-                                        query=_encode(name + "query", query, input_dtype))
-            message.key_position = _position(name + "key_position", item_key_position)
+            message = request.items.add()
+            message.cache_id = _cache_id(cache)
+            message.expected_length = _expected_length(cache, expected)
+            _encode(name + "query", query, input_dtype, into=message.query)
+            item_key_position = _position(name + "key_position", item_key_position)
+            if item_key_position:
+                message.key_position = item_key_position
             if item_query_position is not None:
                 message.query_position = _position(name + "query_position", item_query_position)
             if truncate_to is not None:
@@ -2225,11 +2285,10 @@ class Client:
                 message.tree_parents.extend(_tree_parents(name + "tree_parents", tree_parents))
             if key is not None:
                 token_dtype, shared_as_is = _token_dtype(cache, input_dtype)
-                message.key.CopyFrom(_encode_tokens(name + "key", key, token_dtype,
-                                                    shared_as_is))
+                _encode_tokens(name + "key", key, token_dtype, shared_as_is, into=message.key)
             if value is not None:
-                message.value.CopyFrom(_encode_tokens(name + "value", value, token_dtype,
-                                                      shared_as_is))
+                _encode_tokens(name + "value", value, token_dtype, shared_as_is,
+                               into=message.value)
             if output_to is not None:
                 message.output_to.CopyFrom(_shared_ref(name + "output_to", output_to))
                 _check_output_to(name + "output_to", output_to, request.options, message.query)
@@ -2261,6 +2320,11 @@ class Client:
                                   source)
                 cache._set(info)
         return result
+
+
+# The keys a Client.decode item dict may have.
+_DECODE_ITEM_KEYS = frozenset(("cache", "query", "key", "value", "expected_length", "key_position",
+                               "query_position", "truncate_to", "tree_parents", "output_to"))
 
 
 # The first bytes of a cache export file (`attn cache export ID --to FILE`, export_cache(.., path)).
@@ -2426,6 +2490,8 @@ def _softcap(softcap):
         raise TypeError("softcap must be a real number (0.0: off), not %s"
                         % type(softcap).__name__)
     value = float(softcap)
+    if value == 0:
+        return 0.0  # Off (the usual case, spared the float32 checks); -0.0 → 0.0.
     if not math.isfinite(value):
         raise ValueError("softcap must be finite, got %r" % value)
     if value < 0:
@@ -2436,7 +2502,7 @@ def _softcap(softcap):
         raise ValueError("softcap %r is beyond float32's range" % value)
     if value > 0 and as_float32 == 0:
         raise ValueError("softcap %r rounds to 0 (off) in float32" % value)
-    return value + 0.0  # -0.0 → 0.0
+    return value
 
 
 def standard_alibi_slopes(heads):
@@ -2631,12 +2697,13 @@ def _token_dtype(cache, dtype):
     return stored, False
 
 
-def _encode_tokens(name, array, dtype, shared_as_is=False):
+def _encode_tokens(name, array, dtype, shared_as_is=False, into=None):
     """Cache tokens [kv_heads, n, dim] (rank 2 [n, dim] when kv_heads is 1) as a Tensor (a
-    SharedTensor's naming its shared memory, in its own dtype when shared_as_is)."""
+    SharedTensor's naming its shared memory, in its own dtype when shared_as_is); `into` as for
+    _encode."""
     if isinstance(array, (np.ndarray, SharedTensor)) and array.ndim == 4:
         raise ValueError("%s has rank 4 (shape %s); cache tokens are [kv_heads, n, dim] or "
                          "[n, dim]" % (name, array.shape))
     if shared_as_is and isinstance(array, SharedTensor):
         dtype = None
-    return _encode(name, array, dtype)
+    return _encode(name, array, dtype, into)
