@@ -31,10 +31,14 @@
 // pages at their row stride (PagedKv::ValueOffsetInPage), into the value tile like any other.
 // The host (decode_method.cc) splits each cache into chunks so that the grid fills the device,
 // and the unit list covers the whole batch at once, whatever each cache's length.
-// Not yet done: double-buffered (cp.async) tiles and vector loads of the pages; the tiles are
-// loaded element by element, coalesced within each token's row; at P = 576 a latent cache's
-// value columns are loaded a second time (they are the key tile's first columns); fp8 codes are
-// converted one at a time by Fp8E4M3ToFloat's arithmetic, not by sm_89's cvt of code pairs.
+// Tile loads: rows that are whole 4-byte words (RowsAreWords: fp8 always, bf16/fp16 at even
+// widths, fp32) load as words, each thread a batch of up to kWordBatch key and value words in
+// flight before it converts any (LoadTileWords); other rows element by element, one load in
+// flight per thread (LoadTileElements). Not yet done: double-buffered (cp.async) tiles, loads
+// wider than a word (an fp8 row of 128 codes is 132 bytes: on a word boundary only); at
+// P = 576 a latent cache's value columns are loaded a second time (they are the key tile's
+// first columns); fp8 codes are converted one at a time by Fp8E4M3ToFloat's arithmetic, not by
+// sm_89's cvt of code pairs.
 // Measured: not yet on a GPU (docs/perf.md; tests/gpu/device_check.sh measures cache bytes read
 // per second against the same-run copy bandwidth). The static checks
 // (tests/static/cuda_static_check.sh) hold both kernels to no spills and no stack frame, and the
@@ -59,6 +63,9 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMergeThreads = 128;
+// Words of keys, and as many of values, each thread has in flight at most while a tile loads
+// (LoadTileWords).
+constexpr int kWordBatch = 4;
 
 // The tile at pitch P (DecodeTileOf, launch.h) and what follows from it.
 template <int P>
@@ -95,6 +102,123 @@ __device__ __forceinline__ float ToFloat(uint8_t code) { return Fp8E4M3ToFloat(c
 template <class T>
 constexpr bool kScaledRows = std::is_same_v<T, uint8_t>;
 
+// Element e (0 … 4 / sizeof(T) − 1) of a row's 4-byte word as ToFloat gives it (little-endian:
+// the lowest bytes first). Unscaled, as ToFloat.
+template <class T>
+__device__ __forceinline__ float WordElement(uint32_t word, int e) {
+  if constexpr (std::is_same_v<T, float>) {
+    return BitsToFloat(word);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return BitsToFloat(e == 0 ? word << 16 : word & 0xffff0000u);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return ToFloat(__ushort_as_half(static_cast<unsigned short>(word >> (16 * e))));
+  } else {
+    return ToFloat(static_cast<uint8_t>(word >> (8 * e)));
+  }
+}
+
+// Whether a tile of these pages may load as 4-byte words (LoadTileWords): every stored row a
+// whole number of words, and so every row on a word boundary (pages come from cudaMalloc,
+// 256-byte aligned). Always for fp8 (its codes padded to 4 bytes, then the scale); for the
+// others when width · sizeof(T) is (head_dim 128 in bf16: yes; 33: no).
+template <class T>
+__device__ __forceinline__ bool RowsAreWords(const PagedKv& pages) {
+  return (pages.key_width * static_cast<int64_t>(sizeof(T))) % 4 == 0 &&
+         (pages.value_width * static_cast<int64_t>(sizeof(T))) % 4 == 0;
+}
+
+// The largest divisor of n that is at most kWordBatch: words per thread per batch.
+constexpr int WordBatchOf(int n) {
+  int batch = kWordBatch < n ? kWordBatch : n;
+  while (n % batch != 0) --batch;
+  return batch;
+}
+template <int kThreadWords>
+constexpr int kWordBatchOf = WordBatchOf(kThreadWords);  // (A constant for device code.)
+
+// The tile's keys and values as fp32 in shared memory (key_tile [kKeys][P + 1], value_tile
+// [kKeys][P]): rows j < n from key_rows / value_rows, every element past a row's width and every
+// row past n zero; an fp8 code times its row's scale. The block's threads together.
+//
+// Element by element: a load of 1, 2 or 4 bytes, its conversion and its store, in turn, each
+// load in its own branch (a row's end, the tile's end), so a thread waits out one load's whole
+// latency before it issues the next. For rows that are not whole words (RowsAreWords).
+template <class T, int P>
+__device__ __forceinline__ void LoadTileElements(const T* const* key_rows,
+                                                 const T* const* value_rows,
+                                                 const float* key_scales, const float* value_scales,
+                                                 int n, int64_t head_dim, int64_t value_dim,
+                                                 float* key_tile, float* value_tile) {
+  constexpr int kKeys = Tile<P>::kKeys;
+  for (int i = threadIdx.x; i < kKeys * P; i += kThreads) {
+    const int j = i / P;
+    const int c = i % P;
+    float key = j < n && c < head_dim ? ToFloat(key_rows[j][c]) : 0.f;
+    float value = j < n && c < value_dim ? ToFloat(value_rows[j][c]) : 0.f;
+    if constexpr (kScaledRows<T>) {
+      key *= j < n ? key_scales[j] : 0.f;
+      value *= j < n ? value_scales[j] : 0.f;
+    }
+    key_tile[j * (P + 1) + c] = key;
+    value_tile[i] = value;
+  }
+}
+
+// The same tiles, the same values, from 4-byte words: the tile is kKeys rows of P / (4 /
+// sizeof(T)) words, word i of it thread i mod kThreads's (a warp's words consecutive in a row:
+// coalesced). Each thread issues a batch of WordBatchOf(its words) key and value loads, none of
+// them conditional (a word past the rows' data reads word 0 of row 0, which every tile has, and
+// is dropped), before it converts and stores any: one load latency per batch, not per element.
+// A row's last word may run past its width into its padding (fp8's zeros; a latent cache's value
+// row, into its key's further columns): those elements are dropped too.
+template <class T, int P>
+__device__ __forceinline__ void LoadTileWords(const T* const* key_rows, const T* const* value_rows,
+                                              const float* key_scales, const float* value_scales,
+                                              int n, int64_t head_dim, int64_t value_dim,
+                                              float* key_tile, float* value_tile) {
+  constexpr int kKeys = Tile<P>::kKeys;
+  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));  // Elements per word.
+  constexpr int kRowWords = P / kPerWord;
+  constexpr int kThreadWords = kKeys * kRowWords / kThreads;
+  static_assert(P % kPerWord == 0 && (kKeys * kRowWords) % kThreads == 0);
+  constexpr int kBatch = kWordBatchOf<kThreadWords>;
+  const int key_words = static_cast<int>((head_dim + kPerWord - 1) / kPerWord);
+  const int value_words = static_cast<int>((value_dim + kPerWord - 1) / kPerWord);
+#pragma unroll 1
+  for (int first = 0; first < kThreadWords; first += kBatch) {
+    uint32_t keys[kBatch], values[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = static_cast<int>(threadIdx.x) + (first + b) * kThreads;
+      const int j = i / kRowWords, w = i % kRowWords;
+      const int row = j < n ? j : 0;
+      keys[b] = LoadWord(reinterpret_cast<const uint32_t*>(key_rows[row]) +
+                         (j < n && w < key_words ? w : 0));
+      values[b] = LoadWord(reinterpret_cast<const uint32_t*>(value_rows[row]) +
+                           (j < n && w < value_words ? w : 0));
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = static_cast<int>(threadIdx.x) + (first + b) * kThreads;
+      const int j = i / kRowWords, w = i % kRowWords;
+      const bool row = j < n;
+      float key_scale = 1.f, value_scale = 1.f;
+      if constexpr (kScaledRows<T>) {
+        key_scale = row ? key_scales[j] : 0.f;
+        value_scale = row ? value_scales[j] : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < kPerWord; ++e) {
+        const int c = w * kPerWord + e;
+        const float key = row && c < head_dim ? WordElement<T>(keys[b], e) * key_scale : 0.f;
+        const float value = row && c < value_dim ? WordElement<T>(values[b], e) * value_scale : 0.f;
+        key_tile[j * (P + 1) + c] = key;
+        value_tile[j * P + c] = value;
+      }
+    }
+  }
+}
+
 // One query row of a block: its item (−1: none), its row i among that item's rows of the unit's
 // kv head (DecodeUnit), and the keys [begin, end) it sees. No initializers: it lives in shared
 // memory.
@@ -103,10 +227,17 @@ struct BlockRow {
   int64_t begin, end;
 };
 
-// (kThreads, 1): without the minimum of one block per SM, ptxas for sm_90 caps the P = 64
-// kernels at 72 registers and spills; shared memory, not registers, bounds the blocks per SM.
+// Blocks per SM the kernel at pitch P asks registers for (__launch_bounds__'s minimum). Up to
+// P = 128 a block's shared memory (at most 42 KB) leaves room for 4 on sm_80/sm_90, and the
+// registers are held to 128 a thread so that they do too (LoadTileWords' batches of words took
+// them to 140 at P = 64 otherwise); past it shared memory allows 2 at most, and a minimum of 1
+// leaves ptxas the registers it needs (at 128, P = 256 spills). Without any minimum, ptxas for
+// sm_90 caps the P = 64 kernels at 72 registers and spills.
+constexpr int DecodeMinBlocks(int pitch) { return pitch <= 128 ? 4 : 1; }
+
 template <class T, int P>
-__global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch batch) {
+__global__ void __launch_bounds__(kThreads, DecodeMinBlocks(P))
+    DecodeKernel(const DecodeBatch batch) {
   using Layout = Tile<P>;
   constexpr int kRows = Layout::kRows;
   constexpr int kKeys = Layout::kKeys;
@@ -130,6 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
   const DecodeItem& item = batch.items[unit.item];
   const int64_t head_dim = item.head_dim;
   const int64_t value_dim = item.value_dim;
+  const bool words = RowsAreWords<T>(item.pages);  // How the tiles load.
   const int64_t row0 = int64_t{unit.row_group} * kRows;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -224,17 +356,12 @@ __global__ void __launch_bounds__(kThreads, 1) DecodeKernel(const DecodeBatch ba
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kKeys * P; i += kThreads) {
-      const int j = i / P;
-      const int c = i % P;
-      float key = j < n && c < head_dim ? ToFloat(key_rows[j][c]) : 0.f;
-      float value = j < n && c < value_dim ? ToFloat(value_rows[j][c]) : 0.f;
-      if constexpr (kScaledRows<T>) {
-        key *= j < n ? key_scales[j] : 0.f;
-        value *= j < n ? value_scales[j] : 0.f;
-      }
-      key_tile[j * (P + 1) + c] = key;
-      value_tile[i] = value;
+    if (words) {
+      LoadTileWords<T, P>(key_rows, value_rows, key_scales, value_scales, n, head_dim, value_dim,
+                          key_tile, value_tile);
+    } else {
+      LoadTileElements<T, P>(key_rows, value_rows, key_scales, value_scales, n, head_dim, value_dim,
+                             key_tile, value_tile);
     }
     __syncthreads();
 

@@ -11,6 +11,8 @@
 //   CopyAsync, CommitCopies, WaitCopies, Mma
 //                         the inline PTX (cp.async, mma.sync): the asm statements under nvcc,
 //                         the emulator's model of each instruction in its place.
+//   LoadWord              a 4-byte load of any element type's storage: a uint32_t load under
+//                         nvcc, a memcpy in the emulator (g++'s aliasing rules).
 // Device code only; include from .cu files.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 namespace attn::cuda {
@@ -57,6 +60,17 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 #endif
 
 namespace attn::cuda {
+
+// The 4 bytes at `p` (4-byte aligned), whatever type they are stored as.
+__device__ __forceinline__ uint32_t LoadWord(const void* p) {
+#if defined(ATTN_SIMT)
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+#else
+  return *static_cast<const uint32_t*>(p);
+#endif
+}
 
 // Copies `kBytes` (4, 8 or 16) from global to shared memory, or writes zeros when !valid
 // (cp.async, .cg for 16 bytes: L2 only; .ca otherwise). Lands at a WaitCopies that covers it.

@@ -293,7 +293,9 @@ TEST_F(CudaKvTest, Fp8StoreQuantizesEveryAppendAndCopiesStoredRowsExactly) {
     const std::vector<float> keys = ReadBack(kv, true, 40);
     EXPECT_EQ(keys, AsStored(host.key, 17, fp8));
     EXPECT_GT(MaxAbsError(keys, host.key), 1e-3);
-    if (!latent) EXPECT_EQ(ReadBack(kv, false, 40), AsStored(host.value, 11, fp8));
+    if (!latent) {
+      EXPECT_EQ(ReadBack(kv, false, 40), AsStored(host.value, 11, fp8));
+    }
 
     // Stored rows appended as they are (dtype fp8: a restore's or an import's), bit for bit.
     absl::StatusOr<std::unique_ptr<KvStore>> copy = odd().CreateKvStore(LayoutOf(host, fp8));
@@ -622,6 +624,21 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{
             "Wide320x300GqaBf16", DType::kBFloat16, {MakeShape(1, 12, 2, 2, 131, 320, 300)}, true},
         DecodeCase{"Wide257x576F32", DType::kFloat32, {MakeShape(1, 3, 1, 1, 47, 257, 576)}},
+        // Rows of 16-bit elements that are not whole 4-byte words (an odd key or value width)
+        // load element by element (decode.cu, LoadTileElements); the cases above load as words.
+        DecodeCase{
+            "OddWidthsCausalBf16", DType::kBFloat16, {MakeShape(1, 6, 2, 3, 141, 33, 19)}, true},
+        DecodeCase{"OddValueWidthF16", DType::kFloat16, {MakeShape(1, 4, 2, 1, 260, 64, 21)}},
+        // A latent bf16 cache with an odd value_dim: its value rows (the key rows, 64 wide) load
+        // as words, the last one running into the key's further columns, which are dropped.
+        DecodeCase{"LatentOddValueWidthBf16",
+                   DType::kBFloat16,
+                   {MakeShape(1, 8, 1, 1, 90, 64, 33)},
+                   false,
+                   false,
+                   false,
+                   {},
+                   true},
         // fp8 caches: GQA at d 128; odd widths (rows padded to 4 bytes) with ALiBi and sinks over
         // several causal rows; a batch of lengths; the MLA shape (a latent value's scale is its
         // key row's) at the wide instance.
