@@ -74,11 +74,11 @@ def arguments():
 
 def cpp_round(args, address):
     """attn bench --decode over one sequence → its wall − compute p50, µs (from its table)."""
-    heads = "--heads=%d" % args.query_heads
+    dtype = {"fp32": "f32", "fp16": "f16"}.get(args.dtype, args.dtype)  # attn's names.
     command = [args.attn, "bench", "--decode", "--target", address,
                "--lengths", str(args.length), "--batches", "1", "--steps", str(args.steps),
-               "--repeats", "0", "--dtype", {"fp32": "f32", "fp16": "f16"}.get(args.dtype, args.dtype), heads, "--kv-heads=%d" % args.kv_heads,
-               "--head-dim=%d" % args.dim]
+               "--repeats", "0", "--dtype", dtype, "--heads=%d" % args.query_heads,
+               "--kv-heads=%d" % args.kv_heads, "--head-dim=%d" % args.dim]
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600,
                           check=False)
     text = done.stdout.decode("utf-8", "replace")
@@ -117,14 +117,14 @@ def python_round(args, client, pb):
         # The same steps through the generated stub, each request built before its clock starts.
         raw = []
         length = cache.length
+        token_dtype = pb.DTYPE_FLOAT32 if args.dtype in ("fp32", "fp8") else \
+            pb.DTYPE_FLOAT16 if args.dtype == "fp16" else pb.DTYPE_BFLOAT16
         for index in range(args.steps + 1):
             q, k, v = step_inputs()
             request = pb.DecodeRequest(options=pb.AttentionOptions(causal=True))
             item = request.items.add(cache_id=cache.id, expected_length=length)
             item.query.CopyFrom(pb.Tensor(shape=q.shape, dtype=pb.DTYPE_FLOAT32,
                                           data=q.tobytes()))
-            token_dtype = pb.DTYPE_FLOAT32 if args.dtype in ("fp32", "fp8") else \
-                pb.DTYPE_FLOAT16 if args.dtype == "fp16" else pb.DTYPE_BFLOAT16
             for field, array in (("key", k), ("value", v)):
                 getattr(item, field).CopyFrom(_tensor(pb, array, token_dtype))
             start = time.perf_counter_ns()
