@@ -128,6 +128,15 @@ ATTN_HOST_DEVICE float Fp8E4M3ToFloat(uint8_t code) {
   return (code & 0x80u) ? -value : value;
 }
 
+// fp8 E4M3 code → the fp16 bits of its value times 2^-8, exactly: the code sign-extended to 16
+// bits and shifted left by 7 puts its 4 exponent bits in fp16's 5 with bias 15 for 7 (2^-8) and
+// its 3 mantissa bits at the top of fp16's 10, subnormals included; the mask drops the sign's
+// copy in bit 14. One conversion of fp16 (F16C, cvt.f32.f16) then gives the value / 256 without
+// Fp8E4M3ToFloat's cases. The NaN codes are never stored; they give ±480 / 256.
+ATTN_HOST_DEVICE uint16_t Fp8E4M3HalfBits(uint8_t code) {
+  return static_cast<uint16_t>((static_cast<int8_t>(code) * 128) & 0xbfff);
+}
+
 // fp32 → fp8 E4M3 code, rounded to nearest even; magnitudes past 448 saturate to ±448 (the
 // format has no infinity), NaN becomes the NaN code.
 ATTN_HOST_DEVICE uint8_t FloatToFp8E4M3(float f) {

@@ -353,6 +353,17 @@ TEST(Fp8Test, EveryCodeDecodesByDefinitionAndRoundTrips) {
   EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0.001953125f);  // 2^-9, the smallest subnormal.
 }
 
+// The decode kernels' route (CPU vector paths, CUDA tiles): fp16 bits of the value · 2^-8.
+TEST(Fp8Test, EveryCodeIsItsHalfTimes256) {
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;  // NaN: never stored.
+    SCOPED_TRACE(code);
+    const double half = HalfToFloat(Fp8E4M3HalfBits(static_cast<uint8_t>(code)));
+    EXPECT_EQ(half * 256, Fp8ReferenceDecode(static_cast<uint8_t>(code)));
+    EXPECT_EQ(std::signbit(half), (code & 0x80) != 0);  // −0 for 0x80.
+  }
+}
+
 // Between every two neighbouring codes: just below the midpoint rounds down, just above rounds
 // up, the midpoint itself to the even code; past 448 saturates (no infinity); NaN stays NaN.
 TEST(Fp8Test, RoundsToNearestEvenAndSaturates) {

@@ -37,7 +37,7 @@
 // flight per thread (LoadTileElements). Not yet done: double-buffered (cp.async) tiles, loads
 // wider than a word (an fp8 row of 128 codes is 132 bytes: on a word boundary only); at
 // P = 576 a latent cache's value columns are loaded a second time (they are the key tile's
-// first columns); fp8 codes are converted one at a time by Fp8E4M3ToFloat's arithmetic, not by
+// first columns); fp8 codes are converted one at a time through fp16 (Fp8E4M3HalfBits), not by
 // sm_89's cvt of code pairs.
 // Measured: not yet on a GPU (docs/perf.md; tests/gpu/device_check.sh measures cache bytes read
 // per second against the same-run copy bandwidth). The static checks
@@ -112,8 +112,9 @@ __device__ __forceinline__ float WordElement(uint32_t word, int e) {
     return BitsToFloat(e == 0 ? word << 16 : word & 0xffff0000u);
   } else if constexpr (std::is_same_v<T, __half>) {
     return ToFloat(__ushort_as_half(static_cast<unsigned short>(word >> (16 * e))));
-  } else {
-    return ToFloat(static_cast<uint8_t>(word >> (8 * e)));
+  } else {  // fp8: through fp16 (dtype.h), exactly; 2^8 · (the code's value · 2^-8).
+    const uint8_t code = static_cast<uint8_t>(word >> (8 * e));
+    return ToFloat(__ushort_as_half(Fp8E4M3HalfBits(code))) * 256.f;
   }
 }
 
