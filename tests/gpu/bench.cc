@@ -21,6 +21,10 @@
 //       or an fp8 row's d codes and scale) / median time, to be read against copy_d2d of the same
 //       run; rel_err against Tiled over the same pages. dtype fp8: an fp8 cache (the tokens sent
 //       as bf16 and quantized), queries and outputs bf16.
+//   decode_forks,bf16,<batch>,<key_len>,... (the same columns; with bf16 in --dtype) issue 31's
+//       forks: batch 1, one sequence of 16448 tokens; batch 16, forks of one 16384-token prompt
+//       with 64 tokens of their own each (KvStore::Fork: the prompt's pages shared, read in
+//       cascade units); cache_gb_s counts every sequence's tokens, shared or not.
 // Lines starting with '#' are comments (the header lines among them).
 //
 // Shapes: batch·heads = tokens / seq with a fixed token count (default 256k), so every launch
@@ -460,110 +464,161 @@ double CheckRows(const attn::Problem& p, const void* output, attn::DType dtype, 
   return *nans > 0 ? INFINITY : worst / std::max(largest, 1e-30);
 }
 
-// The decode sweep (--method decode): 32 query heads over 8 kv heads, d = 128, one query row
-// per sequence; 1 sequence of 1k … 32k cached tokens and 16 sequences of 4k. Returns false when
-// a cell failed.
+// One decode cell, `batch` sequences of `key_len` cached tokens each, 32 query heads over 8 kv
+// heads, d = 128, one query row per sequence, in cache dtype `dtype_name`: its CSV line (`kind`
+// first: decode or decode_forks) printed, its median ms into *median_ms (0 when it did not run).
+// With forks_own > 0 the sequences are forks (KvStore::Fork) of one prompt of key_len −
+// forks_own tokens, each with forks_own tokens of its own: their prompt pages shared, which the
+// kernel reads in cascade units (decode.cu, DecodeUnit::members). False when the cell failed.
+bool DecodeCell(attn::Backend& backend, const Options& o, double deadline_s,
+                const std::function<double()>& elapsed_s, const std::string& kind,
+                const std::string& dtype_name, int64_t batch, int64_t key_len, int64_t forks_own,
+                double* median_ms) {
+  constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
+  *median_ms = 0;
+  // The cache's dtype; the tensors' (tokens, queries, outputs) the same, or bf16 for fp8.
+  const attn::DType cache_dtype = ParseDType(dtype_name);
+  const attn::DType dtype =
+      cache_dtype == attn::DType::kFloat8E4M3 ? attn::DType::kBFloat16 : cache_dtype;
+  const int64_t element = attn::ElementSize(dtype);
+  const std::string cell = Format("%s,%s,%lld,%lld,%lld,%lld,%lld", kind.c_str(),
+                                  dtype_name.c_str(), static_cast<long long>(batch),
+                                  static_cast<long long>(key_len), static_cast<long long>(kHeads),
+                                  static_cast<long long>(kKvHeads), static_cast<long long>(kDim));
+  if (deadline_s > 0 && elapsed_s() > deadline_s) {
+    Line(cell + ",0,,,,timeout");
+    return true;
+  }
+  // One random cache content (values never zeros): every sequence's tokens, or the prompt's.
+  const int64_t shared_len = forks_own > 0 ? key_len - forks_own : key_len;
+  const int64_t cache_elements = kKvHeads * shared_len * kDim;
+  HostBuffer key(cache_elements * element), value(cache_elements * element);
+  FillRandom(key.data(), dtype, cache_elements, 11 + key_len);
+  FillRandom(value.data(), dtype, cache_elements, 12 + key_len);
+  HostBuffer query(batch * kHeads * kDim * element);
+  FillRandom(query.data(), dtype, batch * kHeads * kDim, 13 + key_len);
+  const int64_t out_elements = kHeads * kDim;
+  HostBuffer out(batch * out_elements * element), check(out_elements * element);
+  std::vector<std::unique_ptr<attn::KvStore>> stores;
+  std::vector<attn::Problem> problems;
+  std::vector<attn::Outputs> outputs;
+  absl::Status status;
+  auto create = [&]() -> absl::StatusOr<std::unique_ptr<attn::KvStore>> {
+    absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
+        backend.CreateKvStore(attn::KvLayout{kKvHeads, kDim, kDim, cache_dtype});
+    if (!store.ok()) return store.status();
+    absl::Status appended =
+        (*store)->Append({key.data(), dtype}, {value.data(), dtype}, shared_len);
+    if (!appended.ok()) return appended;
+    return store;
+  };
+  if (forks_own > 0) {
+    absl::StatusOr<std::unique_ptr<attn::KvStore>> prompt = create();
+    const int64_t own_elements = kKvHeads * forks_own * kDim;
+    HostBuffer own_key(own_elements * element), own_value(own_elements * element);
+    for (int64_t b = 0; b < batch && prompt.ok() && status.ok(); ++b) {
+      absl::StatusOr<std::unique_ptr<attn::KvStore>> fork = (*prompt)->Fork(shared_len);
+      if (!fork.ok()) {
+        status = fork.status();
+        break;
+      }
+      FillRandom(own_key.data(), dtype, own_elements, 21 + b);
+      FillRandom(own_value.data(), dtype, own_elements, 22 + b);
+      status = (*fork)->Append({own_key.data(), dtype}, {own_value.data(), dtype}, forks_own);
+      stores.push_back(*std::move(fork));
+    }
+    if (!prompt.ok()) status = prompt.status();
+  } else {
+    for (int64_t b = 0; b < batch && status.ok(); ++b) {
+      absl::StatusOr<std::unique_ptr<attn::KvStore>> store = create();
+      if (!store.ok()) {
+        status = store.status();
+        break;
+      }
+      stores.push_back(*std::move(store));
+    }
+  }
+  for (int64_t b = 0; b < batch && status.ok(); ++b) {
+    attn::Problem p;
+    p.shape = attn::Shape{1, kHeads, kKvHeads, 1, key_len, kDim, kDim};
+    p.query = {static_cast<const uint8_t*>(query.data()) + b * kHeads * kDim * element, dtype};
+    p.pages = &stores[b]->pages();
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)));
+    p.block_k = backend.default_block_k();
+    p.output_dtype = dtype;
+    problems.push_back(p);
+    attn::Outputs output;
+    output.output = {static_cast<uint8_t*>(out.data()) + b * out_elements * element, dtype};
+    outputs.push_back(output);
+  }
+  std::vector<double> times_ms;
+  for (int i = 0; i < o.warmup + o.reps && status.ok(); ++i) {
+    absl::StatusOr<attn::Stats> stats = backend.Decode(problems, outputs);
+    if (!stats.ok()) {
+      status = stats.status();
+    } else if (i >= o.warmup) {
+      times_ms.push_back(static_cast<double>(stats->compute_ns) * 1e-6);
+    }
+  }
+  if (!status.ok()) {
+    Line(cell + ",0,,,," + Clean(status.ToString()));
+    return false;
+  }
+  // Item 0 against Tiled over the same pages (the gathered copy, the fused kernel).
+  double rel_err = 0;
+  attn::Outputs tiled_output;
+  tiled_output.output = {check.data(), dtype};
+  absl::StatusOr<attn::Stats> tiled = backend.Tiled(problems[0], tiled_output);
+  std::string verdict = "ok";
+  if (!tiled.ok()) {
+    verdict = "tiled_failed";
+  } else {
+    double worst = 0, largest = 0;
+    for (int64_t i = 0; i < out_elements; ++i) {
+      const double expected = attn::LoadElement(check.data(), dtype, i);
+      const double actual = attn::LoadElement(out.data(), dtype, i);
+      worst = std::max(worst, std::isnan(actual) ? INFINITY : std::abs(actual - expected));
+      largest = std::max(largest, std::abs(expected));
+    }
+    rel_err = worst / std::max(largest, 1e-30);
+    const double tolerance = dtype == attn::DType::kBFloat16  ? 3e-2
+                             : dtype == attn::DType::kFloat16 ? 5e-3
+                                                              : 1e-4;
+    if (!(rel_err <= tolerance)) verdict = "bad";
+  }
+  const double median = Median(times_ms);
+  *median_ms = median;
+  const double bytes =
+      static_cast<double>(batch * key_len * kKvHeads * 2 * attn::StoredRowBytes(cache_dtype, kDim));
+  Line(cell + Format(",%zu,%.4f,%.1f,%.2e,%s", times_ms.size(), median,
+                     bytes / (median * 1e-3) / 1e9, rel_err, verdict.c_str()));
+  return verdict == "ok";
+}
+
+// The decode sweep (--method decode), each cell a DecodeCell: 1 sequence of 1k … 32k cached
+// tokens and 16 sequences of 4k per dtype; then for bf16 issue 31's forks: one sequence of
+// 16384 + 64 tokens, and 16 forks of a 16384-token prompt with 64 tokens of their own each
+// (decode_forks rows; the table puts the second's time over the first's). Returns false when a
+// cell failed.
 bool RunDecode(attn::Backend& backend, const Options& o, double deadline_s,
                const std::function<double()>& elapsed_s) {
   Line("#decode,dtype,batch,key_len,heads,kv_heads,d,reps,ms_median,cache_gb_s,rel_err,status");
-  constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
   const std::pair<int64_t, int64_t> shapes[] = {
       {1, 1024}, {1, 4096}, {1, 16384}, {1, 32768}, {16, 4096}};
   bool ok = true;
+  double median_ms = 0;
   for (const std::string& dtype_name : o.dtypes) {
-    // The cache's dtype; the tensors' (tokens, queries, outputs) the same, or bf16 for fp8.
-    const attn::DType cache_dtype = ParseDType(dtype_name);
-    const attn::DType dtype =
-        cache_dtype == attn::DType::kFloat8E4M3 ? attn::DType::kBFloat16 : cache_dtype;
-    const int64_t element = attn::ElementSize(dtype);
     for (const auto& [batch, key_len] : shapes) {
-      const std::string cell = Format(
-          "decode,%s,%lld,%lld,%lld,%lld,%lld", dtype_name.c_str(), static_cast<long long>(batch),
-          static_cast<long long>(key_len), static_cast<long long>(kHeads),
-          static_cast<long long>(kKvHeads), static_cast<long long>(kDim));
-      if (deadline_s > 0 && elapsed_s() > deadline_s) {
-        Line(cell + ",0,,,,timeout");
-        continue;
-      }
-      // One random cache content, appended to every sequence's store (values never zeros).
-      const int64_t cache_elements = kKvHeads * key_len * kDim;
-      HostBuffer key(cache_elements * element), value(cache_elements * element);
-      FillRandom(key.data(), dtype, cache_elements, 11 + key_len);
-      FillRandom(value.data(), dtype, cache_elements, 12 + key_len);
-      HostBuffer query(batch * kHeads * kDim * element);
-      FillRandom(query.data(), dtype, batch * kHeads * kDim, 13 + key_len);
-      const int64_t out_elements = kHeads * kDim;
-      HostBuffer out(batch * out_elements * element), check(out_elements * element);
-      std::vector<std::unique_ptr<attn::KvStore>> stores;
-      std::vector<attn::Problem> problems;
-      std::vector<attn::Outputs> outputs;
-      absl::Status status;
-      for (int64_t b = 0; b < batch && status.ok(); ++b) {
-        absl::StatusOr<std::unique_ptr<attn::KvStore>> store =
-            backend.CreateKvStore(attn::KvLayout{kKvHeads, kDim, kDim, cache_dtype});
-        if (!store.ok()) {
-          status = store.status();
-          break;
-        }
-        status = (*store)->Append({key.data(), dtype}, {value.data(), dtype}, key_len);
-        stores.push_back(*std::move(store));
-      }
-      for (int64_t b = 0; b < batch && status.ok(); ++b) {
-        attn::Problem p;
-        p.shape = attn::Shape{1, kHeads, kKvHeads, 1, key_len, kDim, kDim};
-        p.query = {static_cast<const uint8_t*>(query.data()) + b * kHeads * kDim * element, dtype};
-        p.pages = &stores[b]->pages();
-        p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)));
-        p.block_k = backend.default_block_k();
-        p.output_dtype = dtype;
-        problems.push_back(p);
-        attn::Outputs output;
-        output.output = {static_cast<uint8_t*>(out.data()) + b * out_elements * element, dtype};
-        outputs.push_back(output);
-      }
-      std::vector<double> times_ms;
-      for (int i = 0; i < o.warmup + o.reps && status.ok(); ++i) {
-        absl::StatusOr<attn::Stats> stats = backend.Decode(problems, outputs);
-        if (!stats.ok()) {
-          status = stats.status();
-        } else if (i >= o.warmup) {
-          times_ms.push_back(static_cast<double>(stats->compute_ns) * 1e-6);
-        }
-      }
-      if (!status.ok()) {
-        Line(cell + ",0,,,," + Clean(status.ToString()));
-        ok = false;
-        continue;
-      }
-      // Item 0 against Tiled over the same pages (the gathered copy, the fused kernel).
-      double rel_err = 0;
-      attn::Outputs tiled_output;
-      tiled_output.output = {check.data(), dtype};
-      absl::StatusOr<attn::Stats> tiled = backend.Tiled(problems[0], tiled_output);
-      std::string verdict = "ok";
-      if (!tiled.ok()) {
-        verdict = "tiled_failed";
-      } else {
-        double worst = 0, largest = 0;
-        for (int64_t i = 0; i < out_elements; ++i) {
-          const double expected = attn::LoadElement(check.data(), dtype, i);
-          const double actual = attn::LoadElement(out.data(), dtype, i);
-          worst = std::max(worst, std::isnan(actual) ? INFINITY : std::abs(actual - expected));
-          largest = std::max(largest, std::abs(expected));
-        }
-        rel_err = worst / std::max(largest, 1e-30);
-        const double tolerance = dtype == attn::DType::kBFloat16  ? 3e-2
-                                 : dtype == attn::DType::kFloat16 ? 5e-3
-                                                                  : 1e-4;
-        if (!(rel_err <= tolerance)) verdict = "bad";
-      }
-      if (verdict != "ok") ok = false;
-      const double median = Median(times_ms);
-      const double bytes = static_cast<double>(batch * key_len * kKvHeads * 2 *
-                                               attn::StoredRowBytes(cache_dtype, kDim));
-      Line(cell + Format(",%zu,%.4f,%.1f,%.2e,%s", times_ms.size(), median,
-                         bytes / (median * 1e-3) / 1e9, rel_err, verdict.c_str()));
+      ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode", dtype_name, batch, key_len, 0,
+                       &median_ms);
     }
+  }
+  if (std::find(o.dtypes.begin(), o.dtypes.end(), "bf16") != o.dtypes.end()) {
+    constexpr int64_t kPrompt = 16384, kOwn = 64;
+    ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode_forks", "bf16", 1, kPrompt + kOwn,
+                     0, &median_ms);
+    ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode_forks", "bf16", 16, kPrompt + kOwn,
+                     kOwn, &median_ms);
   }
   return ok;
 }

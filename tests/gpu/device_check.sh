@@ -12,7 +12,8 @@
 # 3. gpu_bench: the device's ceilings (copy GB/s, cuBLAS GEMM TFLOP/s), then Tiled; then
 #    Decode over KV caches (bf16 and fp8, 32 query heads over 8 kv heads, d 128, 1 × 1k…32k
 #    and 16 × 4k tokens): cache bytes read per second beside the copy bandwidth of this run,
-#    and the fp8 step's speed over bf16's per shape;
+#    and the fp8 step's speed over bf16's per shape; 16 forks of one 16384-token bf16 prompt
+#    against one sequence's step (issue 31);
 # 4. sdpa_bench.py: torch SDPA on the same shapes (skipped without torch or CUDA);
 # 5. gpu_bench: Naive (last: the least important and the heaviest on memory);
 # 6. one table: TFLOP/s of Naive, Tiled and SDPA, ratios to SDPA and Tiled / GEMM peak.
@@ -447,6 +448,17 @@ if decodes:
         if dtype == "fp8" and ("bf16", batch, key_len) in step:
             lines.append(f"fp8 step speed / bf16 at {batch} x {key_len}: "
                          f"{step[('bf16', batch, key_len)] / ms:.2f}x")
+# Forks of one prompt (issue 31: 16 forks of a 16384-token bf16 prompt, 64 tokens of their own
+# each, ≤ 2× one 16448-token sequence's step): gpu_bench's decode_forks rows.
+forks = {r[2]: r for r in rows("bench.csv") if r[0] == "decode_forks" and len(r) >= 12}
+for batch in ("1", "16"):
+    if batch in forks:
+        r = forks[batch]
+        lines.append(f"forks: batch {batch:>2} x {r[3]} tokens: {r[8] or '-'} ms, "
+                     f"rel_err {r[10] or '-'}, {r[11]}")
+if all(b in forks and forks[b][11] == "ok" and forks[b][8] for b in ("1", "16")):
+    lines.append(f"16 forks / one sequence's step: "
+                 f"{float(forks['16'][8]) / float(forks['1'][8]):.2f}x (issue 31: <= 2x)")
 text = "\n".join(lines)
 open(os.path.join(results, "table.txt"), "w").write(text + "\n")
 with open(os.path.join(results, "table.csv"), "w", newline="") as f:
