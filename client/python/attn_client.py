@@ -962,7 +962,7 @@ def _decode(tensor, regions=None):
     # One copy of the bytes, writable (protobuf hands out immutable bytes), viewed in place.
     data = bytearray(tensor.data)
     count = math.prod(shape) if shape else 0
-    if len(data) != count * wire.itemsize:
+    if len(data) != count * wire.itemsize or min(shape, default=0) < 0:
         raise AttnError("decode", grpc.StatusCode.INTERNAL,
                         "response tensor has %d bytes for shape %s of %d-byte elements"
                         % (len(data), shape, wire.itemsize))

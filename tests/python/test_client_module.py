@@ -390,6 +390,32 @@ class ClientModuleTest(ServerCase):
         np.testing.assert_array_equal(got,
                                       np.array([nearest(b) for b in patterns], dtype=np.uint16))
 
+    def test_response_tensors_decode_to_writable_arrays_and_bad_ones_raise(self):
+        # Answers are read as one writable copy of their bytes, in their shape; a tensor whose
+        # bytes do not fill its shape, or with a negative dimension or an unknown dtype, is an
+        # INTERNAL AttnError (a broken server), never a NumPy error or a wrong array.
+        pb = attn_client.pb
+        rng = np.random.default_rng()
+        values = rng.standard_normal((3, 1, 5)).astype(np.float32)
+        for dtype, data, expected in (
+                (pb.DTYPE_FLOAT32, values.tobytes(), values),
+                (pb.DTYPE_FLOAT16, values.astype(np.float16).tobytes(), values.astype(np.float16)),
+                (pb.DTYPE_BFLOAT16, attn_client.float32_to_bf16(values).tobytes(),
+                 attn_client.float32_to_bf16(values))):
+            got = attn_client._decode(pb.Tensor(shape=[3, 1, 5], dtype=dtype, data=data))
+            np.testing.assert_array_equal(got, expected)
+            self.assertEqual(got.dtype, expected.dtype)
+            got[0, 0, 0] = 0  # Writable, and not a view of the message's bytes.
+        data = values.tobytes()
+        bad = (pb.Tensor(shape=[3, 1, 5], dtype=pb.DTYPE_FLOAT32, data=data[:-4]),
+               pb.Tensor(shape=[3, 1, 5], dtype=pb.DTYPE_FLOAT32, data=data + b"\0" * 4),
+               pb.Tensor(shape=[-3, -5], dtype=pb.DTYPE_FLOAT32, data=data),
+               pb.Tensor(shape=[15], dtype=9, data=data))
+        for tensor in bad:
+            with self.assertRaises(AttnError) as raised:
+                attn_client._decode(tensor)
+            self.assertEqual(raised.exception.code, grpc.StatusCode.INTERNAL)
+
     def test_bf16_from_float_arrays(self):
         # dtype="bf16" on float32 arrays rounds them the same way float32_to_bf16 does.
         q, k, v = attn_client.seed_example()
