@@ -466,16 +466,14 @@ double CheckRows(const attn::Problem& p, const void* output, attn::DType dtype, 
 
 // One decode cell, `batch` sequences of `key_len` cached tokens each, 32 query heads over 8 kv
 // heads, d = 128, one query row per sequence, in cache dtype `dtype_name`: its CSV line (`kind`
-// first: decode or decode_forks) printed, its median ms into *median_ms (0 when it did not run).
+// first: decode or decode_forks) printed.
 // With forks_own > 0 the sequences are forks (KvStore::Fork) of one prompt of key_len −
 // forks_own tokens, each with forks_own tokens of its own: their prompt pages shared, which the
 // kernel reads in cascade units (decode.cu, DecodeUnit::members). False when the cell failed.
 bool DecodeCell(attn::Backend& backend, const Options& o, double deadline_s,
                 const std::function<double()>& elapsed_s, const std::string& kind,
-                const std::string& dtype_name, int64_t batch, int64_t key_len, int64_t forks_own,
-                double* median_ms) {
+                const std::string& dtype_name, int64_t batch, int64_t key_len, int64_t forks_own) {
   constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
-  *median_ms = 0;
   // The cache's dtype; the tensors' (tokens, queries, outputs) the same, or bf16 for fp8.
   const attn::DType cache_dtype = ParseDType(dtype_name);
   const attn::DType dtype =
@@ -587,7 +585,6 @@ bool DecodeCell(attn::Backend& backend, const Options& o, double deadline_s,
     if (!(rel_err <= tolerance)) verdict = "bad";
   }
   const double median = Median(times_ms);
-  *median_ms = median;
   const double bytes =
       static_cast<double>(batch * key_len * kKvHeads * 2 * attn::StoredRowBytes(cache_dtype, kDim));
   Line(cell + Format(",%zu,%.4f,%.1f,%.2e,%s", times_ms.size(), median,
@@ -606,19 +603,17 @@ bool RunDecode(attn::Backend& backend, const Options& o, double deadline_s,
   const std::pair<int64_t, int64_t> shapes[] = {
       {1, 1024}, {1, 4096}, {1, 16384}, {1, 32768}, {16, 4096}};
   bool ok = true;
-  double median_ms = 0;
   for (const std::string& dtype_name : o.dtypes) {
     for (const auto& [batch, key_len] : shapes) {
-      ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode", dtype_name, batch, key_len, 0,
-                       &median_ms);
+      ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode", dtype_name, batch, key_len, 0);
     }
   }
   if (std::find(o.dtypes.begin(), o.dtypes.end(), "bf16") != o.dtypes.end()) {
     constexpr int64_t kPrompt = 16384, kOwn = 64;
-    ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode_forks", "bf16", 1, kPrompt + kOwn,
-                     0, &median_ms);
+    ok &=
+        DecodeCell(backend, o, deadline_s, elapsed_s, "decode_forks", "bf16", 1, kPrompt + kOwn, 0);
     ok &= DecodeCell(backend, o, deadline_s, elapsed_s, "decode_forks", "bf16", 16, kPrompt + kOwn,
-                     kOwn, &median_ms);
+                     kOwn);
   }
   return ok;
 }
